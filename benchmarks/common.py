@@ -1,0 +1,60 @@
+"""Shared benchmark plumbing: timing with warm-up and medians, and results stamped with device and versions."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def median_time(fn, warmup: int = 2, repeats: int = 5) -> float:
+    """Median wall time of `fn()` in seconds, after `warmup` untimed calls (synchronising CUDA)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def stamp() -> dict:
+    """Where and with what a result was measured."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, check=False).stdout.strip() or None
+    except OSError:
+        sha = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
+            "torch": torch.__version__, "python": platform.python_version(), "git_sha": sha}
+
+
+def write_results(name: str, rows: list[dict], columns: list[str], title: str, notes: str = "") -> Path:
+    """Write rows as benchmarks/results/NAME.json and a Markdown table NAME.md; return the Markdown path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    meta = stamp()
+    (RESULTS_DIR / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = [f"# {title}", "", f"{meta['date']} · {meta['device']} · torch {meta['torch']} · git {meta['git_sha']}",
+             ""]
+    if notes:
+        lines += [notes, ""]
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    path = RESULTS_DIR / f"{name}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,173 @@
+"""Varlen attention over packed sequences, with its backends and rotary positions (DESIGN.md section 4).
+
+Backends, in order of preference (`auto`):
+- `flash`: flash_attn.flash_attn_varlen_func (CUDA, the optional `gpu` extra).
+- `torch_varlen`: torch.nn.attention.varlen.varlen_attn (CUDA, in torch; no attention dropout, so skipped when
+  dropout_p > 0).
+- `padded` / `nested`: torch SDPA over a padded view or over nested jagged tensors (any device). On CPU `padded`
+  is the default: see CPU_BACKEND.
+- `reference`: a per-sequence softmax loop, the oracle of the tests (slow, never chosen automatically).
+Override with the `backend` argument or the FASTMAE_ATTENTION environment variable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "flash", "torch_varlen", "padded", "nested", "reference")
+# Measured by benchmarks/attention.py (results in benchmarks/results/attention.md): padded SDPA beat nested jagged
+# SDPA on this 2-core CPU for forward + backward at every shape tried.
+CPU_BACKEND = "padded"
+
+_HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+
+
+class VarlenMeta(NamedTuple):
+    """Layout of one packed stream, built once per step and shared by every layer that runs on it.
+
+    cu_seqlens [B+1] int32 and max_seqlen (host int) as flash-attn takes them; padded_index [T] int64, the row of
+    each token in a [B * max_seqlen] padded view; key_valid [B, max_seqlen] bool; positions [T], the original
+    position id of each token (for rotary); rotary: (cos, sin) [T, head_dim / 2] fp32 or None.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    padded_index: torch.Tensor
+    key_valid: torch.Tensor
+    positions: torch.Tensor
+    rotary: tuple[torch.Tensor, torch.Tensor] | None
+
+    @property
+    def num_sequences(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int, seq_ids: torch.Tensor, positions: torch.Tensor,
+              rotary_dim: int = 0, rotary_base: float = 10000.0) -> "VarlenMeta":
+        """Metadata of a stream given its boundaries, the sequence of each row and the rows' original positions."""
+        seq = seq_ids.long()
+        row_in_seq = torch.arange(seq.numel(), device=seq.device) - cu_seqlens.long()[seq]
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        key_valid = torch.arange(max_seqlen, device=seq.device)[None, :] < lengths[:, None]
+        rotary = rotary_tables(positions, rotary_dim, rotary_base) if rotary_dim else None
+        return cls(cu_seqlens, max_seqlen, seq * max_seqlen + row_in_seq, key_valid, positions, rotary)
+
+
+# ---------------------------------------------------------------------------------------------------- rotary
+def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, head_dim / 2] (fp32) of each row's original position id."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, heads, head_dim] by [T, head_dim / 2] tables (rotate-half layout), computed in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------- backends
+def _flash(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float):
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k, v, mq.cu_seqlens, mk.cu_seqlens, mq.max_seqlen, mk.max_seqlen,
+                                  dropout_p=dropout_p, softmax_scale=scale, causal=False)
+
+
+def _torch_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float):
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, mq.cu_seqlens, mk.cu_seqlens, mq.max_seqlen, mk.max_seqlen, scale=scale)
+
+
+def _to_padded(x: torch.Tensor, meta: VarlenMeta) -> torch.Tensor:
+    """[T, heads, D] -> [B, heads, max_seqlen, D], zeros in the padding."""
+    padded = x.new_zeros(meta.num_sequences * meta.max_seqlen, *x.shape[1:])
+    padded = padded.index_copy(0, meta.padded_index, x)
+    return padded.view(meta.num_sequences, meta.max_seqlen, *x.shape[1:]).transpose(1, 2)
+
+
+def _padded(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float):
+    mask = mk.key_valid[:, None, None, :]  # padded keys get no weight; padded query rows are dropped below
+    out = F.scaled_dot_product_attention(_to_padded(q, mq), _to_padded(k, mk), _to_padded(v, mk), attn_mask=mask,
+                                         dropout_p=dropout_p, scale=scale)
+    out = out.transpose(1, 2).reshape(mq.num_sequences * mq.max_seqlen, *q.shape[1:])
+    return out.index_select(0, mq.padded_index)
+
+
+def _nested(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float):
+    if mq is not mk:
+        return _padded(q, k, v, mq, mk, dropout_p, scale)  # jagged q and kv with different lengths: not supported
+
+    def nest(x):
+        return torch.nested.nested_tensor_from_jagged(x, mq.cu_seqlens.long(), max_seqlen=mq.max_seqlen).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(nest(q), nest(k), nest(v), dropout_p=dropout_p, scale=scale)
+    return out.transpose(1, 2).values()
+
+
+def varlen_attention_reference(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float = 0.0,
+                               scale: float | None = None):
+    """Plain softmax attention, one sequence at a time, in fp32 (the oracle; no dropout)."""
+    if dropout_p:
+        raise ValueError("varlen_attention_reference: dropout is not supported")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    cq, ck = mq.cu_seqlens.tolist(), mk.cu_seqlens.tolist()
+    outs = []
+    for b in range(len(cq) - 1):
+        qb, kb, vb = (t.float().transpose(0, 1) for t in (q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]))
+        weights = torch.softmax(qb @ kb.transpose(1, 2) * scale, dim=-1)
+        outs.append((weights @ vb).transpose(0, 1))
+    return torch.cat(outs).to(q.dtype)
+
+
+_IMPLS = {"flash": _flash, "torch_varlen": _torch_varlen, "padded": _padded, "nested": _nested,
+          "reference": varlen_attention_reference}
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Backends that can run on `device` here (the reference always can)."""
+    names = ["padded", "nested", "reference"]
+    if torch.device(device).type == "cuda":
+        names = ["torch_varlen", *names]
+        if _HAS_FLASH_ATTN:
+            names = ["flash", *names]
+    return names
+
+
+def resolve_backend(backend: str | None, device: torch.device, dropout_p: float) -> str:
+    """The backend `auto` (or None) means for this device and dropout; explicit names are checked."""
+    backend = backend or os.environ.get("FASTMAE_ATTENTION", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is unknown; choose one of {BACKENDS}")
+    if backend != "auto":
+        if backend not in available_backends(device):
+            raise ValueError(f"attention backend {backend!r} is not available on {device}")
+        return backend
+    if device.type == "cuda":
+        if _HAS_FLASH_ATTN:
+            return "flash"
+        return "torch_varlen" if dropout_p == 0.0 else "padded"
+    return CPU_BACKEND
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: VarlenMeta,
+                     meta_k: VarlenMeta | None = None, dropout_p: float = 0.0, backend: str | None = None):
+    """Bidirectional attention within each packed sequence; no sequence sees another.
+
+    q: [T_q, heads, head_dim]; k, v: [T_k, heads, head_dim] (the same rows as q when meta_k is None or meta_q).
+    Sequence b of the queries attends to sequence b of the keys. Returns [T_q, heads, head_dim] in q's dtype.
+    """
+    meta_k = meta_q if meta_k is None else meta_k
+    name = resolve_backend(backend, q.device, dropout_p)
+    if name == "torch_varlen" and dropout_p:
+        raise ValueError("attention backend 'torch_varlen' has no dropout; use attention dropout 0 or another backend")
+    return _IMPLS[name](q, k, v, meta_q, meta_k, dropout_p, 1.0 / math.sqrt(q.shape[-1]))

@@ -1,0 +1,102 @@
+"""Masking of a packed batch: host-side counts, device-side selection, and the layouts of the three streams.
+
+Per sequence, with m maskable tokens: predicted = round(rate * m), removed = round(mask_token_prob * predicted),
+random = round(random_token_prob * predicted) (capped so removed + random <= predicted), the rest kept. These
+counts are computed on the host from the batch's host counts, so every shape below is known without a device sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+from .attention import VarlenMeta
+from .batch import PackedBatch
+from .config import NUM_SPECIAL_TOKENS, UNMASKABLE_IDS, ModelConfig
+from .kernels import MaskSelection, mask_key
+
+
+def _round_half_up(x: torch.Tensor) -> torch.Tensor:
+    return torch.floor(x + 0.5).long()
+
+
+@dataclass(frozen=True)
+class MaskCounts:
+    """Host-side [B] int64 counts of one batch's masking."""
+
+    predicted: torch.Tensor
+    removed: torch.Tensor
+    random: torch.Tensor
+
+    @classmethod
+    def compute(cls, num_maskable: torch.Tensor, rate: float, mask_token_prob: float,
+                random_token_prob: float) -> "MaskCounts":
+        predicted = _round_half_up(rate * num_maskable.double())
+        removed = _round_half_up(mask_token_prob * predicted.double())
+        random = torch.minimum(_round_half_up(random_token_prob * predicted.double()), predicted - removed)
+        return cls(predicted, removed, random)
+
+
+@dataclass(frozen=True)
+class MaskedBatch:
+    """A batch after masking: the selection (device) and the varlen layouts of its streams.
+
+    full: all T rows; visible: the T_v rows the encoder keeps; masked: the T_m predicted rows.
+    """
+
+    batch: PackedBatch
+    counts: MaskCounts
+    selection: MaskSelection
+    full: VarlenMeta
+    visible: VarlenMeta
+    masked: VarlenMeta
+
+    @property
+    def num_predicted(self) -> int:
+        return int(self.selection.masked_index.shape[0])
+
+
+def stream_meta(batch: PackedBatch, lengths: torch.Tensor, rows: torch.Tensor | None, config: ModelConfig) -> VarlenMeta:
+    """Layout of the sub-stream of `batch` holding `rows` (all rows when None), `lengths` [B] host counts."""
+    device = batch.device
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    torch.cumsum(lengths, 0, out=cu[1:])
+    seq_ids = batch.seq_ids if rows is None else batch.seq_ids.index_select(0, rows)
+    positions = batch.positions if rows is None else batch.positions.index_select(0, rows)
+    rotary_dim = config.head_dim if config.position_embedding == "rotary" else 0
+    return VarlenMeta.build(cu.to(device, non_blocking=True), max(int(lengths.max()), 1), seq_ids, positions,
+                            rotary_dim, config.rotary_base)
+
+
+def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, rank: int = 0,
+               mask_rate: float | None = None) -> MaskedBatch:
+    """Select the predicted tokens of `batch` for (seed, step, rank) and lay out the streams.
+
+    The selection is a pure function of the batch's tokens and (seed, step, rank): reruns give the same masks;
+    another step or data-parallel rank gives others. `mask_rate` overrides config.mask_rate (evaluation uses 15%).
+    """
+    rate = config.mask_rate if mask_rate is None else mask_rate
+    counts = MaskCounts.compute(batch.num_maskable, rate, config.mask_token_prob, config.random_token_prob)
+    device = batch.device
+    maskable = torch.ones_like(batch.tokens, dtype=torch.bool)
+    for special in UNMASKABLE_IDS:
+        maskable &= batch.tokens != special
+    selection = ops.select_masked(
+        batch.tokens, batch.cu_seqlens, batch.seq_ids, maskable,
+        num_removed=counts.removed.to(device, non_blocking=True),
+        num_random=counts.random.to(device, non_blocking=True),
+        num_predicted=counts.predicted.to(device, non_blocking=True),
+        total_predicted=int(counts.predicted.sum()), total_removed=int(counts.removed.sum()),
+        score_key=mask_key(seed, step, rank, stream=0), replace_key=mask_key(seed, step, rank, stream=1),
+        vocab_size=config.vocab_size, mask_token_id=config.mask_token_id, first_ordinary_id=NUM_SPECIAL_TOKENS,
+    )
+    return MaskedBatch(
+        batch=batch,
+        counts=counts,
+        selection=selection,
+        full=stream_meta(batch, batch.seqlens, None, config),
+        visible=stream_meta(batch, batch.seqlens - counts.removed, selection.visible_index, config),
+        masked=stream_meta(batch, counts.predicted, selection.masked_index, config),
+    )

@@ -1,0 +1,256 @@
+"""One masked-LM model for `mlm`, `mae-lm` and `3ml` on packed varlen batches (DESIGN.md section 1).
+
+A step reads top to bottom in `MaskedLM.forward`: mask selection -> embeddings of the encoder's rows -> layers
+[0, k) on visible rows -> insertion of the masked slots -> layers [k, L + d) on the full sequence (or, for the
+`cross` decoder, on the masked rows) -> LM head and loss on the predicted rows only.
+This module imports neither deepspeed nor torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .attention import VarlenMeta, apply_rotary, varlen_attention
+from .batch import PackedBatch
+from .config import ModelConfig
+from .masking import MaskedBatch, mask_batch, stream_meta
+
+
+class PositionEmbedding(nn.Module):
+    """Learned absolute positions, RoBERTa style: position p reads row p + position_offset."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.offset = config.position_offset
+        self.weight = nn.Parameter(torch.empty(config.max_seq_len + self.offset, config.hidden_size))
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions.long() + self.offset, self.weight)
+
+
+class Embeddings(nn.Module):
+    """Token + learned position embedding, LayerNorm, dropout: the encoder's input."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.positions = PositionEmbedding(config) if config.position_embedding == "learned" else None
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids.long())
+        if self.positions is not None:
+            x = x + self.positions(positions)
+        return self.dropout(self.norm(x))
+
+
+class Insertion(nn.Module):
+    """Scatter the visible rows back to full length with the <mask> embedding in the removed rows.
+
+    When layers follow (a decoder, or k < L), the full stream then gets its own position embedding and LayerNorm,
+    as MAE-LM's decoder does; with no layer after it, the rows go to the head as they are.
+    """
+
+    def __init__(self, config: ModelConfig, has_own_embedding: bool, dropout: float):
+        super().__init__()
+        self.mask_token_id = config.mask_token_id
+        self.positions = None
+        self.norm = None
+        if has_own_embedding:
+            if config.position_embedding == "learned":
+                self.positions = PositionEmbedding(config)
+            self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, visible: torch.Tensor, masked: MaskedBatch, token_embedding: torch.Tensor) -> torch.Tensor:
+        sel = masked.selection
+        x = ops.insert_rows(visible, sel.visible_index, sel.removed_index, token_embedding[self.mask_token_id])
+        if self.positions is not None:
+            x = x + self.positions(masked.full.positions)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.dropout(x)
+
+
+class TransformerLayer(nn.Module):
+    """Bidirectional self-attention + GELU feed-forward, post-LN (RoBERTa) or pre-LN, on packed rows."""
+
+    def __init__(self, config: ModelConfig, dropout: float, attention_dropout: float):
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads, self.pre_norm = config.num_heads, config.norm_position == "pre"
+        self.qkv = nn.Linear(h, 3 * h)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.ffn_in = nn.Linear(h, config.intermediate_size)
+        self.ffn_out = nn.Linear(config.intermediate_size, h)
+        self.ffn_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(dropout)
+        self.attention_dropout = attention_dropout
+        self.attention_backend: str | None = None  # None: fastmae.attention picks per device
+
+    def _attention(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None,
+                   meta_k: VarlenMeta | None) -> torch.Tensor:
+        rows, h = x.shape
+        heads, head_dim = self.num_heads, h // self.num_heads
+        if context is None:
+            q, k, v = self.qkv(x).view(rows, 3, heads, head_dim).unbind(1)
+            meta_k = meta
+        else:  # queries from x, keys and values from the context rows
+            w_q, w_kv = self.qkv.weight.split([h, 2 * h])
+            b_q, b_kv = self.qkv.bias.split([h, 2 * h])
+            q = F.linear(x, w_q, b_q).view(rows, heads, head_dim)
+            k, v = F.linear(context, w_kv, b_kv).view(-1, 2, heads, head_dim).unbind(1)
+        if meta.rotary is not None:
+            q = apply_rotary(q, *meta.rotary)
+            k = apply_rotary(k, *meta_k.rotary)
+        p = self.attention_dropout if self.training else 0.0
+        out = varlen_attention(q, k, v, meta, meta_k, dropout_p=p, backend=self.attention_backend)
+        return self.attn_out(out.reshape(rows, h))
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn_out(F.gelu(self.ffn_in(x)))
+
+    def forward(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None = None,
+                meta_k: VarlenMeta | None = None) -> torch.Tensor:
+        """x: [rows, H] on layout `meta`. With `context` [T_k, H] (layout meta_k), queries attend to it instead."""
+        if self.pre_norm:
+            ctx = None if context is None else self.attn_norm(context)
+            x = x + self.dropout(self._attention(self.attn_norm(x), meta, ctx, meta_k))
+            return x + self.dropout(self._ffn(self.ffn_norm(x)))
+        x = self.attn_norm(x + self.dropout(self._attention(x, meta, context, meta_k)))
+        return self.ffn_norm(x + self.dropout(self._ffn(x)))
+
+
+class LMHead(nn.Module):
+    """dense -> GELU -> LayerNorm, then the projection tied to the token embeddings (+ bias), on predicted rows."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def transform(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(F.gelu(self.dense(x)))
+
+
+@dataclass
+class MaskedLMOutput:
+    """loss: scalar fp32 mean cross-entropy over predicted rows. num_predicted: host int (T_m).
+    masked: the masking of the batch. encoder_states: [T_v, H] (k > 0) or [T, H] (k = 0), the encoder output."""
+
+    loss: torch.Tensor
+    num_predicted: int
+    masked: MaskedBatch
+    encoder_states: torch.Tensor
+
+
+class MaskedLM(nn.Module):
+    """Encoder (L layers) + optional decoder (d layers) + tied LM head; `insert_layer` k picks the objective."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        k, n_enc = config.insert_layer, config.encoder_layers
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList(
+            [TransformerLayer(config, config.dropout, config.attention_dropout) for _ in range(n_enc)]
+            + [TransformerLayer(config, config.decoder_dropout, config.decoder_dropout)
+               for _ in range(config.decoder_layers)]
+        )
+        # k = 0 inserts at the input (ids become <mask>, inside Embeddings); k > 0 has an insertion module.
+        self.insertion = None
+        if k > 0:
+            self.insertion = Insertion(config, has_own_embedding=k < config.num_layers,
+                                       dropout=config.decoder_dropout if k == n_enc else config.dropout)
+        pre = config.norm_position == "pre"
+        self.encoder_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if pre else None
+        self.decoder_norm = (nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+                             if pre and config.decoder_layers else None)
+        self.head = LMHead(config)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, PositionEmbedding):
+            nn.init.normal_(module.weight, std=std)
+
+    def set_attention_backend(self, backend: str | None) -> None:
+        """Force one attention backend for every layer (None: automatic)."""
+        for layer in self.layers:
+            layer.attention_backend = backend
+
+    def _check(self, batch: PackedBatch) -> None:
+        if batch.max_seqlen > self.config.max_seq_len:
+            raise ValueError(f"batch has a sequence of {batch.max_seqlen} tokens; model max_seq_len is "
+                             f"{self.config.max_seq_len}")
+
+    def _stack(self, x: torch.Tensor, meta: VarlenMeta, start: int, stop: int) -> torch.Tensor:
+        """Run layers [start, stop) on rows laid out by `meta`, closing each stack with its pre-LN final norm."""
+        for index in range(start, stop):
+            x = self.layers[index](x, meta)
+            if index + 1 == self.config.encoder_layers and self.encoder_norm is not None:
+                x = self.encoder_norm(x)
+            if index + 1 == self.config.num_layers and self.decoder_norm is not None:
+                x = self.decoder_norm(x)
+        return x
+
+    def encode(self, batch: PackedBatch) -> torch.Tensor:
+        """[T, H] encoder states of the unmasked batch (the fine-tuning path): the first L layers only."""
+        self._check(batch)
+        meta = stream_meta(batch, batch.seqlens, None, self.config)
+        return self._stack(self.embeddings(batch.tokens, batch.positions), meta, 0, self.config.encoder_layers)
+
+    def forward(self, batch: PackedBatch, seed: int = 0, step: int = 0, rank: int = 0,
+                mask_rate: float | None = None) -> MaskedLMOutput:
+        """Mask `batch` for (seed, step, rank), run the model and return the masked-token loss."""
+        self._check(batch)
+        cfg = self.config
+        k, n_enc = cfg.insert_layer, cfg.encoder_layers
+        masked = mask_batch(batch, cfg, seed, step, rank, mask_rate)
+        sel = masked.selection
+        if k == 0:  # the insertion at the input is "replace by <mask>": the selection already wrote those ids
+            x = self.embeddings(sel.input_tokens, batch.positions)
+        else:
+            x = self.embeddings(sel.input_tokens.index_select(0, sel.visible_index), masked.visible.positions)
+            x = self._stack(x, masked.visible, 0, k)
+            encoder_states = x
+            x = self.insertion(x, masked, self.embeddings.tokens.weight)
+        if k < n_enc:
+            x = self._stack(x, masked.full, k, n_enc)
+            encoder_states = x
+        if cfg.decoder_kind == "cross":
+            return self._cross_decoder(x, masked, encoder_states)
+        x = self._stack(x, masked.full, n_enc, cfg.num_layers)
+        return self._loss(x.index_select(0, sel.masked_index), masked, encoder_states)
+
+    def _cross_decoder(self, inserted: torch.Tensor, masked: MaskedBatch,
+                       encoder_states: torch.Tensor) -> MaskedLMOutput:
+        """3ML's cross decoder: only predicted rows are updated; each attends to the whole sequence, whose visible
+        rows stay at their inserted encoder outputs and whose predicted rows hold the current states."""
+        index = masked.selection.masked_index
+        x = inserted.index_select(0, index)
+        for layer in self.layers[self.config.encoder_layers:]:
+            context = inserted.index_copy(0, index.long(), x)
+            x = layer(x, masked.masked, context=context, meta_k=masked.full)
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        return self._loss(x, masked, encoder_states)
+
+    def _loss(self, predicted: torch.Tensor, masked: MaskedBatch, encoder_states: torch.Tensor) -> MaskedLMOutput:
+        hidden = self.head.transform(predicted)
+        loss = ops.linear_cross_entropy(hidden, self.embeddings.tokens.weight, self.head.bias,
+                                        masked.selection.labels)
+        return MaskedLMOutput(loss=loss, num_predicted=masked.num_predicted, masked=masked,
+                              encoder_states=encoder_states)

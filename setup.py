@@ -1,0 +1,29 @@
+"""fastmae: install with `pip install torch==2.13.0` first (the CPU wheel), then `pip install -e ".[dev]"`."""
+
+from setuptools import setup
+
+setup(
+    name="fastmae",
+    version="0.1.0",
+    description="Fast masked-LM pretraining with [MASK]-free encoders (MAE-LM, 3ML) and the RoBERTa MLM baseline",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    # kernels/ installs as fastmae.kernels: a top-level `kernels` would collide with the PyPI package `kernels`.
+    packages=["fastmae", "fastmae.kernels"],
+    package_dir={"fastmae": "fastmae", "fastmae.kernels": "kernels"},
+    install_requires=[
+        # Bounded so the local CPU wheel (2.13.0) satisfies it and pip never fetches a CUDA build.
+        "torch>=2.6,<2.15",
+        "numpy>=1.24",
+        "tqdm>=4.60",
+        "pyyaml>=6.0",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "ruff>=0.5"],
+        # flash-attn builds only with CUDA; NVIDIA apex is never a pip requirement (PyPI's `apex` is another project).
+        "gpu": ["flash-attn>=2.5"],
+        "hf": ["transformers>=4.40", "safetensors>=0.4"],
+    },
+    entry_points={"console_scripts": ["fastmae=fastmae.cli:main"]},
+)
