@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from common import median_time, write_results
+
 from fastmae.attention import VarlenMeta, available_backends, varlen_attention
 
 

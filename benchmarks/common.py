@@ -37,7 +37,10 @@ def stamp() -> dict:
                              cwd=Path(__file__).parent, check=False).stdout.strip() or None
     except OSError:
         sha = None
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    else:
+        device = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
             "torch": torch.__version__, "python": platform.python_version(), "git_sha": sha}
 

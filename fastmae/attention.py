@@ -49,7 +49,7 @@ class VarlenMeta(NamedTuple):
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int, seq_ids: torch.Tensor, positions: torch.Tensor,
-              rotary_dim: int = 0, rotary_base: float = 10000.0) -> "VarlenMeta":
+              rotary_dim: int = 0, rotary_base: float = 10000.0) -> VarlenMeta:
         """Metadata of a stream given its boundaries, the sequence of each row and the rows' original positions."""
         seq = seq_ids.long()
         row_in_seq = torch.arange(seq.numel(), device=seq.device) - cu_seqlens.long()[seq]
@@ -116,17 +116,17 @@ def _nested(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: fl
 
 def varlen_attention_reference(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float = 0.0,
                                scale: float | None = None):
-    """Plain softmax attention, one sequence at a time, in fp32 (the oracle; no dropout)."""
+    """Plain softmax attention, one sequence at a time, computed in q's dtype (the oracle in fp64; no dropout)."""
     if dropout_p:
         raise ValueError("varlen_attention_reference: dropout is not supported")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     cq, ck = mq.cu_seqlens.tolist(), mk.cu_seqlens.tolist()
     outs = []
     for b in range(len(cq) - 1):
-        qb, kb, vb = (t.float().transpose(0, 1) for t in (q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]))
+        qb, kb, vb = (t.transpose(0, 1) for t in (q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]))
         weights = torch.softmax(qb @ kb.transpose(1, 2) * scale, dim=-1)
         outs.append((weights @ vb).transpose(0, 1))
-    return torch.cat(outs).to(q.dtype)
+    return torch.cat(outs)
 
 
 _IMPLS = {"flash": _flash, "torch_varlen": _torch_varlen, "padded": _padded, "nested": _nested,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ class PackedBatch:
     def device(self) -> torch.device:
         return self.tokens.device
 
-    def to(self, device, non_blocking: bool = False) -> "PackedBatch":
+    def to(self, device, non_blocking: bool = False) -> PackedBatch:
         """The same batch with its device tensors on `device` (host counts stay on the CPU)."""
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return replace(self, tokens=move(self.tokens), cu_seqlens=move(self.cu_seqlens),
@@ -49,7 +49,7 @@ class PackedBatch:
 
     @classmethod
     def from_sequences(cls, sequences: Sequence[Sequence[int]], vocab_size: int | None = None,
-                       device: torch.device | str | None = None) -> "PackedBatch":
+                       device: torch.device | str | None = None) -> PackedBatch:
         """Pack token-id lists (each a non-empty sequence, specials included) into one varlen batch.
 
         Raises ValueError naming the sequence when it is empty or holds an id outside [0, vocab_size).
@@ -67,7 +67,7 @@ class PackedBatch:
         return cls.from_packed(np.concatenate(arrays), np.array([a.size for a in arrays]), device=device)
 
     @classmethod
-    def from_packed(cls, tokens: np.ndarray, seqlens: np.ndarray, device=None) -> "PackedBatch":
+    def from_packed(cls, tokens: np.ndarray, seqlens: np.ndarray, device=None) -> PackedBatch:
         """Build from an already concatenated id array and its per-sequence lengths (the data loader's path)."""
         seqlens = np.asarray(seqlens, dtype=np.int64)
         tokens = np.asarray(tokens)

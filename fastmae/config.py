@@ -124,7 +124,7 @@ class ModelConfig:
         """Learned position ids start at pad_token_id + 1, as in Hugging Face RoBERTa, so exported tables match."""
         return self.pad_token_id + 1
 
-    def replace(self, **overrides) -> "ModelConfig":
+    def replace(self, **overrides) -> ModelConfig:
         """A copy with `overrides` applied and validated (a default feed-forward width follows `hidden_size`)."""
         if "hidden_size" in overrides and "intermediate_size" not in overrides and (
             self.intermediate_size == 4 * self.hidden_size
@@ -133,7 +133,7 @@ class ModelConfig:
         return apply_overrides(self, overrides)
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "ModelConfig":
+    def preset(cls, name: str, **overrides) -> ModelConfig:
         """The config of objective `name` (`mlm`, `mae-lm`, `3ml`) at base size, with `overrides` applied.
 
         A `3ml` preset's decoder depth follows the encoder depth (2 layers under 24 encoder layers, else 3),

@@ -32,7 +32,7 @@ class MaskCounts:
 
     @classmethod
     def compute(cls, num_maskable: torch.Tensor, rate: float, mask_token_prob: float,
-                random_token_prob: float) -> "MaskCounts":
+                random_token_prob: float) -> MaskCounts:
         predicted = _round_half_up(rate * num_maskable.double())
         removed = _round_half_up(mask_token_prob * predicted.double())
         random = torch.minimum(_round_half_up(random_token_prob * predicted.double()), predicted - removed)
@@ -58,7 +58,8 @@ class MaskedBatch:
         return int(self.selection.masked_index.shape[0])
 
 
-def stream_meta(batch: PackedBatch, lengths: torch.Tensor, rows: torch.Tensor | None, config: ModelConfig) -> VarlenMeta:
+def stream_meta(batch: PackedBatch, lengths: torch.Tensor, rows: torch.Tensor | None,
+                config: ModelConfig) -> VarlenMeta:
     """Layout of the sub-stream of `batch` holding `rows` (all rows when None), `lengths` [B] host counts."""
     device = batch.device
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)

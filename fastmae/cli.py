@@ -1,0 +1,27 @@
+"""The `fastmae` console script: one subcommand per module, each also runnable as `python -m fastmae.<name>`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "train": ("fastmae.train", "pretrain a masked LM"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        lines = [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+        print("usage: fastmae SUBCOMMAND [--help] ...\n\nsubcommands:\n" + "\n".join(lines))
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"fastmae: error: unknown subcommand {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0 if argv else 2
+    module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

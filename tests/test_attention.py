@@ -1,0 +1,115 @@
+import pytest
+import torch
+
+from fastmae.attention import (
+    BACKENDS,
+    VarlenMeta,
+    apply_rotary,
+    available_backends,
+    rotary_tables,
+    varlen_attention,
+    varlen_attention_reference,
+)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Each backend's error against an fp32 reference may be at most this many times plain torch's error in that dtype
+# (2x forward, 3x gradients, flash-attention's rule), plus a floor for when plain torch is exact by luck.
+FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
+
+
+def make_meta(lengths, device, positions=None):
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(torch.int32)
+    if positions is None:
+        positions = (torch.arange(sum(lengths)) - cu.long()[seq_ids.long()]).to(torch.int32)
+    return VarlenMeta.build(cu.to(device), max(max(lengths), 1), seq_ids.to(device), positions.to(device))
+
+
+def backend_params():
+    """Every backend on every device it is meant for; absent ones skip with the reason."""
+    for backend in BACKENDS[1:-1]:  # all but auto and the reference itself
+        for device in ("cpu", "cuda") if backend in ("padded", "nested") else ("cuda",):
+            if device == "cuda" and not torch.cuda.is_available():
+                reason = "no CUDA device"
+            elif backend not in available_backends(device):
+                reason = f"{backend} is not installed"
+            else:
+                reason = None
+            marks = [pytest.mark.skipif(reason is not None, reason=reason or "")]
+            yield pytest.param(backend, device, marks=marks, id=f"{backend}-{device}")
+
+
+SHAPES = [
+    pytest.param([1], [1], id="one-token"),
+    pytest.param([7, 1, 33], None, id="self-7-1-33"),
+    pytest.param([64, 50, 3, 97], None, id="self-64-50-3-97"),
+    pytest.param([2, 5, 4], [9, 5, 30], id="cross-q2,5,4-k9,5,30"),
+]
+
+
+@pytest.mark.parametrize("backend, device", list(backend_params()))
+@pytest.mark.parametrize("q_lengths, k_lengths", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_backend_matches_reference_forward_and_backward(backend, device, q_lengths, k_lengths, dtype, seed):
+    if backend in ("flash", "torch_varlen") and dtype == torch.float32:
+        pytest.skip(f"{backend} takes fp16/bf16 only")
+    if device == "cpu" and dtype == torch.float16:
+        pytest.skip("fp16 is not a CPU training dtype")
+    heads, head_dim = 3, 16
+    mq = make_meta(q_lengths, device)
+    mk = mq if k_lengths is None else make_meta(k_lengths, device)
+    gen = torch.Generator().manual_seed(seed)
+    q32 = torch.randn(sum(q_lengths), heads, head_dim, generator=gen)
+    k32, v32 = (torch.randn(sum(k_lengths or q_lengths), heads, head_dim, generator=gen) for _ in range(2))
+    grad_out = torch.randn(q32.shape, generator=gen)
+
+    def run(fn, dtype, q, k, v):
+        q, k, v = (t.to(device, dtype).requires_grad_() for t in (q, k, v))
+        out = fn(q, k, v)
+        out.backward(grad_out.to(device, dtype))
+        return [t.float().cpu() for t in (out, q.grad, k.grad, v.grad)]
+
+    reference = lambda q, k, v: varlen_attention_reference(q, k, v, mq, mk)  # noqa: E731
+    tested = lambda q, k, v: varlen_attention(q, k, v, mq, mk, backend=backend)  # noqa: E731
+    exact = run(reference, torch.float64, q32.double(), k32.double(), v32.double())
+    got = run(tested, dtype, q32, k32, v32)
+    plain = run(reference, dtype, q32, k32, v32)  # plain torch's own error in this dtype
+    for name, g, p, e in zip(("out", "dq", "dk", "dv"), got, plain, exact):
+        err, base = (g - e).abs().max().item(), (p - e).abs().max().item()
+        factor = 2 if name == "out" else 3
+        assert err <= factor * base + FLOOR[dtype], f"{name}: {backend} error {err:.3g} vs plain {base:.3g}"
+
+
+def test_sequences_do_not_see_each_other():
+    meta = make_meta([5, 6], "cpu")
+    q, k, v = (torch.randn(11, 2, 8) for _ in range(3))
+    out = varlen_attention(q, k, v, meta)
+    k2, v2 = k.clone(), v.clone()
+    k2[5:] += 10.0
+    v2[5:] -= 3.0
+    out2 = varlen_attention(q, k2, v2, meta)
+    assert torch.equal(out[:5], out2[:5])
+    assert not torch.allclose(out[5:], out2[5:])
+
+
+def test_rotary_scores_depend_only_on_distance():
+    cos, sin = rotary_tables(torch.tensor([3, 10, 103, 110]), 16, 10000.0)
+    q, k = torch.randn(1, 1, 16), torch.randn(1, 1, 16)
+    rot = lambda x, i: apply_rotary(x, cos[i:i + 1], sin[i:i + 1])  # noqa: E731
+    near = (rot(q, 1) * rot(k, 0)).sum()  # positions 10 and 3
+    far = (rot(q, 3) * rot(k, 2)).sum()  # positions 110 and 103
+    torch.testing.assert_close(near, far, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose((rot(q, 1) * rot(k, 0)).sum(), (rot(q, 2) * rot(k, 0)).sum())
+
+
+def test_unknown_or_unavailable_backend_is_an_error(monkeypatch):
+    meta = make_meta([3], "cpu")
+    x = torch.randn(3, 1, 4)
+    with pytest.raises(ValueError, match="unknown"):
+        varlen_attention(x, x, x, meta, backend="magic")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="not available"):
+            varlen_attention(x, x, x, meta, backend="torch_varlen")
+    monkeypatch.setenv("FASTMAE_ATTENTION", "reference")
+    torch.testing.assert_close(varlen_attention(x, x, x, meta), varlen_attention_reference(x, x, x, meta, meta))

@@ -1,0 +1,201 @@
+"""Tests that pin the method down (DESIGN.md section 1); each compares against an independent computation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_batch, tiny_model
+from reference_model import embed, encoder_forward, layer_forward
+
+from fastmae import PackedBatch
+from fastmae.config import MASK_ID
+
+
+def per_sequence(batch: PackedBatch, values: torch.Tensor):
+    cu = batch.cu_seqlens.tolist()
+    return [values[cu[i]:cu[i + 1]] for i in range(batch.num_sequences)]
+
+
+VARIANTS = [
+    pytest.param(dict(), id="learned-post"),
+    pytest.param(dict(position_embedding="rotary"), id="rotary-post"),
+    pytest.param(dict(norm_position="pre"), id="learned-pre"),
+]
+
+
+@pytest.mark.parametrize("preset", ["mlm", "mae-lm"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_masking_and_no_decoder_is_a_plain_encoder(preset, variant, batch):
+    model = tiny_model(preset, decoder_layers=0, **variant)
+    out = model(batch, seed=0, mask_rate=0.0)
+    assert out.num_predicted == 0
+    expected = torch.cat([encoder_forward(model, ids, pos)
+                          for ids, pos in zip(per_sequence(batch, batch.tokens), per_sequence(batch, batch.positions))])
+    torch.testing.assert_close(out.encoder_states, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.encode(batch), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mlm_equals_replacing_by_mask_and_running_the_full_encoder(variant, seed, batch):
+    model = tiny_model("mlm", mask_token_prob=1.0, random_token_prob=0.0, **variant)
+    out = model(batch, seed=seed, step=2)
+    sel = out.masked.selection
+    replaced = batch.tokens.clone()
+    replaced[sel.masked_index.long()] = MASK_ID
+    assert torch.equal(sel.input_tokens, replaced)
+    hidden = model.encode(PackedBatch.from_packed(replaced.numpy(), batch.seqlens.numpy()))
+    head = model.head
+    logits = head.transform(hidden[sel.masked_index.long()]) @ model.embeddings.tokens.weight.T + head.bias
+    expected = F.cross_entropy(logits, batch.tokens[sel.masked_index.long()].long())
+    torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_visible_tokens_keep_their_original_positions(variant, batch):
+    model = tiny_model("3ml", initializer_range=0.3, **variant)  # large weights: sharp, position-sensitive attention
+    out = model(batch, seed=4)
+    sel = out.masked.selection
+    visible = sel.visible_index.long()
+    cu = out.masked.visible.cu_seqlens.tolist()
+    ids, pos = batch.tokens[visible], batch.positions[visible]
+    expected = torch.cat([encoder_forward(model, ids[cu[i]:cu[i + 1]], pos[cu[i]:cu[i + 1]])
+                          for i in range(batch.num_sequences)])
+    torch.testing.assert_close(out.encoder_states, expected, rtol=1e-5, atol=1e-5)
+    # renumbering the visible tokens 0..n-1 (what a naive "drop and re-pack" would do) gives other states
+    renumbered = torch.cat([encoder_forward(model, ids[cu[i]:cu[i + 1]], torch.arange(cu[i + 1] - cu[i]))
+                            for i in range(batch.num_sequences)])
+    assert (out.encoder_states - renumbered).abs().max() > 1e-2
+
+
+def test_masked_slots_receive_the_mask_embedding_and_its_gradient(batch):
+    model = tiny_model("mae-lm")
+    captured = {}
+    model.insertion.register_forward_hook(lambda mod, args, result: captured.setdefault("x", result))
+    out = model(batch, seed=1)
+    sel, cfg = out.masked.selection, model.config
+    removed = sel.removed_index.long()
+    ins = model.insertion
+    mask_row = model.embeddings.tokens.weight[MASK_ID]
+    expected = F.layer_norm(mask_row + ins.positions.weight[batch.positions[removed] + 1],
+                            (cfg.hidden_size,), ins.norm.weight, ins.norm.bias, cfg.layer_norm_eps)
+    torch.testing.assert_close(captured["x"][removed], expected)
+    visible = sel.visible_index.long()
+    expected_visible = F.layer_norm(out.encoder_states + ins.positions.weight[batch.positions[visible] + 1],
+                                    (cfg.hidden_size,), ins.norm.weight, ins.norm.bias, cfg.layer_norm_eps)
+    torch.testing.assert_close(captured["x"][visible], expected_visible)
+    out.loss.backward()
+    assert model.embeddings.tokens.weight.grad[MASK_ID].abs().sum() > 0
+
+
+def test_mask_row_gradient_is_the_sum_over_removed_rows(batch):
+    model = tiny_model("mae-lm", decoder_layers=0)  # no layer after the insertion: rows go to the head as they are
+    out = model(batch, seed=2)
+    removed = out.masked.selection.removed_index.long()
+    assert out.num_predicted == removed.numel() > 0
+    out.loss.backward()
+    # every prediction reads the same <mask> row, so its gradient is the sum of the head-input gradients
+    grad_mask_row = model.embeddings.tokens.weight.grad[MASK_ID].clone()
+    w = model.embeddings.tokens.weight.detach().clone().requires_grad_()
+    x = w[MASK_ID].expand(removed.numel(), -1)
+    logits = model.head.transform(x) @ w.T + model.head.bias
+    loss = F.cross_entropy(logits, out.masked.selection.labels.long())
+    (grad_w,) = torch.autograd.grad(loss, w)
+    torch.testing.assert_close(grad_mask_row, grad_w[MASK_ID], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("preset, extra", [("mlm", {}), ("mae-lm", {}), ("3ml", {}), ("3ml", {"decoder_kind": "cross"}),
+                                           ("mae-lm", {"position_embedding": "rotary"})])
+def test_sequences_in_a_batch_do_not_see_each_other(preset, extra):
+    model = tiny_model(preset, **extra)
+    a, b, c = (tiny_batch(1, seed=s) for s in (10, 11, 12))
+    seqs = lambda *bs: [bt.tokens.tolist() for bt in bs]  # noqa: E731
+    # the first sequence gets the same rows, hence the same mask, in both batches; its neighbours differ
+    first = PackedBatch.from_sequences(seqs(a, b, c))
+    second = PackedBatch.from_sequences(seqs(a, c, b, b))
+    out1, out2 = model(first, seed=3), model(second, seed=3)
+    n1 = out1.masked.counts.predicted[0]
+    assert torch.equal(out1.masked.selection.masked_index[:n1], out2.masked.selection.masked_index[:n1])
+    v = int(out1.masked.visible.cu_seqlens[1])
+    torch.testing.assert_close(out1.encoder_states[:v], out2.encoder_states[:v], rtol=1e-5, atol=1e-6)
+    # and without masking, the encoder is equivariant to any reordering of the batch
+    order = [2, 0, 1]
+    enc = per_sequence(first, model.encode(first))
+    reordered = PackedBatch.from_sequences([seqs(a, b, c)[i] for i in order])
+    enc2 = per_sequence(reordered, model.encode(reordered))
+    for i, j in enumerate(order):
+        torch.testing.assert_close(enc2[i], enc[j], rtol=1e-5, atol=1e-6)
+
+
+def test_cross_decoder_with_one_layer_equals_self_decoder_on_masked_rows(batch):
+    cross = tiny_model("3ml", decoder_layers=1, decoder_kind="cross", seed=5)
+    plain = tiny_model("3ml", decoder_layers=1, decoder_kind="self", seed=5)
+    plain.load_state_dict(cross.state_dict())
+    torch.testing.assert_close(cross(batch, seed=1).loss, plain(batch, seed=1).loss, rtol=1e-5, atol=1e-6)
+    # from the second layer on, the self decoder's visible rows move and the cross decoder's do not
+    two = tiny_model("3ml", decoder_layers=2, decoder_kind="cross", seed=5, initializer_range=0.3)
+    two_self = tiny_model("3ml", decoder_layers=2, decoder_kind="self", seed=5, initializer_range=0.3)
+    two_self.load_state_dict(two.state_dict())
+    assert (two(batch, seed=1).loss - two_self(batch, seed=1).loss).abs() > 1e-3
+
+
+def test_cross_decoder_matches_naive_computation(batch):
+    model = tiny_model("3ml", decoder_layers=2, decoder_kind="cross")
+    captured = {}
+    model.insertion.register_forward_hook(lambda mod, args, result: captured.setdefault("x", result))
+    out = model(batch, seed=6)
+    cfg, sel = model.config, out.masked.selection
+    inserted, masked_rows = captured["x"], sel.masked_index.long()
+    predicted = []
+    for b in range(batch.num_sequences):
+        lo, hi = batch.cu_seqlens[b].item(), batch.cu_seqlens[b + 1].item()
+        rows = masked_rows[(masked_rows >= lo) & (masked_rows < hi)]
+        full, x = inserted[lo:hi], inserted[rows]
+        for layer in model.layers[cfg.encoder_layers:]:
+            context = full.index_copy(0, rows - lo, x)
+            x = layer_forward(layer, x, batch.positions[rows], cfg, context, batch.positions[lo:hi])
+        predicted.append(x)
+    hidden = model.head.transform(torch.cat(predicted))
+    expected = F.cross_entropy(hidden @ model.embeddings.tokens.weight.T + model.head.bias, sel.labels.long())
+    torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["mlm", "mae-lm", "3ml"])
+def test_same_seed_same_loss_other_step_or_rank_other_loss(preset, batch):
+    model = tiny_model(preset)
+    ref = model(batch, seed=9, step=4, rank=0).loss
+    assert torch.equal(ref, model(batch, seed=9, step=4, rank=0).loss)
+    assert not torch.equal(ref, model(batch, seed=9, step=5, rank=0).loss)
+    assert not torch.equal(ref, model(batch, seed=9, step=4, rank=1).loss)
+
+
+@pytest.mark.parametrize("preset", ["mlm", "mae-lm", "3ml"])
+def test_fp32_and_bf16_autocast_agree(preset):
+    batch = tiny_batch(8, seed=2)
+    model = tiny_model(preset)
+    out32 = model(batch, seed=1)
+    out32.loss.backward()
+    grads32 = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out16 = model(batch, seed=1)
+    out16.loss.backward()
+    # bf16 keeps 8 bits of mantissa: the loss (fp32 cross-entropy of bf16 logits) within 1%, states within 5%
+    torch.testing.assert_close(out16.loss, out32.loss, rtol=1e-2, atol=0)
+    err = (out16.encoder_states.float() - out32.encoder_states).norm() / out32.encoder_states.norm()
+    assert err < 5e-2, err
+    g16 = torch.cat([p.grad.flatten() for p in model.parameters()])
+    g32 = torch.cat([g.flatten() for g in grads32])
+    assert (g16 - g32).norm() / g32.norm() < 5e-2
+
+
+def test_embedding_of_the_first_token_row_uses_robertas_offset(batch):
+    model = tiny_model("mlm")
+    x = model.embeddings(batch.tokens[:3], batch.positions[:3])
+    torch.testing.assert_close(x, embed(model, batch.tokens[:3], batch.positions[:3]))
+    assert model.embeddings.positions.weight.shape[0] == model.config.max_seq_len + 1
+
+
+def test_too_long_sequence_is_an_error():
+    model = tiny_model("mlm", max_seq_len=8)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(PackedBatch.from_sequences([list(range(5, 15))]))
