@@ -92,6 +92,7 @@ def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, ra
         total_predicted=int(counts.predicted.sum()), total_removed=int(counts.removed.sum()),
         score_key=mask_key(seed, step, rank, stream=0), replace_key=mask_key(seed, step, rank, stream=1),
         vocab_size=config.vocab_size, mask_token_id=config.mask_token_id, first_ordinary_id=NUM_SPECIAL_TOKENS,
+        max_seqlen=batch.max_seqlen,
     )
     return MaskedBatch(
         batch=batch,

@@ -29,12 +29,17 @@ class PositionEmbedding(nn.Module):
         self.offset = config.position_offset
         self.weight = nn.Parameter(torch.empty(config.max_seq_len + self.offset, config.hidden_size))
 
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return F.embedding(positions.long() + self.offset, self.weight)
+    def table_and_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table, row of each position) as the fused row ops take them."""
+        return self.weight, positions + self.offset
+
+
+def _positions_args(module: PositionEmbedding | None, positions: torch.Tensor):
+    return (None, None) if module is None else module.table_and_rows(positions)
 
 
 class Embeddings(nn.Module):
-    """Token + learned position embedding, LayerNorm, dropout: the encoder's input."""
+    """Token + learned position embedding, LayerNorm, dropout: the encoder's input (one fused gather)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -44,10 +49,10 @@ class Embeddings(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(ids.long())
-        if self.positions is not None:
-            x = x + self.positions(positions)
-        return self.dropout(self.norm(x))
+        """ids, positions: [N] int32 -> [N, H]."""
+        x = ops.embed_rows(self.tokens.weight, ids, *_positions_args(self.positions, positions),
+                           self.norm.weight, self.norm.bias, self.norm.eps)
+        return self.dropout(x)
 
 
 class Insertion(nn.Module):
@@ -70,11 +75,9 @@ class Insertion(nn.Module):
 
     def forward(self, visible: torch.Tensor, masked: MaskedBatch, token_embedding: torch.Tensor) -> torch.Tensor:
         sel = masked.selection
-        x = ops.insert_rows(visible, sel.visible_index, sel.removed_index, token_embedding[self.mask_token_id])
-        if self.positions is not None:
-            x = x + self.positions(masked.full.positions)
-        if self.norm is not None:
-            x = self.norm(x)
+        norm = () if self.norm is None else (self.norm.weight, self.norm.bias, self.norm.eps)
+        x = ops.insert_rows(visible, sel.visible_index, sel.removed_index, token_embedding[self.mask_token_id],
+                            *_positions_args(self.positions, masked.full.positions), *norm)
         return self.dropout(x)
 
 

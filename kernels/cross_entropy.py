@@ -1,21 +1,146 @@
-"""Masked-row linear cross-entropy: the tied LM projection and the loss (DESIGN.md section 3.3)."""
+"""Masked-row linear cross-entropy: the tied LM projection and the loss (DESIGN.md section 3.3).
+
+The fused version never holds the [N, V] logits at once: rows go through in chunks; for each chunk the logits are
+one matmul, a Triton kernel computes the loss with an online log-sum-exp over vocabulary blocks and overwrites the
+logits with their gradient, and two more matmuls fold that into the gradients of x, the weight and the bias
+(Liger-Kernel's fused linear cross-entropy layout). Gradients are computed in the forward pass and scaled by the
+incoming gradient in backward.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 
 def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                   labels: torch.Tensor, ignore_index: int = -100,
-                                   label_smoothing: float = 0.0) -> torch.Tensor:
+                                   labels: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
+                                   z_loss: float = 0.0) -> torch.Tensor:
     """Mean cross-entropy of `x @ weight.T + bias` against `labels` (plain torch; materialises the logits).
 
-    x: [N, H] (masked rows only). weight: [V, H] (the tied token embeddings). bias: [V] or None.
-    labels: [N] integer ids, `ignore_index` rows skipped. Logits are computed in x's dtype and the loss in fp32.
-    Returns a scalar fp32 tensor (0 with no rows, not NaN).
+    x: [N, H] (predicted rows only). weight: [V, H] (the tied token embeddings). bias: [V] or None.
+    labels: [N] integer ids; rows equal to `ignore_index` are skipped and not counted. label_smoothing: as in
+    F.cross_entropy. z_loss: weight of the mean squared log-sum-exp (PaLM's z-loss). Logits in x's dtype, the loss
+    in fp32. Returns a scalar fp32 tensor, 0 (not NaN) when no row counts.
     """
-    if x.shape[0] == 0:
-        return (x.sum() + weight.sum() * 0).float()  # keeps the graph, so backward still reaches the weights
-    logits = F.linear(x, weight, bias)
-    return F.cross_entropy(logits.float(), labels.long(), ignore_index=ignore_index, label_smoothing=label_smoothing)
+    logits = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    labels = labels.long()
+    keep = labels != ignore_index
+    count = keep.sum().clamp(min=1)
+    safe = torch.where(keep, labels, 0)
+    lse = torch.logsumexp(logits, dim=-1)
+    nll = lse - logits.gather(1, safe[:, None])[:, 0]
+    per_row = (1.0 - label_smoothing) * nll + label_smoothing * (lse - logits.mean(dim=-1)) + z_loss * lse * lse
+    return torch.where(keep, per_row, 0.0).sum() / count
+
+
+# ---------------------------------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _ce_rows_kernel(LOGITS, stride_logits, LABELS, LOSS, SCALE, V, ignore_index, smoothing, z_loss,
+                    COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Per row: loss from an online log-sum-exp over vocabulary blocks; then the row's logits <- d loss / d logits."""
+    row = tl.program_id(0).to(tl.int64)
+    ptr = LOGITS + row * stride_logits
+    label = tl.load(LABELS + row).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    if label == ignore_index:
+        tl.store(LOSS + row, 0.0)
+        if COMPUTE_GRAD:
+            for v0 in range(0, V, BLOCK_V):
+                tl.store(ptr + v0 + cols, tl.zeros([BLOCK_V], dtype=tl.float32).to(LOGITS.dtype.element_ty),
+                         mask=v0 + cols < V)
+    else:
+        running_max = float("-inf")
+        running_sum = 0.0
+        logit_sum = 0.0
+        for v0 in range(0, V, BLOCK_V):
+            mask = v0 + cols < V
+            z = tl.load(ptr + v0 + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(z, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+            running_max = new_max
+            logit_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        lse = running_max + tl.log(running_sum)
+        z_label = tl.load(ptr + label).to(tl.float32)
+        loss = lse - (1.0 - smoothing) * z_label - smoothing * logit_sum / V + z_loss * lse * lse
+        tl.store(LOSS + row, loss)
+        if COMPUTE_GRAD:
+            scale = tl.load(SCALE)
+            for v0 in range(0, V, BLOCK_V):
+                mask = v0 + cols < V
+                z = tl.load(ptr + v0 + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                grad = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing / V
+                grad = tl.where(v0 + cols == label, grad - (1.0 - smoothing), grad)
+                tl.store(ptr + v0 + cols, (grad * scale).to(LOGITS.dtype.element_ty), mask=mask)
+
+
+CE_BLOCK_V = 4096  # vocabulary block of the online log-sum-exp
+CE_NUM_WARPS = 8  # 4096 / (8 * 32) = 16 fp32 per thread
+
+
+def _chunk_rows(num_rows: int, vocab: int, hidden: int) -> int:
+    """Rows per chunk so that a chunk's logits are about as large as x itself (Liger-Kernel's rule)."""
+    return max(1, triton.next_power_of_2(triton.cdiv(num_rows, triton.cdiv(vocab, hidden))))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, weight, bias, labels, ignore_index, label_smoothing, z_loss):
+        num_rows, hidden = x.shape
+        vocab = weight.shape[0]
+        compute_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        x_c, w_c = x.to(compute_dtype), weight.to(compute_dtype)
+        b_c = None if bias is None else bias.to(compute_dtype)
+        needs_grad = any(ctx.needs_input_grad[:3])
+        labels = labels.contiguous()
+        count = (labels != ignore_index).sum().clamp(min=1)
+        scale = (1.0 / count.float()).reshape(1)  # stays on the device: no sync
+        loss_rows = torch.empty(num_rows, device=x.device, dtype=torch.float32)
+        grad_x = torch.empty_like(x_c) if needs_grad else None
+        grad_w = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if needs_grad else None
+        grad_b = torch.zeros(vocab, device=x.device, dtype=torch.float32) if needs_grad and bias is not None else None
+        chunk = _chunk_rows(num_rows, vocab, hidden)
+        for start in range(0, num_rows, chunk):
+            stop = min(start + chunk, num_rows)
+            x_chunk = x_c[start:stop]
+            logits = F.linear(x_chunk, w_c, b_c).contiguous()  # [chunk, V]: the only logits alive
+            _ce_rows_kernel[(stop - start,)](
+                logits, logits.stride(0), labels[start:stop], loss_rows[start:stop], scale, vocab, ignore_index,
+                label_smoothing, z_loss, COMPUTE_GRAD=needs_grad, BLOCK_V=min(CE_BLOCK_V, triton.next_power_of_2(vocab)),
+                num_warps=CE_NUM_WARPS)
+            if needs_grad:  # logits now hold d loss / d logits
+                grad_x[start:stop] = logits @ w_c
+                grad_w += (logits.t() @ x_chunk).float()
+                if grad_b is not None:
+                    grad_b += logits.float().sum(0)
+        ctx.save_for_backward(grad_x, grad_w, grad_b)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return loss_rows.sum() * scale[0]
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_loss):
+        grad_x, grad_w, grad_b = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        dx = None if grad_x is None else (grad_x.float() * grad_loss).to(x_dtype)
+        dw = None if grad_w is None else (grad_w * grad_loss).to(w_dtype)
+        db = None if grad_b is None else (grad_b * grad_loss).to(b_dtype)
+        return dx, dw, db, None, None, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0) -> torch.Tensor:
+    """`linear_cross_entropy_reference` fused (Triton): same arguments and result, logits held one chunk at a time.
+
+    Under CUDA autocast the matmuls run in the autocast dtype; loss and softmax in fp32.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or labels.shape != x.shape[:1]:
+        raise ValueError(f"linear_cross_entropy: shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, labels "
+                         f"{tuple(labels.shape)} do not fit [N, H], [V, H], [N]")
+    return _LinearCrossEntropy.apply(x, weight, bias, labels, ignore_index, label_smoothing, z_loss)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 
 _U32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1  # 2^32 / phi: spreads consecutive row indices over the 32-bit range
@@ -81,7 +83,7 @@ def select_masked_reference(tokens: torch.Tensor, cu_seqlens: torch.Tensor, seq_
                             maskable: torch.Tensor, num_removed: torch.Tensor, num_random: torch.Tensor,
                             num_predicted: torch.Tensor, total_predicted: int, total_removed: int,
                             score_key: int, replace_key: int, vocab_size: int, mask_token_id: int,
-                            first_ordinary_id: int) -> MaskSelection:
+                            first_ordinary_id: int, max_seqlen: int) -> MaskSelection:
     """Choose, per sequence, exactly `num_predicted[b]` maskable rows uniformly at random (plain torch).
 
     tokens, seq_ids, maskable: [T] (int32, int32, bool). cu_seqlens: [B+1] int32.
@@ -90,6 +92,7 @@ def select_masked_reference(tokens: torch.Tensor, cu_seqlens: torch.Tensor, seq_
     Rows are ranked within their sequence by the hash of (row, score_key), unmaskable rows last, ties by row.
     Ranks [0, removed) are removed (input <mask>), [removed, removed + random) get a random id in
     [first_ordinary_id, vocab_size) drawn with replace_key, [.., predicted) keep their id; all of them are predicted.
+    max_seqlen (host int) sizes the GPU kernels' launch; the reference does not need it.
     """
     num_rows = tokens.numel()
     device = tokens.device
@@ -115,3 +118,142 @@ def select_masked_reference(tokens: torch.Tensor, cu_seqlens: torch.Tensor, seq_
         visible_index=_compact(~removed, num_rows - total_removed),
         removed_index=_compact(removed, total_removed),
     )
+
+
+# --------------------------------------------------------------------------------------------- Triton kernels
+
+
+@triton.jit
+def _mul32_tl(x, C: tl.constexpr):
+    """(x * C) mod 2^32 for int64 x in [0, 2^32): the same split as the torch reference."""
+    low = x * (C & 0xFFFF)
+    high = ((x * (C >> 16)) & 0xFFFF) << 16
+    return (low + high) & 0xFFFFFFFF
+
+
+@triton.jit
+def _hash32_tl(x):
+    x = x ^ (x >> 16)
+    x = _mul32_tl(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32_tl(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _row_bits(rows, key_ptr):
+    """int64 [BLOCK] hash of global row indices under the key at key_ptr (see row_uniform_bits)."""
+    key = tl.load(key_ptr)  # a 1-element int64 tensor: no int specialisation, no signedness surprises
+    return _hash32_tl((_mul32_tl(rows, 0x9E3779B1) + key) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _sort_key(rows, valid, maskable_ptr, key):
+    """Ranking key within a sequence: unmaskable rows after all maskable ones, then the hash; invalid rows last."""
+    maskable = tl.load(maskable_ptr + rows, mask=valid, other=0)
+    k = ((1 - maskable.to(tl.int64)) << 32) | _row_bits(rows, key)
+    return tl.where(valid, k, 0x7FFFFFFFFFFFFFFF)
+
+
+@triton.jit
+def _rank_kernel(cu_seqlens, maskable_ptr, RANK, score_key, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    seq = tl.program_id(0)
+    start = tl.load(cu_seqlens + seq).to(tl.int64)
+    length = tl.load(cu_seqlens + seq + 1).to(tl.int64) - start
+    i0 = tl.program_id(1).to(tl.int64) * BLOCK_I
+    if i0 < length:
+        local_i = i0 + tl.arange(0, BLOCK_I)  # [BLOCK_I]
+        valid_i = local_i < length
+        key_i = _sort_key(start + local_i, valid_i, maskable_ptr, score_key)
+        rank = tl.zeros([BLOCK_I], dtype=tl.int32)
+        for j0 in range(0, length, BLOCK_J):
+            local_j = j0 + tl.arange(0, BLOCK_J)  # [BLOCK_J]
+            key_j = _sort_key(start + local_j, local_j < length, maskable_ptr, score_key)
+            before = (key_j[None, :] < key_i[:, None]) | (
+                (key_j[None, :] == key_i[:, None]) & (local_j[None, :] < local_i[:, None]))  # [BLOCK_I, BLOCK_J]
+            rank += tl.sum(before.to(tl.int32), axis=1)
+        tl.store(RANK + start + local_i, rank, mask=valid_i)
+
+
+@triton.jit
+def _compact_kernel(tokens, cu_seqlens, RANK, num_removed, num_random, num_predicted, masked_start, removed_start,
+                    INPUT, MASKED_INDEX, LABELS, VISIBLE_INDEX, REMOVED_INDEX, replace_key, num_ordinary,
+                    MASK_ID: tl.constexpr, FIRST_ORDINARY: tl.constexpr, BLOCK: tl.constexpr):
+    seq = tl.program_id(0)
+    start = tl.load(cu_seqlens + seq).to(tl.int64)
+    length = tl.load(cu_seqlens + seq + 1).to(tl.int64) - start
+    n_removed = tl.load(num_removed + seq)
+    n_changed = n_removed + tl.load(num_random + seq)
+    n_predicted = tl.load(num_predicted + seq)
+    next_masked = tl.load(masked_start + seq)
+    next_removed = tl.load(removed_start + seq)
+    next_visible = start - next_removed  # visible rows of earlier sequences: all their rows minus removed ones
+    for i0 in range(0, length, BLOCK):
+        local = i0 + tl.arange(0, BLOCK)  # [BLOCK]
+        valid = local < length
+        rows = start + local
+        rank = tl.load(RANK + rows, mask=valid, other=0x7FFFFFFF)
+        token = tl.load(tokens + rows, mask=valid, other=0)
+        removed = valid & (rank < n_removed)
+        randomised = valid & (rank >= n_removed) & (rank < n_changed)
+        predicted = valid & (rank < n_predicted)
+        visible = valid & (rank >= n_removed)
+        random_id = FIRST_ORDINARY + _row_bits(rows, replace_key) % num_ordinary
+        new = tl.where(randomised, random_id.to(token.dtype), token)
+        new = tl.where(removed, MASK_ID, new)
+        tl.store(INPUT + rows, new, mask=valid)
+        # each kind's rows keep their order: slot = rows of that kind before this one
+        p = predicted.to(tl.int32)
+        slot = next_masked + tl.cumsum(p, axis=0) - p
+        tl.store(MASKED_INDEX + slot, rows.to(tl.int32), mask=predicted)
+        tl.store(LABELS + slot, token, mask=predicted)
+        next_masked += tl.sum(p, axis=0)
+        d = removed.to(tl.int32)
+        slot = next_removed + tl.cumsum(d, axis=0) - d
+        tl.store(REMOVED_INDEX + slot, rows.to(tl.int32), mask=removed)
+        next_removed += tl.sum(d, axis=0)
+        v = visible.to(tl.int32)
+        slot = next_visible + tl.cumsum(v, axis=0) - v
+        tl.store(VISIBLE_INDEX + slot, rows.to(tl.int32), mask=visible)
+        next_visible += tl.sum(v, axis=0)
+
+
+RANK_BLOCK = 64  # [64, 64] comparison tiles: 32 int64 per thread at 4 warps, no spills (tests/kernels static check)
+COMPACT_BLOCK = 256
+
+
+def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    return (torch.cumsum(counts, 0) - counts).to(torch.int64)
+
+
+def select_masked(tokens: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, maskable: torch.Tensor,
+                  num_removed: torch.Tensor, num_random: torch.Tensor, num_predicted: torch.Tensor,
+                  total_predicted: int, total_removed: int, score_key: int, replace_key: int, vocab_size: int,
+                  mask_token_id: int, first_ordinary_id: int, max_seqlen: int) -> MaskSelection:
+    """`select_masked_reference` as two Triton kernels: per-sequence ranks by pairwise comparison, then per-sequence
+    compaction into the masked / visible / removed streams. Same arguments and bit-identical results;
+    `max_seqlen` (host int) sizes the launch grid. seq_ids is not needed here (sequences are programs).
+    """
+    num_rows = tokens.numel()
+    device = tokens.device
+    batch = cu_seqlens.numel() - 1
+    rank = torch.empty(num_rows, dtype=torch.int32, device=device)
+    keys = torch.tensor([score_key, replace_key], dtype=torch.int64).to(device, non_blocking=True)
+    out = MaskSelection(
+        input_tokens=torch.empty_like(tokens),
+        masked_index=torch.empty(total_predicted, dtype=torch.int32, device=device),
+        labels=torch.empty(total_predicted, dtype=tokens.dtype, device=device),
+        visible_index=torch.empty(num_rows - total_removed, dtype=torch.int32, device=device),
+        removed_index=torch.empty(total_removed, dtype=torch.int32, device=device),
+    )
+    if num_rows == 0:
+        return out
+    maskable_u8 = maskable.to(torch.uint8)
+    _rank_kernel[(batch, triton.cdiv(max_seqlen, RANK_BLOCK))](
+        cu_seqlens, maskable_u8, rank, keys[0:], BLOCK_I=RANK_BLOCK, BLOCK_J=RANK_BLOCK, num_warps=4)
+    _compact_kernel[(batch,)](
+        tokens, cu_seqlens, rank, num_removed, num_random, num_predicted, _exclusive_cumsum(num_predicted),
+        _exclusive_cumsum(num_removed), out.input_tokens, out.masked_index, out.labels, out.visible_index,
+        out.removed_index, keys[1:], vocab_size - first_ordinary_id, MASK_ID=mask_token_id,
+        FIRST_ORDINARY=first_ordinary_id, BLOCK=COMPACT_BLOCK, num_warps=4)
+    return out

@@ -1,0 +1,152 @@
+"""Ahead-of-time compile of every kernel configuration for NVIDIA GPUs, no GPU needed: the static GPU check.
+
+    python -m fastmae.kernels.aot [--arch 80 90] [--json OUT.json]
+
+Compiles each (kernel, block size, warps, flags, dtype) the launchers can choose for sm_80 and sm_90 with
+`triton.compile(ASTSource(...))`, then reads registers, spills (LOCAL) and shared memory per function from
+`cuobjdump --dump-resource-usage`, the tool shipped inside the triton wheel. Run without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+# Shared memory a block may use (opt-in maximum): A100 (sm_80) 163 KiB, H100 (sm_90) 227 KiB.
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+MAX_HIDDEN = 8192  # rows.row_launch_config's supported range; BLOCK_H 64 .. 8192 below
+
+
+def _row_configs():
+    from . import rows
+
+    ptr = {"fp32": "*fp32", "bf16": "*bf16"}
+    combos = {  # the flag sets the model launches: (SRC_INDEXED, HAS_FILL, HAS_POS, HAS_NORM, DST_INDEXED)
+        "embed+pos+norm": (1, 0, 1, 1, 0),
+        "embed+norm (rotary)": (1, 0, 0, 1, 0),
+        "insert+pos+norm": (0, 1, 1, 1, 1),
+        "insert+norm (rotary)": (0, 1, 0, 1, 1),
+        "insert (no decoder)": (0, 1, 0, 0, 1),
+    }
+    for hidden_block in [2**k for k in range(6, 14)]:
+        block, warps = rows.row_launch_config(hidden_block)
+        for combo, (src_idx, fill, pos, norm, dst) in combos.items():
+            for dtype in ("fp32", "bf16"):
+                flags = dict(SRC_INDEXED=src_idx, HAS_FILL=fill, HAS_POS=pos, HAS_NORM=norm, DST_INDEXED=dst,
+                             BLOCK_H=block)
+                d = ptr[dtype]
+                fwd = dict(SRC=d, src_ids="*i32", FILL=d, POS="*fp32", pos_ids="*i32", W="*fp32", B="*fp32", OUT=d,
+                           dst_index="*i32", MEAN="*fp32", RSTD="*fp32", num_src_rows="i32", H="i32",
+                           stride_src="i32", stride_pos="i32", stride_out="i32", eps="fp32")
+                yield ("rows._rows_fwd_kernel", f"{combo} {dtype} BLOCK_H={block}", fwd, flags, warps)
+                bwd = dict(DOUT=d, dst_index="*i32", SRC=d, src_ids="*i32", FILL=d, POS="*fp32", pos_ids="*i32",
+                           W="*fp32", MEAN="*fp32", RSTD="*fp32", DPRE="*fp32", DW_PART="*fp32", DB_PART="*fp32",
+                           n_rows="i32", num_src_rows="i32", H="i32", stride_dout="i32", stride_src="i32",
+                           stride_pos="i32")
+                yield ("rows._rows_bwd_kernel", f"{combo} {dtype} BLOCK_H={block}", bwd,
+                       {**flags, "ROWS_PER_PROGRAM": rows.ROWS_PER_PROGRAM}, warps)
+
+
+def _mask_configs():
+    from . import mask_select
+
+    rank = dict(cu_seqlens="*i32", maskable_ptr="*u8", RANK="*i32", score_key="*i64")
+    yield ("mask_select._rank_kernel", f"BLOCK={mask_select.RANK_BLOCK}", rank,
+           dict(BLOCK_I=mask_select.RANK_BLOCK, BLOCK_J=mask_select.RANK_BLOCK), 4)
+    compact = dict(tokens="*i32", cu_seqlens="*i32", RANK="*i32", num_removed="*i64", num_random="*i64",
+                   num_predicted="*i64", masked_start="*i64", removed_start="*i64", INPUT="*i32", MASKED_INDEX="*i32",
+                   LABELS="*i32", VISIBLE_INDEX="*i32", REMOVED_INDEX="*i32", replace_key="*i64", num_ordinary="i32")
+    yield ("mask_select._compact_kernel", f"BLOCK={mask_select.COMPACT_BLOCK}", compact,
+           dict(MASK_ID=4, FIRST_ORDINARY=5, BLOCK=mask_select.COMPACT_BLOCK), 4)
+
+
+def _ce_configs():
+    from . import cross_entropy
+
+    for block in [2**k for k in range(4, 13)]:
+        if block > cross_entropy.CE_BLOCK_V:
+            break
+        for dtype in ("fp32", "bf16"):
+            for grad in (0, 1):
+                sig = dict(LOGITS=f"*{dtype}", stride_logits="i32", LABELS="*i32", LOSS="*fp32", SCALE="*fp32",
+                           V="i32", ignore_index="i32", smoothing="fp32", z_loss="fp32")
+                yield ("cross_entropy._ce_rows_kernel", f"{dtype} BLOCK_V={block} grad={grad}", sig,
+                       dict(COMPUTE_GRAD=grad, BLOCK_V=block), cross_entropy.CE_NUM_WARPS)
+
+
+def all_configs():
+    """Every (kernel, description, signature, constexprs, num_warps) the launchers can use."""
+    yield from _row_configs()
+    yield from _mask_configs()
+    yield from _ce_configs()
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+def compile_one(job):
+    """Compile one configuration for one architecture; return its resource usage."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    (name, desc, signature, constexprs, warps), arch = job
+    module, fn_name = name.split(".")
+    fn = getattr(importlib.import_module(f"fastmae.kernels.{module}"), fn_name)
+    full_sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    src = ASTSource(fn=fn, signature=full_sig, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        dump = subprocess.run([_cuobjdump(), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", dump))
+    return {"kernel": name, "config": desc, "arch": f"sm_{arch}", "num_warps": warps,
+            "registers": int(usage.get("REG", -1)), "local_bytes": int(usage.get("LOCAL", -1)),
+            "stack_bytes": int(usage.get("STACK", -1)),
+            "shared_bytes": max(int(usage.get("SHARED", 0)), int(compiled.metadata.shared)),
+            "shared_limit": SHARED_LIMIT[arch]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=sorted(SHARED_LIMIT))
+    parser.add_argument("--json", type=Path, help="write the per-configuration table here")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("fastmae.kernels.aot: unset TRITON_INTERPRET (the interpreter cannot compile)", file=sys.stderr)
+        return 2
+    jobs = [(cfg, arch) for cfg in all_configs() for arch in args.arch]
+    with ProcessPoolExecutor(args.workers) as pool:
+        results = list(pool.map(compile_one, jobs))
+    bad = [r for r in results if r["local_bytes"] != 0 or r["shared_bytes"] > r["shared_limit"]]
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    worst = {}
+    for r in results:
+        key = (r["kernel"], r["arch"])
+        worst[key] = max(worst.get(key, (0, 0)), (r["registers"], r["shared_bytes"]))
+    for (kernel, arch), (regs, shared) in sorted(worst.items()):
+        print(f"{kernel:32s} {arch}: max {regs:3d} registers, max {shared:6d} B shared")
+    print(f"{len(results)} configurations compiled, {len(bad)} spill or exceed shared memory")
+    for r in bad:
+        print(f"  FAIL {r}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""Row gather / scatter with a fused position add and LayerNorm: the embedding gather and the insertion.
+
+One Triton kernel pair serves both (DESIGN.md sections 3.1 and 3.2). Output row r is
+
+    out[dst(r)] = LayerNorm(src_row(r) + pos_table[pos_ids[r]])     (position add and LayerNorm each optional)
+
+with src_row(r) = src[src_ids[r]] (a table lookup: the embedding gather) or src[r] for r < num_src_rows and the
+`fill` row after (the insertion), and dst(r) = r or dst_index[r] (a scatter).
+Backward writes d(pre-norm row) once per row, in row order, so no float atomics: the caller reduces it into the
+tables with `index_put_(accumulate=True)` (deterministic under torch.use_deterministic_algorithms) or takes it as the
+gradient of `src` directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _input_row(r, SRC, src_ids, FILL, POS, pos_ids, num_src_rows, stride_src, stride_pos, cols, mask,
+               SRC_INDEXED: tl.constexpr, HAS_FILL: tl.constexpr, HAS_POS: tl.constexpr):
+    """fp32 [BLOCK_H] pre-norm value of output row r (branch-free: rows past num_src_rows read FILL)."""
+    src_mask = mask
+    if HAS_FILL:
+        src_mask = mask & ((cols * 0 + r) < num_src_rows)  # a block-shaped condition: the interpreter needs one
+    if SRC_INDEXED:
+        src_row = tl.load(src_ids + r).to(tl.int64)
+    else:
+        src_row = r
+    x = tl.load(SRC + src_row * stride_src + cols, mask=src_mask, other=0.0).to(tl.float32)
+    if HAS_FILL:
+        x += tl.load(FILL + cols, mask=mask & ((cols * 0 + r) >= num_src_rows), other=0.0).to(tl.float32)
+    if HAS_POS:
+        pos_row = tl.load(pos_ids + r).to(tl.int64)
+        x += tl.load(POS + pos_row * stride_pos + cols, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rows_fwd_kernel(SRC, src_ids, FILL, POS, pos_ids, W, B, OUT, dst_index, MEAN, RSTD,
+                     num_src_rows, H, stride_src, stride_pos, stride_out, eps,
+                     SRC_INDEXED: tl.constexpr, HAS_FILL: tl.constexpr, HAS_POS: tl.constexpr,
+                     HAS_NORM: tl.constexpr, DST_INDEXED: tl.constexpr, BLOCK_H: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    mask = cols < H
+    x = _input_row(r, SRC, src_ids, FILL, POS, pos_ids, num_src_rows, stride_src, stride_pos, cols, mask,
+                   SRC_INDEXED, HAS_FILL, HAS_POS)
+    if HAS_NORM:
+        mean = tl.sum(x, axis=0) / H
+        xc = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / H + eps)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        y = xc * rstd * w + b
+        tl.store(MEAN + r, mean)
+        tl.store(RSTD + r, rstd)
+    else:
+        y = x
+    if DST_INDEXED:
+        dst = tl.load(dst_index + r).to(tl.int64)
+    else:
+        dst = r
+    tl.store(OUT + dst * stride_out + cols, y.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rows_bwd_kernel(DOUT, dst_index, SRC, src_ids, FILL, POS, pos_ids, W, MEAN, RSTD, DPRE, DW_PART, DB_PART,
+                     n_rows, num_src_rows, H, stride_dout, stride_src, stride_pos,
+                     SRC_INDEXED: tl.constexpr, HAS_FILL: tl.constexpr, HAS_POS: tl.constexpr,
+                     HAS_NORM: tl.constexpr, DST_INDEXED: tl.constexpr, BLOCK_H: tl.constexpr,
+                     ROWS_PER_PROGRAM: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    mask = cols < H
+    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    db = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_NORM:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    for i in range(ROWS_PER_PROGRAM):
+        r = pid * ROWS_PER_PROGRAM + i
+        if r < n_rows:
+            if DST_INDEXED:
+                dst = tl.load(dst_index + r).to(tl.int64)
+            else:
+                dst = r
+            dy = tl.load(DOUT + dst * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_NORM:
+                x = _input_row(r, SRC, src_ids, FILL, POS, pos_ids, num_src_rows, stride_src, stride_pos, cols,
+                               mask, SRC_INDEXED, HAS_FILL, HAS_POS)
+                xhat = tl.where(mask, (x - tl.load(MEAN + r)) * tl.load(RSTD + r), 0.0)
+                wdy = w * dy
+                c1 = tl.sum(xhat * wdy, axis=0) / H
+                c2 = tl.sum(wdy, axis=0) / H
+                dx = (wdy - (xhat * c1 + c2)) * tl.load(RSTD + r)
+                dw += dy * xhat
+                db += dy
+            else:
+                dx = dy
+            tl.store(DPRE + r * H + cols, dx, mask=mask)
+    if HAS_NORM:
+        tl.store(DW_PART + pid * H + cols, dw, mask=mask)
+        tl.store(DB_PART + pid * H + cols, db, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------- launchers
+
+
+def row_launch_config(hidden: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) for rows of `hidden` elements: one row per program, ~8 elements per thread."""
+    block = triton.next_power_of_2(hidden)
+    return block, max(1, min(16, block // 256))
+
+
+ROWS_PER_PROGRAM = 16  # backward: rows per program, so LayerNorm weight-gradient partials stay few
+
+
+def _empty_like_ptr(device):
+    return torch.empty(0, device=device)
+
+
+def _launch_forward(src, src_ids, fill, pos_table, pos_ids, ln_weight, ln_bias, eps, dst_index, out_rows):
+    n_rows = src_ids.numel() if src_ids is not None else (dst_index.numel() if dst_index is not None else src.shape[0])
+    hidden = src.shape[1]
+    device = src.device
+    out = torch.empty(out_rows, hidden, device=device, dtype=src.dtype)
+    has_norm = ln_weight is not None
+    mean = torch.empty(n_rows, device=device, dtype=torch.float32) if has_norm else _empty_like_ptr(device)
+    rstd = torch.empty_like(mean) if has_norm else mean
+    if n_rows == 0:
+        return out, mean, rstd
+    block, warps = row_launch_config(hidden)
+    none = _empty_like_ptr(device)
+    _rows_fwd_kernel[(n_rows,)](
+        src, src_ids if src_ids is not None else none, fill if fill is not None else none,
+        pos_table if pos_table is not None else none, pos_ids if pos_ids is not None else none,
+        ln_weight if has_norm else none, ln_bias if has_norm else none, out,
+        dst_index if dst_index is not None else none, mean, rstd,
+        src.shape[0], hidden, src.stride(0), pos_table.stride(0) if pos_table is not None else 0, out.stride(0), eps,
+        SRC_INDEXED=src_ids is not None, HAS_FILL=fill is not None, HAS_POS=pos_table is not None,
+        HAS_NORM=has_norm, DST_INDEXED=dst_index is not None, BLOCK_H=block, num_warps=warps,
+    )
+    return out, mean, rstd
+
+
+def _launch_backward(dout, src, src_ids, fill, pos_table, pos_ids, ln_weight, mean, rstd, dst_index, n_rows):
+    hidden = src.shape[1]
+    device = src.device
+    dpre = torch.empty(n_rows, hidden, device=device, dtype=torch.float32)
+    has_norm = ln_weight is not None
+    programs = triton.cdiv(n_rows, ROWS_PER_PROGRAM)
+    dw_part = torch.empty(programs, hidden, device=device, dtype=torch.float32) if has_norm else None
+    db_part = torch.empty_like(dw_part) if has_norm else None
+    if n_rows == 0:
+        return dpre, None, None
+    dout = dout.contiguous()
+    block, warps = row_launch_config(hidden)
+    none = _empty_like_ptr(device)
+    _rows_bwd_kernel[(programs,)](
+        dout, dst_index if dst_index is not None else none, src, src_ids if src_ids is not None else none,
+        fill if fill is not None else none, pos_table if pos_table is not None else none,
+        pos_ids if pos_ids is not None else none, ln_weight if has_norm else none, mean, rstd, dpre,
+        dw_part if has_norm else none, db_part if has_norm else none,
+        n_rows, src.shape[0], hidden, dout.stride(0), src.stride(0),
+        pos_table.stride(0) if pos_table is not None else 0,
+        SRC_INDEXED=src_ids is not None, HAS_FILL=fill is not None, HAS_POS=pos_table is not None,
+        HAS_NORM=has_norm, DST_INDEXED=dst_index is not None, BLOCK_H=block, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM,
+        num_warps=warps,
+    )
+    return dpre, (dw_part.sum(0) if has_norm else None), (db_part.sum(0) if has_norm else None)
+
+
+def _accumulate_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Gradient of `table` from per-row gradients `rows` [N, H] read at `ids` [N] (no float atomics if asked)."""
+    grad = torch.zeros(table.shape, device=rows.device, dtype=torch.float32)
+    grad.index_put_((ids.long(),), rows, accumulate=True)
+    return grad.to(table.dtype)
+
+
+# -------------------------------------------------------------------------------------------- autograd + public
+
+
+class _RowsFunction(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, src, src_ids, fill, pos_table, pos_ids, ln_weight, ln_bias, eps, dst_index, out_rows):
+        src = src.contiguous()
+        out, mean, rstd = _launch_forward(src, src_ids, fill, pos_table, pos_ids, ln_weight, ln_bias, eps, dst_index,
+                                          out_rows)
+        ctx.save_for_backward(src, src_ids, fill, pos_table, pos_ids, ln_weight, mean, rstd, dst_index)
+        ctx.has = (src_ids is not None, fill is not None, pos_table is not None, ln_weight is not None,
+                   dst_index is not None)
+        return out
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout):
+        src, src_ids, fill, pos_table, pos_ids, ln_weight, mean, rstd, dst_index = ctx.saved_tensors
+        has_ids, has_fill, has_pos, has_norm, has_dst = ctx.has
+        src_ids = src_ids if has_ids else None
+        fill = fill if has_fill else None
+        pos_table, pos_ids = (pos_table, pos_ids) if has_pos else (None, None)
+        ln_weight = ln_weight if has_norm else None
+        dst_index = dst_index if has_dst else None
+        n_rows = src_ids.numel() if has_ids else (dst_index.numel() if has_dst else src.shape[0])
+        dpre, dw, db = _launch_backward(dout, src, src_ids, fill, pos_table, pos_ids, ln_weight, mean, rstd,
+                                        dst_index, n_rows)
+        if has_ids:  # a table lookup: rows with the same id add up
+            d_src = _accumulate_rows(src, src_ids, dpre) if ctx.needs_input_grad[0] else None
+        else:  # row r of src made output row r: its gradient is d_pre in row order
+            d_src = dpre[: src.shape[0]].to(src.dtype)
+        d_fill = dpre[src.shape[0]:].sum(0).to(fill.dtype) if has_fill else None
+        d_pos = _accumulate_rows(pos_table, pos_ids, dpre) if has_pos and ctx.needs_input_grad[3] else None
+        return d_src, None, d_fill, d_pos, None, dw, db, None, None, None
+
+
+def _check_rows(name, src, pos_table, pos_ids, ln_weight, ln_bias, n_rows):
+    if src.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D [rows, H] source, got shape {tuple(src.shape)}")
+    if (pos_table is None) != (pos_ids is None):
+        raise ValueError(f"{name}: pos_table and pos_ids go together")
+    if pos_ids is not None and pos_ids.numel() != n_rows:
+        raise ValueError(f"{name}: pos_ids has {pos_ids.numel()} rows, expected {n_rows}")
+    if (ln_weight is None) != (ln_bias is None):
+        raise ValueError(f"{name}: ln_weight and ln_bias go together")
+
+
+def embed_rows(table: torch.Tensor, ids: torch.Tensor, pos_table: torch.Tensor | None = None,
+               pos_ids: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
+               ln_bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """Embedding gather (Triton): LayerNorm(table[ids] + pos_table[pos_ids]) for each of the N rows.
+
+    table: [V, H]; ids: [N] int32; pos_table: [P, H] or None; pos_ids: [N] int32 (row of pos_table, offset included);
+    ln_weight, ln_bias: [H] or None (no norm). Returns [N, H] in table's dtype; statistics in fp32.
+    Gradients reach table and pos_table (summed over repeated ids) and the LayerNorm parameters.
+    """
+    _check_rows("embed_rows", table, pos_table, pos_ids, ln_weight, ln_bias, ids.numel())
+    return _RowsFunction.apply(table, ids.contiguous(), None, pos_table, pos_ids, ln_weight, ln_bias, eps, None,
+                               ids.numel())
+
+
+def embed_rows_reference(table, ids, pos_table=None, pos_ids=None, ln_weight=None, ln_bias=None, eps=1e-5):
+    """`embed_rows` in plain torch."""
+    x = F.embedding(ids.long(), table)
+    if pos_table is not None:
+        x = x + F.embedding(pos_ids.long(), pos_table)
+    if ln_weight is not None:
+        x = F.layer_norm(x.float(), x.shape[-1:], ln_weight, ln_bias, eps)
+    return x.to(table.dtype)
+
+
+def insert_rows(visible: torch.Tensor, visible_index: torch.Tensor, removed_index: torch.Tensor, fill: torch.Tensor,
+                pos_table: torch.Tensor | None = None, pos_ids: torch.Tensor | None = None,
+                ln_weight: torch.Tensor | None = None, ln_bias: torch.Tensor | None = None,
+                eps: float = 1e-5) -> torch.Tensor:
+    """Varlen scatter (Triton): the full [T, H] stream from T_v visible rows and one fill row.
+
+    visible: [T_v, H]; visible_index: [T_v] int32, their rows in the full stream; removed_index: [T_r] int32, the
+    other rows (T_v + T_r = T, disjoint); fill: [H], the row every removed slot gets (the <mask> embedding).
+    Optionally add pos_table[pos_ids[row]] (pos_ids: [T], indexed by full-stream row) and apply LayerNorm.
+    Returns [T, H] in visible's dtype. Backward: a gather for `visible`, a sum over removed rows for `fill`,
+    row sums into pos_table, reductions for the LayerNorm parameters.
+    """
+    total = visible.shape[0] + removed_index.shape[0]
+    _check_rows("insert_rows", visible, pos_table, pos_ids, ln_weight, ln_bias, total)
+    dst_index = torch.cat([visible_index, removed_index]).to(torch.int32)
+    launch_pos_ids = pos_ids.index_select(0, dst_index) if pos_ids is not None else None
+    return _RowsFunction.apply(visible, None, fill.reshape(-1).to(visible.dtype), pos_table, launch_pos_ids,
+                               ln_weight, ln_bias, eps, dst_index, total)
+
+
+def insert_rows_reference(visible, visible_index, removed_index, fill, pos_table=None, pos_ids=None, ln_weight=None,
+                          ln_bias=None, eps=1e-5):
+    """`insert_rows` in plain torch."""
+    total = visible.shape[0] + removed_index.shape[0]
+    out = visible.new_empty(total, visible.shape[1])
+    out = out.index_copy(0, visible_index.long(), visible)
+    out = out.index_copy(0, removed_index.long(), fill.reshape(-1).to(visible.dtype).expand(removed_index.shape[0], -1))
+    if pos_table is not None:
+        out = out + F.embedding(pos_ids.long(), pos_table)
+    if ln_weight is not None:
+        out = F.layer_norm(out.float(), out.shape[-1:], ln_weight, ln_bias, eps)
+    return out.to(visible.dtype)
