@@ -106,14 +106,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if needs_grad else None
         grad_b = torch.zeros(vocab, device=x.device, dtype=torch.float32) if needs_grad and bias is not None else None
         chunk = _chunk_rows(num_rows, vocab, hidden)
+        block_v = min(CE_BLOCK_V, triton.next_power_of_2(vocab))
         for start in range(0, num_rows, chunk):
             stop = min(start + chunk, num_rows)
             x_chunk = x_c[start:stop]
             logits = F.linear(x_chunk, w_c, b_c).contiguous()  # [chunk, V]: the only logits alive
             _ce_rows_kernel[(stop - start,)](
                 logits, logits.stride(0), labels[start:stop], loss_rows[start:stop], scale, vocab, ignore_index,
-                label_smoothing, z_loss, COMPUTE_GRAD=needs_grad, BLOCK_V=min(CE_BLOCK_V, triton.next_power_of_2(vocab)),
-                num_warps=CE_NUM_WARPS)
+                label_smoothing, z_loss, COMPUTE_GRAD=needs_grad, BLOCK_V=block_v, num_warps=CE_NUM_WARPS)
             if needs_grad:  # logits now hold d loss / d logits
                 grad_x[start:stop] = logits @ w_c
                 grad_w += (logits.t() @ x_chunk).float()

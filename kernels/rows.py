@@ -244,13 +244,19 @@ def embed_rows(table: torch.Tensor, ids: torch.Tensor, pos_table: torch.Tensor |
                                ids.numel())
 
 
+def _layer_norm_fp32(x, weight, bias, eps):
+    """LayerNorm computed in at least fp32 (as the kernel does), whatever the dtypes of x and the parameters."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    return F.layer_norm(x.to(dtype), x.shape[-1:], weight.to(dtype), bias.to(dtype), eps)
+
+
 def embed_rows_reference(table, ids, pos_table=None, pos_ids=None, ln_weight=None, ln_bias=None, eps=1e-5):
     """`embed_rows` in plain torch."""
     x = F.embedding(ids.long(), table)
     if pos_table is not None:
         x = x + F.embedding(pos_ids.long(), pos_table)
     if ln_weight is not None:
-        x = F.layer_norm(x.float(), x.shape[-1:], ln_weight, ln_bias, eps)
+        x = _layer_norm_fp32(x, ln_weight, ln_bias, eps)
     return x.to(table.dtype)
 
 
@@ -284,5 +290,5 @@ def insert_rows_reference(visible, visible_index, removed_index, fill, pos_table
     if pos_table is not None:
         out = out + F.embedding(pos_ids.long(), pos_table)
     if ln_weight is not None:
-        out = F.layer_norm(out.float(), out.shape[-1:], ln_weight, ln_bias, eps)
+        out = _layer_norm_fp32(out, ln_weight, ln_bias, eps)
     return out.to(visible.dtype)

@@ -1,12 +1,21 @@
-"""Shared fixtures: tiny configs and batches that run in milliseconds on CPU."""
+"""Shared fixtures: tiny configs and batches that run in milliseconds on CPU.
+
+Without a CUDA device the Triton kernels run under the interpreter: TRITON_INTERPRET must be set before any kernel
+module is imported (the @triton.jit decorator reads it), so it is set here, before fastmae is imported.
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from fastmae import MaskedLM, ModelConfig, PackedBatch
-from fastmae.synthetic import markov_documents
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fastmae import MaskedLM, ModelConfig, PackedBatch  # noqa: E402
+from fastmae.synthetic import markov_documents  # noqa: E402
 
 TINY = dict(vocab_size=97, hidden_size=48, num_heads=4, intermediate_size=80, encoder_layers=2, max_seq_len=128)
 
@@ -30,3 +39,24 @@ def tiny_batch(num_sequences: int = 5, seed: int = 0, min_len: int = 6, max_len:
 @pytest.fixture
 def batch() -> PackedBatch:
     return tiny_batch()
+
+
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def triton_kernels(monkeypatch):
+    """Route fastmae.ops to the Triton kernels (under the interpreter on CPU)."""
+    monkeypatch.setenv("FASTMAE_KERNELS", "triton")
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty / empty_like fill float outputs with NaN and integer ones with -7, so unwritten rows fail loudly."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else (t.fill_(-7) if t.dtype != torch.bool else t)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))

@@ -1,0 +1,133 @@
+"""Each fastmae.kernels op against its torch reference: time, peak memory and (CUDA) achieved bandwidth.
+
+    python benchmarks/kernels.py [--hidden 768] [--tokens 16384] [--vocab 50265]
+
+On CUDA both implementations run side by side in one process. Without CUDA only the torch reference runs (the
+Triton interpreter is a correctness tool, not a speed), and the table says so.
+Writes benchmarks/results/kernels.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import median_time, write_results
+from fastmae.kernels import (
+    embed_rows,
+    embed_rows_reference,
+    insert_rows,
+    insert_rows_reference,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+    mask_key,
+    select_masked,
+    select_masked_reference,
+)
+
+from fastmae import PackedBatch
+from fastmae.config import MASK_ID, NUM_SPECIAL_TOKENS, UNMASKABLE_IDS
+from fastmae.masking import MaskCounts
+
+# Peak DRAM bandwidth (GB/s) of devices we know, for the "% of peak" column.
+PEAK_BANDWIDTH = {"H100": 3350, "H200": 4800, "A100": 2039}
+
+
+def peak_bandwidth(device_name: str) -> float | None:
+    return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in device_name), None)
+
+
+def measure(fn, device) -> tuple[float, float]:
+    """(median seconds, peak MiB above the starting allocation) of fn() (forward + backward)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    seconds = median_time(fn, warmup=3, repeats=10)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else float("nan")
+    return seconds, peak
+
+
+def cases(tokens: int, hidden: int, vocab: int, device, dtype):
+    """(name, bytes moved by the ideal kernel, reference fn, kernel fn) for each op, forward + backward."""
+    gen = torch.Generator().manual_seed(0)
+    seqlen = 512
+    ids = torch.randint(NUM_SPECIAL_TOKENS, vocab, (tokens,), generator=gen, dtype=torch.int32)
+    batch = PackedBatch.from_packed(ids.numpy(), [seqlen] * (tokens // seqlen)).to(device)
+    counts = MaskCounts.compute(batch.num_maskable, 0.5, 1.0, 0.0)
+    maskable = ~torch.isin(batch.tokens, torch.tensor(UNMASKABLE_IDS, dtype=torch.int32, device=device))
+    mask_args = (batch.tokens, batch.cu_seqlens, batch.seq_ids, maskable, counts.removed.to(device),
+                 counts.random.to(device), counts.predicted.to(device), int(counts.predicted.sum()),
+                 int(counts.removed.sum()), mask_key(0, 0), mask_key(0, 0, stream=1), vocab, MASK_ID,
+                 NUM_SPECIAL_TOKENS, batch.max_seqlen)
+    sel = select_masked_reference(*mask_args)
+    n_vis, n_masked = sel.visible_index.numel(), sel.masked_index.numel()
+    elt = torch.finfo(dtype).bits // 8
+
+    # weights at the model's init scale: unscaled ones give peaked softmaxes whose denormal gradients make CPU
+    # matmuls 40x slower (measured: 7 s instead of 0.25 s for the [T_m, V] x [V, H] product)
+    table = (0.02 * torch.randn(vocab, hidden, device=device)).to(dtype).requires_grad_()
+    pos = torch.randn(seqlen + 1, hidden, device=device, dtype=dtype, requires_grad=True)
+    ln_w = torch.ones(hidden, device=device, requires_grad=True)
+    ln_b = torch.zeros(hidden, device=device, requires_grad=True)
+    vis_ids = sel.input_tokens.index_select(0, sel.visible_index)
+    vis_pos = batch.positions.index_select(0, sel.visible_index) + 1
+    grad_vis = torch.randn(n_vis, hidden, device=device, dtype=dtype)
+
+    def embed(fn):
+        return lambda: torch.autograd.backward(fn(table, vis_ids, pos, vis_pos, ln_w, ln_b), grad_vis)
+
+    states = torch.randn(n_vis, hidden, device=device, dtype=dtype, requires_grad=True)
+    fill = torch.randn(hidden, device=device, dtype=dtype, requires_grad=True)
+    grad_full = torch.randn(tokens, hidden, device=device, dtype=dtype)
+
+    def insert(fn):
+        return lambda: torch.autograd.backward(
+            fn(states, sel.visible_index, sel.removed_index, fill, pos, batch.positions + 1, ln_w, ln_b), grad_full)
+
+    x = torch.randn(n_masked, hidden, device=device, dtype=dtype, requires_grad=True)
+    bias = torch.zeros(vocab, device=device, dtype=dtype, requires_grad=True)
+
+    def loss(fn):
+        return lambda: fn(x, table, bias, sel.labels).backward()
+
+    rows_bytes = 2 * 2 * n_vis * hidden * elt  # read rows + write output, and the same again backward
+    yield "mask select", tokens * 4 * 4, lambda: select_masked_reference(*mask_args), lambda: select_masked(*mask_args)
+    yield "embed gather + LN", rows_bytes, embed(embed_rows_reference), embed(embed_rows)
+    yield "insertion + pos + LN", 2 * 2 * tokens * hidden * elt, insert(insert_rows_reference), insert(insert_rows)
+    yield ("linear cross-entropy", (2 * vocab * hidden + 2 * n_masked * hidden) * elt,
+           loss(linear_cross_entropy_reference), loss(linear_cross_entropy))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per batch (default 16384 CUDA, 2048 CPU)")
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=50265)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tokens = args.tokens or (16384 if cuda else 2048)
+    peak = peak_bandwidth(torch.cuda.get_device_name()) if cuda else None
+    rows = []
+    for name, nbytes, reference, kernel in cases(tokens, args.hidden, args.vocab, device, dtype):
+        ref_s, ref_mem = measure(reference, device)
+        row = {"op (fwd+bwd)": name, "torch ms": 1e3 * ref_s}
+        if cuda:
+            row["torch MiB"] = ref_mem
+            k_s, k_mem = measure(kernel, device)
+            gbps = nbytes / k_s / 1e9
+            row.update({"triton ms": 1e3 * k_s, "triton MiB": k_mem, "speedup": ref_s / k_s, "triton GB/s": gbps,
+                        "% of peak BW": 100 * gbps / peak if peak else float("nan")})
+        rows.append(row)
+        print(row, flush=True)
+    columns = list(rows[0])
+    note = (f"{tokens} tokens (sequences of 512, 50% masked), hidden {args.hidden}, vocab {args.vocab}, {dtype}. "
+            + ("Triton kernels and torch references side by side." if cuda else
+               "No CUDA device: the torch reference path alone (the CPU path); Triton timings need a GPU."))
+    print(f"wrote {write_results('kernels', rows, columns, 'fastmae.kernels vs torch references', note)}")
+
+
+if __name__ == "__main__":
+    main()

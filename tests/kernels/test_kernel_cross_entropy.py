@@ -1,0 +1,53 @@
+"""Fused linear cross-entropy (Triton) against the torch reference and an fp64 oracle, forward and backward."""
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE
+from fastmae.kernels import linear_cross_entropy, linear_cross_entropy_reference
+from fastmae.kernels.cross_entropy import CE_BLOCK_V
+from tolerance import assert_as_accurate
+
+DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
+SHAPES = [pytest.param(1, 8, 7, id="N1-H8-V7"), pytest.param(33, 20, 1000, id="N33-H20-V1000"),
+          pytest.param(70, 48, CE_BLOCK_V + 907, id=f"N70-H48-V{CE_BLOCK_V + 907}")]
+OPTIONS = [pytest.param({}, id="plain"), pytest.param({"label_smoothing": 0.1}, id="smoothing"),
+           pytest.param({"z_loss": 1e-3}, id="z-loss"), pytest.param({"ignore": True}, id="ignore-index")]
+
+
+@pytest.mark.parametrize("rows, hidden, vocab", SHAPES)
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_linear_cross_entropy(rows, hidden, vocab, options, dtype, seed, nan_empty):
+    gen = torch.Generator().manual_seed(seed)
+    x, w, b = torch.randn(rows, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen) / hidden**0.5, \
+        torch.randn(vocab, generator=gen)
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    options = dict(options)
+    if options.pop("ignore", False):
+        labels[::3] = -100
+
+    def run(fn, dt):
+        leaves = [t.to(KERNEL_DEVICE, dt).requires_grad_() for t in (x, w, b)]
+        loss = fn(*leaves, labels.to(KERNEL_DEVICE), **options)
+        return [loss, *torch.autograd.grad(loss, leaves)]
+
+    got = run(linear_cross_entropy, dtype)
+    plain = run(linear_cross_entropy_reference, dtype)
+    exact = run(linear_cross_entropy_reference, torch.float64)
+    assert got[0].dtype == torch.float32
+    for i, (g, p, e) in enumerate(zip(got, plain, exact)):
+        assert_as_accurate(["loss", "dx", "dw", "db"][i], g, p, e, dtype, factor=2 if i == 0 else 3)
+
+
+def test_no_rows_gives_zero_loss_and_gradient():
+    x = torch.zeros(0, 8, requires_grad=True)
+    w = torch.randn(11, 8, requires_grad=True)
+    loss = linear_cross_entropy(x.to(KERNEL_DEVICE), w, None, torch.zeros(0, dtype=torch.long))
+    loss.backward()
+    assert loss.item() == 0.0 and w.grad.abs().sum() == 0
+
+
+def test_shape_mismatch_is_named():
+    with pytest.raises(ValueError, match="do not fit"):
+        linear_cross_entropy(torch.randn(3, 8), torch.randn(10, 7), None, torch.zeros(3, dtype=torch.long))

@@ -1,0 +1,37 @@
+"""The Triton mask selection against the torch reference: bit for bit (a data-movement kernel)."""
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE
+from fastmae.kernels import mask_key, select_masked, select_masked_reference
+
+from fastmae import PackedBatch
+from fastmae.config import MASK_ID, NUM_SPECIAL_TOKENS, UNMASKABLE_IDS
+from fastmae.masking import MaskCounts
+
+SEQUENCES = {
+    "edge": [[1, 10, 11, 12, 13, 14, 2], [1, 2], [20], [1, 3, 30, 31, 4, 2, 0, 0], [7]],
+    "long": [list(range(5, 300)), [1] + list(range(40, 137)) + [2], list(range(5, 70))],
+}
+
+
+@pytest.mark.parametrize("name", SEQUENCES)
+@pytest.mark.parametrize("rate, mask_p, random_p", [(0.15, 0.8, 0.1), (0.15, 1.0, 0.0), (0.5, 1.0, 0.0),
+                                                     (0.4, 0.5, 0.3), (1.0, 1.0, 0.0)],
+                         ids=["mlm", "mae-lm", "3ml", "mixed", "all-masked"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kernel_matches_reference_bit_for_bit(name, rate, mask_p, random_p, seed, nan_empty):
+    batch = PackedBatch.from_sequences(SEQUENCES[name]).to(KERNEL_DEVICE)
+    counts = MaskCounts.compute(batch.num_maskable, rate, mask_p, random_p)
+    maskable = ~torch.isin(batch.tokens, torch.tensor(UNMASKABLE_IDS, dtype=torch.int32, device=KERNEL_DEVICE))
+    args = (batch.tokens, batch.cu_seqlens, batch.seq_ids, maskable, counts.removed.to(KERNEL_DEVICE),
+            counts.random.to(KERNEL_DEVICE), counts.predicted.to(KERNEL_DEVICE), int(counts.predicted.sum()),
+            int(counts.removed.sum()), mask_key(seed, 7, 1), mask_key(seed, 7, 1, stream=1), 1000, MASK_ID,
+            NUM_SPECIAL_TOKENS, batch.max_seqlen)
+    expected = select_masked_reference(*args)
+    got = select_masked(*args)
+    for field, e, g in zip(expected._fields, expected, got):
+        assert g.dtype == e.dtype and torch.equal(g, e), field
+    if rate == 1.0:  # everything maskable is masked: the visible stream holds the specials only
+        assert torch.isin(batch.tokens[got.visible_index.long()],
+                          torch.tensor(UNMASKABLE_IDS, dtype=torch.int32, device=KERNEL_DEVICE)).all()

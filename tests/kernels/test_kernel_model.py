@@ -1,0 +1,53 @@
+"""The model with its Triton kernels equals the model with the torch references: losses, gradients, training."""
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE, tiny_batch, tiny_model
+
+from fastmae.train import LoopConfig, demo_documents, train_on_documents
+
+VARIANTS = [
+    pytest.param("mlm", {}, id="mlm"),
+    pytest.param("mae-lm", {}, id="mae-lm"),
+    pytest.param("3ml", {"decoder_kind": "cross"}, id="3ml-cross"),
+    pytest.param("mae-lm", {"decoder_layers": 0}, id="mae-lm-no-decoder"),
+    pytest.param("3ml", {"position_embedding": "rotary", "norm_position": "pre"}, id="3ml-rotary-pre"),
+    pytest.param("mlm", {"insert_layer": 1}, id="mask-later-k1"),
+]
+
+
+def loss_and_grads(preset, extra, mode, monkeypatch):
+    monkeypatch.setenv("FASTMAE_KERNELS", mode)
+    model = tiny_model(preset, **extra).to(KERNEL_DEVICE)
+    out = model(tiny_batch(6, seed=4).to(KERNEL_DEVICE), seed=3, step=1)
+    out.loss.backward()
+    return out, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("preset, extra", VARIANTS)
+def test_kernels_match_references_in_the_model(preset, extra, monkeypatch):
+    ref, ref_grads = loss_and_grads(preset, extra, "torch", monkeypatch)
+    got, got_grads = loss_and_grads(preset, extra, "triton", monkeypatch)
+    for field, a, b in zip(ref.masked.selection._fields, ref.masked.selection, got.masked.selection):
+        assert torch.equal(a, b), field
+    torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(got_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_training_with_kernels_follows_the_references(monkeypatch):
+    losses = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("FASTMAE_KERNELS", mode)
+        model = tiny_model("3ml", seed=1).to(KERNEL_DEVICE)
+        docs = demo_documents(model.config.vocab_size, seed=0)
+        loop = LoopConfig(steps=6, warmup_steps=2, sequences_per_batch=4, seed=0)
+        losses[mode] = train_on_documents(model, docs, loop)
+    torch.testing.assert_close(torch.tensor(losses["triton"]), torch.tensor(losses["torch"]), rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_kernel_mode_is_an_error(monkeypatch):
+    monkeypatch.setenv("FASTMAE_KERNELS", "fast")
+    with pytest.raises(ValueError, match="FASTMAE_KERNELS"):
+        tiny_model("mlm")(tiny_batch(2))

@@ -1,0 +1,90 @@
+"""Fused embedding gather and insertion (Triton) against their torch references, forward and backward."""
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE
+from fastmae.kernels import embed_rows, embed_rows_reference, insert_rows, insert_rows_reference
+from tolerance import assert_as_accurate
+
+DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
+SHAPES = [pytest.param(1, 8, id="N1-H8"), pytest.param(20, 37, id="N20-H37"), pytest.param(97, 100, id="N97-H100"),
+          pytest.param(64, 128, id="N64-H128")]
+VARIANTS = [pytest.param(False, False, id="plain"), pytest.param(True, False, id="pos"),
+            pytest.param(False, True, id="norm"), pytest.param(True, True, id="pos+norm")]
+
+
+def make_inputs(rows, hidden, dtype, seed, with_pos, with_norm, vocab=50, positions=16):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    return dict(
+        table=rand(vocab, hidden), ids=torch.randint(0, vocab, (rows,), generator=gen, dtype=torch.int32),
+        pos_table=rand(positions, hidden) if with_pos else None,
+        pos_ids=torch.randint(0, positions, (rows,), generator=gen, dtype=torch.int32) if with_pos else None,
+        ln_weight=1 + 0.1 * rand(hidden) if with_norm else None, ln_bias=0.1 * rand(hidden) if with_norm else None,
+        grad=rand(rows, hidden),
+    )
+
+
+def run(fn, inputs, dtype, float_keys, int_keys, call):
+    """Call `call(fn, tensors)` with float inputs in `dtype` (leaves) and return [out, grads of the float inputs]."""
+    tensors = {k: inputs[k].to(KERNEL_DEVICE, dtype).requires_grad_() for k in float_keys if inputs[k] is not None}
+    tensors.update({k: inputs[k].to(KERNEL_DEVICE) for k in int_keys if inputs[k] is not None})
+    if "ln_weight" in tensors:  # LayerNorm parameters stay fp32, as in the model
+        for k in ("ln_weight", "ln_bias"):
+            param_dtype = torch.float32 if dtype != torch.float64 else dtype
+            tensors[k] = inputs[k].to(KERNEL_DEVICE, param_dtype).requires_grad_()
+    out = call(fn, tensors)
+    leaves = [tensors[k] for k in float_keys if k in tensors]
+    grads = torch.autograd.grad(out, leaves, inputs["grad"].to(KERNEL_DEVICE, out.dtype))
+    return [out, *grads]
+
+
+@pytest.mark.parametrize("rows, hidden", SHAPES)
+@pytest.mark.parametrize("with_pos, with_norm", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_embed_rows(rows, hidden, with_pos, with_norm, dtype, seed, nan_empty):
+    inputs = make_inputs(rows, hidden, dtype, seed, with_pos, with_norm)
+    floats, ints = ["table", "pos_table", "ln_weight", "ln_bias"], ["ids", "pos_ids"]
+    call = lambda fn, t: fn(t["table"], t["ids"], t.get("pos_table"), t.get("pos_ids"), t.get("ln_weight"),  # noqa
+                            t.get("ln_bias"))
+    got = run(embed_rows, inputs, dtype, floats, ints, call)
+    plain = run(embed_rows_reference, inputs, dtype, floats, ints, call)
+    exact = run(embed_rows_reference, inputs, torch.float64, floats, ints, call)
+    if not with_norm and not with_pos:  # pure data movement: bit for bit
+        assert torch.equal(got[0], plain[0])
+    for i, (g, p, e) in enumerate(zip(got, plain, exact)):
+        assert_as_accurate(f"output {i}" if i == 0 else f"grad {i}", g, p, e, dtype, factor=2 if i == 0 else 3)
+
+
+@pytest.mark.parametrize("rows, hidden", SHAPES)
+@pytest.mark.parametrize("with_pos, with_norm", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_insert_rows(rows, hidden, with_pos, with_norm, dtype, seed, nan_empty):
+    inputs = make_inputs(rows, hidden, dtype, seed, with_pos, with_norm)
+    gen = torch.Generator().manual_seed(100 + seed)
+    num_visible = int(torch.randint(0, rows + 1, (1,), generator=gen))
+    perm = torch.randperm(rows, generator=gen).to(torch.int32)
+    inputs.update(visible=torch.randn(num_visible, hidden, generator=gen), fill=torch.randn(hidden, generator=gen),
+                  visible_index=perm[:num_visible].sort().values, removed_index=perm[num_visible:].sort().values)
+    floats = ["visible", "fill", "pos_table", "ln_weight", "ln_bias"]
+    ints = ["visible_index", "removed_index", "pos_ids"]
+    call = lambda fn, t: fn(t["visible"], t["visible_index"], t["removed_index"], t["fill"], t.get("pos_table"),  # noqa
+                            t.get("pos_ids"), t.get("ln_weight"), t.get("ln_bias"))
+    got = run(insert_rows, inputs, dtype, floats, ints, call)
+    plain = run(insert_rows_reference, inputs, dtype, floats, ints, call)
+    exact = run(insert_rows_reference, inputs, torch.float64, floats, ints, call)
+    if not with_norm and not with_pos:  # a scatter and its gather: bit for bit both ways
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    for i, (g, p, e) in enumerate(zip(got, plain, exact)):
+        assert_as_accurate(f"output {i}" if i == 0 else f"grad {i}", g, p, e, dtype, factor=2 if i == 0 else 3)
+
+
+def test_bad_arguments_are_named():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="pos_table and pos_ids"):
+        embed_rows(x, torch.zeros(2, dtype=torch.int32), pos_table=x)
+    with pytest.raises(ValueError, match="pos_ids has 3 rows"):
+        insert_rows(x, torch.arange(4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), x[0], x,
+                    torch.zeros(3, dtype=torch.int32))
