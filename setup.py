@@ -15,6 +15,7 @@ setup(
     install_requires=[
         # Bounded so the local CPU wheel (2.13.0) satisfies it and pip never fetches a CUDA build.
         "torch>=2.6,<2.15",
+        "triton>=3.2,<4",
         "numpy>=1.24",
         "tqdm>=4.60",
         "pyyaml>=6.0",

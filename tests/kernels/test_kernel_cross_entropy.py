@@ -9,7 +9,8 @@ from tolerance import assert_as_accurate
 
 DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
 SHAPES = [pytest.param(1, 8, 7, id="N1-H8-V7"), pytest.param(33, 20, 1000, id="N33-H20-V1000"),
-          pytest.param(70, 48, CE_BLOCK_V + 907, id=f"N70-H48-V{CE_BLOCK_V + 907}")]
+          pytest.param(70, 48, CE_BLOCK_V + 907, id=f"N70-H48-V{CE_BLOCK_V + 907}"),
+          pytest.param(4096, 768, 50265, id="N4096-H768-V50265", marks=pytest.mark.large)]
 OPTIONS = [pytest.param({}, id="plain"), pytest.param({"label_smoothing": 0.1}, id="smoothing"),
            pytest.param({"z_loss": 1e-3}, id="z-loss"), pytest.param({"ignore": True}, id="ignore-index")]
 
