@@ -1,0 +1,195 @@
+"""`fastmae prepare`: text -> sentencepiece tokenizer -> memory-mapped token shards with a validation split.
+
+    fastmae prepare --format builtin --output data/builtin --vocab-size 8000
+    fastmae prepare --input corpus/*.jsonl --format jsonl --field text --output data/web --vocab-size 50000
+
+Re-running with the same inputs skips finished shards. Every file is written atomically; a failure exits non-zero
+with a one-line error naming the file and the problem, and leaves no half-written output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .atomic import atomic_write_bytes, atomic_write_text
+from .data.readers import FORMATS, ReadStats, read_documents
+from .data.shards import FORMAT_VERSION, SPLITS, read_shard_meta, token_dtype, write_shard
+from .data.tokenizer import Tokenizer, train_sentencepiece
+from .errors import FastmaeError
+from .kernels.mask_select import hash32_int
+
+
+def is_validation(doc_index: int, fraction: float, seed: int) -> bool:
+    """Whether document `doc_index` is held out: a seeded hash, stable however the corpus is sharded."""
+    return hash32_int(hash32_int(seed) ^ doc_index) < fraction * 2**32
+
+
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(model_bytes: bytes) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = Tokenizer(model_bytes)
+
+
+def _tokenize_shard(job) -> tuple[int, dict, int]:
+    """Worker: tokenise one chunk of documents and write its train and valid shards."""
+    index, first_doc, texts, output, valid_fraction, seed = job
+    tokenizer = _WORKER_TOKENIZER
+    ids = tokenizer.encode(texts)
+    dtype = token_dtype(tokenizer.vocab_size)
+    held_out = [is_validation(first_doc + i, valid_fraction, seed) for i in range(len(texts))]
+    name = f"shard_{index:05d}"
+    metas = {}
+    for split in SPLITS:
+        docs = [d for d, valid in zip(ids, held_out) if valid == (split == "valid")]
+        metas[split] = write_shard(Path(output), split, name, docs, dtype, tokenizer.sha256)
+    return index, metas, sum(len(t.encode("utf-8")) for t in texts)
+
+
+def _chunks(documents: Iterator[str], size: int) -> Iterator[tuple[int, int, list[str]]]:
+    first = 0
+    for index in itertools.count():
+        texts = list(itertools.islice(documents, size))
+        if not texts:
+            return
+        yield index, first, texts
+        first += len(texts)
+
+
+def prepare(inputs: list[Path], output: Path, fmt: str = "text", text_field: str = "text", text_mode: str = "line",
+            vocab_size: int = 32000, tokenizer_path: Path | None = None, model_type: str = "unigram",
+            character_coverage: float = 0.9995, input_sentence_size: int = 2_000_000, valid_fraction: float = 0.01,
+            docs_per_shard: int = 20000, workers: int | None = None, on_decode_error: str = "fail", seed: int = 0,
+            progress: bool = True) -> dict:
+    """Run the whole preparation; return the dataset metadata (also written to OUTPUT/meta.json)."""
+    if not 0.0 <= valid_fraction < 1.0:
+        raise FastmaeError(f"--valid-fraction {valid_fraction}: must be in [0, 1)")
+    if docs_per_shard <= 0:
+        raise FastmaeError(f"--docs-per-shard {docs_per_shard}: must be positive")
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    read = lambda stats=None: read_documents(inputs, fmt, text_field, text_mode, on_decode_error, stats)  # noqa
+
+    model_path = output / "tokenizer.model"
+    if tokenizer_path is not None:
+        tokenizer = Tokenizer.load(tokenizer_path)
+    elif model_path.is_file():
+        tokenizer = Tokenizer.load(model_path)  # a re-run: keep the tokenizer the finished shards were made with
+    else:
+        first = next(iter(read()), None)
+        if first is None:
+            raise FastmaeError(f"no documents in {[str(p) for p in inputs] or fmt}: nothing to prepare")
+        started = time.perf_counter()
+        tokenizer = Tokenizer(train_sentencepiece(read(), vocab_size, model_type, character_coverage,
+                                                  input_sentence_size, seed), "trained tokenizer")
+        if progress:
+            print(f"trained a {model_type} tokenizer of {tokenizer.vocab_size} pieces in "
+                  f"{time.perf_counter() - started:.1f}s", file=sys.stderr)
+    if tokenizer_path is not None or not model_path.is_file():
+        atomic_write_bytes(model_path, tokenizer.model_bytes)
+
+    stats = ReadStats()
+    shard_metas: dict[int, dict] = {}
+    tokenised = {"shards": 0, "bytes": 0}
+    bar = tqdm(unit="doc", desc="tokenising", disable=not progress)
+    started = time.perf_counter()
+
+    def finish(index: int, metas: dict, nbytes: int) -> None:
+        shard_metas[index] = metas
+        tokenised["shards"] += 1
+        tokenised["bytes"] += nbytes
+        bar.update(metas["train"]["documents"] + metas["valid"]["documents"])
+
+    workers = max(1, workers or os.cpu_count() or 1)
+    context = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
+    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer.model_bytes,)) as pool:
+        in_flight: collections.deque = collections.deque()  # at most 2 chunks per worker held in memory
+        for index, first_doc, texts in _chunks(read(stats), docs_per_shard):
+            name = f"shard_{index:05d}"
+            done = {split: read_shard_meta(output, split, name) for split in SPLITS}
+            if all(m is not None and m["tokenizer_sha256"] == tokenizer.sha256 for m in done.values()):
+                shard_metas[index] = done  # finished by an earlier run
+                bar.update(len(texts))
+                continue
+            job = (index, first_doc, texts, str(output), valid_fraction, seed)
+            in_flight.append(pool.apply_async(_tokenize_shard, (job,)))
+            if len(in_flight) >= 2 * workers:
+                finish(*in_flight.popleft().get())
+        while in_flight:
+            finish(*in_flight.popleft().get())
+    bar.close()
+    seconds = time.perf_counter() - started
+    if not shard_metas:
+        raise FastmaeError(f"no documents in {[str(p) for p in inputs] or fmt}: nothing to prepare")
+    names = [f"shard_{i:05d}" for i in sorted(shard_metas)]
+    splits = {split: {"shards": names,
+                      "tokens": sum(shard_metas[i][split]["tokens"] for i in shard_metas),
+                      "documents": sum(shard_metas[i][split]["documents"] for i in shard_metas)}
+              for split in SPLITS}
+    if splits["train"]["tokens"] == 0:
+        raise FastmaeError(f"{output}: the training split is empty (all documents held out or empty)")
+    meta = {"format_version": FORMAT_VERSION, "tokenizer_sha256": tokenizer.sha256,
+            "vocab_size": tokenizer.vocab_size, "dtype": token_dtype(tokenizer.vocab_size).name, "splits": splits,
+            "inputs": [str(p) for p in inputs] if fmt != "builtin" else ["builtin"], "format": fmt,
+            "valid_fraction": valid_fraction, "seed": seed,
+            "skipped": {"undecodable": stats.undecodable, "empty": stats.empty}}
+    atomic_write_text(output / "meta.json", json.dumps(meta, indent=1) + "\n")
+    if progress:
+        work = (f"tokenised {tokenised['shards']} shard(s) at {tokenised['bytes'] / 2**20 / seconds:.2f} MB/s"
+                if tokenised["shards"] else "all shards were already finished")
+        print(f"{output}: {splits['train']['tokens']:,} train / {splits['valid']['tokens']:,} valid tokens in "
+              f"{len(names)} shard(s); {work}; skipped {stats.undecodable} undecodable, {stats.empty} empty "
+              "document(s)", file=sys.stderr)
+    return meta
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastmae prepare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", type=Path, nargs="*", default=[], help="input files or directories")
+    parser.add_argument("--output", type=Path, required=True, help="dataset directory to write")
+    parser.add_argument("--format", choices=FORMATS, default="text",
+                        help="text, jsonl, parquet, hf (save_to_disk) or builtin (the embedded Python docs corpus)")
+    parser.add_argument("--field", default="text", help="JSONL field / Parquet or dataset column holding the text")
+    parser.add_argument("--text-mode", choices=["line", "paragraph"], default="line",
+                        help="text format: one document per line, or per blank-line separated paragraph")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="pieces of a newly trained tokenizer")
+    parser.add_argument("--tokenizer", type=Path, help="reuse this sentencepiece model instead of training one")
+    parser.add_argument("--model-type", choices=["unigram", "bpe"], default="unigram")
+    parser.add_argument("--character-coverage", type=float, default=0.9995)
+    parser.add_argument("--input-sentence-size", type=int, default=2_000_000,
+                        help="lines sampled for tokenizer training (large corpora)")
+    parser.add_argument("--valid-fraction", type=float, default=0.01, help="share of documents held out")
+    parser.add_argument("--docs-per-shard", type=int, default=20000)
+    parser.add_argument("--workers", type=int, default=None, help="tokenising processes (default: all cores)")
+    parser.add_argument("--on-decode-error", choices=["fail", "skip"], default="fail",
+                        help="undecodable UTF-8: stop with an error, or skip the document and count it")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        prepare(args.input, args.output, args.format, args.field, args.text_mode, args.vocab_size, args.tokenizer,
+                args.model_type, args.character_coverage, args.input_sentence_size, args.valid_fraction,
+                args.docs_per_shard, args.workers, args.on_decode_error, args.seed)
+    except FastmaeError as err:
+        print(f"fastmae prepare: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Data pipeline: prepare (readers, tokenizer, shards), packing, the loader's exact resume, and bad input."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fastmae.config import BOS_ID, EOS_ID, MASK_ID
+from fastmae.data import PackedLoader, ShardSet, Tokenizer
+from fastmae.data.shards import shard_files
+from fastmae.errors import FastmaeError
+from fastmae.prepare import prepare
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon "
+         "phi chi psi omega red green blue cyan magenta yellow black white").split()
+
+
+def write_corpus(path, num_docs=300, seed=0, blank_line_docs=False):
+    rng = np.random.default_rng(seed)
+    docs = [" ".join(rng.choice(WORDS, size=rng.integers(3, 120))) for _ in range(num_docs)]
+    sep = "\n\n" if blank_line_docs else "\n"
+    path.write_text(sep.join(docs) + "\n")
+    return docs
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    docs = write_corpus(root / "corpus.txt")
+    prepare([root / "corpus.txt"], root / "ds", vocab_size=56, valid_fraction=0.1, docs_per_shard=70, workers=2,
+            progress=False)
+    return root / "ds", docs
+
+
+def test_prepare_writes_shards_tokenizer_and_metadata(dataset):
+    directory, docs = dataset
+    meta = json.loads((directory / "meta.json").read_text())
+    assert meta["vocab_size"] == 56 and meta["dtype"] == "uint16"
+    assert meta["splits"]["train"]["shards"] == [f"shard_{i:05d}" for i in range(5)]  # 300 docs / 70 per shard
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["valid"]["documents"] == len(docs)
+    assert 0 < meta["splits"]["valid"]["documents"] < 0.2 * len(docs)
+    tokenizer = Tokenizer.load(directory / "tokenizer.model")
+    assert tokenizer.sha256 == meta["tokenizer_sha256"]
+    assert tokenizer.sp.piece_to_id("<mask>") == MASK_ID
+    train = ShardSet(directory, "train", verify_checksum=True)
+    # documents round-trip through the shards
+    decoded = {tokenizer.decode(train.shards[0].tokens[a:b].tolist())
+               for a, b in zip(train.shards[0].offsets[:-1], train.shards[0].offsets[1:])}
+    assert decoded <= set(docs) and len(decoded) > 10
+
+
+def test_prepare_is_idempotent(dataset, tmp_path):
+    directory, _ = dataset
+    tokens_file = shard_files(directory, "train", "shard_00002")[0]
+    before = tokens_file.stat().st_mtime_ns
+    prepare([directory.parent / "corpus.txt"], directory, vocab_size=56, valid_fraction=0.1, docs_per_shard=70,
+            workers=1, progress=False)
+    assert tokens_file.stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("fmt, mode", [("text", "paragraph"), ("jsonl", None)])
+def test_other_input_formats(tmp_path, fmt, mode):
+    if fmt == "jsonl":
+        docs = [" ".join(WORDS[i:i + 9]) for i in range(25)] * 4
+        (tmp_path / "in.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+        meta = prepare([tmp_path / "in.jsonl"], tmp_path / "ds", fmt="jsonl", text_field="body", vocab_size=40,
+                       valid_fraction=0.0, progress=False)
+    else:
+        docs = write_corpus(tmp_path / "in.txt", num_docs=50, blank_line_docs=True)
+        meta = prepare([tmp_path / "in.txt"], tmp_path / "ds", text_mode="paragraph", vocab_size=40,
+                       valid_fraction=0.0, progress=False)
+    assert meta["splits"]["train"]["documents"] == len(docs)
+
+
+def test_builtin_corpus_is_offline_and_substantial():
+    from fastmae.data.builtin import builtin_documents
+
+    docs = list(builtin_documents())
+    assert len(docs) > 70 and sum(len(text) for _, text in docs) > 400_000
+
+
+# ---------------------------------------------------------------------------------------------------- loader
+def drain(loader, n):
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+@pytest.mark.parametrize("packing", ["full", "doc"])
+def test_packing_covers_every_token_once_and_respects_limits(dataset, packing):
+    directory, _ = dataset
+    loader = PackedLoader(directory, max_seq_len=32, packing=packing, tokens_per_batch=200, seed=1)
+    batches = drain(loader, loader.batches_per_epoch)
+    data = ShardSet(directory)
+    bodies = []
+    for batch in batches:
+        assert batch.num_tokens <= 200 and batch.max_seqlen <= 32
+        tokens, cu = batch.tokens.numpy(), batch.cu_seqlens.numpy()
+        for a, b in zip(cu[:-1], cu[1:]):
+            assert tokens[a] == BOS_ID and tokens[b - 1] == EOS_ID
+            bodies.append(tokens[a + 1:b - 1])
+    body_tokens = sum(len(b) for b in bodies)
+    if packing == "doc":
+        # the remainder batch of the epoch may be dropped, never a piece of a document
+        assert body_tokens <= data.num_tokens and body_tokens > 0.9 * data.num_tokens
+        doc_texts = {tuple(s.tokens[x:y]) for s in data.shards for x, y in zip(s.offsets[:-1], s.offsets[1:])}
+        joined = {tuple(b) for b in bodies}
+        # every body is a contiguous piece of one document: it occurs inside some document
+        for body in list(joined)[:50]:
+            assert any(_contains(doc, body) for doc in doc_texts), body
+    else:
+        assert (np.concatenate(bodies) == EOS_ID).sum() > 0  # separators between documents
+        assert body_tokens <= data.num_tokens + data.num_documents
+
+
+def _contains(doc, piece):
+    n = len(piece)
+    return any(doc[i:i + n] == piece for i in range(len(doc) - n + 1))
+
+
+def test_doc_packing_never_truncates(dataset):
+    directory, _ = dataset
+    loader = PackedLoader(directory, max_seq_len=16, packing="doc", tokens_per_batch=10_000)
+    data = ShardSet(directory)
+    bodies = loader._stop - loader._start
+    assert bodies.sum() == data.num_tokens and bodies.max() <= 14
+
+
+def test_ranks_get_disjoint_equal_shares(dataset):
+    directory, _ = dataset
+    per_rank = [PackedLoader(directory, max_seq_len=32, tokens_per_batch=128, rank=r, world_size=3, seed=2)
+                for r in range(3)]
+    counts = {loader.batches_per_epoch for loader in per_rank}
+    assert len(counts) == 1
+    seen = [set(map(tuple, np.concatenate([seq for seq in loader._batches_of_epoch(0)]).reshape(-1, 1)))
+            for loader in per_rank]
+    assert not (seen[0] & seen[1]) and not (seen[1] & seen[2])
+
+
+def test_same_seed_same_stream_other_epoch_other_order(dataset):
+    directory, _ = dataset
+    a = drain(PackedLoader(directory, max_seq_len=32, tokens_per_batch=128, seed=5), 4)
+    b = drain(PackedLoader(directory, max_seq_len=32, tokens_per_batch=128, seed=5), 4)
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
+    loader = PackedLoader(directory, max_seq_len=32, tokens_per_batch=128, seed=5)
+    assert not np.array_equal(loader._batches_of_epoch(0)[0], loader._batches_of_epoch(1)[0])
+
+
+@pytest.mark.parametrize("packing", ["full", "doc"])
+def test_exact_resume(dataset, packing):
+    directory, _ = dataset
+    make = lambda: PackedLoader(directory, max_seq_len=32, packing=packing, tokens_per_batch=128, seed=3)  # noqa
+    loader = make()
+    n = loader.batches_per_epoch - 2  # resume across the epoch boundary
+    it = iter(loader)
+    for _ in range(n):
+        next(it)
+    state = loader.state_dict()
+    expected = [next(it) for _ in range(5)]
+    fresh = make()
+    fresh.load_state_dict(json.loads(json.dumps(state)))  # the state survives a JSON round trip
+    got = drain(fresh, 5)
+    for e, g in zip(expected, got):
+        assert np.array_equal(e.tokens, g.tokens) and np.array_equal(e.cu_seqlens, g.cu_seqlens)
+    assert fresh.epoch == 1
+
+
+def test_resume_into_other_data_is_an_error(dataset):
+    directory, _ = dataset
+    state = PackedLoader(directory, max_seq_len=32, tokens_per_batch=128).state_dict()
+    with pytest.raises(FastmaeError, match="does not match"):
+        PackedLoader(directory, max_seq_len=64, tokens_per_batch=128).load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+def copy_dataset(directory, tmp_path):
+    import shutil
+
+    target = tmp_path / "copy"
+    shutil.copytree(directory, target)
+    return target
+
+
+def test_truncated_shard_is_named(dataset, tmp_path):
+    directory = copy_dataset(dataset[0], tmp_path)
+    tokens_file = shard_files(directory, "train", "shard_00001")[0]
+    tokens_file.write_bytes(tokens_file.read_bytes()[:-6])
+    with pytest.raises(FastmaeError, match=r"shard_00001.tokens: .* truncated or corrupt"):
+        PackedLoader(directory)
+
+
+def test_corrupt_shard_content_is_caught_by_checksum(dataset, tmp_path):
+    directory = copy_dataset(dataset[0], tmp_path)
+    tokens_file = shard_files(directory, "train", "shard_00000")[0]
+    data = bytearray(tokens_file.read_bytes())
+    data[10] ^= 0xFF
+    tokens_file.write_bytes(bytes(data))
+    PackedLoader(directory)  # sizes still agree
+    with pytest.raises(FastmaeError, match="sha256"):
+        PackedLoader(directory, verify_checksum=True)
+
+
+def test_corrupt_document_index_is_named(dataset, tmp_path):
+    directory = copy_dataset(dataset[0], tmp_path)
+    docs_file = shard_files(directory, "train", "shard_00003")[1]
+    docs_file.write_bytes(b"not numpy")
+    with pytest.raises(FastmaeError, match="shard_00003.docs.npy"):
+        PackedLoader(directory)
+
+
+def test_missing_dataset_and_vocab_or_tokenizer_mismatch(dataset, tmp_path):
+    with pytest.raises(FastmaeError, match="meta.json: missing"):
+        PackedLoader(tmp_path / "nothing")
+    data = ShardSet(dataset[0])
+    with pytest.raises(FastmaeError, match="vocab_size=100"):
+        data.check_vocab(100)
+    with pytest.raises(FastmaeError, match="does not match the shards"):
+        data.check_tokenizer("0" * 64, "other.model")
+
+
+def test_reusing_a_foreign_tokenizer_is_checked(tmp_path):
+    import sentencepiece as spm
+
+    write_corpus(tmp_path / "c.txt", num_docs=60)
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "plain"),
+                                   vocab_size=40, minloglevel=2)
+    with pytest.raises(FastmaeError, match="special token ids"):
+        prepare([tmp_path / "c.txt"], tmp_path / "ds", tokenizer_path=tmp_path / "plain.model", progress=False)
+
+
+def test_empty_input_and_undecodable_bytes(tmp_path):
+    (tmp_path / "empty.txt").write_text("\n\n   \n")
+    with pytest.raises(FastmaeError, match="no documents"):
+        prepare([tmp_path / "empty.txt"], tmp_path / "a", progress=False)
+    write_corpus(tmp_path / "bad.txt", num_docs=80)
+    with (tmp_path / "bad.txt").open("ab") as handle:
+        handle.write(b"caf\xe9 au lait\n")
+    with pytest.raises(FastmaeError, match=r"bad.txt:81: undecodable"):
+        prepare([tmp_path / "bad.txt"], tmp_path / "b", vocab_size=40, progress=False)
+    assert not (tmp_path / "b" / "meta.json").exists() and not (tmp_path / "b" / "train").exists()
+    meta = prepare([tmp_path / "bad.txt"], tmp_path / "c", vocab_size=40, on_decode_error="skip", progress=False)
+    assert meta["skipped"]["undecodable"] == 1
+
+
+def test_missing_jsonl_field_fails_the_cli_in_one_line(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"text": "a b c"}\n{"body": "d e f"}\n')
+    proc = subprocess.run([sys.executable, "-m", "fastmae.prepare", "--input", str(tmp_path / "in.jsonl"),
+                           "--format", "jsonl", "--output", str(tmp_path / "ds"), "--vocab-size", "20"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"fastmae prepare: error: {tmp_path / 'in.jsonl'}:2: no field "
+                                                "'text' (use --field to name the text field)"]
+    assert not (tmp_path / "ds" / "meta.json").exists()
+
+
+def test_parquet_needs_pyarrow_or_reads_the_column(tmp_path):
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        (tmp_path / "x.parquet").write_bytes(b"PAR1")
+        with pytest.raises(FastmaeError, match="pyarrow"):
+            prepare([tmp_path / "x.parquet"], tmp_path / "ds", fmt="parquet", progress=False)
+        return
+    pq.write_table(pa.table({"content": [" ".join(WORDS[i:i + 7]) for i in range(30)] * 3}), tmp_path / "x.parquet")
+    with pytest.raises(FastmaeError, match="no column 'text'"):
+        prepare([tmp_path / "x.parquet"], tmp_path / "ds", fmt="parquet", progress=False)
+    meta = prepare([tmp_path / "x.parquet"], tmp_path / "ds", fmt="parquet", text_field="content", vocab_size=40,
+                   valid_fraction=0.0, progress=False)
+    assert meta["splits"]["train"]["documents"] == 90
