@@ -6,6 +6,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
+    "prepare": ("fastmae.prepare", "tokenise text into memory-mapped shards (trains a sentencepiece tokenizer)"),
     "train": ("fastmae.train", "pretrain a masked LM"),
 }
 
