@@ -167,22 +167,229 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def apply_overrides(config, overrides: dict):
-    """Return a copy of dataclass `config` with `overrides` applied; unknown keys and wrong types name the key."""
+def apply_overrides(config, overrides: dict, name: str | None = None):
+    """Return a copy of dataclass `config` with `overrides` applied; unknown keys and wrong types name the key.
+
+    Values must have the type of the current value (an int is accepted for a float, a list for a tuple).
+    `name` is how errors call the dataclass (default: its class name).
+    """
+    name = name or type(config).__name__
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{name}: expected a mapping, got {overrides!r}")
     fields = {f.name: f for f in dataclasses.fields(config) if f.init}
-    values = {name: getattr(config, name) for name in fields}
+    values = {key: getattr(config, key) for key in fields}
     for key, value in overrides.items():
         if key not in fields:
-            raise ValueError(f"unknown {type(config).__name__} field {key!r}; known: {sorted(fields)}")
+            raise ValueError(f"unknown key {name}.{key}; known: {sorted(fields)}")
         current = values[key]
         if isinstance(current, bool) or isinstance(value, bool):
             ok = isinstance(value, bool) and isinstance(current, bool)
         elif isinstance(current, float):
             ok = isinstance(value, (int, float))
             value = float(value) if ok else value
+        elif isinstance(current, tuple):
+            ok = isinstance(value, (list, tuple))
+            value = tuple(value) if ok else value
         else:
             ok = isinstance(value, type(current))
         if not ok:
-            raise ValueError(f"{type(config).__name__}.{key}: expected {type(current).__name__}, got {value!r}")
+            raise ValueError(f"{name}.{key}: expected {type(current).__name__}, got {value!r}")
         values[key] = value
     return type(config)(**values)
+
+
+# --------------------------------------------------------------------------------------------- training configs
+@dataclass
+class DataConfig:
+    """Where the tokens come from and how they are packed."""
+
+    path: str = "runs/data/builtin"
+    """A dataset directory written by `fastmae prepare`."""
+    prepare_builtin: bool = False
+    """If `path` holds no dataset yet, prepare the embedded Python-docs corpus there first (the offline demo)."""
+    builtin_vocab_size: int = 8000
+    """Tokenizer size when prepare_builtin trains one."""
+    packing: str = "full"
+    """`full` (RoBERTa FULL-SENTENCES) or `doc` (one document per varlen sequence)."""
+    tokens_per_micro_batch: int = 8192
+    """Token budget of one micro-batch on one rank (specials included)."""
+    verify_checksums: bool = False
+    """Hash every shard at start-up (slow for big corpora; sizes and indexes are always checked)."""
+
+    def validate(self) -> None:
+        if self.packing not in ("full", "doc"):
+            raise ValueError(f"data.packing={self.packing!r}: must be 'full' or 'doc'")
+        if self.tokens_per_micro_batch <= 0:
+            raise ValueError(f"data.tokens_per_micro_batch={self.tokens_per_micro_batch}: must be positive")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, precision and parallelism."""
+
+    steps: int = 1000
+    """Optimizer steps."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank."""
+    optimizer: str = "adamw"
+    """`adamw` (torch) or `lamb` (DeepSpeed's fused LAMB; CUDA only)."""
+    lr: float = 2e-4
+    """Peak learning rate."""
+    warmup_steps: int = 10000
+    """Linear warm-up steps."""
+    schedule: str = "polynomial"
+    """Decay after warm-up: `linear` or `polynomial` (with `power`) down to min_lr_ratio * lr at `steps`."""
+    power: float = 1.0
+    """Exponent of the polynomial decay (1.0 is linear, as fairseq's polynomial_decay default)."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of lr."""
+    weight_decay: float = 0.01
+    betas: tuple = (0.9, 0.98)
+    eps: float = 1e-6
+    clip: float = 2.0
+    """Gradient clipping by global norm (0 disables)."""
+    precision: str = "fp32"
+    """`fp32`, `bf16` or `fp16` (DeepSpeed mixed precision)."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage 0-3."""
+    activation_checkpointing: bool = False
+    """Recompute each layer in backward instead of keeping its activations."""
+    compile: bool = False
+    """torch.compile the model."""
+    seed: int = 0
+    max_bad_steps: int = 20
+    """Stop after this many non-finite losses in a row (each is skipped and counted)."""
+    collective_timeout_s: int = 600
+    """A collective that waits longer than this (a dead rank) ends the job."""
+
+    def validate(self) -> None:
+        def bad(key, msg):
+            raise ValueError(f"train.{key}={getattr(self, key)!r}: {msg}")
+
+        for key in ("steps", "grad_accum"):
+            if getattr(self, key) <= 0:
+                bad(key, "must be positive")
+        if self.optimizer not in ("adamw", "lamb"):
+            bad("optimizer", "must be 'adamw' or 'lamb'")
+        if self.schedule not in ("linear", "polynomial"):
+            bad("schedule", "must be 'linear' or 'polynomial'")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            bad("precision", "must be 'fp32', 'bf16' or 'fp16'")
+        if self.zero_stage not in (0, 1, 2, 3):
+            bad("zero_stage", "must be 0, 1, 2 or 3")
+        if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            bad("lr", "lr must be > 0, warmup_steps >= 0 and min_lr_ratio in [0, 1]")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            bad("betas", "must be two numbers in [0, 1)")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: masked-token loss and accuracy at one fixed mask rate for every objective."""
+
+    every: int = 1000
+    """Evaluate every N optimizer steps (and at the end); 0 disables."""
+    batches: int = 50
+    """Micro-batches of the validation split per evaluation, on each rank."""
+    mask_rate: float = 0.15
+    """Fixed for every objective, so that objectives are comparable."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 1000
+    """Save every N optimizer steps (and at the end)."""
+    keep: int = 3
+    """Keep the newest K checkpoints."""
+
+
+@dataclass
+class LogConfig:
+    dir: str = "runs/default"
+    """Run directory: resolved config, metrics.jsonl, checkpoints/, plots."""
+    every: int = 10
+    """Log metrics every N optimizer steps."""
+    tensorboard: bool = True
+    """Also write TensorBoard events when tensorboard is installed."""
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs; loaded from YAML plus dotted `key=value` overrides."""
+
+    model: dict = field(default_factory=lambda: {"preset": "mae-lm"})
+    """`preset` (mlm, mae-lm, 3ml) and ModelConfig overrides; vocab_size defaults to the dataset's."""
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    deepspeed: dict = field(default_factory=dict)
+    """Raw DeepSpeed config entries merged over the derived config (they win)."""
+
+    def model_config(self, vocab_size: int) -> ModelConfig:
+        """The ModelConfig of this run; `vocab_size` (the dataset's) unless the YAML sets one, which must agree."""
+        values = dict(self.model)
+        preset = values.pop("preset", None)
+        if preset is None:
+            raise ValueError("model.preset is missing (mlm, mae-lm or 3ml)")
+        if values.setdefault("vocab_size", vocab_size) != vocab_size:
+            raise ValueError(f"model.vocab_size={values['vocab_size']} but the dataset's tokenizer has {vocab_size}")
+        try:
+            return ModelConfig.preset(preset, **values)
+        except ValueError as err:
+            raise ValueError(str(err).replace("ModelConfig.", "model.")) from None
+
+    def validate(self) -> None:
+        self.data.validate()
+        self.train.validate()
+
+
+SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
+            "log": LogConfig}
+
+
+def parse_override(text: str) -> tuple[list[str], object]:
+    """`a.b=value` -> (['a', 'b'], value parsed as YAML, so numbers and booleans get their types)."""
+    import yaml
+
+    if "=" not in text:
+        raise ValueError(f"override {text!r}: expected dotted.key=value")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_run_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML run config, apply `key=value` overrides, and validate; errors name the file and key."""
+    import yaml
+
+    raw: dict = {}
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                raw = yaml.safe_load(handle) or {}
+        except FileNotFoundError:
+            raise ValueError(f"{path}: config file not found") from None
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: not valid YAML ({err})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: the top level must be a mapping")
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {text!r}: {key} is not a section")
+        node[keys[-1]] = value
+    unknown = sorted(set(raw) - {"model", "deepspeed", *SECTIONS})
+    if unknown:
+        raise ValueError(f"{path or 'config'}: unknown section(s) {unknown}")
+    try:
+        sections = {name: apply_overrides(cls(), raw.get(name) or {}, name) for name, cls in SECTIONS.items()}
+        config = RunConfig(model=dict(raw.get("model") or {"preset": "mae-lm"}),
+                           deepspeed=dict(raw.get("deepspeed") or {}), **sections)
+        config.validate()
+    except ValueError as err:
+        raise ValueError(f"{path or 'config'}: {err}") from None
+    return config

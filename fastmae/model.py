@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from . import ops
@@ -147,12 +148,14 @@ class LMHead(nn.Module):
 @dataclass
 class MaskedLMOutput:
     """loss: scalar fp32 mean cross-entropy over predicted rows. num_predicted: host int (T_m).
-    masked: the masking of the batch. encoder_states: [T_v, H] (k > 0) or [T, H] (k = 0), the encoder output."""
+    masked: the masking of the batch. encoder_states: [T_v, H] (k > 0) or [T, H] (k = 0), the encoder output.
+    num_correct: scalar int64 tensor of predicted rows whose argmax is the label (only with compute_accuracy)."""
 
     loss: torch.Tensor
     num_predicted: int
     masked: MaskedBatch
     encoder_states: torch.Tensor
+    num_correct: torch.Tensor | None = None
 
 
 class MaskedLM(nn.Module):
@@ -178,6 +181,7 @@ class MaskedLM(nn.Module):
         self.decoder_norm = (nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
                              if pre and config.decoder_layers else None)
         self.head = LMHead(config)
+        self.activation_checkpointing = False  # recompute each layer in backward (set by the trainer)
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -188,6 +192,14 @@ class MaskedLM(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, PositionEmbedding):
             nn.init.normal_(module.weight, std=std)
+
+    def functional_parameters(self) -> list[nn.Parameter]:
+        """Parameters read outside their own module's forward (fused row ops, the tied projection, the head bias).
+
+        Sharding that gathers parameters per module call (ZeRO-3) must treat these as used by the whole model.
+        """
+        modules = [self.embeddings] + ([self.insertion] if self.insertion is not None else [])
+        return [p for m in modules for p in m.parameters()] + [self.head.bias]
 
     def set_attention_backend(self, backend: str | None) -> None:
         """Force one attention backend for every layer (None: automatic)."""
@@ -202,7 +214,10 @@ class MaskedLM(nn.Module):
     def _stack(self, x: torch.Tensor, meta: VarlenMeta, start: int, stop: int) -> torch.Tensor:
         """Run layers [start, stop) on rows laid out by `meta`, closing each stack with its pre-LN final norm."""
         for index in range(start, stop):
-            x = self.layers[index](x, meta)
+            if self.activation_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(self.layers[index], x, meta, use_reentrant=False)
+            else:
+                x = self.layers[index](x, meta)
             if index + 1 == self.config.encoder_layers and self.encoder_norm is not None:
                 x = self.encoder_norm(x)
             if index + 1 == self.config.num_layers and self.decoder_norm is not None:
@@ -216,8 +231,12 @@ class MaskedLM(nn.Module):
         return self._stack(self.embeddings(batch.tokens, batch.positions), meta, 0, self.config.encoder_layers)
 
     def forward(self, batch: PackedBatch, seed: int = 0, step: int = 0, rank: int = 0,
-                mask_rate: float | None = None) -> MaskedLMOutput:
-        """Mask `batch` for (seed, step, rank), run the model and return the masked-token loss."""
+                mask_rate: float | None = None, compute_accuracy: bool = False) -> MaskedLMOutput:
+        """Mask `batch` for (seed, step, rank), run the model and return the masked-token loss.
+
+        mask_rate overrides the config's (evaluation uses a fixed 15%); compute_accuracy also counts the predicted
+        rows whose most likely token is the label.
+        """
         self._check(batch)
         cfg = self.config
         k, n_enc = cfg.insert_layer, cfg.encoder_layers
@@ -234,14 +253,15 @@ class MaskedLM(nn.Module):
             x = self._stack(x, masked.full, k, n_enc)
             encoder_states = x
         if cfg.decoder_kind == "cross":
-            return self._cross_decoder(x, masked, encoder_states)
-        x = self._stack(x, masked.full, n_enc, cfg.num_layers)
-        return self._loss(x.index_select(0, sel.masked_index), masked, encoder_states)
+            x = self._cross_decoder(x, masked)
+        else:
+            x = self._stack(x, masked.full, n_enc, cfg.num_layers).index_select(0, sel.masked_index)
+        return self._loss(x, masked, encoder_states, compute_accuracy)
 
-    def _cross_decoder(self, inserted: torch.Tensor, masked: MaskedBatch,
-                       encoder_states: torch.Tensor) -> MaskedLMOutput:
+    def _cross_decoder(self, inserted: torch.Tensor, masked: MaskedBatch) -> torch.Tensor:
         """3ML's cross decoder: only predicted rows are updated; each attends to the whole sequence, whose visible
-        rows stay at their inserted encoder outputs and whose predicted rows hold the current states."""
+        rows stay at their inserted encoder outputs and whose predicted rows hold the current states.
+        Returns the [T_m, H] states of the predicted rows."""
         index = masked.selection.masked_index
         x = inserted.index_select(0, index)
         for layer in self.layers[self.config.encoder_layers:]:
@@ -249,11 +269,20 @@ class MaskedLM(nn.Module):
             x = layer(x, masked.masked, context=context, meta_k=masked.full)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
-        return self._loss(x, masked, encoder_states)
+        return x
 
-    def _loss(self, predicted: torch.Tensor, masked: MaskedBatch, encoder_states: torch.Tensor) -> MaskedLMOutput:
+    def _loss(self, predicted: torch.Tensor, masked: MaskedBatch, encoder_states: torch.Tensor,
+              compute_accuracy: bool) -> MaskedLMOutput:
         hidden = self.head.transform(predicted)
-        loss = ops.linear_cross_entropy(hidden, self.embeddings.tokens.weight, self.head.bias,
-                                        masked.selection.labels)
+        weight, labels = self.embeddings.tokens.weight, masked.selection.labels
+        loss = ops.linear_cross_entropy(hidden, weight, self.head.bias, labels)
+        num_correct = None
+        if compute_accuracy:
+            with torch.no_grad():  # argmax in row chunks: never a [T_m, V] fp32 tensor
+                rows = max(1, 2**24 // weight.shape[0])
+                num_correct = sum(
+                    (F.linear(h, weight.to(h.dtype), self.head.bias.to(h.dtype)).argmax(-1) == y.long()).sum()
+                    for h, y in zip(hidden.split(rows), labels.split(rows)))
+                num_correct = torch.as_tensor(num_correct, device=hidden.device)
         return MaskedLMOutput(loss=loss, num_predicted=masked.num_predicted, masked=masked,
-                              encoder_states=encoder_states)
+                              encoder_states=encoder_states, num_correct=num_correct)

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from simple_training import LoopConfig, demo_config, demo_documents, train_on_documents
 
 from fastmae import MaskedLM
-from fastmae.train import LoopConfig, demo_config, demo_documents, train_on_documents
 
 
 @pytest.mark.parametrize("objective, extra", [("mlm", {}), ("mae-lm", {}), ("3ml", {}),

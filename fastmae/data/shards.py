@@ -130,8 +130,8 @@ class ShardSet:
         for shard, name in zip(self.shards, self.meta["splits"][split]["shards"]):
             meta = read_shard_meta(self.directory, split, name)
             if meta["tokenizer_sha256"] != self.tokenizer_sha256:
-                raise FastmaeError(f"{shard.path}: tokenised with another tokenizer "
-                                   f"(sha256 {meta['tokenizer_sha256'][:12]}..., dataset {self.tokenizer_sha256[:12]}...)")
+                raise FastmaeError(f"{shard.path}: tokenised with another tokenizer (sha256 "
+                                   f"{meta['tokenizer_sha256'][:12]}..., dataset {self.tokenizer_sha256[:12]}...)")
 
     @property
     def vocab_size(self) -> int:

@@ -78,7 +78,7 @@ class Tokenizer:
                                "(pad 0, <s> 1, </s> 2, <unk> 3, <mask> 4)")
 
     @classmethod
-    def load(cls, path: Path) -> "Tokenizer":
+    def load(cls, path: Path) -> Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise FastmaeError(f"{path}: tokenizer model not found")

@@ -3,8 +3,7 @@
 import pytest
 import torch
 from conftest import KERNEL_DEVICE, tiny_batch, tiny_model
-
-from fastmae.train import LoopConfig, demo_documents, train_on_documents
+from simple_training import LoopConfig, demo_documents, train_on_documents
 
 VARIANTS = [
     pytest.param("mlm", {}, id="mlm"),

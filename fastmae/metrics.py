@@ -1,0 +1,73 @@
+"""Run logs: JSONL metrics (always), TensorBoard events (when tensorboard is installed), rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak, or the resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss_kib / 1024 if sys.platform != "darwin" else rss_kib / 2**20
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 3) -> float:
+    """Achieved FLOP/s of a square matmul on `device` in `dtype`: the denominator of MFU, measured in the run."""
+    import time
+
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync()
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+class MetricsWriter:
+    """Appends one JSON object per record to RUN/metrics.jsonl and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except ImportError:  # tensorboard is optional
+                self.tb = None
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(f"{record.get('kind', 'train')}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of RUN/metrics.jsonl (a run resumed after a crash may repeat steps: the last record wins)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    records = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            records[(record.get("kind"), record["step"])] = record
+    return sorted(records.values(), key=lambda r: (r["step"], r.get("kind", "")))

@@ -1,0 +1,285 @@
+"""The DeepSpeed training loop (DESIGN.md section 5): one rank's view of a run.
+
+A step reads top to bottom in `Trainer.run`: next micro-batch -> model (mask, encode, insert, decode, loss) ->
+engine.backward -> engine.step; every N steps log, evaluate and checkpoint. This is the only module that calls
+`deepspeed.initialize`; the model knows nothing of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import yaml
+from tqdm import tqdm
+
+from . import checkpoint
+from .config import RunConfig
+from .data import PackedLoader
+from .errors import FastmaeError
+from .flops import training_flops
+from .metrics import MetricsWriter, measure_peak_flops, peak_memory_mib
+from .model import MaskedLM
+from .optim import lr_multiplier, param_groups
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """`base` with `override` merged in, recursively for nested mappings."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def deepspeed_config(config: RunConfig) -> dict:
+    """The DeepSpeed config derived from the run config; `config.deepspeed` entries override it.
+
+    One micro-batch is one token-budgeted PackedBatch, so DeepSpeed's micro-batch size is 1 "batch".
+    """
+    train = config.train
+    derived = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": train.grad_accum,
+        "gradient_clipping": train.clip,
+        "zero_optimization": {"stage": train.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": train.precision == "bf16"},
+        "fp16": {"enabled": train.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if train.optimizer == "lamb":
+        derived["optimizer"] = {"type": "Lamb", "params": {"lr": train.lr, "betas": list(train.betas),
+                                                           "eps": train.eps, "weight_decay": train.weight_decay}}
+    return deep_merge(derived, config.deepspeed)
+
+
+class Trainer:
+    """Builds data, model and engine for this rank, then runs, evaluates and checkpoints."""
+
+    def __init__(self, config: RunConfig, resume: str | None = "auto"):
+        self.config = config
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.run_dir = Path(config.log.dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.device = torch.device(deepspeed.get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", 0))))
+        torch.manual_seed(config.train.seed + self.rank)  # dropout differs per rank; restored on resume
+        if self.device.type == "cpu":
+            torch.set_flush_denormal(True)  # CPU matmuls slow down ~40x on denormals from confident softmaxes
+
+        self._prepare_data_if_asked()
+        data, train = config.data, config.train
+        self.loader = PackedLoader(data.path, "train", max_seq_len=self._max_seq_len(), packing=data.packing,
+                                   tokens_per_batch=data.tokens_per_micro_batch, rank=self.rank,
+                                   world_size=self.world, seed=train.seed, verify_checksum=data.verify_checksums)
+        self.model_config = config.model_config(self.loader.vocab_size)
+        self.valid = None
+        if config.eval.every > 0:  # evaluation always reads the same first batches of the held-out split
+            self.valid = PackedLoader(data.path, "valid", max_seq_len=self.model_config.max_seq_len,
+                                      packing=data.packing, tokens_per_batch=data.tokens_per_micro_batch,
+                                      rank=self.rank, world_size=self.world, seed=train.seed)
+            self._valid_start = self.valid.state_dict()
+
+        torch.manual_seed(train.seed)  # identical initial weights on every rank
+        model = MaskedLM(self.model_config)
+        model.activation_checkpointing = train.activation_checkpointing
+        if train.zero_stage == 3:
+            for param in model.functional_parameters():
+                deepspeed.zero.register_external_parameter(model, param)
+        torch.manual_seed(train.seed + self.rank)
+        optimizer = None
+        if train.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr,
+                                          betas=tuple(train.betas), eps=train.eps)
+        elif self.device.type != "cuda":
+            raise FastmaeError("train.optimizer=lamb needs DeepSpeed's CUDA LAMB; use adamw on CPU")
+        self.ds_config = deepspeed_config(config)
+        schedule = lambda step: lr_multiplier(step, train.warmup_steps, train.steps,  # noqa: E731
+                                              train.power if train.schedule == "polynomial" else 1.0,
+                                              train.min_lr_ratio)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.ds_config,
+            lr_scheduler=(lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule)),
+            model_parameters=None if optimizer is not None else param_groups(model, train.weight_decay))
+        if train.compile:
+            self.engine.compile()
+
+        self.step, self.micro_step, self.tokens_seen = 0, 0, 0
+        self.bad_streak, self.skipped = 0, 0
+        self.stop_requested = False
+        checkpoint_dir = checkpoint.resolve_resume(self.ckpt_root, resume)
+        if checkpoint_dir is not None:
+            self._restore(checkpoint.load(self.engine, checkpoint_dir))
+            self._log_line(f"resumed from {checkpoint_dir} at step {self.step}")
+        self.peak_flops = measure_peak_flops(self.device, PRECISION_DTYPES[train.precision])
+        self.metrics = MetricsWriter(self.run_dir, config.log.tensorboard) if self.rank == 0 else None
+        if self.rank == 0:
+            self._write_resolved_config()
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def _max_seq_len(self) -> int:
+        return int(self.config.model.get("max_seq_len", 512))
+
+    def _prepare_data_if_asked(self) -> None:
+        data = self.config.data
+        if data.prepare_builtin and not (Path(data.path) / "meta.json").is_file():
+            if self.rank == 0:
+                from .prepare import prepare
+
+                self._log_line(f"preparing the embedded corpus in {data.path} (once)")
+                prepare([], Path(data.path), fmt="builtin", vocab_size=data.builtin_vocab_size, valid_fraction=0.05,
+                        workers=1, progress=False)
+            dist.barrier()
+
+    def _write_resolved_config(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = dataclasses.asdict(self.config)
+        resolved["train"]["betas"] = list(resolved["train"]["betas"])
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        (self.run_dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(self.model_config), indent=1))
+        (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=1))
+
+    def _log_line(self, text: str) -> None:
+        if self.rank == 0:
+            tqdm.write(f"fastmae: {text}", file=sys.stderr)
+
+    # ------------------------------------------------------------------------------------------------ state
+    def _trainer_state(self) -> dict:
+        state = {"step": self.step, "micro_step": self.micro_step, "tokens_seen": self.tokens_seen,
+                 "bad_streak": self.bad_streak, "skipped": self.skipped, "torch_rng": torch.get_rng_state(),
+                 "loader": self.loader.state_dict()}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _restore(self, state: dict) -> None:
+        self.step, self.micro_step, self.tokens_seen = state["step"], state["micro_step"], state["tokens_seen"]
+        self.bad_streak, self.skipped = state["bad_streak"], state["skipped"]
+        torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        self.loader.load_state_dict(state["loader"])
+
+    def save_checkpoint(self) -> None:
+        model_config = dataclasses.asdict(self.model_config)
+        path = checkpoint.save(self.engine, self.ckpt_root, self.step, self._trainer_state(),
+                               self.config.checkpoint.keep, {"model_config": model_config})
+        self._log_line(f"saved {path}")
+
+    # ------------------------------------------------------------------------------------------------- loop
+    def _any_rank(self, *flags: bool) -> list[bool]:
+        """Whether each flag is set on any rank (one all-reduce)."""
+        tensor = torch.tensor([float(f) for f in flags], device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in tensor.tolist()]
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum, frame):
+            self.stop_requested = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, request_stop)
+
+    def run(self) -> None:
+        """Train until config.train.steps optimizer steps; checkpoint at the end (or on SIGTERM/SIGINT)."""
+        cfg = self.config
+        self._install_signal_handlers()
+        fault_at = int(os.environ.get("FASTMAE_FAULT_AT_STEP", "0"))  # tests: die hard right after this step
+        bar = tqdm(total=cfg.train.steps, initial=self.step, disable=self.rank != 0, desc="train",
+                   dynamic_ncols=True, mininterval=1.0)
+        batches = iter(self.loader)
+        window = {"loss": 0.0, "micro": 0, "tokens": 0, "flops": 0, "start": time.perf_counter()}
+        self.engine.train()
+        while self.step < cfg.train.steps:
+            batch = next(batches).to(self.device)
+            out = self.engine(batch, seed=cfg.train.seed, step=self.micro_step, rank=self.rank)
+            self.micro_step += 1
+            loss = out.loss.item()  # one sync per micro-batch: all ranks must agree to skip a non-finite loss
+            bad, stop = self._any_rank(not math.isfinite(loss), self.stop_requested)
+            if bad:
+                self.skipped += 1
+                self.bad_streak += 1
+                self._log_line(f"non-finite loss at step {self.step}: micro-batch skipped ({self.skipped} so far)")
+                if self.bad_streak >= cfg.train.max_bad_steps:
+                    raise FastmaeError(f"{self.bad_streak} non-finite losses in a row at step {self.step}: stopping "
+                                       "(lower train.lr, check the data, or raise train.max_bad_steps)")
+                continue
+            self.bad_streak = 0
+            boundary = self.engine.is_gradient_accumulation_boundary()
+            self.engine.backward(out.loss)
+            self.engine.step()
+            window["loss"] += loss
+            window["micro"] += 1
+            window["tokens"] += batch.num_tokens
+            window["flops"] += training_flops(self.model_config, batch.seqlens,
+                                              batch.seqlens - out.masked.counts.removed, out.num_predicted)
+            self.tokens_seen += batch.num_tokens
+            if not boundary:
+                continue
+            self.step += 1
+            bar.update(1)
+            if self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
+                self._log_train(window, bar)
+                window = {"loss": 0.0, "micro": 0, "tokens": 0, "flops": 0, "start": time.perf_counter()}
+            if self.valid is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.train.steps):
+                self.evaluate()
+            if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps or stop:
+                self.save_checkpoint()
+            if fault_at and self.step == fault_at:
+                os._exit(17)
+            if stop:
+                self._log_line(f"stop requested: checkpoint saved at step {self.step}, exiting")
+                break
+        bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def _log_train(self, window: dict, bar) -> None:
+        elapsed = time.perf_counter() - window["start"]
+        totals = torch.tensor([window["loss"], window["micro"], window["tokens"], window["flops"]],
+                              dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        loss_sum, micro, tokens, flops = totals.tolist()
+        grad_norm = self.engine.get_global_grad_norm()
+        record = {"kind": "train", "step": self.step, "loss": loss_sum / max(micro, 1),
+                  "lr": self.engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                  "tokens_per_s": tokens / elapsed, "mfu": flops / elapsed / (self.peak_flops * self.world),
+                  "memory_mib": peak_memory_mib(self.device), "tokens_seen": self.tokens_seen * self.world,
+                  "skipped": self.skipped, "epoch": self.loader.epoch}
+        if self.metrics is not None:
+            self.metrics.write(record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Masked-token loss and accuracy on the held-out split at a fixed mask rate (collective)."""
+        cfg = self.config
+        self.engine.eval()
+        self.valid.load_state_dict(self._valid_start)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, predicted
+        for index, batch in zip(range(min(cfg.eval.batches, self.valid.batches_per_epoch)), self.valid):
+            out = self.engine(batch.to(self.device), seed=cfg.train.seed + 1, step=index, rank=self.rank,
+                              mask_rate=cfg.eval.mask_rate, compute_accuracy=True)
+            totals += torch.stack([out.loss.double() * out.num_predicted, out.num_correct.double(),
+                                   torch.tensor(float(out.num_predicted), device=self.device, dtype=torch.float64)])
+        dist.all_reduce(totals)
+        loss_sum, correct, predicted = totals.tolist()
+        record = {"kind": "eval", "step": self.step, "loss": loss_sum / max(predicted, 1),
+                  "accuracy": correct / max(predicted, 1), "mask_rate": cfg.eval.mask_rate,
+                  "predicted_tokens": int(predicted)}
+        if self.metrics is not None:
+            self.metrics.write(record)
+            self._log_line(f"eval at step {self.step}: loss {record['loss']:.3f}, accuracy {record['accuracy']:.3f}")
+        self.engine.train()
+        return record
