@@ -19,12 +19,16 @@ setup(
         "numpy>=1.24",
         "tqdm>=4.60",
         "pyyaml>=6.0",
+        "sentencepiece>=0.2",
+        "safetensors>=0.4",
+        "deepspeed>=0.19,<0.20",
+        "matplotlib>=3.7",
     ],
     extras_require={
         "dev": ["pytest>=8", "ruff>=0.5"],
         # flash-attn builds only with CUDA; NVIDIA apex is never a pip requirement (PyPI's `apex` is another project).
         "gpu": ["flash-attn>=2.5"],
-        "hf": ["transformers>=4.40", "safetensors>=0.4"],
+        "hf": ["transformers>=4.40"],
     },
     entry_points={"console_scripts": ["fastmae=fastmae.cli:main"]},
 )

@@ -7,7 +7,8 @@ import sys
 
 SUBCOMMANDS = {
     "prepare": ("fastmae.prepare", "tokenise text into memory-mapped shards (trains a sentencepiece tokenizer)"),
-    "train": ("fastmae.train", "pretrain a masked LM"),
+    "train": ("fastmae.train", "pretrain a masked LM (single process; use `deepspeed fastmae/train.py` for many)"),
+    "plot": ("fastmae.plot", "draw loss and throughput curves of a run directory"),
 }
 
 

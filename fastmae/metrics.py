@@ -22,8 +22,9 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 102
     """Achieved FLOP/s of a square matmul on `device` in `dtype`: the denominator of MFU, measured in the run."""
     import time
 
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    generator = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG (dropout) untouched
+    a = torch.randn(size, size, device=device, generator=generator).to(dtype)
+    b = torch.randn(size, size, device=device, generator=generator).to(dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     a @ b
     sync()

@@ -8,7 +8,7 @@ This module imports neither deepspeed nor torch.distributed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -145,11 +145,13 @@ class LMHead(nn.Module):
         return self.norm(F.gelu(self.dense(x)))
 
 
-@dataclass
-class MaskedLMOutput:
+class MaskedLMOutput(NamedTuple):
     """loss: scalar fp32 mean cross-entropy over predicted rows. num_predicted: host int (T_m).
     masked: the masking of the batch. encoder_states: [T_v, H] (k > 0) or [T, H] (k = 0), the encoder output.
-    num_correct: scalar int64 tensor of predicted rows whose argmax is the label (only with compute_accuracy)."""
+    num_correct: scalar int64 tensor of predicted rows whose argmax is the label (only with compute_accuracy).
+
+    A NamedTuple, not a dataclass: wrappers that hook a module's output tensors (ZeRO-3 re-gathers parameters for
+    backward that way) look inside tuples, lists and dicts only."""
 
     loss: torch.Tensor
     num_predicted: int

@@ -23,6 +23,7 @@ import yaml
 from tqdm import tqdm
 
 from . import checkpoint
+from .atomic import atomic_path
 from .config import RunConfig
 from .data import PackedLoader
 from .errors import FastmaeError
@@ -30,6 +31,7 @@ from .flops import training_flops
 from .metrics import MetricsWriter, measure_peak_flops, peak_memory_mib
 from .model import MaskedLM
 from .optim import lr_multiplier, param_groups
+from .plot import plot_run
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -115,14 +117,14 @@ class Trainer:
         if train.compile:
             self.engine.compile()
 
+        self.peak_flops = measure_peak_flops(self.device, PRECISION_DTYPES[train.precision])
         self.step, self.micro_step, self.tokens_seen = 0, 0, 0
         self.bad_streak, self.skipped = 0, 0
         self.stop_requested = False
         checkpoint_dir = checkpoint.resolve_resume(self.ckpt_root, resume)
-        if checkpoint_dir is not None:
+        if checkpoint_dir is not None:  # last: nothing may draw from the restored RNG before the loop
             self._restore(checkpoint.load(self.engine, checkpoint_dir))
             self._log_line(f"resumed from {checkpoint_dir} at step {self.step}")
-        self.peak_flops = measure_peak_flops(self.device, PRECISION_DTYPES[train.precision])
         self.metrics = MetricsWriter(self.run_dir, config.log.tensorboard) if self.rank == 0 else None
         if self.rank == 0:
             self._write_resolved_config()
@@ -242,8 +244,27 @@ class Trainer:
                 self._log_line(f"stop requested: checkpoint saved at step {self.step}, exiting")
                 break
         bar.close()
+        if self.step == cfg.train.steps:
+            self.export_weights(self.run_dir / "model.safetensors")
         if self.metrics is not None:
             self.metrics.close()
+            self._log_line(f"wrote {plot_run(self.run_dir)}")
+
+    def export_weights(self, path: Path) -> None:
+        """Collective: rank 0 writes the model's weights (gathered under ZeRO-3) as fp32 safetensors."""
+        from safetensors.torch import save_file
+
+        if self.config.train.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # gathered on rank 0
+        else:
+            state = self.engine.module.state_dict()  # replicated on every rank below ZeRO-3
+        if self.rank == 0:
+            tensors = {name: t.detach().float().cpu().contiguous() for name, t in state.items()}
+            metadata = {"model_config": json.dumps(dataclasses.asdict(self.model_config)), "step": str(self.step)}
+            with atomic_path(path) as tmp:
+                save_file(tensors, str(tmp), metadata=metadata)
+            self._log_line(f"wrote {path}")
+        dist.barrier()
 
     def _log_train(self, window: dict, bar) -> None:
         elapsed = time.perf_counter() - window["start"]

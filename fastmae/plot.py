@@ -1,0 +1,63 @@
+"""`fastmae plot RUN_DIR`: loss (train and held-out) and throughput curves of a run, as RUN_DIR/curves.png.
+
+    fastmae plot runs/tiny-cpu [--output FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import FastmaeError
+from .metrics import read_metrics
+
+
+def plot_run(run_dir: Path, output: Path | None = None) -> Path:
+    """Draw the run's curves to `output` (default RUN_DIR/curves.png) and return the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise FastmaeError(f"{run_dir / 'metrics.jsonl'}: missing (is {run_dir} a training run directory?)")
+    records = read_metrics(run_dir)
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    if not train:
+        raise FastmaeError(f"{run_dir / 'metrics.jsonl'}: no training records yet")
+    fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (masked tokens)")
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-",
+                     label=f"held-out at {evals[0].get('mask_rate', 0.15):.0%} mask")
+    ax_loss.set(xlabel="optimizer step", ylabel="cross-entropy (nats)", title=f"loss: {run_dir.name}")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    ax_speed.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train], color="tab:green")
+    ax_speed.set(xlabel="optimizer step", ylabel="tokens / s (all ranks)", title="throughput")
+    ax_speed.grid(alpha=0.3)
+    fig.tight_layout()
+    output = Path(output) if output else run_dir / "curves.png"
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fastmae plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--output", type=Path, help="PNG path (default RUN_DIR/curves.png)")
+    args = parser.parse_args(argv)
+    try:
+        print(plot_run(args.run_dir, args.output))
+    except FastmaeError as err:
+        print(f"fastmae plot: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The DeepSpeed trainer on CPU ranks (the real engine): exact resume, configs, faults, two "nodes" on loopback.
+
+Each launch costs ~20 s (process start, DeepSpeed init), so the runs are few and share one prepared dataset.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fastmae.config import load_run_config
+from fastmae.prepare import prepare
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the cat dog bird sat ran flew on under over a big small red green blue mat tree sky".split()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    import numpy as np
+
+    root = tmp_path_factory.mktemp("train-data")
+    rng = np.random.default_rng(0)
+    docs = [" ".join(rng.choice(WORDS, size=rng.integers(5, 60))) for _ in range(400)]
+    (root / "corpus.txt").write_text("\n".join(docs) + "\n")
+    prepare([root / "corpus.txt"], root / "ds", vocab_size=40, valid_fraction=0.1, progress=False)
+    return root / "ds"
+
+
+def overrides(dataset, run_dir, steps=6, **extra):
+    values = {"model.preset": "mae-lm", "model.hidden_size": 32, "model.num_heads": 2, "model.encoder_layers": 2,
+              "model.decoder_layers": 1, "model.intermediate_size": 64, "model.max_seq_len": 64,
+              "data.path": str(dataset), "data.tokens_per_micro_batch": 256, "train.steps": steps,
+              "train.warmup_steps": 2, "train.lr": 1e-3, "train.zero_stage": 2, "eval.every": 3, "eval.batches": 2,
+              "checkpoint.every": 3, "checkpoint.keep": 2, "log.every": 1, "log.dir": str(run_dir),
+              "log.tensorboard": False, **extra}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def launch(args, env_extra=None, ranks=2, timeout=300):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(ranks), "--master_port", str(_free_port()),
+           str(ROOT / "fastmae" / "train.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_losses(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(dataset, tmp_path):
+    straight = launch(overrides(dataset, tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    killed = launch(overrides(dataset, tmp_path / "resumed"), env_extra={"FASTMAE_FAULT_AT_STEP": "3"})
+    assert killed.returncode != 0  # died hard right after the step-3 checkpoint
+    assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").glob("step*")) == ["step00000003"]
+    resumed = launch(overrides(dataset, tmp_path / "resumed"))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+
+    expected, got = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
+    assert sorted(expected) == list(range(1, 7)) and got == expected
+    a = load_file(tmp_path / "straight" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # keep the newest 2; a half-written checkpoint never counts
+    assert sorted(p.name for p in (tmp_path / "straight" / "checkpoints").glob("step*")) == \
+        ["step00000003", "step00000006"]
+    evals = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
+             if '"eval"' in line]
+    assert [e["step"] for e in evals] == [3, 6] and all(0 <= e["accuracy"] <= 1 for e in evals)
+    assert all(e["mask_rate"] == 0.15 for e in evals)
+
+
+def test_zero3_bf16_with_another_objective(dataset, tmp_path):
+    run = launch(overrides(dataset, tmp_path / "z3", steps=3, **{"train.zero_stage": 3, "train.precision": "bf16",
+                                                                  "model.preset": "3ml", "eval.every": 0}))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    losses = train_losses(tmp_path / "z3")
+    assert len(losses) == 3 and all(v == v for v in losses.values())  # finite
+    assert "embeddings.tokens.weight" in load_file(tmp_path / "z3" / "model.safetensors")
+
+
+def test_two_nodes_on_loopback(dataset, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    port = str(_free_port())
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    deepspeed = shutil.which("deepspeed") or "deepspeed"
+
+    def node(rank):
+        cmd = [deepspeed, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank), "--master_addr",
+               "127.0.0.1", "--master_port", port, str(ROOT / "fastmae" / "train.py"),
+               *overrides(dataset, tmp_path / "two-nodes", steps=2, **{"eval.every": 0})]
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    second, first = node(1), node(0)
+    out0, _ = first.communicate(timeout=300)
+    out1, _ = second.communicate(timeout=60)
+    assert first.returncode == 0 and second.returncode == 0, out0[-3000:] + out1[-3000:]
+    marker = json.loads((tmp_path / "two-nodes" / "checkpoints" / "step00000002" / "COMPLETE").read_text())
+    assert marker["world_size"] == 2
+
+
+def test_single_process_entry_point_and_bad_config(dataset, tmp_path):
+    cmd = [sys.executable, "-m", "fastmae.train", *overrides(dataset, tmp_path / "one", steps=2,
+                                                            **{"eval.every": 0})]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "one" / "model.safetensors").is_file()
+    bad = subprocess.run([sys.executable, "-m", "fastmae.train", "train.stepz=3"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown key train.stepz" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=fast", "train.lr: expected float"),
+    ("model.hidden_size=30", "model.hidden_size=30: must be divisible by num_heads"),
+    ("train.zero_stage=5", "train.zero_stage=5"),
+    ("data.packing=zigzag", "data.packing='zigzag'"),
+    ("optimizer.lr=3", "unknown section"),
+])
+def test_config_errors_name_the_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_run_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [override]).model_config(8000)
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu", "roberta-base", "mae-lm-base", "3ml-base", "roberta-large",
+                                  "mae-lm-large", "3ml-large"])
+def test_shipped_configs_load(name):
+    config = load_run_config(str(ROOT / "configs" / f"{name}.yaml"))
+    model = config.model_config(config.model.get("vocab_size", 8000))
+    assert model.objective in ("mlm", "mae-lm", "3ml")
