@@ -76,13 +76,22 @@ def save(engine, root: Path, step: int, trainer_state: dict, keep: int, metadata
     return final
 
 
-def load(engine, directory: Path) -> dict:
-    """Restore the engine from `directory` and return this rank's trainer state."""
+def load(engine, directory: Path, model_config: dict) -> dict:
+    """Restore the engine from `directory` and return this rank's trainer state.
+
+    The checkpoint must have been saved by as many ranks, for the same `model_config`.
+    """
     directory = Path(directory)
     marker = json.loads((directory / "COMPLETE").read_text())
     world = dist.get_world_size()
     if marker["world_size"] != world:
         raise FastmaeError(f"{directory}: saved by {marker['world_size']} ranks, resuming with {world}")
+    saved = marker.get("model_config", {})
+    changed = sorted(k for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k))
+    if changed:
+        differences = ", ".join(f"{k}={saved.get(k)!r}" for k in changed)
+        raise FastmaeError(f"{directory}: saved for another model ({differences}); resume with the same model, or "
+                           "start a new run (log.dir=... or --resume none)")
     path, _ = engine.load_checkpoint(str(directory.parent), tag=directory.name)
     if path is None:
         raise FastmaeError(f"{directory}: DeepSpeed could not load this checkpoint")

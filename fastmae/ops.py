@@ -23,25 +23,18 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return mode == "triton" or (mode == "auto" and tensor.is_cuda)
 
 
-def select_masked(tokens: torch.Tensor, *args, **kwargs) -> kernels.MaskSelection:
-    """See fastmae.kernels.select_masked_reference."""
-    impl = kernels.select_masked if use_triton(tokens) else kernels.select_masked_reference
-    return impl(tokens, *args, **kwargs)
+def _dispatch(kernel, reference):
+    """An op that runs `kernel` when its first tensor argument goes to Triton, else `reference` (same signature)."""
+
+    def op(first: torch.Tensor, *args, **kwargs):
+        return (kernel if use_triton(first) else reference)(first, *args, **kwargs)
+
+    op.__name__ = kernel.__name__
+    op.__doc__ = f"fastmae.kernels.{kernel.__name__} (Triton) or {reference.__name__} (torch); see their docstrings."
+    return op
 
 
-def embed_rows(table: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """See fastmae.kernels.embed_rows."""
-    impl = kernels.embed_rows if use_triton(table) else kernels.embed_rows_reference
-    return impl(table, *args, **kwargs)
-
-
-def insert_rows(visible: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """See fastmae.kernels.insert_rows."""
-    impl = kernels.insert_rows if use_triton(visible) else kernels.insert_rows_reference
-    return impl(visible, *args, **kwargs)
-
-
-def linear_cross_entropy(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """See fastmae.kernels.linear_cross_entropy."""
-    impl = kernels.linear_cross_entropy if use_triton(x) else kernels.linear_cross_entropy_reference
-    return impl(x, *args, **kwargs)
+select_masked = _dispatch(kernels.select_masked, kernels.select_masked_reference)
+embed_rows = _dispatch(kernels.embed_rows, kernels.embed_rows_reference)
+insert_rows = _dispatch(kernels.insert_rows, kernels.insert_rows_reference)
+linear_cross_entropy = _dispatch(kernels.linear_cross_entropy, kernels.linear_cross_entropy_reference)

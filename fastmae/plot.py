@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import FastmaeError
+from .errors import FastmaeError, run_command
 from .metrics import read_metrics
 
 
@@ -51,12 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--output", type=Path, help="PNG path (default RUN_DIR/curves.png)")
     args = parser.parse_args(argv)
-    try:
-        print(plot_run(args.run_dir, args.output))
-    except FastmaeError as err:
-        print(f"fastmae plot: error: {err}", file=sys.stderr)
-        return 1
-    return 0
+    return run_command("fastmae plot", lambda: print(plot_run(args.run_dir, args.output)))
 
 
 if __name__ == "__main__":

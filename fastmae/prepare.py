@@ -26,7 +26,7 @@ from .atomic import atomic_write_bytes, atomic_write_text
 from .data.readers import FORMATS, ReadStats, read_documents
 from .data.shards import FORMAT_VERSION, SPLITS, read_shard_meta, token_dtype, write_shard
 from .data.tokenizer import Tokenizer, train_sentencepiece
-from .errors import FastmaeError
+from .errors import FastmaeError, run_command
 from .kernels.mask_select import hash32_int
 
 
@@ -181,14 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        prepare(args.input, args.output, args.format, args.field, args.text_mode, args.vocab_size, args.tokenizer,
-                args.model_type, args.character_coverage, args.input_sentence_size, args.valid_fraction,
-                args.docs_per_shard, args.workers, args.on_decode_error, args.seed)
-    except FastmaeError as err:
-        print(f"fastmae prepare: error: {err}", file=sys.stderr)
-        return 1
-    return 0
+    return run_command("fastmae prepare", prepare, args.input, args.output, args.format, args.field, args.text_mode,
+                       args.vocab_size, args.tokenizer, args.model_type, args.character_coverage,
+                       args.input_sentence_size, args.valid_fraction, args.docs_per_shard, args.workers,
+                       args.on_decode_error, args.seed)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import datetime  # noqa: E402
 import socket  # noqa: E402
 
 from fastmae.config import load_run_config  # noqa: E402
-from fastmae.errors import FastmaeError  # noqa: E402
+from fastmae.errors import run_command  # noqa: E402
 
 
 def _free_port() -> int:
@@ -55,12 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=config.train.collective_timeout_s),
                                verbose=False)
-    try:
-        Trainer(config, args.resume).run()
-    except (FastmaeError, ValueError) as err:
-        print(f"fastmae train: error: {err}", file=sys.stderr)
-        return 1
-    return 0
+    return run_command("fastmae train", lambda: Trainer(config, args.resume).run())
 
 
 if __name__ == "__main__":

@@ -85,7 +85,10 @@ class Trainer:
         self.loader = PackedLoader(data.path, "train", max_seq_len=self._max_seq_len(), packing=data.packing,
                                    tokens_per_batch=data.tokens_per_micro_batch, rank=self.rank,
                                    world_size=self.world, seed=train.seed, verify_checksum=data.verify_checksums)
-        self.model_config = config.model_config(self.loader.vocab_size)
+        try:
+            self.model_config = config.model_config(self.loader.vocab_size)
+        except ValueError as err:
+            raise FastmaeError(f"{data.path}: {err}") from None
         self.valid = None
         if config.eval.every > 0:  # evaluation always reads the same first batches of the held-out split
             self.valid = PackedLoader(data.path, "valid", max_seq_len=self.model_config.max_seq_len,
@@ -123,7 +126,7 @@ class Trainer:
         self.stop_requested = False
         checkpoint_dir = checkpoint.resolve_resume(self.ckpt_root, resume)
         if checkpoint_dir is not None:  # last: nothing may draw from the restored RNG before the loop
-            self._restore(checkpoint.load(self.engine, checkpoint_dir))
+            self._restore(checkpoint.load(self.engine, checkpoint_dir, dataclasses.asdict(self.model_config)))
             self._log_line(f"resumed from {checkpoint_dir} at step {self.step}")
         self.metrics = MetricsWriter(self.run_dir, config.log.tensorboard) if self.rank == 0 else None
         if self.rank == 0:

@@ -21,7 +21,6 @@ from pathlib import Path
 
 # Shared memory a block may use (opt-in maximum): A100 (sm_80) 163 KiB, H100 (sm_90) 227 KiB.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
-MAX_HIDDEN = 8192  # rows.row_launch_config's supported range; BLOCK_H 64 .. 8192 below
 
 
 def _row_configs():
@@ -35,7 +34,7 @@ def _row_configs():
         "insert+norm (rotary)": (0, 1, 0, 1, 1),
         "insert (no decoder)": (0, 1, 0, 0, 1),
     }
-    for hidden_block in [2**k for k in range(6, 14)]:
+    for hidden_block in [2**k for k in range(6, rows.MAX_HIDDEN.bit_length())]:  # BLOCK_H 64 .. MAX_HIDDEN
         block, warps = rows.row_launch_config(hidden_block)
         for combo, (src_idx, fill, pos, norm, dst) in combos.items():
             for dtype in ("fp32", "bf16"):
@@ -125,6 +124,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=sorted(SHARED_LIMIT))
     parser.add_argument("--json", type=Path, help="write the per-configuration table here")
+    parser.add_argument("--markdown", type=Path, help="write a per-kernel summary table here")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -142,6 +142,17 @@ def main(argv=None) -> int:
         worst[key] = max(worst.get(key, (0, 0)), (r["registers"], r["shared_bytes"]))
     for (kernel, arch), (regs, shared) in sorted(worst.items()):
         print(f"{kernel:32s} {arch}: max {regs:3d} registers, max {shared:6d} B shared")
+    if args.markdown:
+        lines = ["# Static GPU resource usage of every kernel configuration", "",
+                 "From `python -m fastmae.kernels.aot` (Triton AOT compile + cuobjdump, no GPU needed).", "",
+                 "| kernel | arch | configs | registers (min-max) | shared bytes (max) | spill bytes (max) |",
+                 "|---|---|---|---|---|---|"]
+        for (kernel, arch) in sorted(worst):
+            rows = [r for r in results if (r["kernel"], r["arch"]) == (kernel, arch)]
+            regs = [r["registers"] for r in rows]
+            lines.append(f"| {kernel} | {arch} | {len(rows)} | {min(regs)}-{max(regs)} | "
+                         f"{max(r['shared_bytes'] for r in rows)} | {max(r['local_bytes'] for r in rows)} |")
+        args.markdown.write_text("\n".join(lines) + "\n")
     print(f"{len(results)} configurations compiled, {len(bad)} spill or exceed shared memory")
     for r in bad:
         print(f"  FAIL {r}")

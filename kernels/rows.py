@@ -42,6 +42,16 @@ def _input_row(r, SRC, src_ids, FILL, POS, pos_ids, num_src_rows, stride_src, st
 
 
 @triton.jit
+def _output_row(r, dst_index, DST_INDEXED: tl.constexpr):
+    """Row of the output that launch row r writes (and whose gradient it reads)."""
+    if DST_INDEXED:
+        dst = tl.load(dst_index + r).to(tl.int64)
+    else:
+        dst = r
+    return dst
+
+
+@triton.jit
 def _rows_fwd_kernel(SRC, src_ids, FILL, POS, pos_ids, W, B, OUT, dst_index, MEAN, RSTD,
                      num_src_rows, H, stride_src, stride_pos, stride_out, eps,
                      SRC_INDEXED: tl.constexpr, HAS_FILL: tl.constexpr, HAS_POS: tl.constexpr,
@@ -62,10 +72,7 @@ def _rows_fwd_kernel(SRC, src_ids, FILL, POS, pos_ids, W, B, OUT, dst_index, MEA
         tl.store(RSTD + r, rstd)
     else:
         y = x
-    if DST_INDEXED:
-        dst = tl.load(dst_index + r).to(tl.int64)
-    else:
-        dst = r
+    dst = _output_row(r, dst_index, DST_INDEXED)
     tl.store(OUT + dst * stride_out + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -85,10 +92,7 @@ def _rows_bwd_kernel(DOUT, dst_index, SRC, src_ids, FILL, POS, pos_ids, W, MEAN,
     for i in range(ROWS_PER_PROGRAM):
         r = pid * ROWS_PER_PROGRAM + i
         if r < n_rows:
-            if DST_INDEXED:
-                dst = tl.load(dst_index + r).to(tl.int64)
-            else:
-                dst = r
+            dst = _output_row(r, dst_index, DST_INDEXED)
             dy = tl.load(DOUT + dst * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_NORM:
                 x = _input_row(r, SRC, src_ids, FILL, POS, pos_ids, num_src_rows, stride_src, stride_pos, cols,
@@ -219,9 +223,14 @@ class _RowsFunction(torch.autograd.Function):
         return d_src, None, d_fill, d_pos, None, dw, db, None, None, None
 
 
+MAX_HIDDEN = 8192  # the largest row the launch configurations cover (kernels/aot.py checks each one)
+
+
 def _check_rows(name, src, pos_table, pos_ids, ln_weight, ln_bias, n_rows):
     if src.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D [rows, H] source, got shape {tuple(src.shape)}")
+    if src.shape[1] > MAX_HIDDEN:
+        raise ValueError(f"{name}: hidden size {src.shape[1]} exceeds the supported {MAX_HIDDEN}")
     if (pos_table is None) != (pos_ids is None):
         raise ValueError(f"{name}: pos_table and pos_ids go together")
     if pos_ids is not None and pos_ids.numel() != n_rows:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the default pretraining demo on the CPU. Extra arguments go to the trainer.
+# Set up (scripts/setup.sh) and run the default pretraining demo: tiny-cpu on two CPU ranks with DeepSpeed ZeRO-2 on
+# the embedded corpus (prepared on the first run). Extra arguments are config overrides, e.g. model.preset=mlm.
+# Writes runs/tiny-cpu/: metrics.jsonl, checkpoints/, model.safetensors and curves.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . "${FASTMAE_VENV:-.venv}/bin/activate"
-python -m fastmae.train "$@"
+exec deepspeed --num_gpus "${FASTMAE_DEMO_RANKS:-2}" fastmae/train.py --config configs/tiny-cpu.yaml "$@"
