@@ -203,6 +203,19 @@ class Trainer:
         fault_at = int(os.environ.get("FASTMAE_FAULT_AT_STEP", "0"))  # tests: die hard right after this step
         bar = tqdm(total=cfg.train.steps, initial=self.step, disable=self.rank != 0, desc="train",
                    dynamic_ncols=True, mininterval=1.0)
+        try:
+            self._loop(bar, fault_at)
+        finally:
+            bar.close()
+        if self.step == cfg.train.steps:
+            self.export_weights(self.run_dir / "model.safetensors")
+        if self.metrics is not None:
+            self.metrics.close()
+            self._log_line(f"wrote {plot_run(self.run_dir)}")
+
+    def _loop(self, bar, fault_at: int) -> None:
+        """Micro-batches until the last optimizer step (or a stop request), with logs, evals and checkpoints."""
+        cfg = self.config
         batches = iter(self.loader)
         window = {"loss": 0.0, "micro": 0, "tokens": 0, "flops": 0, "start": time.perf_counter()}
         self.engine.train()
@@ -246,28 +259,6 @@ class Trainer:
             if stop:
                 self._log_line(f"stop requested: checkpoint saved at step {self.step}, exiting")
                 break
-        bar.close()
-        if self.step == cfg.train.steps:
-            self.export_weights(self.run_dir / "model.safetensors")
-        if self.metrics is not None:
-            self.metrics.close()
-            self._log_line(f"wrote {plot_run(self.run_dir)}")
-
-    def export_weights(self, path: Path) -> None:
-        """Collective: rank 0 writes the model's weights (gathered under ZeRO-3) as fp32 safetensors."""
-        from safetensors.torch import save_file
-
-        if self.config.train.zero_stage == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()  # gathered on rank 0
-        else:
-            state = self.engine.module.state_dict()  # replicated on every rank below ZeRO-3
-        if self.rank == 0:
-            tensors = {name: t.detach().float().cpu().contiguous() for name, t in state.items()}
-            metadata = {"model_config": json.dumps(dataclasses.asdict(self.model_config)), "step": str(self.step)}
-            with atomic_path(path) as tmp:
-                save_file(tensors, str(tmp), metadata=metadata)
-            self._log_line(f"wrote {path}")
-        dist.barrier()
 
     def _log_train(self, window: dict, bar) -> None:
         elapsed = time.perf_counter() - window["start"]
@@ -307,3 +298,19 @@ class Trainer:
             self._log_line(f"eval at step {self.step}: loss {record['loss']:.3f}, accuracy {record['accuracy']:.3f}")
         self.engine.train()
         return record
+
+    def export_weights(self, path: Path) -> None:
+        """Collective: rank 0 writes the model's weights (gathered under ZeRO-3) as fp32 safetensors."""
+        from safetensors.torch import save_file
+
+        if self.config.train.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # gathered on rank 0
+        else:
+            state = self.engine.module.state_dict()  # replicated on every rank below ZeRO-3
+        if self.rank == 0:
+            tensors = {name: t.detach().float().cpu().contiguous() for name, t in state.items()}
+            metadata = {"model_config": json.dumps(dataclasses.asdict(self.model_config)), "step": str(self.step)}
+            with atomic_path(path) as tmp:
+                save_file(tensors, str(tmp), metadata=metadata)
+            self._log_line(f"wrote {path}")
+        dist.barrier()

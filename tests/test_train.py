@@ -120,15 +120,18 @@ def test_two_nodes_on_loopback(dataset, tmp_path):
 
 
 def test_single_process_entry_point_and_bad_config(dataset, tmp_path):
-    cmd = [sys.executable, "-m", "fastmae.train", *overrides(dataset, tmp_path / "one", steps=2,
-                                                            **{"eval.every": 0})]
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert (tmp_path / "one" / "model.safetensors").is_file()
-    bad = subprocess.run([sys.executable, "-m", "fastmae.train", "train.stepz=3"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "unknown key train.stepz" in bad.stderr and len(bad.stderr.splitlines()) == 1
+    run = single_process(overrides(dataset, tmp_path / "one", steps=2, **{"eval.every": 0}))
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr[-3000:]
+    assert (tmp_path / "one" / "model.safetensors").is_file() and (tmp_path / "one" / "curves.png").is_file()
+    # the same run directory with another model is refused, not silently mixed
+    other = single_process(overrides(dataset, tmp_path / "one", steps=3, **{"eval.every": 0, "model.preset": "mlm",
+                                                                            "model.decoder_layers": 0}))
+    _, stderr = other.communicate(timeout=300)
+    assert other.returncode == 1 and "saved for another model" in stderr.strip().splitlines()[-1]
+    bad = single_process(["train.stepz=3"])
+    _, stderr = bad.communicate(timeout=120)
+    assert bad.returncode == 2 and "unknown key train.stepz" in stderr and len(stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize("override, message", [
@@ -149,3 +152,37 @@ def test_shipped_configs_load(name):
     config = load_run_config(str(ROOT / "configs" / f"{name}.yaml"))
     model = config.model_config(config.model.get("vocab_size", 8000))
     assert model.objective in ("mlm", "mae-lm", "3ml")
+
+
+def single_process(args, timeout=300, **popen):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.Popen([sys.executable, "-m", "fastmae.train", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def test_non_finite_losses_are_skipped_then_stop_the_run(dataset, tmp_path):
+    # an absurd learning rate blows the weights up within a few steps; every later loss is non-finite
+    proc = single_process(overrides(dataset, tmp_path / "nan", steps=50, **{
+        "train.lr": 1e6, "train.clip": 0.0, "train.warmup_steps": 0, "train.max_bad_steps": 3, "eval.every": 0}))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr[-2000:]
+    assert "micro-batch skipped" in stderr
+    assert stderr.strip().splitlines()[-1].startswith("fastmae train: error: 3 non-finite losses in a row")
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):
+    import signal
+    import time
+
+    run_dir = tmp_path / "term"
+    proc = single_process(overrides(dataset, run_dir, steps=100000, **{"eval.every": 0, "checkpoint.every": 100000}))
+    deadline = time.time() + 240
+    while not (run_dir / "metrics.jsonl").is_file() and time.time() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "stop requested" in stderr
+    saved = sorted((run_dir / "checkpoints").glob("step*"))
+    assert len(saved) == 1 and (saved[0] / "COMPLETE").is_file()
