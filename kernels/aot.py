@@ -58,7 +58,7 @@ def _mask_configs():
 
     rank = dict(cu_seqlens="*i32", maskable_ptr="*u8", RANK="*i32", score_key="*i64")
     yield ("mask_select._rank_kernel", f"BLOCK={mask_select.RANK_BLOCK}", rank,
-           dict(BLOCK_I=mask_select.RANK_BLOCK, BLOCK_J=mask_select.RANK_BLOCK), 4)
+           dict(BLOCK_I=mask_select.RANK_BLOCK, BLOCK_J=mask_select.RANK_BLOCK), mask_select.RANK_NUM_WARPS)
     compact = dict(tokens="*i32", cu_seqlens="*i32", RANK="*i32", num_removed="*i64", num_random="*i64",
                    num_predicted="*i64", masked_start="*i64", removed_start="*i64", INPUT="*i32", MASKED_INDEX="*i32",
                    LABELS="*i32", VISIBLE_INDEX="*i32", REMOVED_INDEX="*i32", replace_key="*i64", num_ordinary="i32")
