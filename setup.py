@@ -25,7 +25,7 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff>=0.5"],
+        "dev": ["pytest>=8", "ruff>=0.5", "pyarrow>=14"],  # pyarrow: the Parquet reader's tests
         # flash-attn builds only with CUDA; NVIDIA apex is never a pip requirement (PyPI's `apex` is another project).
         "gpu": ["flash-attn>=2.5"],
         "hf": ["transformers>=4.40"],

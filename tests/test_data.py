@@ -254,18 +254,21 @@ def test_missing_jsonl_field_fails_the_cli_in_one_line(tmp_path):
     assert not (tmp_path / "ds" / "meta.json").exists()
 
 
-def test_parquet_needs_pyarrow_or_reads_the_column(tmp_path):
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        (tmp_path / "x.parquet").write_bytes(b"PAR1")
-        with pytest.raises(FastmaeError, match="pyarrow"):
-            prepare([tmp_path / "x.parquet"], tmp_path / "ds", fmt="parquet", progress=False)
-        return
+def test_parquet_reads_the_named_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
     pq.write_table(pa.table({"content": [" ".join(WORDS[i:i + 7]) for i in range(30)] * 3}), tmp_path / "x.parquet")
     with pytest.raises(FastmaeError, match="no column 'text'"):
         prepare([tmp_path / "x.parquet"], tmp_path / "ds", fmt="parquet", progress=False)
     meta = prepare([tmp_path / "x.parquet"], tmp_path / "ds", fmt="parquet", text_field="content", vocab_size=40,
                    valid_fraction=0.0, progress=False)
     assert meta["splits"]["train"]["documents"] == 90
+
+
+def test_parquet_without_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    (tmp_path / "x.parquet").write_bytes(b"PAR1")
+    with pytest.raises(FastmaeError, match="needs pyarrow"):
+        prepare([tmp_path / "x.parquet"], tmp_path / "ds", fmt="parquet", progress=False)
