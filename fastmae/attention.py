@@ -143,8 +143,12 @@ def available_backends(device: torch.device | str) -> list[str]:
     return names
 
 
-def resolve_backend(backend: str | None, device: torch.device, dropout_p: float) -> str:
-    """The backend `auto` (or None) means for this device and dropout; explicit names are checked."""
+def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
+                    dtype: torch.dtype = torch.bfloat16) -> str:
+    """The backend `auto` (or None) means for this device, dropout and dtype; explicit names are checked.
+
+    The CUDA varlen kernels take fp16/bf16 only; fp32 on CUDA falls back to padded SDPA.
+    """
     backend = backend or os.environ.get("FASTMAE_ATTENTION", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is unknown; choose one of {BACKENDS}")
@@ -152,11 +156,11 @@ def resolve_backend(backend: str | None, device: torch.device, dropout_p: float)
         if backend not in available_backends(device):
             raise ValueError(f"attention backend {backend!r} is not available on {device}")
         return backend
-    if device.type == "cuda":
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         if _HAS_FLASH_ATTN:
             return "flash"
         return "torch_varlen" if dropout_p == 0.0 else "padded"
-    return CPU_BACKEND
+    return CPU_BACKEND if device.type == "cpu" else "padded"
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: VarlenMeta,
@@ -167,7 +171,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: 
     Sequence b of the queries attends to sequence b of the keys. Returns [T_q, heads, head_dim] in q's dtype.
     """
     meta_k = meta_q if meta_k is None else meta_k
-    name = resolve_backend(backend, q.device, dropout_p)
+    name = resolve_backend(backend, q.device, dropout_p, q.dtype)
     if name == "torch_varlen" and dropout_p:
         raise ValueError("attention backend 'torch_varlen' has no dropout; use attention dropout 0 or another backend")
     return _IMPLS[name](q, k, v, meta_q, meta_k, dropout_p, 1.0 / math.sqrt(q.shape[-1]))

@@ -109,3 +109,17 @@ def test_unknown_or_unavailable_backend_is_an_error(monkeypatch):
             varlen_attention(x, x, x, meta, backend="torch_varlen")
     monkeypatch.setenv("FASTMAE_ATTENTION", "reference")
     torch.testing.assert_close(varlen_attention(x, x, x, meta), varlen_attention_reference(x, x, x, meta, meta))
+
+
+def test_automatic_choice_follows_device_dropout_and_dtype(monkeypatch):
+    from fastmae import attention
+
+    monkeypatch.delenv("FASTMAE_ATTENTION", raising=False)
+    cuda = torch.device("cuda")
+    assert attention.resolve_backend(None, torch.device("cpu"), 0.1, torch.float32) == attention.CPU_BACKEND
+    monkeypatch.setattr(attention, "_HAS_FLASH_ATTN", False)
+    assert attention.resolve_backend(None, cuda, 0.0, torch.bfloat16) == "torch_varlen"
+    assert attention.resolve_backend(None, cuda, 0.1, torch.bfloat16) == "padded"  # varlen_attn has no dropout
+    assert attention.resolve_backend(None, cuda, 0.0, torch.float32) == "padded"  # varlen kernels: half only
+    monkeypatch.setattr(attention, "_HAS_FLASH_ATTN", True)
+    assert attention.resolve_backend(None, cuda, 0.1, torch.float16) == "flash"
