@@ -14,8 +14,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from synthetic import markov_documents  # noqa: E402
+
 from fastmae import MaskedLM, ModelConfig, PackedBatch  # noqa: E402
-from fastmae.synthetic import markov_documents  # noqa: E402
 
 TINY = dict(vocab_size=97, hidden_size=48, num_heads=4, intermediate_size=80, encoder_layers=2, max_seq_len=128)
 

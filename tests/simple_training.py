@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from synthetic import markov_documents
 
 from fastmae import MaskedLM, ModelConfig, PackedBatch
 from fastmae.optim import lr_multiplier, param_groups
-from fastmae.synthetic import markov_documents
 
 
 @dataclass

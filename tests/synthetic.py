@@ -1,4 +1,4 @@
-"""A small generated corpus with learnable structure, for tests and the offline demo.
+"""A small generated corpus with learnable structure, for the tests that need a model to learn something.
 
 Each document is a walk on a sparse random Markov chain over the ordinary token ids: every token has a few likely
 successors, so a masked token is predictable from its neighbours (the loss can fall from ln V towards ~ln(branching)).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import BOS_ID, EOS_ID, NUM_SPECIAL_TOKENS
+from fastmae.config import BOS_ID, EOS_ID, NUM_SPECIAL_TOKENS
 
 
 def markov_documents(num_documents: int, vocab_size: int, min_len: int = 8, max_len: int = 64,
