@@ -217,11 +217,14 @@ class Trainer:
         """Micro-batches until the last optimizer step (or a stop request), with logs, evals and checkpoints."""
         cfg = self.config
         batches = iter(self.loader)
-        window = {"loss": 0.0, "micro": 0, "tokens": 0, "flops": 0, "start": time.perf_counter()}
+        window = self._new_window()
         self.engine.train()
         while self.step < cfg.train.steps:
             batch = next(batches).to(self.device)
-            out = self.engine(batch, seed=cfg.train.seed, step=self.micro_step, rank=self.rank)
+            # masked-token accuracy costs an argmax over the vocabulary: only on the micro-batches of logged steps
+            logged = (self.step + 1) % cfg.log.every == 0 or self.step + 1 == cfg.train.steps
+            out = self.engine(batch, seed=cfg.train.seed, step=self.micro_step, rank=self.rank,
+                              compute_accuracy=logged)
             self.micro_step += 1
             loss = out.loss.item()  # one sync per micro-batch: all ranks must agree to skip a non-finite loss
             bad, stop = self._any_rank(not math.isfinite(loss), self.stop_requested)
@@ -239,6 +242,9 @@ class Trainer:
             self.engine.step()
             window["loss"] += loss
             window["micro"] += 1
+            if logged:
+                window["correct"] += out.num_correct.item()
+                window["predicted"] += out.num_predicted
             window["tokens"] += batch.num_tokens
             window["flops"] += training_flops(self.model_config, batch.seqlens,
                                               batch.seqlens - out.masked.counts.removed, out.num_predicted)
@@ -249,7 +255,7 @@ class Trainer:
             bar.update(1)
             if self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
                 self._log_train(window, bar)
-                window = {"loss": 0.0, "micro": 0, "tokens": 0, "flops": 0, "start": time.perf_counter()}
+                window = self._new_window()
             if self.valid is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.train.steps):
                 self.evaluate()
             if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps or stop:
@@ -260,14 +266,21 @@ class Trainer:
                 self._log_line(f"stop requested: checkpoint saved at step {self.step}, exiting")
                 break
 
+    @staticmethod
+    def _new_window() -> dict:
+        """Sums over the optimizer steps since the last log record."""
+        return {"loss": 0.0, "micro": 0, "tokens": 0, "flops": 0, "correct": 0, "predicted": 0,
+                "start": time.perf_counter()}
+
     def _log_train(self, window: dict, bar) -> None:
         elapsed = time.perf_counter() - window["start"]
-        totals = torch.tensor([window["loss"], window["micro"], window["tokens"], window["flops"]],
-                              dtype=torch.float64, device=self.device)
+        keys = ("loss", "micro", "tokens", "flops", "correct", "predicted")
+        totals = torch.tensor([float(window[k]) for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)
-        loss_sum, micro, tokens, flops = totals.tolist()
+        loss_sum, micro, tokens, flops, correct, predicted = totals.tolist()
         grad_norm = self.engine.get_global_grad_norm()
         record = {"kind": "train", "step": self.step, "loss": loss_sum / max(micro, 1),
+                  "accuracy": correct / max(predicted, 1),
                   "lr": self.engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "tokens_per_s": tokens / elapsed, "mfu": flops / elapsed / (self.peak_flops * self.world),
                   "memory_mib": peak_memory_mib(self.device), "tokens_seen": self.tokens_seen * self.world,

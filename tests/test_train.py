@@ -85,6 +85,9 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(dataset, tmp_path):
     evals = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
              if '"eval"' in line]
     assert [e["step"] for e in evals] == [3, 6] and all(0 <= e["accuracy"] <= 1 for e in evals)
+    records = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert all(0 <= r["accuracy"] <= 1 and r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in train)
     assert all(e["mask_rate"] == 0.15 for e in evals)
 
 
