@@ -272,3 +272,14 @@ def test_parquet_without_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
     (tmp_path / "x.parquet").write_bytes(b"PAR1")
     with pytest.raises(FastmaeError, match="needs pyarrow"):
         prepare([tmp_path / "x.parquet"], tmp_path / "ds", fmt="parquet", progress=False)
+
+
+def test_saved_hugging_face_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")  # optional: not in the dev extras
+    texts = [" ".join(WORDS[i:i + 8]) for i in range(25)] * 4
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": texts})}).save_to_disk(str(tmp_path / "hf"))
+    with pytest.raises(FastmaeError, match="no column 'text'"):
+        prepare([tmp_path / "hf"], tmp_path / "ds", fmt="hf", progress=False)
+    meta = prepare([tmp_path / "hf"], tmp_path / "ds", fmt="hf", text_field="body", vocab_size=40,
+                   valid_fraction=0.0, progress=False)
+    assert meta["splits"]["train"]["documents"] == 100
