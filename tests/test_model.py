@@ -214,3 +214,14 @@ def test_activation_checkpointing_changes_nothing_but_memory(batch):
     torch.testing.assert_close(results[1][0], results[0][0])
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b)
+
+
+def test_attention_backend_can_be_forced_per_model(batch):
+    model = tiny_model("3ml")
+    model.set_attention_backend("reference")
+    reference = model(batch, seed=3).loss
+    model.set_attention_backend("padded")
+    torch.testing.assert_close(model(batch, seed=3).loss, reference, rtol=1e-5, atol=1e-6)
+    model.set_attention_backend("magic")
+    with pytest.raises(ValueError, match="magic"):
+        model(batch, seed=3)
