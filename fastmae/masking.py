@@ -7,6 +7,7 @@ counts are computed on the host from the batch's host counts, so every shape bel
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,23 +40,35 @@ class MaskCounts:
         return cls(predicted, removed, random)
 
 
-@dataclass(frozen=True)
+@dataclass
 class MaskedBatch:
-    """A batch after masking: the selection (device) and the varlen layouts of its streams.
+    """A batch after masking: the selection (device) and, built on first use, the varlen layouts of its streams.
 
-    full: all T rows; visible: the T_v rows the encoder keeps; masked: the T_m predicted rows.
+    full: all T rows; visible: the T_v rows the encoder keeps; masked: the T_m predicted rows. A layout is built only
+    if a layer asks for it (`mlm` never needs the visible one, only the `cross` decoder the masked one).
     """
 
     batch: PackedBatch
     counts: MaskCounts
     selection: MaskSelection
-    full: VarlenMeta
-    visible: VarlenMeta
-    masked: VarlenMeta
+    config: ModelConfig
 
     @property
     def num_predicted(self) -> int:
         return int(self.selection.masked_index.shape[0])
+
+    @functools.cached_property
+    def full(self) -> VarlenMeta:
+        return stream_meta(self.batch, self.batch.seqlens, None, self.config)
+
+    @functools.cached_property
+    def visible(self) -> VarlenMeta:
+        return stream_meta(self.batch, self.batch.seqlens - self.counts.removed, self.selection.visible_index,
+                           self.config)
+
+    @functools.cached_property
+    def masked(self) -> VarlenMeta:
+        return stream_meta(self.batch, self.counts.predicted, self.selection.masked_index, self.config)
 
 
 def stream_meta(batch: PackedBatch, lengths: torch.Tensor, rows: torch.Tensor | None,
@@ -94,11 +107,4 @@ def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, ra
         vocab_size=config.vocab_size, mask_token_id=config.mask_token_id, first_ordinary_id=NUM_SPECIAL_TOKENS,
         max_seqlen=batch.max_seqlen,
     )
-    return MaskedBatch(
-        batch=batch,
-        counts=counts,
-        selection=selection,
-        full=stream_meta(batch, batch.seqlens, None, config),
-        visible=stream_meta(batch, batch.seqlens - counts.removed, selection.visible_index, config),
-        masked=stream_meta(batch, counts.predicted, selection.masked_index, config),
-    )
+    return MaskedBatch(batch=batch, counts=counts, selection=selection, config=config)

@@ -78,7 +78,7 @@ class Insertion(nn.Module):
         sel = masked.selection
         norm = () if self.norm is None else (self.norm.weight, self.norm.bias, self.norm.eps)
         x = ops.insert_rows(visible, sel.visible_index, sel.removed_index, token_embedding[self.mask_token_id],
-                            *_positions_args(self.positions, masked.full.positions), *norm)
+                            *_positions_args(self.positions, masked.batch.positions), *norm)
         return self.dropout(x)
 
 
