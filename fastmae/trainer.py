@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from . import checkpoint
 from .atomic import atomic_path
-from .config import RunConfig
+from .config import ModelConfig, RunConfig
 from .data import PackedLoader
 from .errors import FastmaeError
 from .flops import training_flops
@@ -82,7 +82,9 @@ class Trainer:
 
         self._prepare_data_if_asked()
         data, train = config.data, config.train
-        self.loader = PackedLoader(data.path, "train", max_seq_len=self._max_seq_len(), packing=data.packing,
+        # the model config needs the dataset's vocab size, the loader the model's sequence length
+        max_seq_len = int(config.model.get("max_seq_len", ModelConfig.max_seq_len))
+        self.loader = PackedLoader(data.path, "train", max_seq_len=max_seq_len, packing=data.packing,
                                    tokens_per_batch=data.tokens_per_micro_batch, rank=self.rank,
                                    world_size=self.world, seed=train.seed, verify_checksum=data.verify_checksums)
         try:
@@ -133,9 +135,6 @@ class Trainer:
             self._write_resolved_config()
 
     # ------------------------------------------------------------------------------------------------ setup
-    def _max_seq_len(self) -> int:
-        return int(self.config.model.get("max_seq_len", 512))
-
     def _prepare_data_if_asked(self) -> None:
         data = self.config.data
         if data.prepare_builtin and not (Path(data.path) / "meta.json").is_file():
