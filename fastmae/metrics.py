@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -20,8 +21,6 @@ def peak_memory_mib(device: torch.device) -> float:
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 3) -> float:
     """Achieved FLOP/s of a square matmul on `device` in `dtype`: the denominator of MFU, measured in the run."""
-    import time
-
     generator = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG (dropout) untouched
     a = torch.randn(size, size, device=device, generator=generator).to(dtype)
     b = torch.randn(size, size, device=device, generator=generator).to(dtype)

@@ -124,22 +124,23 @@ def row_launch_config(hidden: int) -> tuple[int, int]:
 ROWS_PER_PROGRAM = 16  # backward: rows per program, so LayerNorm weight-gradient partials stay few
 
 
-def _empty_like_ptr(device):
+def _placeholder(device):
+    """An empty tensor passed for a pointer argument that the kernel's flags leave unused."""
     return torch.empty(0, device=device)
 
 
-def _launch_forward(src, src_ids, fill, pos_table, pos_ids, ln_weight, ln_bias, eps, dst_index, out_rows):
-    n_rows = src_ids.numel() if src_ids is not None else (dst_index.numel() if dst_index is not None else src.shape[0])
+def _launch_forward(src, src_ids, fill, pos_table, pos_ids, ln_weight, ln_bias, eps, dst_index, n_rows):
+    """n_rows: launch rows, one per output row (every output row is written exactly once)."""
     hidden = src.shape[1]
     device = src.device
-    out = torch.empty(out_rows, hidden, device=device, dtype=src.dtype)
+    out = torch.empty(n_rows, hidden, device=device, dtype=src.dtype)
     has_norm = ln_weight is not None
-    mean = torch.empty(n_rows, device=device, dtype=torch.float32) if has_norm else _empty_like_ptr(device)
+    mean = torch.empty(n_rows, device=device, dtype=torch.float32) if has_norm else _placeholder(device)
     rstd = torch.empty_like(mean) if has_norm else mean
     if n_rows == 0:
         return out, mean, rstd
     block, warps = row_launch_config(hidden)
-    none = _empty_like_ptr(device)
+    none = _placeholder(device)
     _rows_fwd_kernel[(n_rows,)](
         src, src_ids if src_ids is not None else none, fill if fill is not None else none,
         pos_table if pos_table is not None else none, pos_ids if pos_ids is not None else none,
@@ -164,7 +165,7 @@ def _launch_backward(dout, src, src_ids, fill, pos_table, pos_ids, ln_weight, me
         return dpre, None, None
     dout = dout.contiguous()
     block, warps = row_launch_config(hidden)
-    none = _empty_like_ptr(device)
+    none = _placeholder(device)
     _rows_bwd_kernel[(programs,)](
         dout, dst_index if dst_index is not None else none, src, src_ids if src_ids is not None else none,
         fill if fill is not None else none, pos_table if pos_table is not None else none,
@@ -192,34 +193,28 @@ def _accumulate_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor)
 class _RowsFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, src, src_ids, fill, pos_table, pos_ids, ln_weight, ln_bias, eps, dst_index, out_rows):
+    def forward(ctx, src, src_ids, fill, pos_table, pos_ids, ln_weight, ln_bias, eps, dst_index, n_rows):
         src = src.contiguous()
         out, mean, rstd = _launch_forward(src, src_ids, fill, pos_table, pos_ids, ln_weight, ln_bias, eps, dst_index,
-                                          out_rows)
-        ctx.save_for_backward(src, src_ids, fill, pos_table, pos_ids, ln_weight, mean, rstd, dst_index)
-        ctx.has = (src_ids is not None, fill is not None, pos_table is not None, ln_weight is not None,
-                   dst_index is not None)
+                                          n_rows)
+        ctx.save_for_backward(src, src_ids, fill, pos_table, pos_ids, ln_weight, mean, rstd, dst_index)  # None stays
+        ctx.n_rows = n_rows
         return out
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout):
         src, src_ids, fill, pos_table, pos_ids, ln_weight, mean, rstd, dst_index = ctx.saved_tensors
-        has_ids, has_fill, has_pos, has_norm, has_dst = ctx.has
-        src_ids = src_ids if has_ids else None
-        fill = fill if has_fill else None
-        pos_table, pos_ids = (pos_table, pos_ids) if has_pos else (None, None)
-        ln_weight = ln_weight if has_norm else None
-        dst_index = dst_index if has_dst else None
-        n_rows = src_ids.numel() if has_ids else (dst_index.numel() if has_dst else src.shape[0])
         dpre, dw, db = _launch_backward(dout, src, src_ids, fill, pos_table, pos_ids, ln_weight, mean, rstd,
-                                        dst_index, n_rows)
-        if has_ids:  # a table lookup: rows with the same id add up
+                                        dst_index, ctx.n_rows)
+        if src_ids is not None:  # a table lookup: rows with the same id add up
             d_src = _accumulate_rows(src, src_ids, dpre) if ctx.needs_input_grad[0] else None
         else:  # row r of src made output row r: its gradient is d_pre in row order
             d_src = dpre[: src.shape[0]].to(src.dtype)
-        d_fill = dpre[src.shape[0]:].sum(0).to(fill.dtype) if has_fill else None
-        d_pos = _accumulate_rows(pos_table, pos_ids, dpre) if has_pos and ctx.needs_input_grad[3] else None
+        d_fill = dpre[src.shape[0]:].sum(0).to(fill.dtype) if fill is not None else None
+        d_pos = None
+        if pos_table is not None and ctx.needs_input_grad[3]:
+            d_pos = _accumulate_rows(pos_table, pos_ids, dpre)
         return d_src, None, d_fill, d_pos, None, dw, db, None, None, None
 
 

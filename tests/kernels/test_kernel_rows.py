@@ -39,6 +39,15 @@ def run(fn, inputs, dtype, float_keys, int_keys, call):
     return [out, *grads]
 
 
+def row_cases(test):
+    """Parametrise `test` over every shape x variant x dtype x seed."""
+    for mark in (pytest.mark.parametrize("seed", [0, 1]), pytest.mark.parametrize("dtype", DTYPES, ids=str),
+                 pytest.mark.parametrize("with_pos, with_norm", VARIANTS),
+                 pytest.mark.parametrize("rows, hidden", SHAPES)):
+        test = mark(test)
+    return test
+
+
 def check(kernel, reference, inputs, dtype, float_keys, int_keys, call, bit_exact: int):
     """Kernel vs reference in `dtype` vs reference in fp64; the first `bit_exact` results must match bit for bit."""
     got = run(kernel, inputs, dtype, float_keys, int_keys, call)
@@ -50,10 +59,7 @@ def check(kernel, reference, inputs, dtype, float_keys, int_keys, call, bit_exac
         assert_as_accurate(f"output {i}" if i == 0 else f"grad {i}", g, p, e, dtype, factor=2 if i == 0 else 3)
 
 
-@pytest.mark.parametrize("rows, hidden", SHAPES)
-@pytest.mark.parametrize("with_pos, with_norm", VARIANTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("seed", [0, 1])
+@row_cases
 def test_embed_rows(rows, hidden, with_pos, with_norm, dtype, seed, nan_empty):
     inputs = make_inputs(rows, hidden, dtype, seed, with_pos, with_norm)
     floats, ints = ["table", "pos_table", "ln_weight", "ln_bias"], ["ids", "pos_ids"]
@@ -63,10 +69,7 @@ def test_embed_rows(rows, hidden, with_pos, with_norm, dtype, seed, nan_empty):
     check(embed_rows, embed_rows_reference, inputs, dtype, floats, ints, call, bit_exact=1 if movement_only else 0)
 
 
-@pytest.mark.parametrize("rows, hidden", SHAPES)
-@pytest.mark.parametrize("with_pos, with_norm", VARIANTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("seed", [0, 1])
+@row_cases
 def test_insert_rows(rows, hidden, with_pos, with_norm, dtype, seed, nan_empty):
     inputs = make_inputs(rows, hidden, dtype, seed, with_pos, with_norm)
     gen = torch.Generator().manual_seed(100 + seed)
