@@ -19,7 +19,7 @@ from . import ops
 from .attention import VarlenMeta, apply_rotary, varlen_attention
 from .batch import PackedBatch
 from .config import ModelConfig
-from .masking import MaskedBatch, mask_batch, stream_meta
+from .masking import MaskedBatch, mask_batch
 
 
 class PositionEmbedding(nn.Module):
@@ -161,18 +161,23 @@ class MaskedLMOutput(NamedTuple):
 
 
 class MaskedLM(nn.Module):
-    """Encoder (L layers) + optional decoder (d layers) + tied LM head; `insert_layer` k picks the objective."""
+    """Encoder (L layers) + optional decoder (d layers) + tied LM head; `insert_layer` k picks the objective.
+
+    The layers live in two stacks: `encoder` (L layers: [0, k) run on the visible rows, [k, L) on the full rows after
+    the insertion) and `decoder` (d layers on the full rows, or the masked rows for `cross`). Pretraining (`forward`)
+    and fine-tuning (`encode`) run the same `_encoder` path; `encode` merely masks nothing.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         k, n_enc = config.insert_layer, config.encoder_layers
         self.embeddings = Embeddings(config)
-        self.layers = nn.ModuleList(
-            [TransformerLayer(config, config.dropout, config.attention_dropout) for _ in range(n_enc)]
-            + [TransformerLayer(config, config.decoder_dropout, config.decoder_dropout)
-               for _ in range(config.decoder_layers)]
-        )
+        self.encoder = nn.ModuleList(
+            [TransformerLayer(config, config.dropout, config.attention_dropout) for _ in range(n_enc)])
+        self.decoder = nn.ModuleList(
+            [TransformerLayer(config, config.decoder_dropout, config.decoder_dropout)
+             for _ in range(config.decoder_layers)])
         # k = 0 inserts at the input (ids become <mask>, inside Embeddings); k > 0 has an insertion module.
         self.insertion = None
         if k > 0:
@@ -205,7 +210,7 @@ class MaskedLM(nn.Module):
 
     def set_attention_backend(self, backend: str | None) -> None:
         """Force one attention backend for every layer (None: automatic)."""
-        for layer in self.layers:
+        for layer in [*self.encoder, *self.decoder]:
             layer.attention_backend = backend
 
     def _check(self, batch: PackedBatch) -> None:
@@ -213,51 +218,63 @@ class MaskedLM(nn.Module):
             raise ValueError(f"batch has a sequence of {batch.max_seqlen} tokens; model max_seq_len is "
                              f"{self.config.max_seq_len}")
 
-    def _stack(self, x: torch.Tensor, meta: VarlenMeta, start: int, stop: int) -> torch.Tensor:
-        """Run layers [start, stop) on rows laid out by `meta`, closing each stack with its pre-LN final norm."""
-        for index in range(start, stop):
+    def _run(self, layers: nn.ModuleList, x: torch.Tensor, meta: VarlenMeta) -> torch.Tensor:
+        """Run `layers` in order on rows laid out by `meta` (recomputed in backward under activation checkpointing)."""
+        for layer in layers:
             if self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(self.layers[index], x, meta, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, meta, use_reentrant=False)
             else:
-                x = self.layers[index](x, meta)
-            if index + 1 == self.config.encoder_layers and self.encoder_norm is not None:
-                x = self.encoder_norm(x)
-            if index + 1 == self.config.num_layers and self.decoder_norm is not None:
-                x = self.decoder_norm(x)
+                x = layer(x, meta)
         return x
 
+    def _encoder(self, masked: MaskedBatch) -> torch.Tensor:
+        """The L encoder layers on a masked batch: embeddings of the encoder's rows, layers [0, k) on the visible
+        rows, the insertion (when 0 < k < L), layers [k, L) on the full rows, and the pre-LN final norm.
+
+        Returns [T_v, H] rows of the visible stream when k = L, else [T, H] rows of the full stream.
+        """
+        k, n_enc = self.config.insert_layer, self.config.encoder_layers
+        sel = masked.selection
+        if k == 0:  # the insertion at the input is "replace by <mask>": the selection already wrote those ids
+            x = self.embeddings(sel.input_tokens, masked.batch.positions)
+        else:
+            x = self.embeddings(sel.input_tokens.index_select(0, sel.visible_index), masked.visible.positions)
+            x = self._run(self.encoder[:k], x, masked.visible)
+            if k < n_enc:
+                x = self.insertion(x, masked, self.embeddings.tokens.weight)
+        if k < n_enc:
+            x = self._run(self.encoder[k:], x, masked.full)
+        return x if self.encoder_norm is None else self.encoder_norm(x)
+
     def encode(self, batch: PackedBatch) -> torch.Tensor:
-        """[T, H] encoder states of the unmasked batch (the fine-tuning path): the first L layers only."""
+        """[T, H] encoder states of the unmasked batch (the fine-tuning path): the pretrained encoder's L layers,
+        including the insertion's own positions and LayerNorm when 0 < k < L, with nothing masked."""
         self._check(batch)
-        meta = stream_meta(batch, batch.seqlens, None, self.config)
-        return self._stack(self.embeddings(batch.tokens, batch.positions), meta, 0, self.config.encoder_layers)
+        return self._encoder(mask_batch(batch, self.config, seed=0, step=0, mask_rate=0.0))
 
     def forward(self, batch: PackedBatch, seed: int = 0, step: int = 0, rank: int = 0,
-                mask_rate: float | None = None, compute_accuracy: bool = False) -> MaskedLMOutput:
+                compute_accuracy: bool = False, masked: MaskedBatch | None = None) -> MaskedLMOutput:
         """Mask `batch` for (seed, step, rank), run the model and return the masked-token loss.
 
-        mask_rate overrides the config's (evaluation uses a fixed 15%); compute_accuracy also counts the predicted
-        rows whose most likely token is the label.
+        masked: a masking of `batch` made elsewhere (evaluation's fixed held-out masks, `masking.mask_rows`); seed,
+        step and rank are then unused. compute_accuracy also counts the predicted rows whose most likely token is
+        the label.
         """
         self._check(batch)
         cfg = self.config
-        k, n_enc = cfg.insert_layer, cfg.encoder_layers
-        masked = mask_batch(batch, cfg, seed, step, rank, mask_rate)
-        sel = masked.selection
-        if k == 0:  # the insertion at the input is "replace by <mask>": the selection already wrote those ids
-            x = self.embeddings(sel.input_tokens, batch.positions)
-        else:
-            x = self.embeddings(sel.input_tokens.index_select(0, sel.visible_index), masked.visible.positions)
-            x = self._stack(x, masked.visible, 0, k)
-            encoder_states = x
+        if masked is None:
+            masked = mask_batch(batch, cfg, seed, step, rank)
+        encoder_states = self._encoder(masked)
+        x = encoder_states
+        if 0 < cfg.insert_layer == cfg.encoder_layers:  # k = L: the insertion feeds the decoder
             x = self.insertion(x, masked, self.embeddings.tokens.weight)
-        if k < n_enc:
-            x = self._stack(x, masked.full, k, n_enc)
-            encoder_states = x
         if cfg.decoder_kind == "cross":
             x = self._cross_decoder(x, masked)
         else:
-            x = self._stack(x, masked.full, n_enc, cfg.num_layers).index_select(0, sel.masked_index)
+            x = self._run(self.decoder, x, masked.full)
+            if self.decoder_norm is not None:
+                x = self.decoder_norm(x)
+            x = x.index_select(0, masked.selection.masked_index)
         return self._loss(x, masked, encoder_states, compute_accuracy)
 
     def _cross_decoder(self, inserted: torch.Tensor, masked: MaskedBatch) -> torch.Tensor:
@@ -266,7 +283,7 @@ class MaskedLM(nn.Module):
         Returns the [T_m, H] states of the predicted rows."""
         index = masked.selection.masked_index
         x = inserted.index_select(0, index)
-        for layer in self.layers[self.config.encoder_layers:]:
+        for layer in self.decoder:
             context = inserted.index_copy(0, index.long(), x)
             x = layer(x, masked.masked, context=context, meta_k=masked.full)
         if self.decoder_norm is not None:

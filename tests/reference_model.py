@@ -59,10 +59,18 @@ def embed(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def encoder_forward(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The first L layers on one sequence (ids and their position ids), with the pre-LN final norm if any."""
+    """The first L layers on one sequence (ids and their position ids), with the pre-LN final norm if any.
+
+    For 0 < k < L the insertion sits before layer k: with nothing removed it adds its own position rows and applies
+    its own LayerNorm (the network that was pretrained)."""
     cfg = model.config
     x = embed(model, ids, positions)
-    for layer in model.layers[: cfg.encoder_layers]:
+    for index, layer in enumerate(model.encoder):
+        if 0 < index == cfg.insert_layer:
+            insertion = model.insertion
+            if cfg.position_embedding == "learned":
+                x = x + insertion.positions.weight[positions.long() + cfg.pad_token_id + 1]
+            x = F.layer_norm(x, (cfg.hidden_size,), insertion.norm.weight, insertion.norm.bias, cfg.layer_norm_eps)
         x = layer_forward(layer, x, positions, cfg)
     if model.encoder_norm is not None:
         x = model.encoder_norm(x)

@@ -8,6 +8,7 @@ from reference_model import embed, encoder_forward, layer_forward
 
 from fastmae import PackedBatch
 from fastmae.config import MASK_ID
+from fastmae.masking import mask_batch
 
 
 def per_sequence(batch: PackedBatch, values: torch.Tensor):
@@ -26,12 +27,31 @@ VARIANTS = [
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_no_masking_and_no_decoder_is_a_plain_encoder(preset, variant, batch):
     model = tiny_model(preset, decoder_layers=0, **variant)
-    out = model(batch, seed=0, mask_rate=0.0)
+    out = model(batch, masked=mask_batch(batch, model.config, seed=0, step=0, mask_rate=0.0))
     assert out.num_predicted == 0
     expected = torch.cat([encoder_forward(model, ids, pos)
                           for ids, pos in zip(per_sequence(batch, batch.tokens), per_sequence(batch, batch.positions))])
     torch.testing.assert_close(out.encoder_states, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.encode(batch), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("insert_layer", [0, 1, 2, 4])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_encode_runs_the_pretrained_encoder_for_every_insert_layer(insert_layer, variant, batch):
+    # L = 4, k in {0, 1, L/2, L}: for 0 < k < L the insertion's own positions and LayerNorm are part of the encoder
+    preset = "mlm" if insert_layer == 0 else "mae-lm"
+    model = tiny_model(preset, encoder_layers=4, decoder_layers=0, insert_layer=insert_layer, **variant)
+    nothing_masked = mask_batch(batch, model.config, seed=0, step=0, mask_rate=0.0)
+    states = model.encode(batch)
+    torch.testing.assert_close(model(batch, masked=nothing_masked).encoder_states, states, rtol=0, atol=0)
+    expected = torch.cat([encoder_forward(model, ids, pos)
+                          for ids, pos in zip(per_sequence(batch, batch.tokens), per_sequence(batch, batch.positions))])
+    torch.testing.assert_close(states, expected, rtol=1e-5, atol=1e-5)
+    states.square().sum().backward()  # every encoder parameter (the insertion's too when k < L) shapes the states
+    unused = [name for name, p in model.named_parameters()
+              if not name.startswith(("head.", "decoder")) and (p.grad is None or not p.grad.abs().sum() > 0)
+              and not (name.startswith("insertion.") and insert_layer == 4)]
+    assert unused == []
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -150,7 +170,7 @@ def test_cross_decoder_matches_naive_computation(batch):
         lo, hi = batch.cu_seqlens[b].item(), batch.cu_seqlens[b + 1].item()
         rows = masked_rows[(masked_rows >= lo) & (masked_rows < hi)]
         full, x = inserted[lo:hi], inserted[rows]
-        for layer in model.layers[cfg.encoder_layers:]:
+        for layer in model.decoder:
             context = full.index_copy(0, rows - lo, x)
             x = layer_forward(layer, x, batch.positions[rows], cfg, context, batch.positions[lo:hi])
         predicted.append(x)
