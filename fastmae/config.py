@@ -167,6 +167,20 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def _as_float(value):
+    """`value` as a float when it is a number or a string that reads as one ("2e-3": YAML 1.1 leaves it a string)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def apply_overrides(config, overrides: dict, name: str | None = None):
     """Return a copy of dataclass `config` with `overrides` applied; unknown keys and wrong types name the key.
 
@@ -185,8 +199,8 @@ def apply_overrides(config, overrides: dict, name: str | None = None):
         if isinstance(current, bool) or isinstance(value, bool):
             ok = isinstance(value, bool) and isinstance(current, bool)
         elif isinstance(current, float):
-            ok = isinstance(value, (int, float))
-            value = float(value) if ok else value
+            value = _as_float(value)
+            ok = isinstance(value, float)
         elif isinstance(current, tuple):
             ok = isinstance(value, (list, tuple))
             value = tuple(value) if ok else value
@@ -199,6 +213,8 @@ def apply_overrides(config, overrides: dict, name: str | None = None):
 
 
 # --------------------------------------------------------------------------------------------- training configs
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
 @dataclass
 class DataConfig:
     """Where the tokens come from and how they are packed."""
@@ -209,6 +225,8 @@ class DataConfig:
     """If `path` holds no dataset yet, prepare the embedded Python-docs corpus there first (the offline demo)."""
     builtin_vocab_size: int = 8000
     """Tokenizer size when prepare_builtin trains one."""
+    builtin_valid_fraction: float = 0.05
+    """Share of the embedded corpus's documents held out for evaluation when prepare_builtin prepares it."""
     packing: str = "full"
     """`full` (RoBERTa FULL-SENTENCES) or `doc` (one document per varlen sequence)."""
     tokens_per_micro_batch: int = 8192
@@ -221,6 +239,10 @@ class DataConfig:
             raise ValueError(f"data.packing={self.packing!r}: must be 'full' or 'doc'")
         if self.tokens_per_micro_batch <= 0:
             raise ValueError(f"data.tokens_per_micro_batch={self.tokens_per_micro_batch}: must be positive")
+        if self.builtin_vocab_size <= 5:
+            raise ValueError(f"data.builtin_vocab_size={self.builtin_vocab_size}: must exceed the 5 special tokens")
+        if not 0.0 < self.builtin_valid_fraction < 1.0:
+            raise ValueError(f"data.builtin_valid_fraction={self.builtin_valid_fraction}: must be in (0, 1)")
 
 
 @dataclass
@@ -248,8 +270,9 @@ class TrainConfig:
     eps: float = 1e-6
     clip: float = 2.0
     """Gradient clipping by global norm (0 disables)."""
-    precision: str = "fp32"
-    """`fp32`, `bf16` or `fp16` (DeepSpeed mixed precision)."""
+    precision: str = "auto"
+    """`auto` (bf16 where the device multiplies bf16 natively: CUDA sm_80+, CPUs with AMX or AVX512-BF16; fp32
+    elsewhere), `fp32`, `bf16` or `fp16` (DeepSpeed mixed precision). Gradients accumulate in fp32 in every case."""
     zero_stage: int = 2
     """DeepSpeed ZeRO stage 0-3."""
     activation_checkpointing: bool = False
@@ -266,19 +289,26 @@ class TrainConfig:
         def bad(key, msg):
             raise ValueError(f"train.{key}={getattr(self, key)!r}: {msg}")
 
-        for key in ("steps", "grad_accum"):
+        for key in ("steps", "grad_accum", "max_bad_steps", "collective_timeout_s"):
             if getattr(self, key) <= 0:
                 bad(key, "must be positive")
         if self.optimizer not in ("adamw", "lamb"):
             bad("optimizer", "must be 'adamw' or 'lamb'")
         if self.schedule not in ("linear", "polynomial"):
             bad("schedule", "must be 'linear' or 'polynomial'")
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            bad("precision", "must be 'fp32', 'bf16' or 'fp16'")
+        if self.precision not in PRECISIONS:
+            bad("precision", f"must be one of {PRECISIONS}")
         if self.zero_stage not in (0, 1, 2, 3):
             bad("zero_stage", "must be 0, 1, 2 or 3")
-        if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
-            bad("lr", "lr must be > 0, warmup_steps >= 0 and min_lr_ratio in [0, 1]")
+        if self.lr <= 0:
+            bad("lr", "must be positive")
+        if self.warmup_steps < 0:
+            bad("warmup_steps", "must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            bad("min_lr_ratio", "must be in [0, 1]")
+        for key in ("weight_decay", "eps", "clip", "power"):
+            if getattr(self, key) < 0:
+                bad(key, "must be >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             bad("betas", "must be two numbers in [0, 1)")
 
@@ -289,10 +319,21 @@ class EvalConfig:
 
     every: int = 1000
     """Evaluate every N optimizer steps (and at the end); 0 disables."""
-    batches: int = 50
-    """Micro-batches of the validation split per evaluation, on each rank."""
+    sequences: int = 1024
+    """Held-out sequences per evaluation: the first N of the validation split in file order (all if it has fewer),
+    the same whatever the world size or micro-batch size."""
     mask_rate: float = 0.15
-    """Fixed for every objective, so that objectives are comparable."""
+    """Share of each held-out sequence's maskable tokens predicted; fixed for every objective."""
+    seed: int = 0
+    """Seed of the held-out masks (independent of train.seed, so runs with other seeds see the same masks)."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"eval.every={self.every}: must be >= 0 (0 disables evaluation)")
+        if self.sequences <= 0:
+            raise ValueError(f"eval.sequences={self.sequences}: must be positive")
+        if not 0.0 < self.mask_rate < 1.0:
+            raise ValueError(f"eval.mask_rate={self.mask_rate}: must be in (0, 1)")
 
 
 @dataclass
@@ -301,6 +342,11 @@ class CheckpointConfig:
     """Save every N optimizer steps (and at the end)."""
     keep: int = 3
     """Keep the newest K checkpoints."""
+
+    def validate(self) -> None:
+        for key in ("every", "keep"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"checkpoint.{key}={getattr(self, key)}: must be positive")
 
 
 @dataclass
@@ -311,6 +357,12 @@ class LogConfig:
     """Log metrics every N optimizer steps."""
     tensorboard: bool = True
     """Also write TensorBoard events when tensorboard is installed."""
+
+    def validate(self) -> None:
+        if self.every <= 0:
+            raise ValueError(f"log.every={self.every}: must be positive")
+        if not self.dir:
+            raise ValueError("log.dir is empty: name a run directory")
 
 
 @dataclass
@@ -341,8 +393,8 @@ class RunConfig:
             raise ValueError(str(err).replace("ModelConfig.", "model.")) from None
 
     def validate(self) -> None:
-        self.data.validate()
-        self.train.validate()
+        for section in (self.data, self.train, self.eval, self.checkpoint, self.log):
+            section.validate()
 
 
 SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,

@@ -84,6 +84,41 @@ def stream_meta(batch: PackedBatch, lengths: torch.Tensor, rows: torch.Tensor | 
                             rotary_dim, config.rotary_base)
 
 
+def predicted_count(batch: PackedBatch, config: ModelConfig) -> int:
+    """Tokens of `batch` that `mask_batch` will predict under `config` (host counts only, no device access)."""
+    counts = MaskCounts.compute(batch.num_maskable, config.mask_rate, config.mask_token_prob,
+                                config.random_token_prob)
+    return int(counts.predicted.sum())
+
+
+def mask_rows(batch: PackedBatch, config: ModelConfig, predicted: torch.Tensor) -> MaskedBatch:
+    """Mask exactly the rows flagged in `predicted` ([T] bool, on the host), hiding every one of them the same way:
+    removed from the encoder's stream (k > 0) or replaced by `<mask>` (k = 0); none kept, none randomised.
+
+    This is evaluation's fixed protocol (fastmae.evaluation chooses the rows); counts and indices are built on the
+    host and copied to the batch's device, so nothing is read back.
+    """
+    if predicted.shape != (batch.num_tokens,) or predicted.dtype != torch.bool or predicted.device.type != "cpu":
+        raise ValueError(f"mask_rows: predicted must be a host bool tensor of shape ({batch.num_tokens},)")
+    cu = torch.zeros(batch.num_sequences + 1, dtype=torch.int64)
+    torch.cumsum(batch.seqlens, 0, out=cu[1:])
+    flags = torch.zeros(batch.num_tokens + 1, dtype=torch.int64)
+    torch.cumsum(predicted.long(), 0, out=flags[1:])
+    per_sequence = flags[cu[1:]] - flags[cu[:-1]]
+    counts = MaskCounts(predicted=per_sequence, removed=per_sequence, random=torch.zeros_like(per_sequence))
+    device = batch.device
+    as_index = lambda rows: rows.nonzero()[:, 0].to(torch.int32).to(device, non_blocking=True)  # noqa: E731
+    masked_index, visible_index = as_index(predicted), as_index(~predicted)
+    selection = MaskSelection(
+        input_tokens=batch.tokens.index_fill(0, masked_index.long(), config.mask_token_id),
+        masked_index=masked_index,
+        labels=batch.tokens.index_select(0, masked_index),
+        visible_index=visible_index,
+        removed_index=masked_index,
+    )
+    return MaskedBatch(batch=batch, counts=counts, selection=selection, config=config)
+
+
 def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, rank: int = 0,
                mask_rate: float | None = None) -> MaskedBatch:
     """Select the predicted tokens of `batch` for (seed, step, rank) and lay out the streams.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import resource
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -17,21 +16,6 @@ def peak_memory_mib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss_kib / 1024 if sys.platform != "darwin" else rss_kib / 2**20
-
-
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 3) -> float:
-    """Achieved FLOP/s of a square matmul on `device` in `dtype`: the denominator of MFU, measured in the run."""
-    generator = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG (dropout) untouched
-    a = torch.randn(size, size, device=device, generator=generator).to(dtype)
-    b = torch.randn(size, size, device=device, generator=generator).to(dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a @ b
-    sync()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    sync()
-    return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
 class MetricsWriter:

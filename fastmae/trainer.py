@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import deepspeed
@@ -24,16 +25,17 @@ from tqdm import tqdm
 
 from . import checkpoint
 from .atomic import atomic_path
-from .config import ModelConfig, RunConfig
+from .config import PRECISIONS, ModelConfig, RunConfig
 from .data import PackedLoader
 from .errors import FastmaeError
+from .evaluation import HeldOutSet
 from .flops import training_flops
-from .metrics import MetricsWriter, measure_peak_flops, peak_memory_mib
+from .hardware import DTYPES, all_cpu_cores, choose_precision, cpu_cores, matmul_flops, spec_peak_flops
+from .masking import mask_rows, predicted_count
+from .metrics import MetricsWriter, peak_memory_mib
 from .model import MaskedLM
 from .optim import lr_multiplier, param_groups
 from .plot import plot_run
-
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -44,20 +46,26 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def deepspeed_config(config: RunConfig) -> dict:
-    """The DeepSpeed config derived from the run config; `config.deepspeed` entries override it.
+def deepspeed_config(config: RunConfig, precision: str) -> dict:
+    """The DeepSpeed config derived from the run config and the resolved `precision` (fp32, bf16 or fp16);
+    `config.deepspeed` entries override it.
 
-    One micro-batch is one token-budgeted PackedBatch, so DeepSpeed's micro-batch size is 1 "batch".
+    One micro-batch is one token-budgeted PackedBatch, so DeepSpeed's micro-batch size is 1 "batch". Gradients
+    accumulate in fp32 whatever the training dtype (DESIGN.md section 5); DeepSpeed does that only under ZeRO.
     """
     train = config.train
+    if precision != "fp32" and train.zero_stage == 0:
+        raise FastmaeError(f"train.precision={precision} with train.zero_stage=0: DeepSpeed then accumulates "
+                           "gradients in the half-precision dtype; use train.zero_stage >= 1 (or precision fp32)")
     derived = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": train.grad_accum,
         "gradient_clipping": train.clip,
         "zero_optimization": {"stage": train.zero_stage},
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": train.precision == "bf16"},
-        "fp16": {"enabled": train.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "data_types": {"grad_accum_dtype": "fp32"},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
@@ -79,6 +87,8 @@ class Trainer:
         torch.manual_seed(config.train.seed + self.rank)  # dropout differs per rank; restored on resume
         if self.device.type == "cpu":
             torch.set_flush_denormal(True)  # CPU matmuls slow down ~40x on denormals from confident softmaxes
+            if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a CPU split its cores instead of oversubscribing
+                torch.set_num_threads(max(1, cpu_cores() // int(os.environ.get("LOCAL_SIZE", 1))))
 
         self._prepare_data_if_asked()
         data, train = config.data, config.train
@@ -91,13 +101,14 @@ class Trainer:
             self.model_config = config.model_config(self.loader.vocab_size)
         except ValueError as err:
             raise FastmaeError(f"{data.path}: {err}") from None
-        self.valid = None
-        if config.eval.every > 0:  # evaluation always reads the same first batches of the held-out split
-            self.valid = PackedLoader(data.path, "valid", max_seq_len=self.model_config.max_seq_len,
-                                      packing=data.packing, tokens_per_batch=data.tokens_per_micro_batch,
-                                      rank=self.rank, world_size=self.world, seed=train.seed)
-            self._valid_start = self.valid.state_dict()
+        self.held_out = None
+        if config.eval.every > 0:  # the same sequences and masks for every objective, world size and batch size
+            self.held_out = HeldOutSet(data.path, max_seq_len=self.model_config.max_seq_len, packing=data.packing,
+                                       tokens_per_batch=data.tokens_per_micro_batch, sequences=config.eval.sequences,
+                                       mask_rate=config.eval.mask_rate, seed=config.eval.seed, rank=self.rank,
+                                       world_size=self.world)
 
+        self.precision = self._choose_precision()
         torch.manual_seed(train.seed)  # identical initial weights on every rank
         model = MaskedLM(self.model_config)
         model.activation_checkpointing = train.activation_checkpointing
@@ -111,7 +122,7 @@ class Trainer:
                                           betas=tuple(train.betas), eps=train.eps)
         elif self.device.type != "cuda":
             raise FastmaeError("train.optimizer=lamb needs DeepSpeed's CUDA LAMB; use adamw on CPU")
-        self.ds_config = deepspeed_config(config)
+        self.ds_config = deepspeed_config(config, self.precision)
         schedule = lambda step: lr_multiplier(step, train.warmup_steps, train.steps,  # noqa: E731
                                               train.power if train.schedule == "polynomial" else 1.0,
                                               train.min_lr_ratio)
@@ -122,7 +133,7 @@ class Trainer:
         if train.compile:
             self.engine.compile()
 
-        self.peak_flops = measure_peak_flops(self.device, PRECISION_DTYPES[train.precision])
+        self.peak_flops, self.spec_peak_flops = self._measure_peak()
         self.step, self.micro_step, self.tokens_seen = 0, 0, 0
         self.bad_streak, self.skipped = 0, 0
         self.stop_requested = False
@@ -142,9 +153,47 @@ class Trainer:
                 from .prepare import prepare
 
                 self._log_line(f"preparing the embedded corpus in {data.path} (once)")
-                prepare([], Path(data.path), fmt="builtin", vocab_size=data.builtin_vocab_size, valid_fraction=0.05,
+                prepare([], Path(data.path), fmt="builtin", vocab_size=data.builtin_vocab_size,
+                        valid_fraction=data.builtin_valid_fraction,
                         workers=1, progress=False)
             dist.barrier()
+
+    def _choose_precision(self) -> str:
+        """train.precision resolved on rank 0 (with all of its node's CPU cores) and broadcast: every rank must train
+        in the same dtype."""
+        choice = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.rank == 0:
+            with all_cpu_cores():
+                precision, note = choose_precision(self.config.train.precision, self.device)
+            if note:
+                self._log_line(note)
+            choice[0] = PRECISIONS.index(precision)
+        dist.broadcast(choice, src=0)
+        return PRECISIONS[int(choice.item())]
+
+    def _measure_peak(self) -> tuple[float, float | None]:
+        """(measured, data-sheet or None) peak FLOP/s of the whole job in the training dtype: the denominators of MFU.
+
+        A GPU belongs to one rank, so each rank measures its own. CPU ranks of a node share its cores, so the node's
+        first rank measures once with all of them while the others wait, and only it counts.
+        """
+        dtype = DTYPES[self.precision]
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        measured, spec = 0.0, spec_peak_flops(self.device, dtype) or 0.0
+        if self.device.type == "cpu":
+            dist.barrier()
+            if local_rank == 0:
+                with all_cpu_cores():
+                    measured = matmul_flops(self.device, dtype)
+            dist.barrier()
+        else:
+            measured = matmul_flops(self.device, dtype)
+        totals = torch.tensor([measured, spec, float(spec == 0.0)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        measured, spec, unknown = totals.tolist()
+        self._log_line(f"matmul peak in {self.precision}: {measured / 1e12:.3g} TFLOP/s over the job"
+                       + (f" (data sheet: {spec / 1e12:.4g})" if spec and not unknown else ""))
+        return measured, (spec if spec and not unknown else None)
 
     def _write_resolved_config(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -213,101 +262,127 @@ class Trainer:
             self._log_line(f"wrote {plot_run(self.run_dir)}")
 
     def _loop(self, bar, fault_at: int) -> None:
-        """Micro-batches until the last optimizer step (or a stop request), with logs, evals and checkpoints."""
+        """Optimizer steps until the last one (or a stop request), with logs, evals and checkpoints."""
         cfg = self.config
         batches = iter(self.loader)
         window = self._new_window()
         self.engine.train()
+        stop = False
         while self.step < cfg.train.steps:
-            batch = next(batches).to(self.device)
             # masked-token accuracy costs an argmax over the vocabulary: only on the micro-batches of logged steps
             logged = (self.step + 1) % cfg.log.every == 0 or self.step + 1 == cfg.train.steps
-            out = self.engine(batch, seed=cfg.train.seed, step=self.micro_step, rank=self.rank,
-                              compute_accuracy=logged)
-            self.micro_step += 1
-            loss = out.loss.item()  # one sync per micro-batch: all ranks must agree to skip a non-finite loss
-            bad, stop = self._any_rank(not math.isfinite(loss), self.stop_requested)
-            if bad:
-                self.skipped += 1
-                self.bad_streak += 1
-                self._log_line(f"non-finite loss at step {self.step}: micro-batch skipped ({self.skipped} so far)")
-                if self.bad_streak >= cfg.train.max_bad_steps:
-                    raise FastmaeError(f"{self.bad_streak} non-finite losses in a row at step {self.step}: stopping "
-                                       "(lower train.lr, check the data, or raise train.max_bad_steps)")
-                continue
-            self.bad_streak = 0
-            boundary = self.engine.is_gradient_accumulation_boundary()
-            self.engine.backward(out.loss)
-            self.engine.step()
-            window["loss"] += loss
-            window["micro"] += 1
-            if logged:
-                window["correct"] += out.num_correct.item()
+            micro_batches = deque(next(batches) for _ in range(cfg.train.grad_accum))
+            weight = self._per_token_weight(micro_batches)
+            while micro_batches:
+                batch = micro_batches.popleft().to(self.device)
+                out = self.engine(batch, seed=cfg.train.seed, step=self.micro_step, rank=self.rank,
+                                  compute_accuracy=logged)
+                self.micro_step += 1
+                loss = out.loss.item()  # one sync per micro-batch: all ranks must agree to skip a non-finite loss
+                bad, stop = self._any_rank(not math.isfinite(loss), self.stop_requested)
+                if bad:
+                    self._skip_micro_batch()
+                    # its replacement is weighted by the step's planned token count (off by the difference once)
+                    micro_batches.append(next(batches))
+                    continue
+                self.bad_streak = 0
+                # the mean over every predicted token of the step, all micro-batches and ranks (DESIGN.md 5)
+                self.engine.backward(out.loss * (out.num_predicted * weight))
+                self.engine.step()
+                window["loss_sum"] += loss * out.num_predicted
                 window["predicted"] += out.num_predicted
-            window["tokens"] += batch.num_tokens
-            window["flops"] += training_flops(self.model_config, batch.seqlens,
-                                              batch.seqlens - out.masked.counts.removed, out.num_predicted)
-            self.tokens_seen += batch.num_tokens
-            if not boundary:
-                continue
+                if logged:
+                    window["correct"] += out.num_correct.item()
+                    window["scored"] += out.num_predicted
+                window["tokens"] += batch.num_tokens
+                counts = out.masked.counts
+                window["flops"] += training_flops(self.model_config, batch.seqlens, batch.seqlens - counts.removed,
+                                                  counts.predicted)
+                self.tokens_seen += batch.num_tokens
             self.step += 1
             bar.update(1)
-            if self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
+            if logged:
                 self._log_train(window, bar)
                 window = self._new_window()
-            if self.valid is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.train.steps):
+            paused = time.perf_counter()  # evaluation and checkpoints do not count as training time
+            if self.held_out is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.train.steps):
                 self.evaluate()
             if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps or stop:
                 self.save_checkpoint()
+            window["paused"] += time.perf_counter() - paused
             if fault_at and self.step == fault_at:
                 os._exit(17)
             if stop:
                 self._log_line(f"stop requested: checkpoint saved at step {self.step}, exiting")
                 break
 
+    def _per_token_weight(self, micro_batches) -> torch.Tensor:
+        """Device scalar w such that the micro-batch losses (means over their own predicted tokens) times
+        num_predicted * w add up, after DeepSpeed's 1/grad_accum scaling and its mean over ranks, to the mean over
+        every predicted token of the step. The counts are host-side; their sum over ranks is one all-reduce that
+        the host does not wait for."""
+        local = sum(predicted_count(batch, self.model_config) for batch in micro_batches)
+        total = torch.full((), float(local), dtype=torch.float32, device=self.device)
+        dist.all_reduce(total)
+        return (self.config.train.grad_accum * self.world) / total.clamp(min=1.0)
+
+    def _skip_micro_batch(self) -> None:
+        self.skipped += 1
+        self.bad_streak += 1
+        self._log_line(f"non-finite loss at step {self.step}: micro-batch skipped ({self.skipped} so far)")
+        if self.bad_streak >= self.config.train.max_bad_steps:
+            raise FastmaeError(f"{self.bad_streak} non-finite losses in a row at step {self.step}: stopping "
+                               "(lower train.lr, check the data, or raise train.max_bad_steps)")
+
     @staticmethod
     def _new_window() -> dict:
         """Sums over the optimizer steps since the last log record."""
-        return {"loss": 0.0, "micro": 0, "tokens": 0, "flops": 0, "correct": 0, "predicted": 0,
+        return {"loss_sum": 0.0, "predicted": 0, "correct": 0, "scored": 0, "tokens": 0, "flops": 0, "paused": 0.0,
                 "start": time.perf_counter()}
 
     def _log_train(self, window: dict, bar) -> None:
-        elapsed = time.perf_counter() - window["start"]
-        keys = ("loss", "micro", "tokens", "flops", "correct", "predicted")
+        elapsed = time.perf_counter() - window["start"] - window["paused"]
+        keys = ("loss_sum", "predicted", "correct", "scored", "tokens", "flops")
         totals = torch.tensor([float(window[k]) for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)
-        loss_sum, micro, tokens, flops, correct, predicted = totals.tolist()
+        loss_sum, predicted, correct, scored, tokens, flops = totals.tolist()
         grad_norm = self.engine.get_global_grad_norm()
-        record = {"kind": "train", "step": self.step, "loss": loss_sum / max(micro, 1),
-                  "accuracy": correct / max(predicted, 1),
+        record = {"kind": "train", "step": self.step, "loss": loss_sum / max(predicted, 1),
+                  "accuracy": correct / max(scored, 1),
                   "lr": self.engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                  "tokens_per_s": tokens / elapsed, "mfu": flops / elapsed / (self.peak_flops * self.world),
+                  "tokens_per_s": tokens / elapsed, "mfu": flops / elapsed / self.peak_flops,
                   "memory_mib": peak_memory_mib(self.device), "tokens_seen": self.tokens_seen * self.world,
                   "skipped": self.skipped, "epoch": self.loader.epoch}
+        if self.spec_peak_flops:
+            record["mfu_spec"] = flops / elapsed / self.spec_peak_flops
         if self.metrics is not None:
             self.metrics.write(record)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Masked-token loss and accuracy on the held-out split at a fixed mask rate (collective)."""
+        """Masked-token loss and accuracy on the held-out set under the fixed protocol (collective)."""
         cfg = self.config
         self.engine.eval()
-        self.valid.load_state_dict(self._valid_start)
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, predicted
-        for index, batch in zip(range(min(cfg.eval.batches, self.valid.batches_per_epoch)), self.valid):
-            out = self.engine(batch.to(self.device), seed=cfg.train.seed + 1, step=index, rank=self.rank,
-                              mask_rate=cfg.eval.mask_rate, compute_accuracy=True)
-            totals += torch.stack([out.loss.double() * out.num_predicted, out.num_correct.double(),
-                                   torch.tensor(float(out.num_predicted), device=self.device, dtype=torch.float64)])
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, correct
+        predicted = 0.0
+        for item in self.held_out.micro_batches:
+            batch = item.batch.to(self.device)
+            out = self.engine(batch, masked=mask_rows(batch, self.model_config, item.predicted), compute_accuracy=True)
+            sums += item.weight * torch.stack([out.loss.double() * out.num_predicted, out.num_correct.double()])
+            predicted += item.weight * out.num_predicted
+        totals = torch.cat([sums, torch.tensor([predicted], dtype=torch.float64, device=self.device)])
         dist.all_reduce(totals)
         loss_sum, correct, predicted = totals.tolist()
         record = {"kind": "eval", "step": self.step, "loss": loss_sum / max(predicted, 1),
                   "accuracy": correct / max(predicted, 1), "mask_rate": cfg.eval.mask_rate,
-                  "predicted_tokens": int(predicted)}
+                  "predicted_tokens": int(predicted), "sequences": self.held_out.num_sequences,
+                  **self.held_out.baselines}
         if self.metrics is not None:
             self.metrics.write(record)
-            self._log_line(f"eval at step {self.step}: loss {record['loss']:.3f}, accuracy {record['accuracy']:.3f}")
+            self._log_line(f"eval at step {self.step}: loss {record['loss']:.3f} (held-out unigram entropy "
+                           f"{record['unigram_entropy']:.3f}), accuracy {record['accuracy']:.3f} (most frequent "
+                           f"token {record['unigram_accuracy']:.3f})")
         self.engine.train()
         return record
 

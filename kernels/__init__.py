@@ -7,7 +7,16 @@ package of that name.
 """
 
 from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
-from .mask_select import MaskSelection, hash32, mask_key, row_uniform_bits, select_masked, select_masked_reference
+from .mask_select import (
+                          MaskSelection,
+                          hash32,
+                          mask_key,
+                          rank_within_sequences,
+                          row_uniform_bits,
+                          select_masked,
+                          select_masked_reference,
+                          uniform_bits,
+)
 from .rows import embed_rows, embed_rows_reference, insert_rows, insert_rows_reference
 
 __all__ = [
@@ -20,7 +29,9 @@ __all__ = [
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "mask_key",
+    "rank_within_sequences",
     "row_uniform_bits",
     "select_masked",
     "select_masked_reference",
+    "uniform_bits",
 ]

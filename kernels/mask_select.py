@@ -50,10 +50,15 @@ def mask_key(seed: int, step: int, rank: int = 0, stream: int = 0) -> int:
     return key
 
 
+def uniform_bits(counters: torch.Tensor, key: int | torch.Tensor) -> torch.Tensor:
+    """int64 in [0, 2^32), one per entry of `counters` (int64 in [0, 2^32)): the hash of the counter under `key`
+    (a 32-bit int, or an int64 tensor broadcast against `counters`)."""
+    return hash32((_mul32(counters, _GOLDEN) + key) & _U32)
+
+
 def row_uniform_bits(num_rows: int, key: int, device) -> torch.Tensor:
     """[num_rows] int64 in [0, 2^32): the hash of each row index under `key`."""
-    rows = torch.arange(num_rows, dtype=torch.int64, device=device)
-    return hash32((_mul32(rows, _GOLDEN) + key) & _U32)
+    return uniform_bits(torch.arange(num_rows, dtype=torch.int64, device=device), key)
 
 
 class MaskSelection(NamedTuple):
@@ -79,6 +84,18 @@ def _compact(flags: torch.Tensor, count: int) -> torch.Tensor:
     return out[:count]
 
 
+def rank_within_sequences(bits: torch.Tensor, seq_ids: torch.Tensor, maskable: torch.Tensor,
+                          cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[T] int64 rank of each row within its sequence: maskable rows first, ordered by `bits` [T] (int64 in
+    [0, 2^32)), ties by row; unmaskable rows after them. Choosing ranks < n picks n maskable rows at random."""
+    num_rows = bits.numel()
+    sort_key = (seq_ids.to(torch.int64) << 33) | ((~maskable).to(torch.int64) << 32) | bits
+    order = torch.argsort(sort_key, stable=True)
+    rank = torch.empty(num_rows, dtype=torch.int64, device=bits.device)
+    rank[order] = torch.arange(num_rows, device=bits.device) - cu_seqlens[seq_ids[order].long()].long()
+    return rank
+
+
 def select_masked_reference(tokens: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor,
                             maskable: torch.Tensor, num_removed: torch.Tensor, num_random: torch.Tensor,
                             num_predicted: torch.Tensor, total_predicted: int, total_removed: int,
@@ -96,12 +113,7 @@ def select_masked_reference(tokens: torch.Tensor, cu_seqlens: torch.Tensor, seq_
     """
     num_rows = tokens.numel()
     device = tokens.device
-    bits = row_uniform_bits(num_rows, score_key, device)
-    sort_key = (seq_ids.to(torch.int64) << 33) | ((~maskable).to(torch.int64) << 32) | bits
-    order = torch.argsort(sort_key, stable=True)
-    rank = torch.empty(num_rows, dtype=torch.int64, device=device)
-    rank[order] = torch.arange(num_rows, device=device) - cu_seqlens[seq_ids[order].long()].long()
-
+    rank = rank_within_sequences(row_uniform_bits(num_rows, score_key, device), seq_ids, maskable, cu_seqlens)
     seq = seq_ids.long()
     removed = rank < num_removed[seq]
     randomised = ~removed & (rank < (num_removed + num_random)[seq])

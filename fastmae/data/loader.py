@@ -26,6 +26,19 @@ from .shards import ShardSet
 PACKINGS = ("full", "doc")
 
 
+def cut_by_budget(lengths: np.ndarray, budget: int) -> list[slice]:
+    """Greedy cut of consecutive sequences of `lengths` into runs of at most `budget` tokens (a longer sequence
+    gets a run of its own). Host-side, over sequences, not tokens."""
+    parts, begin, used = [], 0, 0
+    for i, length in enumerate(lengths.tolist()):
+        if used + length > budget and i > begin:
+            parts.append(slice(begin, i))
+            begin, used = i, 0
+        used += length
+    parts.append(slice(begin, len(lengths)))
+    return parts
+
+
 class PackedLoader:
     """Endless iterator of host-side `PackedBatch`es for one data-parallel rank."""
 
@@ -91,14 +104,7 @@ class PackedLoader:
     def _batches_of_epoch(self, epoch: int) -> list[np.ndarray]:
         """This rank's micro-batches (arrays of sequence ids) in epoch `epoch`."""
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_sequences)
-        lengths = (self._stop - self._start + 2)[order]
-        batches, begin, used = [], 0, 0
-        for i, length in enumerate(lengths.tolist()):  # host-side, once per epoch, over sequences (not tokens)
-            if used + length > self.tokens_per_batch:
-                batches.append(order[begin:i])
-                begin, used = i, 0
-            used += length
-        batches.append(order[begin:])
+        batches = [order[part] for part in cut_by_budget(self.sequence_lengths(order), self.tokens_per_batch)]
         per_rank = len(batches) // self.world_size
         if per_rank == 0:
             raise FastmaeError(f"{self.data.directory} split {self.split!r}: {len(batches)} micro-batch(es) per epoch "
@@ -109,8 +115,13 @@ class PackedLoader:
     def batches_per_epoch(self) -> int:
         return len(self._batches_of_epoch(0))
 
-    def _tokens_of(self, sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Concatenated token ids (with <s> ... </s>) and lengths of `sequences`; vectorised per shard."""
+    def sequence_lengths(self, sequences: np.ndarray) -> np.ndarray:
+        """Length in tokens (with <s> and </s>) of each of `sequences` (ids in [0, num_sequences), file order)."""
+        return self._stop[sequences] - self._start[sequences] + 2
+
+    def tokens_of(self, sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Concatenated token ids (with <s> ... </s>) and lengths of `sequences` (ids in [0, num_sequences), file
+        order, whatever the rank, world size or epoch)."""
         bodies = []
         for seq in sequences.tolist():
             shard = self.data.shards[self._shard_of[seq]]
@@ -136,7 +147,7 @@ class PackedLoader:
             if self._position >= len(self._epoch_batches):
                 self._epoch, self._position, self._epoch_batches = self._epoch + 1, 0, None
                 continue
-            tokens, lengths = self._tokens_of(self._epoch_batches[self._position])
+            tokens, lengths = self.tokens_of(self._epoch_batches[self._position])
             self._position += 1
             yield PackedBatch.from_packed(tokens, lengths)
 

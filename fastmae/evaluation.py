@@ -1,0 +1,95 @@
+"""The held-out evaluation protocol (DESIGN.md section 5): one set of tokens and masks for every objective.
+
+The held-out set is the first `eval.sequences` sequences of the validation split in file order. Each sequence
+predicts round(rate * maskable) of its tokens, chosen by a hash of (eval seed, the sequence's index in the split,
+the token's position), so the selection depends on nothing else: not the objective, the world size, the micro-batch
+size or the step. Every selected token is hidden the same way (`masking.mask_rows`): removed from the encoder when
+k > 0, replaced by `<mask>` when k = 0; never kept, never randomised.
+
+Each record also carries the held-out unigram baselines (the entropy of the held-out tokens' own frequencies and the
+accuracy of always guessing the most frequent token), so "it learned" means "it beats them".
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .batch import PackedBatch
+from .config import UNMASKABLE_IDS
+from .data.loader import PackedLoader, cut_by_budget
+from .kernels import mask_key, rank_within_sequences, uniform_bits
+from .masking import MaskCounts
+
+EVAL_STREAM = 2  # training draws streams 0 (selection) and 1 (random replacements)
+
+
+def held_out_mask(tokens: torch.Tensor, seqlens: torch.Tensor, sequence_ids: torch.Tensor, rate: float,
+                  seed: int) -> torch.Tensor:
+    """[T] bool: the predicted tokens of packed sequences (host tensors: tokens [T], seqlens [B], sequence_ids [B]
+    int64, each sequence's index in the split). A pure function of (seed, sequence id, position, tokens)."""
+    cu = torch.zeros(seqlens.numel() + 1, dtype=torch.int64)
+    torch.cumsum(seqlens, 0, out=cu[1:])
+    seq = torch.repeat_interleave(torch.arange(seqlens.numel()), seqlens)
+    positions = torch.arange(tokens.numel()) - cu[seq]
+    maskable = ~torch.isin(tokens, torch.tensor(UNMASKABLE_IDS, dtype=tokens.dtype))
+    sequence_keys = uniform_bits(sequence_ids, mask_key(seed, step=0, rank=0, stream=EVAL_STREAM))
+    rank = rank_within_sequences(uniform_bits(positions, sequence_keys[seq]), seq, maskable, cu)
+    num_maskable = torch.zeros(seqlens.numel(), dtype=torch.int64).index_add_(0, seq, maskable.long())
+    count = MaskCounts.compute(num_maskable, rate, 1.0, 0.0).predicted
+    return rank < count[seq]
+
+
+def unigram_baselines(tokens: np.ndarray) -> dict:
+    """Entropy (nats) of the maskable tokens' own frequencies, and the share of the most frequent one."""
+    maskable = tokens[~np.isin(tokens, UNMASKABLE_IDS)]
+    if maskable.size == 0:
+        return {"unigram_entropy": float("nan"), "unigram_accuracy": float("nan")}
+    p = np.bincount(maskable)
+    p = p[p > 0] / maskable.size
+    return {"unigram_entropy": float(-(p * np.log(p)).sum()), "unigram_accuracy": float(p.max())}
+
+
+class EvalBatch(NamedTuple):
+    """One held-out micro-batch (host): the packed batch, its predicted rows [T] bool, the split indices of its
+    sequences, and its weight in the totals (0 for a filler that only keeps ranks in step)."""
+
+    batch: PackedBatch
+    predicted: torch.Tensor
+    sequence_ids: np.ndarray
+    weight: float
+
+
+class HeldOutSet:
+    """This rank's share of the held-out set, cut into micro-batches, with its masks fixed once.
+
+    The micro-batches are planned for the whole set (greedy by `tokens_per_batch`) and dealt round-robin; every rank
+    runs the same number of them (ZeRO-3 gathers parameters collectively), so a rank short of one repeats its first
+    micro-batch with weight 0. The totals summed over ranks are therefore the same for any world size.
+    """
+
+    def __init__(self, data_path: str | Path, *, max_seq_len: int, packing: str, tokens_per_batch: int,
+                 sequences: int, mask_rate: float, seed: int, rank: int = 0, world_size: int = 1):
+        split = PackedLoader(data_path, "valid", max_seq_len=max_seq_len, packing=packing,
+                             tokens_per_batch=max(tokens_per_batch, max_seq_len))
+        ids = np.arange(min(sequences, split.num_sequences))
+        tokens, _ = split.tokens_of(ids)
+        self.num_sequences, self.num_tokens = len(ids), len(tokens)
+        self.baselines = unigram_baselines(tokens)
+        self.mask_rate, self.seed = mask_rate, seed
+        plan = cut_by_budget(split.sequence_lengths(ids), max(tokens_per_batch, max_seq_len))
+        mine = [self._micro_batch(split, ids[part], mask_rate, seed, 1.0) for part in plan[rank::world_size]]
+        per_rank = math.ceil(len(plan) / world_size)
+        filler = mine[0] if mine else self._micro_batch(split, ids[plan[0]], mask_rate, seed, 0.0)
+        self.micro_batches = mine + [filler._replace(weight=0.0)] * (per_rank - len(mine))
+
+    @staticmethod
+    def _micro_batch(split: PackedLoader, ids: np.ndarray, rate: float, seed: int, weight: float) -> EvalBatch:
+        tokens, lengths = split.tokens_of(ids)
+        batch = PackedBatch.from_packed(tokens, lengths)
+        predicted = held_out_mask(batch.tokens.long(), batch.seqlens, torch.from_numpy(ids).long(), rate, seed)
+        return EvalBatch(batch, predicted, ids, weight)

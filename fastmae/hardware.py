@@ -1,0 +1,114 @@
+"""What the device can do: the training dtype that fits it, and the matmul peak that MFU is measured against.
+
+DESIGN.md section 5: bf16 only where the hardware multiplies it natively (CUDA sm_80+, CPUs with AMX or AVX512-BF16;
+on an AVX2-only CPU a bf16 matmul ran at 0.29 GFLOP/s against 160 in fp32), and MFU = model FLOPs / (time x peak),
+the peak measured with a compute-bound GEMM in the training dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Dense bf16/fp16 tensor-core peaks from the vendors' data sheets (FLOP/s), matched against the device name.
+SPEC_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def all_cpu_cores():
+    """Let torch use every core of this process for the duration (a measurement while the node's other ranks wait)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cpu_cores())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, max_size: int | None = None, repeats: int = 5) -> float:
+    """Median FLOP/s of a square matmul on `device` in `dtype`.
+
+    The size doubles from 256 until one product takes 20 ms (or reaches max_size: 2048 on CPU, 8192 on CUDA), so the
+    GEMM is compute-bound without taking minutes where `dtype` is emulated. CUDA times with events.
+    """
+    max_size = max_size or (8192 if device.type == "cuda" else 2048)
+    generator = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG (dropout) untouched
+    size = 256
+    while True:
+        a = torch.randn(size, size, device=device, generator=generator).to(dtype)
+        b = torch.randn(size, size, device=device, generator=generator).to(dtype)
+        a @ b  # warm-up (kernel selection, page faults)
+        times = [_time_matmul(a, b) for _ in range(repeats if size >= max_size else 1)]
+        if size >= max_size or times[0] >= 0.02:
+            if len(times) < repeats:
+                times += [_time_matmul(a, b) for _ in range(repeats - 1)]
+            return 2 * size**3 / statistics.median(times)
+        size *= 2
+
+
+def _time_matmul(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.is_cuda:
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / 1000
+    begin = time.perf_counter()
+    a @ b
+    return time.perf_counter() - begin
+
+
+def spec_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The data-sheet dense peak of a known GPU in bf16/fp16, else None."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in SPEC_PEAK_FLOPS if key in name), None)
+
+
+def has_native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 in hardware: CUDA compute capability 8.0+, or a CPU with AMX or AVX512-BF16."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type == "cpu":
+        return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    return False
+
+
+def choose_precision(requested: str, device: torch.device) -> tuple[str, str | None]:
+    """(precision to train in, a line to log once or None) for `requested` in auto / fp32 / bf16 / fp16.
+
+    `auto` is bf16 where the capability check passes and, on CPU, a short measured GEMM confirms bf16 is at least as
+    fast as fp32; fp32 elsewhere. An explicit bf16 on a CPU without native bf16 is kept, with a warning that gives the
+    measured slowdown.
+    """
+    if requested in ("fp32", "fp16") or (requested == "bf16" and device.type != "cpu"):
+        return requested, None
+    native = has_native_bf16(device)
+    if device.type == "cuda":  # auto on CUDA: the capability is the whole story
+        return ("bf16" if native else "fp32"), f"precision auto: {'bf16' if native else 'fp32'} " \
+            f"(compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+    ratio = matmul_flops(device, torch.bfloat16, max_size=1024) / matmul_flops(device, torch.float32, max_size=1024)
+    capability = torch.backends.cpu.get_cpu_capability()
+    if requested == "bf16":
+        if native and ratio >= 1.0:
+            return "bf16", None
+        return "bf16", (f"WARNING: train.precision=bf16 on a CPU without native bf16 ({capability}): a bf16 matmul "
+                        f"measured {ratio:.3g}x the fp32 speed here; train.precision=auto (fp32 here) is faster")
+    if device.type != "cpu":
+        return "fp32", f"precision auto: fp32 (no bf16 check for device {device.type})"
+    choice = "bf16" if native and ratio >= 1.0 else "fp32"
+    return choice, (f"precision auto: {choice} (CPU {capability}, native bf16 {'yes' if native else 'no'}, bf16 "
+                    f"matmul {ratio:.3g}x fp32)")
