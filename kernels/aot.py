@@ -74,7 +74,7 @@ def _ce_configs():
             break
         for dtype in ("fp32", "bf16"):
             for grad in (0, 1):
-                sig = dict(LOGITS=f"*{dtype}", stride_logits="i32", LABELS="*i32", LOSS="*fp32", SCALE="*fp32",
+                sig = dict(LOGITS=f"*{dtype}", stride_logits="i32", LABELS="*i32", LOSS="*fp32",
                            V="i32", ignore_index="i32", smoothing="fp32", z_loss="fp32")
                 yield ("cross_entropy._ce_rows_kernel", f"{dtype} BLOCK_V={block} grad={grad}", sig,
                        dict(COMPUTE_GRAD=grad, BLOCK_V=block), cross_entropy.CE_NUM_WARPS)

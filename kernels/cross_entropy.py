@@ -41,7 +41,7 @@ def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, bias: 
 
 
 @triton.jit
-def _ce_rows_kernel(LOGITS, stride_logits, LABELS, LOSS, SCALE, V, ignore_index, smoothing, z_loss,
+def _ce_rows_kernel(LOGITS, stride_logits, LABELS, LOSS, V, ignore_index, smoothing, z_loss,
                     COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
     """Per row: loss from an online log-sum-exp over vocabulary blocks; then the row's logits <- d loss / d logits."""
     row = tl.program_id(0).to(tl.int64)
@@ -70,22 +70,26 @@ def _ce_rows_kernel(LOGITS, stride_logits, LABELS, LOSS, SCALE, V, ignore_index,
         loss = lse - (1.0 - smoothing) * z_label - smoothing * logit_sum / V + z_loss * lse * lse
         tl.store(LOSS + row, loss)
         if COMPUTE_GRAD:
-            scale = tl.load(SCALE)
             for v0 in range(0, V, BLOCK_V):
                 mask = v0 + cols < V
                 z = tl.load(ptr + v0 + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                grad = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing / V
+                # exp(z - max) / sum, not exp(z - lse): lse's rounding (~|lse| ulps) would bias every entry of the row
+                grad = tl.exp(z - running_max) / running_sum * (1.0 + 2.0 * z_loss * lse) - smoothing / V
                 grad = tl.where(v0 + cols == label, grad - (1.0 - smoothing), grad)
-                tl.store(ptr + v0 + cols, (grad * scale).to(LOGITS.dtype.element_ty), mask=mask)
+                tl.store(ptr + v0 + cols, grad.to(LOGITS.dtype.element_ty), mask=mask)
 
 
 CE_BLOCK_V = 4096  # vocabulary block of the online log-sum-exp
 CE_NUM_WARPS = 8  # 4096 / (8 * 32) = 16 fp32 per thread
 
 
+CE_MIN_CHUNK_ROWS = 32  # single-row chunks turn the gradient matmuls into gemv: ~5x the fp32 error of one GEMM on CPU
+
+
 def _chunk_rows(num_rows: int, vocab: int, hidden: int) -> int:
-    """Rows per chunk so that a chunk's logits are about as large as x itself (Liger-Kernel's rule)."""
-    return max(1, triton.next_power_of_2(triton.cdiv(num_rows, triton.cdiv(vocab, hidden))))
+    """Rows per chunk so that a chunk's logits are about as large as x itself (Liger-Kernel's rule), at least
+    CE_MIN_CHUNK_ROWS."""
+    return max(CE_MIN_CHUNK_ROWS, triton.next_power_of_2(triton.cdiv(num_rows, triton.cdiv(vocab, hidden))))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -100,9 +104,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         needs_grad = any(ctx.needs_input_grad[:3])
         labels = labels.contiguous()
         count = (labels != ignore_index).sum().clamp(min=1)
-        scale = (1.0 / count.float()).reshape(1)  # stays on the device: no sync
+        scale = 1.0 / count.float()  # stays on the device: no sync
         loss_rows = torch.empty(num_rows, device=x.device, dtype=torch.float32)
-        grad_x = torch.empty_like(x_c) if needs_grad else None
+        grad_x = torch.empty(x.shape, device=x.device, dtype=torch.float32) if needs_grad else None
         grad_w = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if needs_grad else None
         grad_b = torch.zeros(vocab, device=x.device, dtype=torch.float32) if needs_grad and bias is not None else None
         chunk = _chunk_rows(num_rows, vocab, hidden)
@@ -112,25 +116,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
             x_chunk = x_c[start:stop]
             logits = F.linear(x_chunk, w_c, b_c).contiguous()  # [chunk, V]: the only logits alive
             _ce_rows_kernel[(stop - start,)](
-                logits, logits.stride(0), labels[start:stop], loss_rows[start:stop], scale, vocab, ignore_index,
+                logits, logits.stride(0), labels[start:stop], loss_rows[start:stop], vocab, ignore_index,
                 label_smoothing, z_loss, COMPUTE_GRAD=needs_grad, BLOCK_V=block_v, num_warps=CE_NUM_WARPS)
-            if needs_grad:  # logits now hold d loss / d logits
+            if needs_grad:  # logits now hold d loss_row / d logits (unscaled)
                 grad_x[start:stop] = logits @ w_c
                 grad_w += (logits.t() @ x_chunk).float()
                 if grad_b is not None:
                     grad_b += logits.float().sum(0)
-        ctx.save_for_backward(grad_x, grad_w, grad_b)
+        ctx.save_for_backward(grad_x, grad_w, grad_b, scale)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return loss_rows.sum() * scale[0]
+        return loss_rows.sum() * scale
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_loss):
-        grad_x, grad_w, grad_b = ctx.saved_tensors
+        grad_x, grad_w, grad_b, scale = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        dx = None if grad_x is None else (grad_x.float() * grad_loss).to(x_dtype)
-        dw = None if grad_w is None else (grad_w * grad_loss).to(w_dtype)
-        db = None if grad_b is None else (grad_b * grad_loss).to(b_dtype)
+        factor = grad_loss.float() * scale  # 1 / rows x the incoming gradient, applied in fp32
+        dx = None if grad_x is None else (grad_x * factor).to(x_dtype)
+        dw = None if grad_w is None else (grad_w * factor).to(w_dtype)
+        db = None if grad_b is None else (grad_b * factor).to(b_dtype)
         return dx, dw, db, None, None, None, None
 
 

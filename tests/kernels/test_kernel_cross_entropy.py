@@ -7,7 +7,9 @@ from fastmae.kernels import linear_cross_entropy, linear_cross_entropy_reference
 from fastmae.kernels.cross_entropy import CE_BLOCK_V
 from tolerance import assert_as_accurate
 
-DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# DeepSpeed hands the loss a gradient of loss_scale / grad_accum (times fastmae's per-token weight), not 1
+INCOMING_GRAD = 0.37 * 2**10
 SHAPES = [pytest.param(1, 8, 7, id="N1-H8-V7"), pytest.param(33, 20, 1000, id="N33-H20-V1000"),
           pytest.param(70, 48, CE_BLOCK_V + 907, id=f"N70-H48-V{CE_BLOCK_V + 907}"),
           pytest.param(4096, 768, 50265, id="N4096-H768-V50265", marks=pytest.mark.large)]
@@ -28,17 +30,48 @@ def test_fused_linear_cross_entropy(rows, hidden, vocab, options, dtype, seed, n
     if options.pop("ignore", False):
         labels[::3] = -100
 
-    def run(fn, dt):
-        leaves = [t.to(KERNEL_DEVICE, dt).requires_grad_() for t in (x, w, b)]
-        loss = fn(*leaves, labels.to(KERNEL_DEVICE), **options)
-        return [loss, *torch.autograd.grad(loss, leaves)]
-
-    got = run(linear_cross_entropy, dtype)
-    plain = run(linear_cross_entropy_reference, dtype)
-    exact = run(linear_cross_entropy_reference, torch.float64)
+    got = _loss_and_grads(linear_cross_entropy, x, w, b, labels, dtype, options)
+    plain = _loss_and_grads(linear_cross_entropy_reference, x, w, b, labels, dtype, options)
+    exact = _loss_and_grads(linear_cross_entropy_reference, x, w, b, labels, torch.float64, options)
     assert got[0].dtype == torch.float32
     for i, (g, p, e) in enumerate(zip(got, plain, exact)):
         assert_as_accurate(["loss", "dx", "dw", "db"][i], g, p, e, dtype, factor=2 if i == 0 else 3)
+
+
+def _loss_and_grads(fn, x, w, b, labels, dtype, options):
+    leaves = [t.to(KERNEL_DEVICE, dtype).requires_grad_() for t in (x, w, b)]
+    loss = fn(*leaves, labels.to(KERNEL_DEVICE), **options)
+    return [loss, *torch.autograd.grad(loss, leaves, torch.tensor(INCOMING_GRAD, device=loss.device))]
+
+
+def test_the_accuracy_rule_catches_a_dropped_vocabulary_block_in_bf16():
+    gen = torch.Generator().manual_seed(0)
+    rows, hidden, vocab = 70, 48, CE_BLOCK_V + 907
+    x, w, b = torch.randn(rows, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen) / hidden**0.5, \
+        torch.randn(vocab, generator=gen)
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    got = _loss_and_grads(linear_cross_entropy, x, w, b, labels, torch.bfloat16, {})
+    plain = _loss_and_grads(linear_cross_entropy_reference, x, w, b, labels, torch.bfloat16, {})
+    exact = _loss_and_grads(linear_cross_entropy_reference, x, w, b, labels, torch.float64, {})
+    assert_as_accurate("db", got[3], plain[3], exact[3], torch.bfloat16, factor=3)
+    dropped = got[3].clone()
+    dropped[CE_BLOCK_V:] = 0  # what a kernel that skipped the last vocabulary block would return
+    with pytest.raises(AssertionError, match="db: error"):
+        assert_as_accurate("db", dropped, plain[3], exact[3], torch.bfloat16, factor=3)
+
+
+def test_fp16_gradients_survive_until_the_loss_scale():
+    """In fp16 the per-logit gradients divided by the row count underflow; the kernel keeps them unscaled in fp32
+    until backward, so with a typical loss scale no gradient that matters is lost."""
+    gen = torch.Generator().manual_seed(1)
+    rows, hidden, vocab = 512, 32, 3000
+    x, w = torch.randn(rows, hidden, generator=gen) * 3, torch.randn(vocab, hidden, generator=gen) / hidden**0.5
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    options = {}
+    got = _loss_and_grads(linear_cross_entropy, x, w, torch.zeros(vocab), labels, torch.float16, options)
+    exact = _loss_and_grads(linear_cross_entropy_reference, x, w, torch.zeros(vocab), labels, torch.float64, options)
+    for name, g, e in zip(["dx", "dw"], got[1:3], exact[1:3]):
+        assert ((g.double() - e).norm() / e.norm()).item() < 1e-2, name
 
 
 def test_no_rows_gives_zero_loss_and_gradient():
