@@ -91,27 +91,23 @@ def drain(loader, n):
 def test_packing_covers_every_token_once_and_respects_limits(dataset, packing):
     directory, _ = dataset
     loader = PackedLoader(directory, max_seq_len=32, packing=packing, tokens_per_batch=200, seed=1)
-    batches = drain(loader, loader.batches_per_epoch)
-    data = ShardSet(directory)
-    bodies = []
-    for batch in batches:
-        assert batch.num_tokens <= 200 and batch.max_seqlen <= 32
+    for batch in drain(loader, loader.batches_per_epoch):
         tokens, cu = batch.tokens.numpy(), batch.cu_seqlens.numpy()
-        for a, b in zip(cu[:-1], cu[1:]):
-            assert tokens[a] == BOS_ID and tokens[b - 1] == EOS_ID
-            bodies.append(tokens[a + 1:b - 1])
-    body_tokens = sum(len(b) for b in bodies)
-    if packing == "doc":
-        # the remainder batch of the epoch may be dropped, never a piece of a document
-        assert body_tokens <= data.num_tokens and body_tokens > 0.9 * data.num_tokens
-        doc_texts = {tuple(s.tokens[x:y]) for s in data.shards for x, y in zip(s.offsets[:-1], s.offsets[1:])}
-        joined = {tuple(b) for b in bodies}
-        # every body is a contiguous piece of one document: it occurs inside some document
-        for body in list(joined)[:50]:
-            assert any(_contains(doc, body) for doc in doc_texts), body
-    else:
-        assert (np.concatenate(bodies) == EOS_ID).sum() > 0  # separators between documents
-        assert body_tokens <= data.num_tokens + data.num_documents
+        assert batch.num_tokens <= 200 and batch.max_seqlen <= 32
+        assert (tokens[cu[:-1]] == BOS_ID).all() and (tokens[cu[1:] - 1] == EOS_ID).all()
+    # one rank: the epoch's micro-batches hold every sequence exactly once
+    order = np.concatenate(loader._batches_of_epoch(0))
+    assert np.array_equal(np.sort(order), np.arange(loader.num_sequences))
+    # and the sequences, in index order and without <s> ... </s>, are exactly the token stream: every token once
+    tokens, lengths = loader.tokens_of(np.arange(loader.num_sequences))
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    bodies = np.concatenate([tokens[a + 1:b - 1] for a, b in zip(cu[:-1], cu[1:])])
+    data = ShardSet(directory)
+    separator = [EOS_ID] if packing == "full" else []  # full packing joins documents with </s>
+    stream = np.concatenate([np.concatenate([list(s.tokens[x:y]) + separator for x, y in zip(s.offsets[:-1],
+                                                                                            s.offsets[1:])])
+                             for s in data.shards])
+    assert np.array_equal(bodies, stream)
 
 
 def _contains(doc, piece):
@@ -133,9 +129,17 @@ def test_ranks_get_disjoint_equal_shares(dataset):
                 for r in range(3)]
     counts = {loader.batches_per_epoch for loader in per_rank}
     assert len(counts) == 1
-    seen = [set(map(tuple, np.concatenate([seq for seq in loader._batches_of_epoch(0)]).reshape(-1, 1)))
-            for loader in per_rank]
-    assert not (seen[0] & seen[1]) and not (seen[1] & seen[2])
+    seen = [set(np.concatenate(loader._batches_of_epoch(0)).tolist()) for loader in per_rank]
+    for i in range(3):
+        for j in range(i + 1, 3):
+            assert not seen[i] & seen[j], (i, j)
+    # together they cover the epoch but for the dropped remainder: fewer than world_size micro-batches
+    whole = PackedLoader(directory, max_seq_len=32, tokens_per_batch=128, rank=0, world_size=1, seed=2)
+    plan = whole._batches_of_epoch(0)
+    union = set().union(*seen)
+    assert union <= set(range(whole.num_sequences))
+    dropped = set(range(whole.num_sequences)) - union
+    assert dropped == set(np.concatenate(plan[len(plan) - len(plan) % 3:]).tolist()) if len(plan) % 3 else not dropped
 
 
 def test_same_seed_same_stream_other_epoch_other_order(dataset):

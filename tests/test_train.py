@@ -187,14 +187,29 @@ def test_single_process_entry_point_and_bad_config(dataset, tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("train.lr=fast", "train.lr: expected float"),
-    ("model.hidden_size=30", "model.hidden_size=30: must be divisible by num_heads"),
+    ("model.hidden_size=129", "model.hidden_size=129: must be divisible by num_heads"),
     ("train.zero_stage=5", "train.zero_stage=5"),
     ("data.packing=zigzag", "data.packing='zigzag'"),
     ("optimizer.lr=3", "unknown section"),
+    ("log.every=0", "log.every=0: must be positive"),
+    ("checkpoint.every=0", "checkpoint.every=0: must be positive"),
+    ("checkpoint.keep=-1", "checkpoint.keep=-1"),
+    ("train.steps=-5", "train.steps=-5: must be positive"),
+    ("train.warmup_steps=-1", "train.warmup_steps=-1"),
+    ("train.precision=fp8", "train.precision='fp8'"),
+    ("eval.sequences=0", "eval.sequences=0: must be positive"),
+    ("eval.every=-1", "eval.every=-1"),
+    ("eval.mask_rate=1.5", "eval.mask_rate=1.5"),
+    ("data.builtin_valid_fraction=0", "data.builtin_valid_fraction=0"),
 ])
 def test_config_errors_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
         load_run_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [override]).model_config(8000)
+
+
+def test_floats_in_exponent_notation_are_floats():
+    # YAML 1.1 reads "2e-3" as a string; a learning rate written that way must still work
+    assert load_run_config(str(ROOT / "configs" / "tiny-cpu.yaml"), ["train.lr=2e-3"]).train.lr == 2e-3
 
 
 @pytest.mark.parametrize("name", ["tiny-cpu", "roberta-base", "mae-lm-base", "3ml-base", "roberta-large",
