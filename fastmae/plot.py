@@ -34,7 +34,8 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
         ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-",
                      label=f"held-out at {evals[0].get('mask_rate', 0.15):.0%} mask")
         if "unigram_entropy" in evals[-1]:  # the loss of predicting token frequencies alone, ignoring context
-            ax_loss.axhline(evals[-1]["unigram_entropy"], color="gray", linestyle="--", label="held-out unigram entropy")
+            ax_loss.axhline(evals[-1]["unigram_entropy"], color="gray", linestyle="--",
+                            label="held-out unigram entropy")
     ax_loss.set(xlabel="optimizer step", ylabel="cross-entropy (nats)", title=f"loss: {run_dir.name}")
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)
