@@ -31,3 +31,15 @@ def markov_documents(num_documents: int, vocab_size: int, min_len: int = 8, max_
             walk[i] = successors[walk[i - 1], choices[i]]
         docs.append([BOS_ID, *walk.tolist(), EOS_ID])
     return docs
+
+
+def prepare_word_dataset(root, words: list[str], num_docs: int, max_words: int, vocab_size: int,
+                         valid_fraction: float, seed: int = 0):
+    """Prepare a dataset of `num_docs` documents of 3..max_words random `words` under `root`; return its directory."""
+    from fastmae.prepare import prepare
+
+    rng = np.random.default_rng(seed)
+    docs = [" ".join(rng.choice(words, size=rng.integers(3, max_words))) for _ in range(num_docs)]
+    (root / "corpus.txt").write_text("\n".join(docs) + "\n")
+    prepare([root / "corpus.txt"], root / "ds", vocab_size=vocab_size, valid_fraction=valid_fraction, progress=False)
+    return root / "ds"

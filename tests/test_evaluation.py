@@ -7,23 +7,19 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
+from synthetic import prepare_word_dataset
 
 from fastmae.config import MASK_ID
 from fastmae.evaluation import HeldOutSet, unigram_baselines
 from fastmae.masking import mask_rows
-from fastmae.prepare import prepare
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eval-data")
-    rng = np.random.default_rng(1)
-    docs = [" ".join(rng.choice(WORDS, size=rng.integers(3, 80))) for _ in range(300)]
-    (root / "corpus.txt").write_text("\n".join(docs) + "\n")
-    prepare([root / "corpus.txt"], root / "ds", vocab_size=40, valid_fraction=0.3, progress=False)
-    return root / "ds"
+    return prepare_word_dataset(tmp_path_factory.mktemp("eval-data"), WORDS, 300, 80, vocab_size=40,
+                                valid_fraction=0.3, seed=1)
 
 
 def selected(dataset, world_size, tokens_per_batch, packing="full", sequences=10**6, seed=0):

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from synthetic import prepare_word_dataset
 
 from fastmae.config import load_run_config
-from fastmae.prepare import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "the cat dog bird sat ran flew on under over a big small red green blue mat tree sky".split()
@@ -23,14 +23,8 @@ WORDS = "the cat dog bird sat ran flew on under over a big small red green blue 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    import numpy as np
-
-    root = tmp_path_factory.mktemp("train-data")
-    rng = np.random.default_rng(0)
-    docs = [" ".join(rng.choice(WORDS, size=rng.integers(5, 60))) for _ in range(400)]
-    (root / "corpus.txt").write_text("\n".join(docs) + "\n")
-    prepare([root / "corpus.txt"], root / "ds", vocab_size=40, valid_fraction=0.1, progress=False)
-    return root / "ds"
+    return prepare_word_dataset(tmp_path_factory.mktemp("train-data"), WORDS, 400, 60, vocab_size=40,
+                                valid_fraction=0.1)
 
 
 def overrides(dataset, run_dir, steps=6, **extra):
