@@ -42,16 +42,19 @@ def stamp() -> dict:
     else:
         device = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
-            "torch": torch.__version__, "python": platform.python_version(), "git_sha": sha}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "python": platform.python_version(), "git_sha": sha}
 
 
-def write_results(name: str, rows: list[dict], columns: list[str], title: str, notes: str = "") -> Path:
-    """Write rows as benchmarks/results/NAME.json and a Markdown table NAME.md; return the Markdown path."""
+def write_results(name: str, rows: list[dict], columns: list[str], title: str, notes: str = "",
+                  header: dict | None = None) -> Path:
+    """Write benchmarks/results/NAME.json ({stamp, **header, "results": rows}) and a Markdown table NAME.md;
+    return the Markdown path."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    meta = stamp()
-    (RESULTS_DIR / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = [f"# {title}", "", f"{meta['date']} · {meta['device']} · torch {meta['torch']} · git {meta['git_sha']}",
-             ""]
+    meta = {**stamp(), **(header or {})}
+    (RESULTS_DIR / f"{name}.json").write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
+    lines = [f"# {title}", "", f"{meta['date']} · {meta['device']} · CPU {meta['cpu_capability']} · torch "
+             f"{meta['torch']} · git {meta['git_sha']}", ""]
     if notes:
         lines += [notes, ""]
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -5,7 +5,9 @@ Backends, in order of preference (`auto`):
 - `torch_varlen`: torch.nn.attention.varlen.varlen_attn (CUDA, in torch; no attention dropout, so skipped when
   dropout_p > 0).
 - `padded` / `nested`: torch SDPA over a padded view or over nested jagged tensors (any device). On CPU `padded`
-  is the default: see CPU_BACKEND.
+  is the default without attention dropout: see CPU_BACKEND.
+- `math`: softmax(QK^T + key mask) V over the padded view with fastmae.dropout on the probabilities. The CPU default
+  with attention dropout, where SDPA falls back to its own math path and torch's slow CPU dropout.
 - `reference`: a per-sequence softmax loop, the oracle of the tests (slow, never chosen automatically).
 Override with the `backend` argument or the FASTMAE_ATTENTION environment variable.
 """
@@ -20,10 +22,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "flash", "torch_varlen", "padded", "nested", "reference")
-# Measured by benchmarks/attention.py (results in benchmarks/results/attention.md): padded SDPA beat nested jagged
-# SDPA on this 2-core CPU for forward + backward at every shape tried.
-CPU_BACKEND = "padded"
+from .dropout import drop_mask
+
+BACKENDS = ("auto", "flash", "torch_varlen", "padded", "nested", "math", "reference")
+# Measured by benchmarks/attention.py (results in benchmarks/results/attention.md), forward + backward on a 2-core
+# CPU: padded SDPA beat nested jagged SDPA at every shape tried, and `math` beat padded SDPA whenever attention
+# dropout is on (SDPA's CPU flash kernel takes no dropout).
+CPU_BACKEND, CPU_DROPOUT_BACKEND = "padded", "math"
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
@@ -46,6 +51,11 @@ class VarlenMeta(NamedTuple):
     @property
     def num_sequences(self) -> int:
         return self.cu_seqlens.shape[0] - 1
+
+    @property
+    def is_rectangular(self) -> bool:
+        """Every sequence has max_seqlen rows (known from shapes, no device read): the padded view is a plain view."""
+        return self.padded_index.shape[0] == self.num_sequences * self.max_seqlen
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int, seq_ids: torch.Tensor, positions: torch.Tensor,
@@ -89,18 +99,45 @@ def _torch_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, sca
 
 
 def _to_padded(x: torch.Tensor, meta: VarlenMeta) -> torch.Tensor:
-    """[T, heads, D] -> [B, heads, max_seqlen, D], zeros in the padding."""
-    padded = x.new_zeros(meta.num_sequences * meta.max_seqlen, *x.shape[1:])
-    padded = padded.index_copy(0, meta.padded_index, x)
+    """[T, heads, D] -> [B, heads, max_seqlen, D], zeros in the padding (a view when there is none)."""
+    padded = x
+    if not meta.is_rectangular:
+        padded = x.new_zeros(meta.num_sequences * meta.max_seqlen, *x.shape[1:]).index_copy(0, meta.padded_index, x)
     return padded.view(meta.num_sequences, meta.max_seqlen, *x.shape[1:]).transpose(1, 2)
 
 
+def _from_padded(out: torch.Tensor, meta: VarlenMeta) -> torch.Tensor:
+    """[B, heads, max_seqlen, D] -> [T, heads, D], the padding rows dropped."""
+    out = out.transpose(1, 2).reshape(meta.num_sequences * meta.max_seqlen, out.shape[1], out.shape[3])
+    return out if meta.is_rectangular else out.index_select(0, meta.padded_index)
+
+
 def _padded(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float):
-    mask = mk.key_valid[:, None, None, :]  # padded keys get no weight; padded query rows are dropped below
+    mask = None if mk.is_rectangular else mk.key_valid[:, None, None, :]  # padded keys get no weight
     out = F.scaled_dot_product_attention(_to_padded(q, mq), _to_padded(k, mk), _to_padded(v, mk), attn_mask=mask,
                                          dropout_p=dropout_p, scale=scale)
-    out = out.transpose(1, 2).reshape(mq.num_sequences * mq.max_seqlen, *q.shape[1:])
-    return out.index_select(0, mq.padded_index)
+    return _from_padded(out, mq)
+
+
+def _math(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float):
+    q_pad, k_pad, v_pad = _to_padded(q * scale, mq), _to_padded(k, mk), _to_padded(v, mk)
+    batch, heads, len_q, head_dim = q_pad.shape
+    len_k = mk.max_seqlen
+    q_pad = q_pad.reshape(batch * heads, len_q, head_dim)
+    k_t = k_pad.reshape(batch * heads, len_k, head_dim).transpose(1, 2)
+    if mk.is_rectangular:
+        scores = torch.bmm(q_pad, k_t)
+    else:  # 0 / -inf per key, [B * heads, 1, S_k], broadcast over the queries without a copy (stride 0)
+        key_bias = torch.zeros(mk.key_valid.shape, dtype=q.dtype, device=q.device)
+        key_bias = key_bias.masked_fill(~mk.key_valid, -math.inf)[:, None, :].expand(batch, heads, len_k)
+        scores = torch.baddbmm(key_bias.reshape(batch * heads, 1, len_k).expand(-1, len_q, -1), q_pad, k_t)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p:
+        dropped, rescale = drop_mask(tuple(probs.shape), dropout_p, probs.device)
+        probs = probs.masked_fill(dropped, 0.0)
+        v_pad = v_pad * rescale  # scaling v ([S, D]) rather than the probabilities ([S, S]) saves a pass
+    out = torch.bmm(probs, v_pad.reshape(batch * heads, len_k, head_dim))
+    return _from_padded(out.view(batch, heads, len_q, head_dim), mq)
 
 
 def _nested(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float):
@@ -129,13 +166,13 @@ def varlen_attention_reference(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_
     return torch.cat(outs)
 
 
-_IMPLS = {"flash": _flash, "torch_varlen": _torch_varlen, "padded": _padded, "nested": _nested,
+_IMPLS = {"flash": _flash, "torch_varlen": _torch_varlen, "padded": _padded, "nested": _nested, "math": _math,
           "reference": varlen_attention_reference}
 
 
 def available_backends(device: torch.device | str) -> list[str]:
     """Backends that can run on `device` here (the reference always can)."""
-    names = ["padded", "nested", "reference"]
+    names = ["padded", "nested", "math", "reference"]
     if torch.device(device).type == "cuda":
         names = ["torch_varlen", *names]
         if _HAS_FLASH_ATTN:
@@ -160,7 +197,9 @@ def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
         if _HAS_FLASH_ATTN:
             return "flash"
         return "torch_varlen" if dropout_p == 0.0 else "padded"
-    return CPU_BACKEND if device.type == "cpu" else "padded"
+    if device.type == "cpu":
+        return CPU_DROPOUT_BACKEND if dropout_p else CPU_BACKEND
+    return "padded"
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: VarlenMeta,

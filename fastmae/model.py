@@ -19,6 +19,7 @@ from . import ops
 from .attention import VarlenMeta, apply_rotary, varlen_attention
 from .batch import PackedBatch
 from .config import ModelConfig
+from .dropout import Dropout
 from .masking import MaskedBatch, mask_batch
 
 
@@ -47,7 +48,7 @@ class Embeddings(nn.Module):
         self.tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.positions = PositionEmbedding(config) if config.position_embedding == "learned" else None
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """ids, positions: [N] int32 -> [N, H]."""
@@ -72,7 +73,7 @@ class Insertion(nn.Module):
             if config.position_embedding == "learned":
                 self.positions = PositionEmbedding(config)
             self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, visible: torch.Tensor, masked: MaskedBatch, token_embedding: torch.Tensor) -> torch.Tensor:
         sel = masked.selection
@@ -95,7 +96,7 @@ class TransformerLayer(nn.Module):
         self.ffn_in = nn.Linear(h, config.intermediate_size)
         self.ffn_out = nn.Linear(config.intermediate_size, h)
         self.ffn_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.attention_dropout = attention_dropout
         self.attention_backend: str | None = None  # None: fastmae.attention picks per device
 

@@ -26,7 +26,7 @@ def make_meta(lengths, device, positions=None):
 def backend_params():
     """Every backend on every device it is meant for; absent ones skip with the reason."""
     for backend in BACKENDS[1:-1]:  # all but auto and the reference itself
-        for device in ("cpu", "cuda") if backend in ("padded", "nested") else ("cuda",):
+        for device in ("cpu", "cuda") if backend in ("padded", "nested", "math") else ("cuda",):
             if device == "cuda" and not torch.cuda.is_available():
                 reason = "no CUDA device"
             elif backend not in available_backends(device):
@@ -42,6 +42,8 @@ SHAPES = [
     pytest.param([7, 1, 33], None, id="self-7-1-33"),
     pytest.param([64, 50, 3, 97], None, id="self-64-50-3-97"),
     pytest.param([2, 5, 4], [9, 5, 30], id="cross-q2,5,4-k9,5,30"),
+    pytest.param([16, 16, 16], None, id="rectangular-3x16"),  # no padding: the padded view is a plain view
+    pytest.param([4, 4], [9, 9], id="cross-rectangular-q4,4-k9,9"),
 ]
 
 
@@ -122,10 +124,29 @@ def test_automatic_choice_follows_device_dropout_and_dtype(monkeypatch):
 
     monkeypatch.delenv("FASTMAE_ATTENTION", raising=False)
     cuda = torch.device("cuda")
-    assert attention.resolve_backend(None, torch.device("cpu"), 0.1, torch.float32) == attention.CPU_BACKEND
+    assert attention.resolve_backend(None, torch.device("cpu"), 0.0, torch.float32) == attention.CPU_BACKEND
+    assert attention.resolve_backend(None, torch.device("cpu"), 0.1, torch.bfloat16) == attention.CPU_DROPOUT_BACKEND
     monkeypatch.setattr(attention, "_HAS_FLASH_ATTN", False)
     assert attention.resolve_backend(None, cuda, 0.0, torch.bfloat16) == "torch_varlen"
     assert attention.resolve_backend(None, cuda, 0.1, torch.bfloat16) == "padded"  # varlen_attn has no dropout
     assert attention.resolve_backend(None, cuda, 0.0, torch.float32) == "padded"  # varlen kernels: half only
     monkeypatch.setattr(attention, "_HAS_FLASH_ATTN", True)
     assert attention.resolve_backend(None, cuda, 0.1, torch.float16) == "flash"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_math_backend_dropout_is_unbiased_and_random(dtype):
+    """With attention dropout, each call drops different probabilities, and the mean over many calls converges to
+    the no-dropout output (the survivors' scale is exact), on padded and unequal sequences."""
+    torch.manual_seed(0)
+    meta = make_meta([9, 4, 13], "cpu")
+    q, k, v = (torch.randn(26, 2, 8).to(dtype) for _ in range(3))
+    exact = varlen_attention_reference(q.double(), k.double(), v.double(), meta, meta)
+    draws = torch.stack([varlen_attention(q, k, v, meta, dropout_p=0.25, backend="math").double()
+                         for _ in range(2000)])
+    assert not torch.equal(draws[0], draws[1])
+    # each draw's error has std <= ~max|v| * sqrt(p / (1 - p)); the mean of n draws shrinks it by sqrt(n)
+    bound = 5 * v.double().abs().max() * (0.25 / 0.75) ** 0.5 / 2000**0.5 + (0.02 if dtype == torch.bfloat16 else 0)
+    assert (draws.mean(0) - exact).abs().max() < bound
+    assert (draws.mean(0) - exact).abs().max() > 0  # not silently without dropout
+    assert (draws[0] - exact).abs().max() > 10 * bound / 5**0.5 / 2000**0.5

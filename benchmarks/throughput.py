@@ -1,0 +1,273 @@
+"""Training throughput and MFU of fastmae's objectives against Hugging Face RobertaForMaskedLM, in one run.
+
+    python benchmarks/throughput.py [--size small|base] [--quick] [--dtype auto|fp32|bf16]
+
+Every system trains on the same random tokens (sequences of 512 with <s> ... </s>, vocabulary 32,000) for full
+steps through the engine fastmae trains with (fastmae.trainer.build_engine: DeepSpeed ZeRO-1 in bf16 or ZeRO-0 in
+fp32, fp32 master weights and gradient accumulation, fused AdamW, clipping at 2.0): forward, backward, optimizer step.
+Each system runs in a fresh process (its peak memory is its own); the GEMM peak that MFU divides by is measured once,
+in the same run, in the training dtype (DESIGN.md sections 5 and 8). Model FLOPs are fastmae/flops.py's count of what
+each system computes: Hugging Face runs its LM head on every row, fastmae on the predicted rows only. On CUDA, `mlm`
+also runs with each attention backend present.
+
+Writes benchmarks/results/throughput.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import RESULTS_DIR, write_results
+
+from fastmae.config import BOS_ID, EOS_ID, MASK_ID, NUM_SPECIAL_TOKENS, ModelConfig
+from fastmae.flops import training_flops
+from fastmae.hardware import DTYPES, choose_precision, matmul_flops
+
+SIZES = {  # (hidden, heads, encoder layers)
+    "small": dict(hidden_size=512, num_heads=8, encoder_layers=6),
+    "base": dict(hidden_size=768, num_heads=12, encoder_layers=12),
+}
+VOCAB_SIZE, SEQ_LEN = 32000, 512
+FASTMAE_SYSTEMS = {  # system -> (preset, overrides)
+    "mlm": ("mlm", {}),
+    "mae-lm": ("mae-lm", {}),
+    "3ml": ("3ml", {}),
+    "3ml-cross": ("3ml", {"decoder_kind": "cross"}),
+}
+SYSTEMS = ("hf-roberta", *FASTMAE_SYSTEMS)
+
+
+def model_config(system: str, size: str) -> ModelConfig:
+    """The fastmae config of `system` at `size` (hf-roberta: the `mlm` config it mirrors, LM head aside)."""
+    preset, overrides = FASTMAE_SYSTEMS.get(system, ("mlm", {}))
+    return ModelConfig.preset(preset, vocab_size=VOCAB_SIZE, max_seq_len=SEQ_LEN, **SIZES[size], **overrides)
+
+
+def make_tokens(sequences: int) -> torch.Tensor:
+    """[sequences, SEQ_LEN] int64: <s>, random ordinary tokens, </s>; the same for every system."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(NUM_SPECIAL_TOKENS, VOCAB_SIZE, (sequences, SEQ_LEN), generator=gen)
+    ids[:, 0], ids[:, -1] = BOS_ID, EOS_ID
+    return ids
+
+
+# ------------------------------------------------------------------------------------------- one system, one process
+def _init_world_of_one() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+
+    deepspeed.init_distributed(verbose=False)
+
+
+def _engine(model: torch.nn.Module, precision: str, device: torch.device):
+    """The DeepSpeed engine fastmae.trainer builds, for a world of one with the default train settings (AdamW with
+    RoBERTa's betas and eps, clipping at 2.0)."""
+    from fastmae.config import RunConfig
+    from fastmae.trainer import build_engine
+
+    run = RunConfig()
+    run.train.zero_stage = 0 if precision == "fp32" else 1
+    return build_engine(model, run, precision, device)[0]
+
+
+def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, precision: str):
+    """A training-step closure for Hugging Face RobertaForMaskedLM, and its model FLOPs per step."""
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    hf = RobertaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                       num_hidden_layers=config.encoder_layers, num_attention_heads=config.num_heads,
+                       intermediate_size=config.intermediate_size, max_position_embeddings=SEQ_LEN + 2,
+                       type_vocab_size=1, pad_token_id=0, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                       hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.attention_dropout,
+                       layer_norm_eps=config.layer_norm_eps, attn_implementation="sdpa")
+    engine = _engine(RobertaForMaskedLM(hf), precision, device)
+    gen = torch.Generator().manual_seed(1)
+    chosen = torch.rand(tokens.shape, generator=gen) < config.mask_rate
+    chosen[:, 0] = chosen[:, -1] = False
+    labels = torch.where(chosen, tokens, -100).to(device)
+    inputs = torch.where(chosen, MASK_ID, tokens).to(device)
+
+    def step():
+        loss = engine(input_ids=inputs, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+
+    lengths = torch.full((tokens.shape[0],), SEQ_LEN)
+    return step, training_flops(config, lengths, lengths, lengths)  # the LM head runs on every row
+
+
+def _fastmae_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, precision: str,
+                  backend: str | None):
+    """A training-step closure for fastmae's MaskedLM, and its model FLOPs per step."""
+    from fastmae import MaskedLM, PackedBatch
+    from fastmae.masking import mask_batch
+
+    model = MaskedLM(config)
+    model.set_attention_backend(backend)
+    engine = _engine(model, precision, device)
+    batch = PackedBatch.from_sequences(tokens.tolist(), device=device)
+    counts = mask_batch(batch, config, seed=0, step=0).counts  # exact per-sequence counts: the same every step
+    step_index = iter(range(1 << 30))
+
+    def step():
+        out = engine(batch, seed=0, step=next(step_index))
+        engine.backward(out.loss)
+        engine.step()
+
+    flops = training_flops(config, batch.seqlens, batch.seqlens - counts.removed, counts.predicted)
+    return step, flops
+
+
+def _resident_mib() -> tuple[float, float]:
+    """(current, peak) resident set size of this process in MiB (Linux)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def measure_system(system: str, size: str, sequences: int, precision: str, warmup: int, repeats: int,
+                   backend: str | None) -> dict:
+    """Median step time, tokens/s, model FLOPs per step and peak memory of one system (run in its own process)."""
+    _init_world_of_one()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_flush_denormal(True)  # as the trainer does
+    baseline_mib, _ = _resident_mib()
+    torch.manual_seed(0)
+    config = model_config(system, size)
+    tokens = make_tokens(sequences)
+    if system == "hf-roberta":
+        step, flops = _hf_step(config, tokens, device, precision)
+    else:
+        step, flops = _fastmae_step(config, tokens, device, precision, backend)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        peak_mib = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak_mib = _resident_mib()[1] - baseline_mib
+    seconds = statistics.median(times)
+    return {"step_s": seconds, "tokens_per_s": tokens.numel() / seconds, "flops_per_step": flops,
+            "peak_memory_mib": peak_mib, "step_times_s": times}
+
+
+def _run_isolated(*args) -> dict:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(measure_system, args)
+
+
+# --------------------------------------------------------------------------------------------------------- report
+def _plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [row["system"] for row in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax1.barh(names, [row["tokens_per_s"] for row in rows], color="tab:blue")
+    ax1.set_xlabel("training tokens / s")
+    ax2.barh(names, [row["mfu"] for row in rows], color="tab:orange")
+    ax2.set_xlabel("MFU (model FLOPs / measured GEMM peak)")
+    ax2.set_xlim(0, 1)
+    for ax in (ax1, ax2):
+        ax.invert_yaxis()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--quick", action="store_true", help="4 sequences, 1 warm-up + 3 timed steps (< 2 minutes)")
+    parser.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                        help="training dtype; auto: bf16 where the device multiplies it natively (DESIGN.md 5)")
+    parser.add_argument("--sequences", type=int, default=None, help="sequences of 512 per step (default 8; quick 4)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    args = parser.parse_args(argv)
+    systems = args.systems.split(",")
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
+    if "hf-roberta" in systems:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            parser.error("hf-roberta needs transformers: pip install -e '.[hf]' (or leave it out with --systems)")
+    sequences = args.sequences or (4 if args.quick else 8)
+    warmup, repeats = (1, 3) if args.quick else (2, 5)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision, line = choose_precision(args.dtype, device)
+    if line:
+        print(line, flush=True)
+    peak = matmul_flops(device, DTYPES[precision])
+    print(f"{device} GEMM peak in {precision}: {peak / 1e9:.1f} GFLOP/s", flush=True)
+
+    runs = [(system, None) for system in systems]
+    if device.type == "cuda" and "mlm" in systems:
+        from fastmae.attention import available_backends
+
+        runs += [("mlm", b) for b in available_backends(device) if b != "reference"]
+    rows = []
+    for system, backend in runs:
+        name = system if backend is None else f"{system} [{backend}]"
+        result = _run_isolated(system, args.size, sequences, precision, warmup, repeats, backend)
+        rows.append({"system": name, "size": args.size, "dtype": precision, "tokens_per_step": sequences * SEQ_LEN,
+                     **result, "mfu": result["flops_per_step"] / result["step_s"] / peak})
+        print(f"{name:>16}: {result['tokens_per_s']:8.1f} tokens/s  step {result['step_s']:.3f} s  "
+              f"MFU {rows[-1]['mfu']:.3f}  peak memory {result['peak_memory_mib']:.0f} MiB", flush=True)
+    reference = next((row["tokens_per_s"] for row in rows if row["system"] == "hf-roberta"), None)
+    for row in rows:
+        row["x_hf"] = row["tokens_per_s"] / reference if reference else None
+        row["gflops_per_step"] = row["flops_per_step"] / 1e9
+
+    cfg = SIZES[args.size]
+    title = (f"{args.size} ({cfg['encoder_layers']} x {cfg['hidden_size']}, {sequences} x {SEQ_LEN} tokens, vocab "
+             f"{VOCAB_SIZE}), {precision}, peak {peak / 1e9:.0f} GFLOP/s")
+    notes = (f"{title}. Full training steps (DeepSpeed + AdamW), median of {repeats} after {warmup} warm-up. "
+             "MFU = model FLOPs / (step time x GEMM peak measured in this run); Hugging Face's FLOPs include its LM "
+             "head on every row. Peak memory: CUDA allocator peak, or resident-set growth of the system's process.")
+    columns = ["system", "tokens_per_s", "x_hf", "step_s", "gflops_per_step", "mfu", "peak_memory_mib"]
+    header = {"dtype": precision, "peak_flops": peak, "size": args.size, "sequences": sequences, "seq_len": SEQ_LEN,
+              "vocab_size": VOCAB_SIZE, "versions": _versions()}
+    path = write_results("throughput", rows, columns, "Training throughput and MFU", notes, header)
+    _plot(rows, RESULTS_DIR / "throughput.png", title)
+    print(f"wrote {path} and throughput.json, throughput.png")
+    return 0
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("deepspeed", "triton", "transformers", "flash-attn"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
