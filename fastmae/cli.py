@@ -13,6 +13,10 @@ SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the console script: keep freed memory in the process (fastmae.hardware.MALLOC_TUNABLES)
+        from fastmae.hardware import restart_with_malloc_tunables
+
+        restart_with_malloc_tunables()
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         lines = [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]

@@ -1,5 +1,9 @@
 """The training dtype that fits the hardware, the matmul peak, and the DeepSpeed config they lead to."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -41,3 +45,28 @@ def test_gradients_accumulate_in_fp32():
         assert ds["bf16"]["enabled"] == (precision == "bf16") and ds["fp16"]["enabled"] == (precision == "fp16")
     with pytest.raises(FastmaeError, match="train.zero_stage=0"):  # DeepSpeed would accumulate in bf16 there
         deepspeed_config(load_run_config(None, ["train.zero_stage=0"]), "bf16")
+
+
+def test_malloc_tunables_are_added_once_and_keep_the_users():
+    from fastmae.hardware import MALLOC_TUNABLES, malloc_env
+
+    assert malloc_env({})["GLIBC_TUNABLES"] == MALLOC_TUNABLES
+    assert malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
+        f"glibc.malloc.arena_max=2:{MALLOC_TUNABLES}"
+    own = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"}
+    assert malloc_env(own) == own
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc tunables")
+def test_entry_points_restart_with_the_malloc_tunables():
+    """The process re-executes itself once with the tunables, keeping its PID and command line."""
+    code = ("import os, sys; from fastmae.hardware import restart_with_malloc_tunables; "
+            "print('start', os.getpid(), flush=True); restart_with_malloc_tunables(); "
+            "print('env', os.getpid(), os.environ['GLIBC_TUNABLES'], sys.argv[1:])")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", code, "arg"], env=env, capture_output=True, text=True, check=True)
+    lines = out.stdout.split("\n")
+    starts = [line.split()[1] for line in lines if line.startswith("start")]
+    pid, tunables, args = lines[-2].split(" ", 3)[1:]
+    assert len(starts) == 2 and starts[0] == starts[1] == pid, out.stdout  # re-executed once, same process
+    assert tunables == hardware.MALLOC_TUNABLES and args == "['arg']"
