@@ -1,4 +1,5 @@
-"""CPU attention backends side by side: padded SDPA vs nested-jagged SDPA, forward + backward, in one run.
+"""CPU attention backends side by side, forward + backward, in one run: padded SDPA vs nested-jagged SDPA without
+dropout, padded SDPA vs the `math` backend with attention dropout 0.1.
 
     python benchmarks/attention.py            # writes benchmarks/results/attention.{json,md}
 """
@@ -30,7 +31,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     device = "cpu"
-    backends = [b for b in available_backends(device) if b in ("padded", "nested")]
+    runs = [(b, 0.0) for b in available_backends(device) if b in ("padded", "nested")]
+    runs += [("padded", 0.1), ("math", 0.1)]
     shapes = [  # (name, lengths, heads, head_dim)
         ("8x512 full", [512] * 8, 8, 64),
         ("8x~435 visible (15% dropped)", [435] * 8, 8, 64),
@@ -42,16 +44,20 @@ def main():
         for dtype in (torch.float32, torch.bfloat16):
             (q, k, v), meta = make_stream(lengths, heads, head_dim, dtype, seed=0)
             row = {"shape": name, "tokens": sum(lengths), "dtype": str(dtype).replace("torch.", "")}
-            for backend in backends:
+            for backend, dropout_p in runs:
                 def step():
-                    out = varlen_attention(q, k, v, meta, backend=backend)
+                    out = varlen_attention(q, k, v, meta, dropout_p=dropout_p, backend=backend)
                     out.float().square().mean().backward()
-                row[f"{backend} ms"] = 1e3 * median_time(step, warmup=1, repeats=args.repeats)
+                name = f"{backend} ms" + (f" (dropout {dropout_p})" if dropout_p else "")
+                row[name] = 1e3 * median_time(step, warmup=1, repeats=args.repeats)
             row["nested / padded"] = row["nested ms"] / row["padded ms"]
+            row["padded / math, dropout"] = row["padded ms (dropout 0.1)"] / row["math ms (dropout 0.1)"]
             rows.append(row)
             print(row, flush=True)
-    path = write_results("attention", rows, ["shape", "tokens", "dtype", "padded ms", "nested ms", "nested / padded"],
-                         "Varlen attention on CPU: forward + backward", "Median of repeats; lower is faster.")
+    columns = ["shape", "tokens", "dtype", "padded ms", "nested ms", "nested / padded", "padded ms (dropout 0.1)",
+               "math ms (dropout 0.1)", "padded / math, dropout"]
+    path = write_results("attention", rows, columns, "Varlen attention on CPU: forward + backward",
+                         "Median of repeats; lower is faster. Ratios above 1: the second backend is faster.")
     print(f"wrote {path}")
 
 

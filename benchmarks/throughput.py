@@ -1,6 +1,6 @@
 """Training throughput and MFU of fastmae's objectives against Hugging Face RobertaForMaskedLM, in one run.
 
-    python benchmarks/throughput.py [--size small|base] [--quick] [--dtype auto|fp32|bf16]
+    python benchmarks/throughput.py [--size small|base|small,base] [--quick] [--dtype auto|fp32|bf16]
 
 Every system trains on the same random tokens (sequences of 512 with <s> ... </s>, vocabulary 32,000) for full
 steps through the engine fastmae trains with (fastmae.trainer.build_engine: DeepSpeed ZeRO-1 in bf16 or ZeRO-0 in
@@ -181,7 +181,7 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [row["system"] for row in rows]
+    names = [f"{row['size']} {row['system']}" for row in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     ax1.barh(names, [row["tokens_per_s"] for row in rows], color="tab:blue")
     ax1.set_xlabel("training tokens / s")
@@ -198,14 +198,16 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--size", default="small", help=f"one of {sorted(SIZES)}, or several, comma-separated")
     parser.add_argument("--quick", action="store_true", help="4 sequences, 1 warm-up + 3 timed steps (< 2 minutes)")
     parser.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
                         help="training dtype; auto: bf16 where the device multiplies it natively (DESIGN.md 5)")
     parser.add_argument("--sequences", type=int, default=None, help="sequences of 512 per step (default 8; quick 4)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     args = parser.parse_args(argv)
-    systems = args.systems.split(",")
+    systems, sizes = args.systems.split(","), args.size.split(",")
+    if not set(sizes) <= set(SIZES):
+        parser.error(f"--size: unknown {sorted(set(sizes) - set(SIZES))}; choose from {sorted(SIZES)}")
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
@@ -230,26 +232,30 @@ def main(argv: list[str] | None = None) -> int:
 
         runs += [("mlm", b) for b in available_backends(device) if b != "reference"]
     rows = []
-    for system, backend in runs:
-        name = system if backend is None else f"{system} [{backend}]"
-        result = _run_isolated(system, args.size, sequences, precision, warmup, repeats, backend)
-        rows.append({"system": name, "size": args.size, "dtype": precision, "tokens_per_step": sequences * SEQ_LEN,
-                     **result, "mfu": result["flops_per_step"] / result["step_s"] / peak})
-        print(f"{name:>16}: {result['tokens_per_s']:8.1f} tokens/s  step {result['step_s']:.3f} s  "
-              f"MFU {rows[-1]['mfu']:.3f}  peak memory {result['peak_memory_mib']:.0f} MiB", flush=True)
-    reference = next((row["tokens_per_s"] for row in rows if row["system"] == "hf-roberta"), None)
-    for row in rows:
-        row["x_hf"] = row["tokens_per_s"] / reference if reference else None
-        row["gflops_per_step"] = row["flops_per_step"] / 1e9
+    for size in sizes:
+        size_rows = []
+        for system, backend in runs:
+            name = system if backend is None else f"{system} [{backend}]"
+            result = _run_isolated(system, size, sequences, precision, warmup, repeats, backend)
+            size_rows.append({"system": name, "size": size, "dtype": precision,
+                              "tokens_per_step": sequences * SEQ_LEN, **result,
+                              "mfu": result["flops_per_step"] / result["step_s"] / peak})
+            print(f"{size:>5} {name:>16}: {result['tokens_per_s']:8.1f} tokens/s  step {result['step_s']:.3f} s  "
+                  f"MFU {size_rows[-1]['mfu']:.3f}  peak memory {result['peak_memory_mib']:.0f} MiB", flush=True)
+        reference = next((row["tokens_per_s"] for row in size_rows if row["system"] == "hf-roberta"), None)
+        for row in size_rows:
+            row["x_hf"] = row["tokens_per_s"] / reference if reference else None
+            row["gflops_per_step"] = row["flops_per_step"] / 1e9
+        rows += size_rows
 
-    cfg = SIZES[args.size]
-    title = (f"{args.size} ({cfg['encoder_layers']} x {cfg['hidden_size']}, {sequences} x {SEQ_LEN} tokens, vocab "
-             f"{VOCAB_SIZE}), {precision}, peak {peak / 1e9:.0f} GFLOP/s")
+    shapes = ", ".join(f"{size} = {SIZES[size]['encoder_layers']} x {SIZES[size]['hidden_size']}" for size in sizes)
+    title = (f"{shapes}; {sequences} x {SEQ_LEN} tokens, vocab {VOCAB_SIZE}, {precision}, peak "
+             f"{peak / 1e9:.0f} GFLOP/s")
     notes = (f"{title}. Full training steps (DeepSpeed + AdamW), median of {repeats} after {warmup} warm-up. "
              "MFU = model FLOPs / (step time x GEMM peak measured in this run); Hugging Face's FLOPs include its LM "
              "head on every row. Peak memory: CUDA allocator peak, or resident-set growth of the system's process.")
-    columns = ["system", "tokens_per_s", "x_hf", "step_s", "gflops_per_step", "mfu", "peak_memory_mib"]
-    header = {"dtype": precision, "peak_flops": peak, "size": args.size, "sequences": sequences, "seq_len": SEQ_LEN,
+    columns = ["size", "system", "tokens_per_s", "x_hf", "step_s", "gflops_per_step", "mfu", "peak_memory_mib"]
+    header = {"dtype": precision, "peak_flops": peak, "sizes": sizes, "sequences": sequences, "seq_len": SEQ_LEN,
               "vocab_size": VOCAB_SIZE, "versions": _versions()}
     path = write_results("throughput", rows, columns, "Training throughput and MFU", notes, header)
     _plot(rows, RESULTS_DIR / "throughput.png", title)
