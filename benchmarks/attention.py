@@ -48,8 +48,8 @@ def main():
                 def step():
                     out = varlen_attention(q, k, v, meta, dropout_p=dropout_p, backend=backend)
                     out.float().square().mean().backward()
-                name = f"{backend} ms" + (f" (dropout {dropout_p})" if dropout_p else "")
-                row[name] = 1e3 * median_time(step, warmup=1, repeats=args.repeats)
+                column = f"{backend} ms" + (f" (dropout {dropout_p})" if dropout_p else "")
+                row[column] = 1e3 * median_time(step, warmup=1, repeats=args.repeats)
             row["nested / padded"] = row["nested ms"] / row["padded ms"]
             row["padded / math, dropout"] = row["padded ms (dropout 0.1)"] / row["math ms (dropout 0.1)"]
             rows.append(row)
