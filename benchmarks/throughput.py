@@ -17,15 +17,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
-import socket
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-from common import RESULTS_DIR, write_results
+from common import RESULTS_DIR, median_time, write_results
 
 from fastmae.config import BOS_ID, EOS_ID, MASK_ID, NUM_SPECIAL_TOKENS, ModelConfig
 from fastmae.flops import training_flops
@@ -61,12 +57,11 @@ def make_tokens(sequences: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------- one system, one process
 def _init_world_of_one() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
 
+    from fastmae.train import set_world_of_one_env
+
+    set_world_of_one_env()
     deepspeed.init_distributed(verbose=False)
 
 
@@ -150,23 +145,13 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
         step, flops = _hf_step(config, tokens, device, precision)
     else:
         step, flops = _fastmae_step(config, tokens, device, precision, backend)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        step()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - start)
+    seconds = median_time(step, warmup=warmup, repeats=repeats)
     if device.type == "cuda":
         peak_mib = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak_mib = _resident_mib()[1] - baseline_mib
-    seconds = statistics.median(times)
     return {"step_s": seconds, "tokens_per_s": tokens.numel() / seconds, "flops_per_step": flops,
-            "peak_memory_mib": peak_mib, "step_times_s": times}
+            "peak_memory_mib": peak_mib}
 
 
 def _run_isolated(*args) -> dict:

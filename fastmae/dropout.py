@@ -19,11 +19,15 @@ from torch import nn
 _LEVELS = 1 << 16  # 16-bit draws
 
 
+def _check_probability(p: float) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability {p} is not in [0, 1)")
+
+
 def drop_mask(shape: tuple[int, ...], p: float, device: torch.device | str = "cpu") -> tuple[torch.Tensor, float]:
     """(bool tensor of `shape` on `device`, True where an element is dropped; the scale 1 / (1 - p_used) of the
     survivors), where p_used = round(p * 2^16) / 2^16 is the drop probability."""
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability {p} is not in [0, 1)")
+    _check_probability(p)
     threshold = round(p * _LEVELS)
     scale = 1.0 / (1.0 - threshold / _LEVELS)
     if torch.device(device).type != "cpu":
@@ -50,8 +54,7 @@ class Dropout(nn.Module):
 
     def __init__(self, p: float):
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"dropout probability {p} is not in [0, 1)")
+        _check_probability(p)
         self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

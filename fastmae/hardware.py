@@ -41,10 +41,11 @@ def malloc_env(env: Mapping[str, str]) -> dict[str, str]:
 def restart_with_malloc_tunables() -> None:
     """Re-execute this process (same PID, same command line) with MALLOC_TUNABLES, unless already set or not Linux.
     For command-line entry points only, before any work starts."""
-    if sys.platform == "linux" and "mmap_threshold" not in os.environ.get("GLIBC_TUNABLES", ""):
+    env = malloc_env(os.environ)
+    if sys.platform == "linux" and env.get("GLIBC_TUNABLES") != os.environ.get("GLIBC_TUNABLES"):
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(sys.executable, sys.orig_argv, malloc_env(os.environ))
+        os.execve(sys.executable, sys.orig_argv, env)
 
 
 def cpu_cores() -> int:

@@ -23,10 +23,15 @@ from fastmae.config import load_run_config  # noqa: E402
 from fastmae.errors import run_command  # noqa: E402
 
 
-def _free_port() -> int:
+def set_world_of_one_env() -> None:
+    """Unless a launcher set RANK, make this process a distributed world of one on a free loopback port (for plain
+    `python -m fastmae.train` and the benchmarks)."""
+    if "RANK" in os.environ:
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,9 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"fastmae train: error: {err}", file=sys.stderr)
         return 2
-    if "RANK" not in os.environ:  # plain `python -m fastmae.train`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+    set_world_of_one_env()
     import deepspeed
 
     from fastmae.trainer import Trainer
