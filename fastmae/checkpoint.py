@@ -2,6 +2,7 @@
 
     RUN/checkpoints/step00001000/       DeepSpeed's files (model, optimizer, scheduler) for every rank
                                    /fastmae_rank{R}.pt   the trainer's own state: counters, RNG, data cursor
+                                   /model.safetensors    the fp32 master weights, gathered (what `export` reads)
                                    /COMPLETE             written last; names the step and world size
 Everything is first written under `.partial-stepN` and renamed once every rank has finished, so only directories with
 a COMPLETE marker count. The trainer's state loads with `weights_only=True`.
@@ -18,10 +19,46 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .atomic import atomic_write_bytes, atomic_write_text
+from .atomic import atomic_path, atomic_write_bytes, atomic_write_text
 from .errors import FastmaeError
 
 STEP_DIR = re.compile(r"^step(\d{8})$")
+WEIGHTS = "model.safetensors"
+
+
+def write_weights(path: Path, tensors: dict[str, torch.Tensor], model_config: dict, step: int) -> None:
+    """Write fp32 weights by parameter name as safetensors, with the model config and step as metadata (atomic)."""
+    from safetensors.torch import save_file
+
+    tensors = {name: t.detach().float().cpu().contiguous() for name, t in tensors.items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"model_config": json.dumps(model_config), "step": str(step)})
+
+
+def weights_metadata(path: Path) -> tuple[dict, int]:
+    """(model config dict, step) of a file written by `write_weights`, without reading its tensors."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except (SafetensorError, OSError) as err:
+        raise FastmaeError(f"{path}: unreadable safetensors file ({err})") from None
+    if "model_config" not in metadata:
+        raise FastmaeError(f"{path}: no fastmae model_config in its metadata (not written by fastmae)")
+    return json.loads(metadata["model_config"]), int(metadata.get("step", -1))
+
+
+def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict, int]:
+    """(weights, model config dict, step) of a file written by `write_weights`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    model_config, step = weights_metadata(path)
+    try:
+        return load_file(str(path)), model_config, step
+    except (SafetensorError, OSError) as err:
+        raise FastmaeError(f"{path}: unreadable safetensors file ({err})") from None
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -52,8 +89,10 @@ def resolve_resume(root: Path, resume: str | None) -> Path | None:
     return path
 
 
-def save(engine, root: Path, step: int, trainer_state: dict, keep: int, metadata: dict) -> Path:
-    """Collective: every rank writes its part; rank 0 seals the checkpoint and drops the oldest beyond `keep`."""
+def save(engine, root: Path, step: int, trainer_state: dict, keep: int, metadata: dict,
+         weights: dict[str, torch.Tensor] | None) -> Path:
+    """Collective: every rank writes its part, rank 0 also the gathered fp32 `weights` (None on other ranks); rank 0
+    seals the checkpoint and drops the oldest beyond `keep`. metadata must hold the `model_config` dict."""
     root = Path(root)
     rank, world = dist.get_rank(), dist.get_world_size()
     partial, final = root / f".partial-step{step:08d}", step_dir(root, step)
@@ -64,6 +103,8 @@ def save(engine, root: Path, step: int, trainer_state: dict, keep: int, metadata
     buffer = io.BytesIO()
     torch.save(trainer_state, buffer)
     atomic_write_bytes(partial / f"fastmae_rank{rank}.pt", buffer.getvalue())
+    if weights is not None:
+        write_weights(partial / WEIGHTS, weights, metadata["model_config"], step)
     dist.barrier()
     if rank == 0:
         atomic_write_text(partial / "COMPLETE", json.dumps({"step": step, "world_size": world, **metadata}) + "\n")

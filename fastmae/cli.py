@@ -9,6 +9,9 @@ SUBCOMMANDS = {
     "prepare": ("fastmae.prepare", "tokenise text into memory-mapped shards (trains a sentencepiece tokenizer)"),
     "train": ("fastmae.train", "pretrain a masked LM (single process; use `deepspeed fastmae/train.py` for many)"),
     "plot": ("fastmae.plot", "draw loss and throughput curves of a run directory"),
+    "export": ("fastmae.export", "write the encoder as a Hugging Face RoBERTa directory (model, config, tokenizer)"),
+    "finetune": ("fastmae.finetune", "fine-tune on GLUE-format classification or regression data, median of seeds"),
+    "analyze": ("fastmae.analyze", "effective rank of token representations per layer, with and without <mask>"),
 }
 
 

@@ -133,6 +133,11 @@ class ModelConfig:
         return apply_overrides(self, overrides)
 
     @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        """The config saved as `dataclasses.asdict(config)` (derived fields such as mask_token_id are dropped)."""
+        return cls(**{k: v for k, v in values.items() if k in {f.name for f in dataclasses.fields(cls) if f.init}})
+
+    @classmethod
     def preset(cls, name: str, **overrides) -> ModelConfig:
         """The config of objective `name` (`mlm`, `mae-lm`, `3ml`) at base size, with `overrides` applied.
 

@@ -219,20 +219,25 @@ class MaskedLM(nn.Module):
             raise ValueError(f"batch has a sequence of {batch.max_seqlen} tokens; model max_seq_len is "
                              f"{self.config.max_seq_len}")
 
-    def _run(self, layers: nn.ModuleList, x: torch.Tensor, meta: VarlenMeta) -> torch.Tensor:
-        """Run `layers` in order on rows laid out by `meta` (recomputed in backward under activation checkpointing)."""
+    def _run(self, layers: nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
+             states: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Run `layers` in order on rows laid out by `meta` (recomputed in backward under activation checkpointing);
+        append each layer's output to `states` when given."""
         for layer in layers:
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(layer, x, meta, use_reentrant=False)
             else:
                 x = layer(x, meta)
+            if states is not None:
+                states.append(x)
         return x
 
-    def _encoder(self, masked: MaskedBatch) -> torch.Tensor:
+    def _encoder(self, masked: MaskedBatch, states: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The L encoder layers on a masked batch: embeddings of the encoder's rows, layers [0, k) on the visible
         rows, the insertion (when 0 < k < L), layers [k, L) on the full rows, and the pre-LN final norm.
 
-        Returns [T_v, H] rows of the visible stream when k = L, else [T, H] rows of the full stream.
+        Returns [T_v, H] rows of the visible stream when k = L, else [T, H] rows of the full stream. `states`, when
+        given, receives the embeddings' output and every layer's (the last one after the pre-LN final norm).
         """
         k, n_enc = self.config.insert_layer, self.config.encoder_layers
         sel = masked.selection
@@ -240,18 +245,30 @@ class MaskedLM(nn.Module):
             x = self.embeddings(sel.input_tokens, masked.batch.positions)
         else:
             x = self.embeddings(sel.input_tokens.index_select(0, sel.visible_index), masked.visible.positions)
-            x = self._run(self.encoder[:k], x, masked.visible)
+        if states is not None:
+            states.append(x)
+        if k > 0:
+            x = self._run(self.encoder[:k], x, masked.visible, states)
             if k < n_enc:
                 x = self.insertion(x, masked, self.embeddings.tokens.weight)
         if k < n_enc:
-            x = self._run(self.encoder[k:], x, masked.full)
-        return x if self.encoder_norm is None else self.encoder_norm(x)
+            x = self._run(self.encoder[k:], x, masked.full, states)
+        if self.encoder_norm is not None:
+            x = self.encoder_norm(x)
+            if states is not None:
+                states[-1] = x
+        return x
 
-    def encode(self, batch: PackedBatch) -> torch.Tensor:
+    def encode(self, batch: PackedBatch, all_layers: bool = False) -> torch.Tensor | list[torch.Tensor]:
         """[T, H] encoder states of the unmasked batch (the fine-tuning path): the pretrained encoder's L layers,
-        including the insertion's own positions and LayerNorm when 0 < k < L, with nothing masked."""
+        including the insertion's own positions and LayerNorm when 0 < k < L, with nothing masked.
+
+        all_layers: return the L + 1 states instead (embeddings, then each layer), as `fastmae analyze` reads them.
+        """
         self._check(batch)
-        return self._encoder(mask_batch(batch, self.config, seed=0, step=0, mask_rate=0.0))
+        states = [] if all_layers else None
+        x = self._encoder(mask_batch(batch, self.config, seed=0, step=0, mask_rate=0.0), states)
+        return states if all_layers else x
 
     def forward(self, batch: PackedBatch, seed: int = 0, step: int = 0, rank: int = 0,
                 compute_accuracy: bool = False, masked: MaskedBatch | None = None) -> MaskedLMOutput:

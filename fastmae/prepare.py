@@ -25,7 +25,7 @@ from tqdm import tqdm
 from .atomic import atomic_write_bytes, atomic_write_text
 from .data.readers import FORMATS, ReadStats, read_documents
 from .data.shards import FORMAT_VERSION, SPLITS, read_shard_meta, token_dtype, write_shard
-from .data.tokenizer import Tokenizer, train_sentencepiece
+from .data.tokenizer import TOKENIZER_FILE, Tokenizer, train_sentencepiece
 from .errors import FastmaeError, run_command
 from .kernels.mask_select import hash32_int
 
@@ -82,7 +82,7 @@ def prepare(inputs: list[Path], output: Path, fmt: str = "text", text_field: str
     output.mkdir(parents=True, exist_ok=True)
     read = lambda stats=None: read_documents(inputs, fmt, text_field, text_mode, on_decode_error, stats)  # noqa
 
-    model_path = output / "tokenizer.model"
+    model_path = output / TOKENIZER_FILE
     if tokenizer_path is not None:
         tokenizer = Tokenizer.load(tokenizer_path)
     elif model_path.is_file():

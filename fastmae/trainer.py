@@ -22,12 +22,14 @@ import torch
 import torch.distributed as dist
 import yaml
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.utils import safe_get_full_fp32_param
 from tqdm import tqdm
 
 from . import checkpoint
-from .atomic import atomic_path
+from .atomic import atomic_write_bytes
 from .config import PRECISIONS, ModelConfig, RunConfig
 from .data import PackedLoader
+from .data.tokenizer import TOKENIZER_FILE
 from .errors import FastmaeError
 from .evaluation import HeldOutSet
 from .flops import training_flops
@@ -218,6 +220,8 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
         (self.run_dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(self.model_config), indent=1))
         (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=1))
+        # the run directory stands alone for export, finetune and analyze, wherever the data goes later
+        atomic_write_bytes(self.run_dir / TOKENIZER_FILE, (Path(self.config.data.path) / TOKENIZER_FILE).read_bytes())
 
     def _log_line(self, text: str) -> None:
         if self.rank == 0:
@@ -243,8 +247,21 @@ class Trainer:
     def save_checkpoint(self) -> None:
         model_config = dataclasses.asdict(self.model_config)
         path = checkpoint.save(self.engine, self.ckpt_root, self.step, self._trainer_state(),
-                               self.config.checkpoint.keep, {"model_config": model_config})
+                               self.config.checkpoint.keep, {"model_config": model_config}, self.master_weights())
         self._log_line(f"saved {path}")
+
+    def master_weights(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the fp32 master weights by parameter name on rank 0 (None on the others).
+
+        Under bf16 the module holds a rounded copy; the fp32 values live in the optimizer's (possibly partitioned)
+        groups, which DeepSpeed gathers parameter by parameter. In fp32 without ZeRO the module's own are the master.
+        """
+        weights = {}
+        for name, param in self.engine.module.named_parameters():
+            full = safe_get_full_fp32_param(param)
+            if self.rank == 0:
+                weights[name] = (param if full is None else full).detach().float().cpu().clone()
+        return weights if self.rank == 0 else None
 
     # ------------------------------------------------------------------------------------------------- loop
     def _any_rank(self, *flags: bool) -> list[bool]:
@@ -272,7 +289,7 @@ class Trainer:
         finally:
             bar.close()
         if self.step == cfg.train.steps:
-            self.export_weights(self.run_dir / "model.safetensors")
+            self.export_weights(self.run_dir / checkpoint.WEIGHTS)
         if self.metrics is not None:
             self.metrics.close()
             self._log_line(f"wrote {plot_run(self.run_dir)}")
@@ -403,17 +420,9 @@ class Trainer:
         return record
 
     def export_weights(self, path: Path) -> None:
-        """Collective: rank 0 writes the model's weights (gathered under ZeRO-3) as fp32 safetensors."""
-        from safetensors.torch import save_file
-
-        if self.config.train.zero_stage == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()  # gathered on rank 0
-        else:
-            state = self.engine.module.state_dict()  # replicated on every rank below ZeRO-3
+        """Collective: rank 0 writes the fp32 master weights as safetensors (model config and step as metadata)."""
+        weights = self.master_weights()
         if self.rank == 0:
-            tensors = {name: t.detach().float().cpu().contiguous() for name, t in state.items()}
-            metadata = {"model_config": json.dumps(dataclasses.asdict(self.model_config)), "step": str(self.step)}
-            with atomic_path(path) as tmp:
-                save_file(tensors, str(tmp), metadata=metadata)
+            checkpoint.write_weights(path, weights, dataclasses.asdict(self.model_config), self.step)
             self._log_line(f"wrote {path}")
         dist.barrier()

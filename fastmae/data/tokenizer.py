@@ -12,6 +12,8 @@ import sentencepiece as spm
 from ..config import BOS_ID, EOS_ID, MASK_ID, PAD_ID, UNK_ID
 from ..errors import FastmaeError
 
+TOKENIZER_FILE = "tokenizer.model"  # its name in a dataset, run and export directory
+
 
 def _lines(documents: Iterable[str], max_bytes: int) -> Iterator[str]:
     """Non-empty lines of the documents, each cut to `max_bytes` (sentencepiece skips longer ones)."""

@@ -1,0 +1,264 @@
+"""`fastmae finetune`: sequence classification and regression on GLUE-format data, the median over seeds.
+
+    fastmae finetune --model RUN_OR_EXPORT --task rte --data glue/RTE --out ft/rte [--seeds 5] [--epochs 10]
+    fastmae finetune --model RUN_OR_EXPORT --task custom --train train.jsonl --dev dev.jsonl \\
+        --text-fields premise,hypothesis --label-field label --problem classification --out ft/mine
+
+The network is the pretrained encoder (decoder dropped; for 0 < k < L the insertion's positions and LayerNorm
+stay) and RoBERTa's classification head on each sequence's `<s>` row. Inputs are `<s> A </s>` or
+`<s> A </s></s> B </s>`, packed varlen. Per seed: AdamW (0.9, 0.98, eps 1e-6), linear warm-up over 6% of the
+steps then linear decay, dev scored after every epoch, and the best epoch's weights kept. The same seed gives the
+same score from a run directory and from its `fastmae export` (both read the same fp32 weights and tokenizer).
+
+    OUT/results.json             task, metric, per_seed (best epoch, its scores, the history), median per metric
+    OUT/seed{S}/best.safetensors the classifier at seed S's best dev score
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from .atomic import atomic_path, atomic_write_text
+from .batch import PackedBatch
+from .config import BOS_ID, EOS_ID
+from .data.tokenizer import Tokenizer
+from .dropout import Dropout
+from .errors import FastmaeError, run_command
+from .model import MaskedLM
+from .optim import lr_multiplier, param_groups
+from .pretrained import Pretrained, load_pretrained
+from .tasks import GLUE_TASKS, Examples, Task, custom_task, load_split, read_rows, score
+
+
+@dataclass
+class FinetuneConfig:
+    """Hyper-parameters of one fine-tuning sweep (the defaults are RoBERTa's GLUE recipe, median of 5 seeds)."""
+
+    seeds: int = 5
+    epochs: int = 10
+    lr: float = 2e-5
+    batch_size: int = 32
+    warmup_ratio: float = 0.06
+    weight_decay: float = 0.1
+    max_seq_len: int = 0
+    """Longest input in tokens (0: the model's max_seq_len); longer pairs lose tokens from the longer text."""
+    max_train_examples: int = 0
+    """Use only the first N training examples (0: all)."""
+
+
+class SequenceClassifier(nn.Module):
+    """encoder -> `<s>` row -> dropout -> dense -> tanh -> dropout -> projection to `num_outputs` (RoBERTa's head)."""
+
+    def __init__(self, encoder: MaskedLM, num_outputs: int):
+        super().__init__()
+        config = encoder.config
+        self.encoder = encoder
+        self.dropout = Dropout(config.dropout)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out = nn.Linear(config.hidden_size, num_outputs)
+        for layer in (self.dense, self.out):
+            nn.init.normal_(layer.weight, std=config.initializer_range)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """[B, num_outputs] logits (or the regression value) of each sequence of the packed batch."""
+        first = self.encoder.encode(batch).index_select(0, batch.cu_seqlens[:-1].long())
+        return self.out(self.dropout(torch.tanh(self.dense(self.dropout(first)))))
+
+
+def pair_lengths(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
+    """Lengths of a pair's texts after longest-first truncation to `budget` tokens (tokens leave the longer text
+    one at a time; at equal lengths the first text gives one up)."""
+    if len_a + len_b <= budget:
+        return len_a, len_b
+    shorter = min(len_a, len_b)
+    if budget - shorter >= shorter:  # only the longer text is cut
+        return (budget - len_b, len_b) if len_a > len_b else (len_a, budget - len_a)
+    return budget // 2, budget - budget // 2
+
+
+def frame(tokenizer: Tokenizer, texts: list[tuple[str, ...]], max_seq_len: int) -> list[list[int]]:
+    """Token ids of each example with its specials (`<s> A </s>` or `<s> A </s></s> B </s>`), at most
+    `max_seq_len` long."""
+    if len(texts[0]) == 1:
+        return [[BOS_ID, *ids[:max_seq_len - 2], EOS_ID] for ids in tokenizer.encode([t[0] for t in texts])]
+    sequences = []
+    for a, b in zip(tokenizer.encode([t[0] for t in texts]), tokenizer.encode([t[1] for t in texts])):
+        len_a, len_b = pair_lengths(len(a), len(b), max_seq_len - 4)
+        sequences.append([BOS_ID, *a[:len_a], EOS_ID, EOS_ID, *b[:len_b], EOS_ID])
+    return sequences
+
+
+def _loss(task: Task, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if task.is_regression:
+        return F.mse_loss(outputs[:, 0], labels)
+    return F.cross_entropy(outputs, labels)
+
+
+@torch.no_grad()
+def predict(model: SequenceClassifier, task: Task, sequences: list[list[int]], batch_size: int,
+            device: torch.device) -> np.ndarray:
+    """Class indices (or regression values) of every sequence, in order."""
+    model.eval()
+    out = []
+    for start in range(0, len(sequences), batch_size):
+        batch = PackedBatch.from_sequences(sequences[start:start + batch_size]).to(device)
+        outputs = model(batch)
+        out.append(outputs[:, 0] if task.is_regression else outputs.argmax(-1))
+    model.train()
+    return torch.cat(out).float().cpu().numpy() if task.is_regression else torch.cat(out).cpu().numpy()
+
+
+def train_one_seed(pretrained: Pretrained, task: Task, train: tuple[list, np.ndarray], dev: tuple[list, np.ndarray],
+                   config: FinetuneConfig, seed: int, device: torch.device, best_file: Path) -> dict:
+    """Fine-tune from the pretrained weights with `seed`; score dev after every epoch; write the best epoch's
+    classifier to `best_file`. Returns {seed, best_epoch, scores (at the best epoch), history}."""
+    torch.manual_seed(seed)
+    model = SequenceClassifier(pretrained.encoder(), task.num_outputs).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98),
+                                  eps=1e-6)
+    per_epoch = math.ceil(len(train[0]) / config.batch_size)
+    total = per_epoch * config.epochs
+    warmup = max(1, round(config.warmup_ratio * total))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, warmup, total))
+    label_dtype = torch.float32 if task.is_regression else torch.long
+    rng = np.random.default_rng(seed)
+    primary = task.metrics[0]
+    history, best = [], None
+    bar = tqdm(total=total, desc=f"seed {seed}", unit="step", dynamic_ncols=True, mininterval=1.0, leave=False)
+    for epoch in range(1, config.epochs + 1):
+        order = rng.permutation(len(train[0]))
+        losses = []
+        for start in range(0, len(order), config.batch_size):
+            rows = order[start:start + config.batch_size]
+            batch = PackedBatch.from_sequences([train[0][i] for i in rows]).to(device)
+            labels = torch.as_tensor(train[1][rows], dtype=label_dtype).to(device)
+            loss = _loss(task, model(batch), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            losses.append(loss.detach())
+            bar.update()
+        predictions = predict(model, task, dev[0], config.batch_size, device)
+        scores = {metric: score(metric, predictions, dev[1]) for metric in task.metrics}
+        train_loss = float(torch.stack(losses).mean())
+        if not math.isfinite(train_loss):
+            raise FastmaeError(f"seed {seed}, epoch {epoch}: training loss is {train_loss}; lower --lr")
+        history.append({"epoch": epoch, "train_loss": train_loss, **scores})
+        bar.set_postfix(loss=f"{train_loss:.3f}", **{primary: f"{scores[primary]:.4f}"})
+        if best is None or scores[primary] > best["scores"][primary]:
+            best = {"epoch": epoch, "scores": scores}
+            from safetensors.torch import save_file
+
+            with atomic_path(best_file) as tmp:
+                save_file({k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()},
+                          str(tmp), metadata={"task": task.name, "seed": str(seed), "epoch": str(epoch)})
+    bar.close()
+    return {"seed": seed, "best_epoch": best["epoch"], "scores": best["scores"], "history": history}
+
+
+def resolve_task(args) -> tuple[Task, Path, Path]:
+    """(task, train file, dev file) from the command line, every file checked to exist."""
+    if args.task == "custom":
+        if not (args.train and args.dev and args.text_fields and args.label_field and args.problem):
+            raise FastmaeError("--task custom needs --train, --dev, --text-fields, --label-field and --problem")
+        fields = args.text_fields.split(",")
+        probe = Task("custom", tuple(fields), args.label_field, None, ("pearson",))
+        train_labels = [row.get(args.label_field) for _, row in read_rows(Path(args.train), probe)]
+        return custom_task(fields, args.label_field, args.problem, train_labels), Path(args.train), Path(args.dev)
+    if args.data is None:
+        raise FastmaeError(f"--task {args.task} needs --data GLUE_TASK_DIR (holding train.tsv and dev.tsv)")
+    task, data = GLUE_TASKS[args.task], Path(args.data)
+    if not data.is_dir():
+        raise FastmaeError(f"--data {data}: no such directory")
+    dev = next((data / name for name in task.dev_files if (data / name).is_file()), data / task.dev_files[0])
+    return task, data / "train.tsv", dev
+
+
+def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Path, out: Path,
+             config: FinetuneConfig) -> dict:
+    """Fine-tune `config.seeds` times and write OUT/results.json; return the results. Inputs are read and checked
+    before anything is written."""
+    pretrained = load_pretrained(model_path)
+    train_split, dev_split = load_split(train_file, task), load_split(dev_file, task)
+    if config.max_train_examples:
+        train_split = Examples(train_split.source, train_split.texts[:config.max_train_examples],
+                               train_split.labels[:config.max_train_examples])
+    max_len = config.max_seq_len or pretrained.config.max_seq_len
+    if not 4 < max_len <= pretrained.config.max_seq_len:
+        raise FastmaeError(f"--max-seq-len {max_len}: must be in (4, {pretrained.config.max_seq_len}] (the model's)")
+    tokenizer = pretrained.tokenizer
+    train = (frame(tokenizer, train_split.texts, max_len), train_split.labels)
+    dev = (frame(tokenizer, dev_split.texts, max_len), dev_split.labels)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(out)
+    started = time.time()
+    per_seed = [train_one_seed(pretrained, task, train, dev, config, seed, device, out / f"seed{seed}" /
+                               "best.safetensors") for seed in tqdm(range(config.seeds), desc="seeds", unit="seed")]
+    results = {
+        "task": task.name, "metric": task.metrics[0],
+        "median": {m: float(np.median([s["scores"][m] for s in per_seed])) for m in task.metrics},
+        "per_seed": per_seed, "model": str(model_path), "weights": str(pretrained.weights_file),
+        "pretraining_step": pretrained.step, "objective": pretrained.config.objective,
+        "train": {"file": str(train_file), "examples": len(train[0])},
+        "dev": {"file": str(dev_file), "examples": len(dev[0])},
+        "labels": list(task.labels) if task.labels else None, "config": dataclasses.asdict(config),
+        "device": str(device), "seconds": round(time.time() - started, 1),
+    }
+    atomic_write_text(out / "results.json", json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = FinetuneConfig()
+    parser = argparse.ArgumentParser(prog="fastmae finetune", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a run directory, checkpoint directory or fastmae export")
+    parser.add_argument("--task", required=True, choices=[*GLUE_TASKS, "custom"])
+    parser.add_argument("--data", help="GLUE task directory holding train.tsv and dev.tsv")
+    parser.add_argument("--out", required=True, help="output directory (results.json, seed*/best.safetensors)")
+    parser.add_argument("--train", help="custom task: training file (.tsv with a header, or .jsonl)")
+    parser.add_argument("--dev", help="custom task: dev file")
+    parser.add_argument("--text-fields", help="custom task: one field, or two separated by a comma (a pair)")
+    parser.add_argument("--label-field", help="custom task: the label's field")
+    parser.add_argument("--problem", choices=["classification", "regression"], help="custom task: kind of label")
+    for field in dataclasses.fields(FinetuneConfig):
+        flag = "--" + field.name.replace("_", "-")
+        parser.add_argument(flag, type=type(getattr(defaults, field.name)), default=getattr(defaults, field.name),
+                            help=f"(default {getattr(defaults, field.name)})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = FinetuneConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FinetuneConfig)})
+
+    def run():
+        if config.seeds < 1 or config.epochs < 1 or config.batch_size < 1 or config.lr <= 0:
+            raise FastmaeError("--seeds, --epochs, --batch-size and --lr must be positive")
+        task, train_file, dev_file = resolve_task(args)
+        results = finetune(args.model, task, train_file, dev_file, Path(args.out), config)
+        median = ", ".join(f"{k} {v:.4f}" for k, v in results["median"].items())
+        print(f"fastmae finetune: {task.name}, median of {config.seeds} seeds: {median} "
+              f"(wrote {Path(args.out) / 'results.json'})", file=sys.stderr)
+
+    return run_command("fastmae finetune", run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
