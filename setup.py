@@ -25,10 +25,12 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff>=0.5", "pyarrow>=14"],  # pyarrow: the Parquet reader's tests
+        # pyarrow: the Parquet reader's tests; transformers + protobuf: the export tests (the hf extra)
+        "dev": ["pytest>=8", "ruff>=0.5", "pyarrow>=14", "transformers>=4.40", "protobuf>=3.20"],
         # flash-attn builds only with CUDA; NVIDIA apex is never a pip requirement (PyPI's `apex` is another project).
         "gpu": ["flash-attn>=2.5"],
-        "hf": ["transformers>=4.40"],
+        # `fastmae export` and the Hugging Face benchmark; protobuf reads the sentencepiece model's pieces
+        "hf": ["transformers>=4.40", "protobuf>=3.20"],
     },
     entry_points={"console_scripts": ["fastmae=fastmae.cli:main"]},
 )

@@ -43,3 +43,25 @@ def prepare_word_dataset(root, words: list[str], num_docs: int, max_words: int, 
     (root / "corpus.txt").write_text("\n".join(docs) + "\n")
     prepare([root / "corpus.txt"], root / "ds", vocab_size=vocab_size, valid_fraction=valid_fraction, progress=False)
     return root / "ds"
+
+
+def word_tokenizer_bytes(words: list[str], vocab_size: int, model_type: str = "unigram", seed: int = 0) -> bytes:
+    """A sentencepiece model trained on random sentences of `words`."""
+    from fastmae.data.tokenizer import train_sentencepiece
+
+    rng = np.random.default_rng(seed)
+    docs = [" ".join(rng.choice(words, size=12)) for _ in range(400)]
+    return train_sentencepiece(docs, vocab_size, model_type=model_type)
+
+
+def write_run_dir(run_dir, model, tokenizer_bytes: bytes, step: int = 1):
+    """A run directory as the trainer leaves it (config.yaml, tokenizer.model, model.safetensors) for `model`."""
+    import dataclasses
+
+    from fastmae.checkpoint import write_weights
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text("data: {path: elsewhere}\n")
+    (run_dir / "tokenizer.model").write_bytes(tokenizer_bytes)
+    write_weights(run_dir / "model.safetensors", model.state_dict(), dataclasses.asdict(model.config), step)
+    return run_dir

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from synthetic import prepare_word_dataset
 
+from fastmae import PackedBatch
 from fastmae.config import load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,9 +99,34 @@ def test_zero3_bf16_matches_zero2_and_mfu_is_a_fraction(dataset, tmp_path):
     assert sorted(runs[3]) == [1, 2, 3, 4]
     for step, loss in runs[2].items():  # bf16 keeps 8 mantissa bits: the losses agree to well within 1%
         assert abs(runs[3][step] - loss) <= 5e-3 * abs(loss), (step, runs[2], runs[3])
-    assert "embeddings.tokens.weight" in load_file(tmp_path / "z3" / "model.safetensors")
     records = [json.loads(line) for line in (tmp_path / "z2" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < r["mfu"] <= 1 for r in records if r["kind"] == "train"), [r["mfu"] for r in records]
+    for stage in (2, 3):
+        check_weights_and_export(tmp_path / f"z{stage}", tmp_path / f"hf{stage}")
+
+
+def check_weights_and_export(run_dir, export_dir):
+    """The run's weights are the fp32 masters (the end-of-run file equals the last checkpoint's), and its
+    Hugging Face export computes what fastmae computes from them."""
+    final = load_file(run_dir / "model.safetensors")
+    assert "embeddings.tokens.weight" in final
+    assert any((t.bfloat16().float() != t).any() for t in final.values())  # not the bf16 copy
+    last = load_file(run_dir / "checkpoints" / "step00000004" / "model.safetensors")
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    transformers = pytest.importorskip("transformers")
+    from fastmae.export import export
+    from fastmae.pretrained import load_pretrained
+
+    for source in (run_dir, run_dir / "checkpoints" / "step00000003"):
+        pretrained = load_pretrained(source)
+        assert pretrained.step == (4 if source == run_dir else 3)
+        out = export(source, export_dir, overwrite=True)
+        ids = [pretrained.tokenizer.encode(["the cat sat on the mat under a big green tree"])[0]]
+        ids = [[1, *ids[0], 2]]
+        with torch.no_grad():
+            ours = pretrained.encoder().eval().encode(PackedBatch.from_sequences(ids))
+            theirs = transformers.AutoModel.from_pretrained(out).eval()(torch.tensor(ids)).last_hidden_state[0]
+        assert (ours - theirs).abs().max() <= 1e-5
 
 
 def test_loss_weighs_every_predicted_token_of_the_step_the_same(dataset, tmp_path):

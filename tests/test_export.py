@@ -1,0 +1,149 @@
+"""`fastmae export`: Hugging Face loads the directory and computes what fastmae computes; the tokenizer gives
+sentencepiece's ids; what RoBERTa cannot express is refused by name. (Exports of ZeRO-2/3 runs: test_train.py.)"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+from synthetic import word_tokenizer_bytes, write_run_dir
+
+from fastmae import PackedBatch
+from fastmae.config import MASK_ID
+from fastmae.data.tokenizer import Tokenizer
+from fastmae.errors import FastmaeError
+from fastmae.export import export
+from fastmae.export import main as export_main
+from fastmae.finetune import frame
+from fastmae.pretrained import load_pretrained
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("google.protobuf")
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven zebras quietly vex 42 jolly pumas near Zürich "
+         "café naïve façade 東京 données — “quoted” 1,234.56 e-mail@example.com").split()
+PAGE = ("  The quick brown fox — “quoted”, (parenthesised) & [bracketed]!   It cost $1,234.56 on 2024-03-09...\n"
+        "Naïve café façade in Zürich; 東京 and données\t\ttabs,   runs of   spaces , ½ ﬁ ＡＢＣ ①"
+        " and\u00a0nbsp\u2003em.\n\n"
+        "e-mail@example.com?! 42 jolly pumas... 'single' \"double\" `back` ~tilde~ ^caret^ 100% #hash  ")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_bytes():
+    return word_tokenizer_bytes(WORDS, 80)
+
+
+def perturbed_model(preset, vocab_size, **overrides):
+    """A tiny model whose every parameter (LayerNorms, biases too) is far from its initial value."""
+    model = tiny_model(preset, vocab_size=vocab_size, max_seq_len=64, **overrides)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+@pytest.mark.parametrize("preset", ["mlm", "mae-lm", "3ml"])
+def test_hugging_face_computes_what_fastmae_computes(preset, tokenizer_bytes, tmp_path):
+    tokenizer = Tokenizer(tokenizer_bytes)
+    model = perturbed_model(preset, tokenizer.vocab_size)
+    out = export(write_run_dir(tmp_path / "run", model, tokenizer_bytes), tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "roberta" and config["num_hidden_layers"] == 2
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    texts = ["the quick brown fox jumps over a lazy dog", "seven zebras — 42 jolly pumas near Zürich, café!"]
+    ids = [hf_tokenizer(t).input_ids for t in texts]
+    assert ids == frame(tokenizer, [(t,) for t in texts], 64)
+    ids[1][3] = ids[1][6] = MASK_ID  # <mask> inputs: the k = 0 path and RoBERTa's agree on them too
+    batch = PackedBatch.from_sequences(ids)
+    with torch.no_grad():
+        ours = model.encode(batch)
+        padded = hf_tokenizer.pad({"input_ids": ids}, return_tensors="pt")  # right-padded, pad id 0
+        hf_model = transformers.AutoModel.from_pretrained(out).eval()
+        theirs = hf_model(**padded).last_hidden_state
+    for i in range(len(ids)):
+        rows = slice(int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1]))
+        assert (theirs[i, :len(ids[i])] - ours[rows]).abs().max() <= 1e-5
+    assert ours.abs().max() > 0.5  # the comparison is of real, non-vanishing states
+
+    if preset == "mlm":  # the LM head is exported with the encoder it was trained on
+        with torch.no_grad():
+            logits = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()(**padded).logits[1]
+            masked = ours[int(batch.cu_seqlens[1]):][[3, 6]]
+            expected = model.head.transform(masked) @ model.embeddings.tokens.weight.T + model.head.bias
+        assert (logits[[3, 6]] - expected).abs().max() <= 1e-5
+    else:  # the MAE-LM / 3ML head was trained on decoder states: not exported
+        assert config["architectures"] == ["RobertaModel"]
+        assert not any(k.startswith("lm_head") for k in _safetensors_keys(out / "model.safetensors"))
+
+    # fastmae reads its export back exactly (finetune and analyze accept either)
+    again = load_pretrained(out)
+    reference = load_pretrained(tmp_path / "run")
+    assert again.config == reference.config
+    assert all(torch.equal(again.weights[k], reference.weights[k]) for k in again.weights)
+    assert {k for k in reference.weights if not k.startswith(("decoder.", "insertion.", "head."))} <= \
+        set(again.weights)
+
+
+def _safetensors_keys(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return list(handle.keys())
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_auto_tokenizer_gives_sentencepiece_ids(model_type, tmp_path):
+    rng = np.random.default_rng(0)
+    words = [*WORDS, *("".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=rng.integers(2, 9)))
+                       for _ in range(200))]
+    model_bytes = word_tokenizer_bytes(words, 160, model_type=model_type)
+    tokenizer = Tokenizer(model_bytes)
+    model = tiny_model("mlm", vocab_size=tokenizer.vocab_size, max_seq_len=64)
+    out = export(write_run_dir(tmp_path / "run", model, model_bytes), tmp_path / "hf")
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    lines = PAGE.splitlines() + [PAGE, "", "   ", "\t", "x"]
+    for line in lines:
+        assert hf_tokenizer(line, add_special_tokens=False).input_ids == tokenizer.encode([line])[0], repr(line)
+    assert 3 in tokenizer.encode([PAGE])[0]  # the page holds characters outside the vocabulary (<unk>)
+    pair = hf_tokenizer(PAGE.splitlines()[0], PAGE.splitlines()[1]).input_ids
+    assert pair == frame(tokenizer, [tuple(PAGE.splitlines()[:2])], 10_000)[0]
+    special = {name: getattr(hf_tokenizer, f"{name}_token_id") for name in ("pad", "bos", "eos", "unk", "mask")}
+    assert special == {"pad": 0, "bos": 1, "eos": 2, "unk": 3, "mask": 4}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"position_embedding": "rotary"}, "position_embedding='rotary'"),
+    ({"norm_position": "pre"}, "norm_position='pre'"),
+    ({"insert_layer": 1, "decoder_layers": 0}, "insert_layer=1"),
+])
+def test_what_roberta_cannot_express_is_refused_by_name(overrides, message, tokenizer_bytes, tmp_path, capsys):
+    model = tiny_model("mae-lm", vocab_size=Tokenizer(tokenizer_bytes).vocab_size, max_seq_len=64, **overrides)
+    run = write_run_dir(tmp_path / "run", model, tokenizer_bytes)
+    assert export_main([str(run), str(tmp_path / "hf")]) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf*"))  # nothing half-written
+
+
+def test_bad_sources_name_the_path(tokenizer_bytes, tmp_path):
+    with pytest.raises(FastmaeError, match="no such directory"):
+        load_pretrained(tmp_path / "missing")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(FastmaeError, match="not a fastmae run directory"):
+        load_pretrained(tmp_path / "plain")
+    other_vocab = tiny_model("mlm", vocab_size=Tokenizer(tokenizer_bytes).vocab_size + 7, max_seq_len=64)
+    run = write_run_dir(tmp_path / "run", other_vocab, tokenizer_bytes)
+    with pytest.raises(FastmaeError, match="trained with vocab_size"):
+        load_pretrained(run)
+    (run / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(FastmaeError, match="model.safetensors: unreadable"):
+        load_pretrained(run)
+    good = write_run_dir(tmp_path / "good", tiny_model("mlm", vocab_size=Tokenizer(tokenizer_bytes).vocab_size,
+                                                       max_seq_len=64), tokenizer_bytes)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    with pytest.raises(FastmaeError, match="exists and is not empty"):
+        export(good, tmp_path / "taken")
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
