@@ -1,0 +1,82 @@
+"""`fastmae analyze`: both rank definitions on matrices whose spectrum is known, a dimension that only `<mask>`
+rows use is found, and the command writes its record and plots from a run, an export or a dataset."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+from synthetic import prepare_word_dataset, word_tokenizer_bytes, write_run_dir
+
+from fastmae.analyze import AnalyzeConfig, analyze, effective_ranks
+from fastmae.analyze import main as analyze_main
+from fastmae.config import MASK_ID
+from fastmae.data.tokenizer import Tokenizer
+from fastmae.pretrained import load_pretrained
+
+WORDS = "the cat dog bird sat ran flew on under over a big small red green blue mat tree sky".split()
+
+
+def test_rank_definitions_on_a_known_spectrum():
+    rng = np.random.default_rng(0)
+    singular = np.array([4.0, 2.0, 1.0, 1.0, 0.0, 0.0])
+    u, _ = np.linalg.qr(rng.normal(size=(50, 6)))
+    v, _ = np.linalg.qr(rng.normal(size=(6, 6)))
+    x = u @ np.diag(singular) @ v.T
+    # squared spectrum 16, 4, 1, 1 of 22: 16/22 = 0.727, 20/22 = 0.909, 21/22 = 0.955
+    assert effective_ranks(x.T @ x, epsilon=0.1)[0] == 2
+    assert effective_ranks(x.T @ x, epsilon=0.05)[0] == 3
+    assert effective_ranks(x.T @ x, epsilon=0.3)[0] == 1
+    p = singular[:4] / singular.sum()
+    assert effective_ranks(x.T @ x, epsilon=0.1)[1] == pytest.approx(np.exp(-(p * np.log(p)).sum()), rel=1e-6)
+    assert effective_ranks(np.eye(5), epsilon=0.1)[1] == pytest.approx(5.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_bytes():
+    return word_tokenizer_bytes(WORDS, 40)
+
+
+def test_a_dimension_only_mask_rows_use_is_found(tokenizer_bytes, tmp_path):
+    vocab = Tokenizer(tokenizer_bytes).vocab_size
+    model = tiny_model("mlm", vocab_size=vocab, max_seq_len=64)
+    with torch.no_grad():  # dimension 7 carries a large value for <mask> only, through the embedding LayerNorm
+        model.embeddings.tokens.weight[:, 7] = 0.0
+        model.embeddings.tokens.weight[MASK_ID, 7] = 5.0
+        model.embeddings.norm.weight[7] = 5.0
+    pretrained = load_pretrained(write_run_dir(tmp_path / "run", model, tokenizer_bytes))
+    rng = np.random.default_rng(0)
+    sequences = [np.array([1, *rng.integers(5, vocab, size=20), 2]) for _ in range(40)]
+    record = analyze(pretrained, sequences, AnalyzeConfig(), torch.device("cpu"))
+    embeddings = record["layers"][0]
+    assert 7 in embeddings["mask_dominated_dims"] and embeddings["top_mask_shares"][0][0] == 7
+    assert embeddings["top_mask_shares"][0][1] > 0.6  # against ~0.15 by row count
+    # the embeddings do not see context: real tokens' rows are the same with and without <mask> elsewhere
+    assert embeddings["epsilon_rank"]["real_masked_input"] == embeddings["epsilon_rank"]["real_unmasked_input"]
+    assert embeddings["rows"]["mask"] == pytest.approx(0.15 * 40 * 20, abs=40)
+    assert 0.1 < record["share_by_count"] < 0.2
+
+
+def test_command_on_a_dataset_and_a_text_file(tokenizer_bytes, tmp_path, capsys):
+    dataset = prepare_word_dataset(tmp_path, WORDS, 60, 30, vocab_size=40, valid_fraction=0.2)
+    model = tiny_model("3ml", vocab_size=Tokenizer.load(dataset / "tokenizer.model").vocab_size, max_seq_len=64)
+    run = write_run_dir(tmp_path / "run", model, (dataset / "tokenizer.model").read_bytes())
+    assert analyze_main(["--model", str(run), "--data", str(dataset), "--out", str(tmp_path / "a"),
+                         "--sequences", "8"]) == 0
+    record = json.loads((tmp_path / "a" / "analysis.json").read_text())
+    assert len(record["layers"]) == 3 and record["sequences"] == 8 and record["objective"] == "3ml"
+    assert all(0 < entry["epsilon_rank"]["real_unmasked_input"] <= 48 for entry in record["layers"])
+    assert (tmp_path / "a" / "ranks.png").stat().st_size > 0 and (tmp_path / "a" / "mask_dims.png").is_file()
+
+    (tmp_path / "text.txt").write_text("the cat sat on the mat\n\nthe dog ran under a big tree\n" * 5)
+    assert analyze_main(["--model", str(run), "--data", str(tmp_path / "text.txt"), "--out",
+                         str(tmp_path / "b")]) == 0
+    assert json.loads((tmp_path / "b" / "analysis.json").read_text())["sequences"] == 10
+
+    other = write_run_dir(tmp_path / "other", tiny_model("mlm", vocab_size=Tokenizer(tokenizer_bytes).vocab_size,
+                                                         max_seq_len=64), tokenizer_bytes)
+    capsys.readouterr()
+    assert analyze_main(["--model", str(other), "--data", str(dataset), "--out", str(tmp_path / "c")]) == 1
+    assert "does not match the shards" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
