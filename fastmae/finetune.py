@@ -237,10 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--text-fields", help="custom task: one field, or two separated by a comma (a pair)")
     parser.add_argument("--label-field", help="custom task: the label's field")
     parser.add_argument("--problem", choices=["classification", "regression"], help="custom task: kind of label")
+    meaning = {"seeds": "fine-tuning runs, seeds 0..N-1", "epochs": "passes over the training split",
+               "lr": "peak learning rate", "batch_size": "sequences per step",
+               "warmup_ratio": "share of the steps spent warming up", "weight_decay": "AdamW weight decay",
+               "max_seq_len": "longest input in tokens (0: the model's)",
+               "max_train_examples": "use only the first N training examples (0: all)"}
     for field in dataclasses.fields(FinetuneConfig):
         flag = "--" + field.name.replace("_", "-")
         parser.add_argument(flag, type=type(getattr(defaults, field.name)), default=getattr(defaults, field.name),
-                            help=f"(default {getattr(defaults, field.name)})")
+                            help=f"{meaning[field.name]} (default {getattr(defaults, field.name)})")
     return parser
 
 
