@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from .atomic import atomic_path, atomic_write_text
 from .batch import PackedBatch
-from .config import BOS_ID, EOS_ID, MASK_ID
+from .config import BOS_ID, EOS_ID, MASK_ID, add_arguments, from_arguments
 from .data.loader import PackedLoader, cut_by_budget
 from .data.shards import ShardSet
 from .errors import FastmaeError, run_command
@@ -246,22 +246,21 @@ def run(model_path: str | Path, data: str | Path, out: str | Path, config: Analy
 
 
 def build_parser() -> argparse.ArgumentParser:
-    defaults = AnalyzeConfig()
     parser = argparse.ArgumentParser(prog="fastmae analyze", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a run directory, checkpoint directory or fastmae export")
     parser.add_argument("--data", required=True, help="a UTF-8 text file (a document per line) or dataset directory")
     parser.add_argument("--out", required=True, help="output directory (analysis.json, ranks.png, mask_dims.png)")
-    for name, kind in (("sequences", int), ("mask_rate", float), ("seed", int), ("epsilon", float),
-                       ("dominance", float), ("tokens_per_batch", int)):
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
-                            help=f"(default {getattr(defaults, name)})")
+    add_arguments(parser, AnalyzeConfig(), {
+        "sequences": "sequences of --data to run", "mask_rate": "share of maskable tokens replaced by <mask>",
+        "seed": "seed of the <mask> positions", "epsilon": "epsilon of the epsilon rank",
+        "dominance": "a dimension is mask-dominated from this share of its variance on",
+        "tokens_per_batch": "tokens per forward pass"})
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    config = AnalyzeConfig(sequences=args.sequences, mask_rate=args.mask_rate, seed=args.seed, epsilon=args.epsilon,
-                           dominance=args.dominance, tokens_per_batch=args.tokens_per_batch)
+    config = from_arguments(AnalyzeConfig, args)
 
     def go():
         record = run(args.model, args.data, args.out, config)

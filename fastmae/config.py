@@ -217,6 +217,20 @@ def apply_overrides(config, overrides: dict, name: str | None = None):
     return type(config)(**values)
 
 
+def add_arguments(parser, defaults, meaning: dict[str, str]) -> None:
+    """One `--field-name` option per field of the dataclass instance `defaults`, typed and defaulted by it;
+    `meaning` gives each field's help text."""
+    for f in dataclasses.fields(defaults):
+        value = getattr(defaults, f.name)
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=value,
+                            help=f"{meaning[f.name]} (default {value})")
+
+
+def from_arguments(cls, args):
+    """The dataclass `cls` from the options `add_arguments` declared."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
 # --------------------------------------------------------------------------------------------- training configs
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from .atomic import atomic_path, atomic_write_text
 from .batch import PackedBatch
-from .config import BOS_ID, EOS_ID
+from .config import BOS_ID, EOS_ID, add_arguments, from_arguments
 from .data.tokenizer import Tokenizer
 from .dropout import Dropout
 from .errors import FastmaeError, run_command
@@ -226,7 +226,6 @@ def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Pat
 
 
 def build_parser() -> argparse.ArgumentParser:
-    defaults = FinetuneConfig()
     parser = argparse.ArgumentParser(prog="fastmae finetune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a run directory, checkpoint directory or fastmae export")
     parser.add_argument("--task", required=True, choices=[*GLUE_TASKS, "custom"])
@@ -242,16 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
                "warmup_ratio": "share of the steps spent warming up", "weight_decay": "AdamW weight decay",
                "max_seq_len": "longest input in tokens (0: the model's)",
                "max_train_examples": "use only the first N training examples (0: all)"}
-    for field in dataclasses.fields(FinetuneConfig):
-        flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, type=type(getattr(defaults, field.name)), default=getattr(defaults, field.name),
-                            help=f"{meaning[field.name]} (default {getattr(defaults, field.name)})")
+    add_arguments(parser, FinetuneConfig(), meaning)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    config = FinetuneConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FinetuneConfig)})
+    config = from_arguments(FinetuneConfig, args)
 
     def run():
         if config.seeds < 1 or config.epochs < 1 or config.batch_size < 1 or config.lr <= 0:
