@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "export": ("fastmae.export", "write the encoder as a Hugging Face RoBERTa directory (model, config, tokenizer)"),
     "finetune": ("fastmae.finetune", "fine-tune on GLUE-format classification or regression data, median of seeds"),
     "analyze": ("fastmae.analyze", "effective rank of token representations per layer, with and without <mask>"),
+    "study": ("fastmae.study", "train objectives under one FLOP budget, then compare loss, fine-tuning and ranks"),
 }
 
 

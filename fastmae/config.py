@@ -269,7 +269,10 @@ class TrainConfig:
     """Optimisation, precision and parallelism."""
 
     steps: int = 1000
-    """Optimizer steps."""
+    """Optimizer steps (replaced by the planned count when flops_budget is set)."""
+    flops_budget: float = 0.0
+    """If > 0: train for the most steps whose training FLOPs (fastmae/flops.py's count, all ranks) fit this budget,
+    planned from the run's own batches before the first step, so the schedule decays to the budget's end."""
     grad_accum: int = 1
     """Micro-batches per optimizer step on each rank."""
     optimizer: str = "adamw"
@@ -325,7 +328,7 @@ class TrainConfig:
             bad("warmup_steps", "must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
             bad("min_lr_ratio", "must be in [0, 1]")
-        for key in ("weight_decay", "eps", "clip", "power"):
+        for key in ("weight_decay", "eps", "clip", "power", "flops_budget"):
             if getattr(self, key) < 0:
                 bad(key, "must be >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -338,6 +341,9 @@ class EvalConfig:
 
     every: int = 1000
     """Evaluate every N optimizer steps (and at the end); 0 disables."""
+    every_flops: float = 0.0
+    """If > 0 (needs train.flops_budget): evaluate instead after the last step within each multiple of this many
+    training FLOPs (and at the end), so runs of different objectives are evaluated at the same compute."""
     sequences: int = 1024
     """Held-out sequences per evaluation: the first N of the validation split in file order (all if it has fewer),
     the same whatever the world size or micro-batch size."""
@@ -349,6 +355,8 @@ class EvalConfig:
     def validate(self) -> None:
         if self.every < 0:
             raise ValueError(f"eval.every={self.every}: must be >= 0 (0 disables evaluation)")
+        if self.every_flops < 0:
+            raise ValueError(f"eval.every_flops={self.every_flops}: must be >= 0")
         if self.sequences <= 0:
             raise ValueError(f"eval.sequences={self.sequences}: must be positive")
         if not 0.0 < self.mask_rate < 1.0:
@@ -414,6 +422,8 @@ class RunConfig:
     def validate(self) -> None:
         for section in (self.data, self.train, self.eval, self.checkpoint, self.log):
             section.validate()
+        if self.eval.every_flops and not self.train.flops_budget:
+            raise ValueError(f"eval.every_flops={self.eval.every_flops} needs train.flops_budget > 0")
 
 
 SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,

@@ -6,13 +6,23 @@ its query, output and feed-forward projections on the predicted rows only, its k
 and attends from each predicted row to its whole sequence. The head (dense + tied projection) runs on predicted rows
 only. Embedding lookups, norms, softmaxes and the loss are ignored, as usual; `tests/test_flops.py` checks the count
 against torch's FlopCounterMode.
+
+A run with a FLOP budget (`train.flops_budget`, what `fastmae study` compares objectives under) needs its step count
+before the first step, because the learning-rate schedule decays to it: `plan_budget` reads the run's own batches on
+the host (every rank's, in order) and adds up their FLOPs.
 """
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
 import torch
 
+from .batch import PackedBatch
 from .config import ModelConfig
+from .masking import MaskCounts
 
 
 def layer_flops(config: ModelConfig, tokens: int, sum_sq_lengths: int) -> int:
@@ -47,3 +57,59 @@ def training_flops(config: ModelConfig, seqlens: torch.Tensor, visible_seqlens: 
     else:
         decoder = full
     return 3 * (k * visible + (n_enc - k) * full + n_dec * decoder + head_flops(config, predicted))
+
+
+def batch_training_flops(config: ModelConfig, batch: PackedBatch) -> int:
+    """Forward + backward FLOPs of training on `batch` under `config`'s masking (host counts only, no device access;
+    the same counts `masking.mask_batch` uses)."""
+    counts = MaskCounts.compute(batch.num_maskable, config.mask_rate, config.mask_token_prob, config.random_token_prob)
+    return training_flops(config, batch.seqlens, batch.seqlens - counts.removed, counts.predicted)
+
+
+PLAN_EXACT_STEPS = 5000
+"""`plan_budget` adds up the FLOPs of this many steps' batches exactly and extrapolates beyond at their mean."""
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """The optimizer steps that fit a FLOP budget, and the steps after which evaluations fall."""
+
+    steps: int
+    """The most steps whose cumulative FLOPs (all ranks) stay within the budget."""
+    planned_flops: float
+    """Cumulative FLOPs of those steps (exact if `exact`, else extrapolated past PLAN_EXACT_STEPS)."""
+    flops_per_step: float
+    """Mean FLOPs of one step (all ranks) over the planned batches."""
+    eval_steps: tuple[int, ...]
+    """For each multiple m * eval_every_flops up to the budget, the last step whose cumulative FLOPs <= it."""
+    exact: bool
+
+
+def plan_budget(rank_batches: list[Iterable[PackedBatch]], config: ModelConfig, grad_accum: int, budget: float,
+                eval_every_flops: float = 0.0, exact_steps: int = PLAN_EXACT_STEPS) -> BudgetPlan:
+    """Plan a run of `budget` training FLOPs from the batches each data-parallel rank will draw (one iterable per
+    rank, in training order; `grad_accum` micro-batches per rank per step). Host-side, over batches, not tokens."""
+    iterators: list[Iterator[PackedBatch]] = [iter(batches) for batches in rank_batches]
+    cumulative = [0.0]
+    while len(cumulative) <= exact_steps and cumulative[-1] <= budget:
+        step = sum(batch_training_flops(config, next(it)) for it in iterators for _ in range(grad_accum))
+        cumulative.append(cumulative[-1] + step)
+    measured = len(cumulative) - 1
+    per_step = cumulative[-1] / measured
+    exact = cumulative[-1] > budget
+
+    def flops_at(step: int) -> float:
+        return cumulative[step] if step <= measured else cumulative[-1] + (step - measured) * per_step
+
+    def last_step_within(limit: float) -> int:
+        if limit >= cumulative[-1]:  # past the exactly added-up steps: extrapolate
+            return measured + int((limit - cumulative[-1]) // per_step)
+        return bisect.bisect_right(cumulative, limit) - 1
+
+    steps = last_step_within(budget)
+    evals = ()
+    if eval_every_flops > 0:
+        limits = [m * eval_every_flops for m in range(1, int(budget // eval_every_flops) + 1)]
+        evals = tuple(sorted({s for s in map(last_step_within, limits) if s > 0}))
+    return BudgetPlan(steps=steps, planned_flops=flops_at(steps), flops_per_step=per_step, eval_steps=evals,
+                      exact=exact)

@@ -32,7 +32,7 @@ from .data import PackedLoader
 from .data.tokenizer import TOKENIZER_FILE
 from .errors import FastmaeError
 from .evaluation import HeldOutSet
-from .flops import training_flops
+from .flops import batch_training_flops, plan_budget
 from .hardware import DTYPES, all_cpu_cores, choose_precision, cpu_cores, matmul_flops, spec_peak_flops
 from .masking import mask_rows, predicted_count
 from .metrics import MetricsWriter, peak_memory_mib
@@ -135,8 +135,12 @@ class Trainer:
             self.model_config = config.model_config(self.loader.vocab_size)
         except ValueError as err:
             raise FastmaeError(f"{data.path}: {err}") from None
-        self.held_out = None
-        if config.eval.every > 0:  # the same sequences and masks for every objective, world size and batch size
+        self.eval_steps = None  # evaluate at these steps (a FLOP budget's plan) instead of every eval.every
+        if train.flops_budget > 0:
+            self._plan_budget()
+            config, train = self.config, self.config.train
+        self.held_out = None  # the same sequences and masks for every objective, world size and micro-batch size
+        if config.eval.every > 0 or self.eval_steps:
             self.held_out = HeldOutSet(data.path, max_seq_len=self.model_config.max_seq_len, packing=data.packing,
                                        tokens_per_batch=data.tokens_per_micro_batch, sequences=config.eval.sequences,
                                        mask_rate=config.eval.mask_rate, seed=config.eval.seed, rank=self.rank,
@@ -152,7 +156,7 @@ class Trainer:
         torch.manual_seed(train.seed + self.rank)
         self.engine, self.ds_config = build_engine(model, config, self.precision, self.device)
         self.peak_flops, self.spec_peak_flops = self._measure_peak()
-        self.step, self.micro_step, self.tokens_seen = 0, 0, 0
+        self.step, self.micro_step, self.tokens_seen, self.flops_done = 0, 0, 0, 0
         self.bad_streak, self.skipped = 0, 0
         self.stop_requested = False
         checkpoint_dir = checkpoint.resolve_resume(self.ckpt_root, resume)
@@ -175,6 +179,24 @@ class Trainer:
                         valid_fraction=data.builtin_valid_fraction,
                         workers=1, progress=False)
             dist.barrier()
+
+    def _plan_budget(self) -> None:
+        """Turn train.flops_budget into train.steps (and eval.every_flops into evaluation steps) from the batches
+        every rank will draw; each rank plans the same, so no collective is needed."""
+        data, train = self.config.data, self.config.train
+        loaders = [PackedLoader(data.path, "train", max_seq_len=self.model_config.max_seq_len, packing=data.packing,
+                                tokens_per_batch=data.tokens_per_micro_batch, rank=r, world_size=self.world,
+                                seed=train.seed) for r in range(self.world)]
+        plan = plan_budget(loaders, self.model_config, train.grad_accum, train.flops_budget,
+                           self.config.eval.every_flops)
+        if plan.steps == 0:
+            raise FastmaeError(f"train.flops_budget={train.flops_budget:.4g} is less than one optimizer step "
+                               f"({plan.flops_per_step:.4g} FLOPs here)")
+        self.config = dataclasses.replace(self.config, train=dataclasses.replace(train, steps=plan.steps))
+        if self.config.eval.every_flops:
+            self.eval_steps = set(plan.eval_steps)
+        self._log_line(f"FLOP budget {train.flops_budget:.4g}: {plan.steps} steps of {plan.flops_per_step:.4g} FLOPs "
+                       f"({plan.planned_flops:.4g} in all, {'exact' if plan.exact else 'extrapolated'})")
 
     def _choose_precision(self) -> str:
         """train.precision resolved on rank 0 (with all of its node's CPU cores) and broadcast: every rank must train
@@ -230,7 +252,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:
         state = {"step": self.step, "micro_step": self.micro_step, "tokens_seen": self.tokens_seen,
-                 "bad_streak": self.bad_streak, "skipped": self.skipped, "torch_rng": torch.get_rng_state(),
+                 "flops_done": self.flops_done, "bad_streak": self.bad_streak, "skipped": self.skipped,
+                 "torch_rng": torch.get_rng_state(),
                  "loader": self.loader.state_dict()}
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
@@ -238,6 +261,7 @@ class Trainer:
 
     def _restore(self, state: dict) -> None:
         self.step, self.micro_step, self.tokens_seen = state["step"], state["micro_step"], state["tokens_seen"]
+        self.flops_done = state.get("flops_done", 0)  # absent from checkpoints written before FLOP accounting
         self.bad_streak, self.skipped = state["bad_streak"], state["skipped"]
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and self.device.type == "cuda":
@@ -328,9 +352,9 @@ class Trainer:
                     window["correct"] += out.num_correct.item()
                     window["scored"] += out.num_predicted
                 window["tokens"] += batch.num_tokens
-                counts = out.masked.counts
-                window["flops"] += training_flops(self.model_config, batch.seqlens, batch.seqlens - counts.removed,
-                                                  counts.predicted)
+                flops = batch_training_flops(self.model_config, batch)
+                window["flops"] += flops
+                self.flops_done += flops
                 self.tokens_seen += batch.num_tokens
             self.step += 1
             bar.update(1)
@@ -338,7 +362,7 @@ class Trainer:
                 self._log_train(window, bar)
                 window = self._new_window()
             paused = time.perf_counter()  # evaluation and checkpoints do not count as training time
-            if self.held_out is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.train.steps):
+            if self.held_out is not None and self._evaluation_due():
                 self.evaluate()
             if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.steps or stop:
                 self.save_checkpoint()
@@ -348,6 +372,13 @@ class Trainer:
             if stop:
                 self._log_line(f"stop requested: checkpoint saved at step {self.step}, exiting")
                 break
+
+    def _evaluation_due(self) -> bool:
+        if self.step == self.config.train.steps:
+            return True
+        if self.eval_steps is not None:
+            return self.step in self.eval_steps
+        return self.config.eval.every > 0 and self.step % self.config.eval.every == 0
 
     def _per_token_weight(self, micro_batches) -> torch.Tensor:
         """Device scalar w such that the micro-batch losses (means over their own predicted tokens) times
@@ -376,15 +407,17 @@ class Trainer:
     def _log_train(self, window: dict, bar) -> None:
         elapsed = time.perf_counter() - window["start"] - window["paused"]
         keys = ("loss_sum", "predicted", "correct", "scored", "tokens", "flops")
-        totals = torch.tensor([float(window[k]) for k in keys], dtype=torch.float64, device=self.device)
+        totals = torch.tensor([float(window[k]) for k in keys] + [float(self.flops_done)], dtype=torch.float64,
+                              device=self.device)
         dist.all_reduce(totals)
-        loss_sum, predicted, correct, scored, tokens, flops = totals.tolist()
+        loss_sum, predicted, correct, scored, tokens, flops, flops_done = totals.tolist()
         grad_norm = self.engine.get_global_grad_norm()
         record = {"kind": "train", "step": self.step, "loss": loss_sum / max(predicted, 1),
                   "accuracy": correct / max(scored, 1),
                   "lr": self.engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "tokens_per_s": tokens / elapsed, "mfu": flops / elapsed / self.peak_flops,
                   "memory_mib": peak_memory_mib(self.device), "tokens_seen": self.tokens_seen * self.world,
+                  "flops": flops_done,
                   "skipped": self.skipped, "epoch": self.loader.epoch}
         if self.spec_peak_flops:
             record["mfu_spec"] = flops / elapsed / self.spec_peak_flops
@@ -404,10 +437,11 @@ class Trainer:
             out = self.engine(batch, masked=mask_rows(batch, self.model_config, item.predicted), compute_accuracy=True)
             sums += item.weight * torch.stack([out.loss.double() * out.num_predicted, out.num_correct.double()])
             predicted += item.weight * out.num_predicted
-        totals = torch.cat([sums, torch.tensor([predicted], dtype=torch.float64, device=self.device)])
+        totals = torch.cat([sums, torch.tensor([predicted, float(self.flops_done)], dtype=torch.float64,
+                                               device=self.device)])
         dist.all_reduce(totals)
-        loss_sum, correct, predicted = totals.tolist()
-        record = {"kind": "eval", "step": self.step, "loss": loss_sum / max(predicted, 1),
+        loss_sum, correct, predicted, flops_done = totals.tolist()
+        record = {"kind": "eval", "step": self.step, "flops": flops_done, "loss": loss_sum / max(predicted, 1),
                   "accuracy": correct / max(predicted, 1), "mask_rate": cfg.eval.mask_rate,
                   "predicted_tokens": int(predicted), "sequences": self.held_out.num_sequences,
                   **self.held_out.baselines}
