@@ -125,7 +125,7 @@ SMALL_CPU_RUN = (
 )
 STUDY_PRESETS = {
     "cpu-30min": StudyPreset(
-        budget=6.0e12, run=SMALL_CPU_RUN, eval_points=10, seeds=2,
+        budget=9.0e12, run=SMALL_CPU_RUN, eval_points=10, seeds=2,
         finetune=FinetuneConfig(seeds=3, epochs=3, batch_size=32, lr=1e-4, max_train_examples=2000),
         analyze_sequences=256,
         what="6 x 128 encoder, 64-token sequences, 1,024 tokens per step; fits 2 CPU cores in 30 minutes for "
