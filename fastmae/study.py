@@ -46,9 +46,11 @@ from .analyze import AnalyzeConfig
 from .atomic import atomic_write_text
 from .checkpoint import WEIGHTS, weights_metadata
 from .config import PRESETS as MODEL_PRESETS
-from .config import load_run_config
+from .config import ModelConfig, load_run_config
+from .data import PackedLoader
 from .errors import FastmaeError, run_command
 from .finetune import FinetuneConfig
+from .flops import batch_training_flops
 from .metrics import read_metrics
 from .tasks import GLUE_TASKS
 
@@ -112,6 +114,8 @@ class StudyPreset:
     finetune: FinetuneConfig
     analyze_sequences: int
     what: str
+    mlm_steps: int = 0
+    """If > 0, the budget is this many of mlm's optimizer steps on the study's data instead (any vocabulary fits)."""
 
 
 SMALL_CPU_RUN = (
@@ -131,20 +135,22 @@ STUDY_PRESETS = {
         what="6 x 128 encoder, 64-token sequences, 1,024 tokens per step; fits 2 CPU cores in 30 minutes for "
              "mlm, mae-lm and 3ml with 2 seeds each (no task)"),
     "quick": StudyPreset(
-        budget=1.5e10, run=(
+        budget=0.0, run=(
             "model.hidden_size=64", "model.num_heads=2", "model.encoder_layers=2", "model.max_seq_len=64",
             "model.position_embedding=rotary", "model.norm_position=pre", "model.dropout=0.0",
             "model.attention_dropout=0.0", "data.packing=full", "data.tokens_per_micro_batch=512", "train.lr=3.0e-3",
             "train.warmup_steps=5", "train.zero_stage=2", "train.precision=fp32", "eval.sequences=32",
             "checkpoint.keep=1", "checkpoint.every=1000", "log.every=5", "log.tensorboard=false"),
         eval_points=3, seeds=1, finetune=FinetuneConfig(seeds=2, epochs=1, batch_size=16, lr=1e-4),
-        analyze_sequences=16,
-        what="the CI-sized check of the pipeline: a 2 x 64 encoder for a few dozen steps; its numbers mean nothing"),
+        analyze_sequences=16, mlm_steps=40,
+        what="the CI-sized check of the pipeline: a 2 x 64 encoder for 40 mlm steps' FLOPs; its numbers mean "
+             "nothing"),
 }
 
 
 def resolve_budget(text: str) -> tuple[float, StudyPreset]:
-    """`--budget`: a preset name, or a FLOP count (then the cpu-30min preset's other settings)."""
+    """`--budget`: a preset name, or a FLOP count (then the cpu-30min preset's other settings). A preset that counts
+    in mlm steps returns 0 (`study` measures it on the data)."""
     if text in STUDY_PRESETS:
         return STUDY_PRESETS[text].budget, STUDY_PRESETS[text]
     try:
@@ -202,6 +208,23 @@ def run_config_text(run: Run, args, budget: float, preset: StudyPreset) -> str:
     resolved = dataclasses.asdict(config)
     resolved["train"]["betas"] = list(resolved["train"]["betas"])
     return yaml.safe_dump(resolved, sort_keys=False)
+
+
+def mlm_step_flops(args, preset: StudyPreset, ranks: int) -> float:
+    """Training FLOPs of one optimizer step of the study's mlm run on --data (mean of its first 20 steps)."""
+    try:
+        config = load_run_config(args.config, [*preset.run, *args.overrides, "model.preset=mlm",
+                                               f"data.path={args.data}"])
+    except ValueError as err:
+        raise FastmaeError(str(err)) from None
+    data = config.data
+    max_seq_len = int(config.model.get("max_seq_len", ModelConfig.max_seq_len))
+    loader = PackedLoader(data.path, "train", max_seq_len=max_seq_len, packing=data.packing,
+                          tokens_per_batch=data.tokens_per_micro_batch)
+    model_config = config.model_config(loader.vocab_size)
+    batches = iter(loader)
+    micro_batches = 20 * config.train.grad_accum
+    return ranks * sum(batch_training_flops(model_config, next(batches)) for _ in range(micro_batches)) / 20
 
 
 def launch_command(run: Run, ranks: int) -> list[str]:
@@ -539,7 +562,6 @@ def model_facts(run: Run) -> dict:
     """Size facts of a run's network from its saved model config."""
     import torch
 
-    from .config import ModelConfig
     from .model import MaskedLM
 
     config = ModelConfig.from_dict(json.loads((run.dir / "model_config.json").read_text()))
@@ -563,6 +585,8 @@ def study(args) -> dict:
     if args.task:
         task_name = task_name_of(Path(args.task), args.task_name)
     ranks = args.ranks or _default_ranks()
+    if preset.mlm_steps:
+        budget = preset.mlm_steps * mlm_step_flops(args, preset, ranks)
     out = Path(args.out)
     runs = {o.label: [Run(o, seed, out) for seed in range(seeds)] for o in objectives}
     configs = {run.name: run_config_text(run, args, budget, preset) for rs in runs.values() for run in rs}
@@ -628,8 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--objectives", default="mlm,mae-lm,3ml",
                         help="comma-separated: mlm, mae-lm, 3ml, k=N, each with optional :field=value (default "
                              "mlm,mae-lm,3ml)")
+    presets = "; ".join(f"{name}: {preset.what}" for name, preset in STUDY_PRESETS.items())
     parser.add_argument("--budget", default="cpu-30min",
-                        help=f"training FLOPs per run, or a preset: {', '.join(STUDY_PRESETS)} (default cpu-30min)")
+                        help=f"training FLOPs per run, or a preset ({presets}); default cpu-30min")
     parser.add_argument("--quick", action="store_true", help="the CI-sized preset (same as --budget quick)")
     parser.add_argument("--out", required=True, help="output directory (study.json, report.md, runs/, ...)")
     parser.add_argument("--task", help="a GLUE task directory (train.tsv, dev.tsv) to fine-tune each encoder on")

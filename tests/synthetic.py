@@ -65,3 +65,17 @@ def write_run_dir(run_dir, model, tokenizer_bytes: bytes, step: int = 1):
     (run_dir / "tokenizer.model").write_bytes(tokenizer_bytes)
     write_weights(run_dir / "model.safetensors", model.state_dict(), dataclasses.asdict(model.config), step)
     return run_dir
+
+
+def keyword_split(path, words: list[str], n: int, seed: int, header: str = "sentence\tlabel"):
+    """An SST-2 layout file of `n` sentences of `words`: label 1 when the sentence says "cat" (which `words` holds)."""
+    rng = np.random.default_rng(seed)
+    others = [w for w in words if w != "cat"]
+    rows = [header]
+    for _ in range(n):
+        label = int(rng.integers(2))
+        sentence = list(rng.choice(others, size=int(rng.integers(3, 9)))) + (["cat"] if label else [])
+        rng.shuffle(sentence)
+        rows.append(f"{' '.join(sentence)}\t{label}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(rows) + "\n")

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 from conftest import tiny_model
-from synthetic import word_tokenizer_bytes, write_run_dir
+from synthetic import keyword_split, word_tokenizer_bytes, write_run_dir
 
 from fastmae.data.tokenizer import Tokenizer
 from fastmae.errors import FastmaeError
@@ -24,20 +24,6 @@ def run_dir(tmp_path_factory):
     model = tiny_model("mae-lm", vocab_size=Tokenizer(model_bytes).vocab_size, max_seq_len=64, dropout=0.1,
                        attention_dropout=0.1, decoder_layers=1)
     return write_run_dir(tmp_path_factory.mktemp("ft") / "run", model, model_bytes)
-
-
-def keyword_split(path, n, seed, header="sentence\tlabel"):
-    """SST-2 layout: label 1 when the sentence says "cat"."""
-    rng = np.random.default_rng(seed)
-    others = [w for w in WORDS if w != "cat"]
-    rows = [header]
-    for _ in range(n):
-        label = int(rng.integers(2))
-        words = list(rng.choice(others, size=int(rng.integers(3, 9)))) + (["cat"] if label else [])
-        rng.shuffle(words)
-        rows.append(f"{' '.join(words)}\t{label}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(rows) + "\n")
 
 
 def test_glue_layouts(tmp_path):
@@ -101,8 +87,8 @@ def test_pair_truncation_is_longest_first():
 
 
 def test_learns_a_generated_task_and_scores_the_same_from_run_and_export(run_dir, tmp_path):
-    keyword_split(tmp_path / "sst2" / "train.tsv", 256, seed=0)
-    keyword_split(tmp_path / "sst2" / "dev.tsv", 64, seed=1)
+    keyword_split(tmp_path / "sst2" / "train.tsv", WORDS, 256, seed=0)
+    keyword_split(tmp_path / "sst2" / "dev.tsv", WORDS, 64, seed=1)
     common = ["--task", "sst2", "--data", str(tmp_path / "sst2"), "--seeds", "2", "--epochs", "8", "--lr", "1e-3",
               "--batch-size", "16"]
     assert finetune_main(["--model", str(run_dir), "--out", str(tmp_path / "a"), *common]) == 0
@@ -140,7 +126,7 @@ def test_regression_and_custom_jsonl(run_dir, tmp_path):
 
 
 def test_bad_input_writes_nothing(run_dir, tmp_path, capsys):
-    keyword_split(tmp_path / "sst2" / "train.tsv", 8, seed=0)
+    keyword_split(tmp_path / "sst2" / "train.tsv", WORDS, 8, seed=0)
     (tmp_path / "sst2" / "dev.tsv").write_text("sentence\tlabel\nthe cat\tpositive\n")
     out = tmp_path / "out"
     args = ["--task", "sst2", "--data", str(tmp_path / "sst2"), "--out", str(out), "--seeds", "1"]

@@ -1,0 +1,174 @@
+"""`fastmae study`: the FLOP-budget plan against a brute-force sum, the numbers behind the report (compute to reach a
+loss, claims held to the seed spread), and the `--quick` command end to end (shapes, FLOP accounting, reuse)."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import tiny_batch, tiny_config
+from synthetic import keyword_split, prepare_word_dataset
+
+from fastmae.config import ModelConfig
+from fastmae.data import PackedLoader
+from fastmae.errors import FastmaeError
+from fastmae.flops import batch_training_flops, plan_budget
+from fastmae.study import compare, flops_to_reach, parse_objectives, resolve_budget
+from fastmae.study import main as study_main
+
+WORDS = "the cat dog bird sat ran flew on under over a big small red green blue mat tree sky".split()
+
+
+# ----------------------------------------------------------------------------------------------------- the plan
+def _streams(ranks: int, seed: int = 0) -> list[list]:
+    """Per rank, a list of micro-batches of varying lengths (so steps differ in FLOPs)."""
+    return [[tiny_batch(int(n), seed=seed * 1000 + r * 100 + i, min_len=5, max_len=60)
+             for i, n in enumerate(np.random.default_rng(seed + r).integers(1, 6, size=400))] for r in range(ranks)]
+
+
+@pytest.mark.parametrize("preset, ranks, grad_accum", [("mlm", 1, 1), ("3ml", 2, 1), ("mae-lm", 2, 3)])
+def test_plan_matches_a_brute_force_sum(preset, ranks, grad_accum):
+    config = tiny_config(preset)
+    streams = _streams(ranks)
+    per_step = [sum(batch_training_flops(config, streams[r][s * grad_accum + a])
+                    for r in range(ranks) for a in range(grad_accum)) for s in range(400 // grad_accum)]
+    cumulative = np.cumsum(per_step)
+    assert len(set(per_step)) > 5  # the steps really differ
+    budget = float(cumulative[20]) + 0.5 * per_step[21]  # inside step 22
+    plan = plan_budget(streams, config, grad_accum, budget, eval_every_flops=budget / 4)
+    assert plan.exact and plan.steps == 21 and plan.planned_flops == cumulative[20]
+    expected_evals = [int(np.searchsorted(cumulative, m * budget / 4, side="right")) for m in (1, 2, 3, 4)]
+    assert list(plan.eval_steps) == expected_evals and plan.eval_steps[-1] == plan.steps
+    # a budget of exactly k steps' FLOPs includes step k
+    assert plan_budget(streams, config, grad_accum, float(cumulative[9])).steps == 10
+
+
+def test_plan_extrapolates_past_its_exact_window():
+    config = tiny_config("mlm")
+    batch = tiny_batch(4, seed=1)
+    step = batch_training_flops(config, batch)
+    plan = plan_budget([iter(lambda: batch, None)], config, 1, 1000.5 * step, exact_steps=10)
+    assert not plan.exact and plan.steps == 1000 and plan.flops_per_step == step
+    assert plan_budget([iter(lambda: batch, None)], config, 1, 0.5 * step).steps == 0
+
+
+def test_trainer_flops_are_the_models_own_count():
+    """batch_training_flops (the plan's and the trainer's count) is the masking's own counts put into flops.py."""
+    config = tiny_config("3ml")
+    model_batch = tiny_batch(6, seed=2)
+    from fastmae.flops import training_flops
+    from fastmae.model import MaskedLM
+
+    out = MaskedLM(config)(model_batch, seed=0, step=0)
+    counts = out.masked.counts
+    assert batch_training_flops(config, model_batch) == training_flops(
+        config, model_batch.seqlens, model_batch.seqlens - counts.removed, counts.predicted)
+
+
+# ------------------------------------------------------------------------------------------------ the numbers
+def test_objectives_parse_and_bad_ones_are_named():
+    objectives = parse_objectives("mlm, mae-lm:decoder_layers=2,k=1,3ml:decoder_kind=cross")
+    assert [o.label for o in objectives] == ["mlm", "mae-lm:decoder_layers=2", "k=1", "3ml:decoder_kind=cross"]
+    assert objectives[1].overrides == {"decoder_layers": 2} and objectives[1].slug == "mae-lm_decoder_layers_2"
+    assert objectives[2].preset == "3ml" and objectives[2].overrides == {"insert_layer": 1, "decoder_layers": 0}
+    ModelConfig.preset("3ml", encoder_layers=2, **objectives[2].overrides)  # a valid "mask later" model
+    for text, message in (("mlm,bert", "unknown objective 'bert'"), ("mae-lm,3ml", "must include mlm"),
+                          ("mlm,mlm", "named twice"), ("mlm,3ml:decoder_layers", r"expected NAME\[:field=value")):
+        with pytest.raises(FastmaeError, match=message):
+            parse_objectives(text)
+    assert resolve_budget("2.5e15")[0] == 2.5e15 and resolve_budget("quick")[0] == resolve_budget("quick")[1].budget
+    for bad in ("lots", "-1", "nan"):
+        with pytest.raises(FastmaeError, match="--budget"):
+            resolve_budget(bad)
+
+
+def test_compute_to_reach_a_loss_interpolates_between_evaluations():
+    curve = [{"flops": 10.0, "loss": 6.0}, {"flops": 20.0, "loss": 5.0}, {"flops": 30.0, "loss": 4.0}]
+    assert flops_to_reach(curve, 4.5) == pytest.approx(25.0)
+    assert flops_to_reach(curve, 5.0) == pytest.approx(20.0)
+    assert flops_to_reach(curve, 7.0) == 10.0  # already below at the first evaluation
+    assert flops_to_reach(curve, 3.9) is None
+
+
+def test_claims_are_held_to_the_seed_spread():
+    assert "no difference is claimed" in compare("x", [5.0], [4.0], "nats", "lower")  # one seed: noise unknown
+    assert "within the seed spread" in compare("x", [4.0, 4.3], [4.1, 4.2], "nats", "lower")
+    beyond = compare("x", [3.0, 3.1], [4.0, 4.2], "nats", "lower")
+    assert "lower by 1.05" in beyond and "better" in beyond
+    assert "worse" in compare("rank", [10, 11], [30, 31], "dims", "higher")
+
+
+# ------------------------------------------------------------------------------------------------ the command
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("study")
+    data = prepare_word_dataset(root, WORDS, num_docs=600, max_words=30, vocab_size=40, valid_fraction=0.1)
+    keyword_split(root / "SST-2" / "train.tsv", WORDS, 64, seed=0)
+    keyword_split(root / "SST-2" / "dev.tsv", WORDS, 32, seed=1)
+    return data, root / "SST-2"
+
+
+def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys):
+    data, task = dataset
+    out = tmp_path / "study"
+    args = ["--data", str(data), "--quick", "--objectives", "mlm,mae-lm,3ml", "--task", str(task), "--out", str(out)]
+    assert study_main(args) == 0
+    study = json.loads((out / "study.json").read_text())
+    budget = study["setup"]["budget"]
+    every = budget / study["setup"]["eval_points"]
+    for label in ("mlm", "mae-lm", "3ml"):
+        entry = study["objectives"][label]
+        assert set(entry) >= {"flops", "final_eval_loss", "percent_of_mlm_compute_to_match", "finetune",
+                              "effective_rank"}
+        seed = entry["per_seed"][0]
+        curve = seed["curve"]
+        flops = [c["flops"] for c in curve]
+        assert flops == sorted(flops) and len(set(flops)) == len(flops)  # monotone FLOP accounting
+        # the run used all the budget it could: within one step of it, never over it
+        step_flops = flops[-1] / curve[-1]["step"]
+        assert budget - 1.5 * step_flops < flops[-1] <= budget
+        for m, value in enumerate(flops[:-1], start=1):  # evaluated after the last step within each multiple
+            assert m * every - 1.5 * step_flops < value <= m * every
+        assert entry["final_eval_loss"] == curve[-1]["loss"] and np.isfinite(entry["final_eval_loss"])
+        percent = entry["percent_of_mlm_compute_to_match"]
+        assert percent is None or 0 < percent <= 100 * flops[-1] / study["objectives"]["mlm"]["flops"] + 1e-9
+        assert entry["finetune"]["task"] == "sst2" and entry["finetune"]["runs"] == 2
+        layers = study["models"][label]["encoder_layers"] + 1
+        assert len(entry["effective_rank"]["real_unmasked_input"]) == layers
+    assert study["objectives"]["mlm"]["percent_of_mlm_compute_to_match"] == pytest.approx(100.0)
+    # the trainer counted exactly the FLOPs its plan promised (the plan reads the same batches)
+    config = ModelConfig.from_dict(json.loads((out / "runs" / "3ml-seed0" / "model_config.json").read_text()))
+    plan = plan_budget([PackedLoader(data, "train", max_seq_len=config.max_seq_len, tokens_per_batch=512, seed=0)],
+                       config, 1, budget)
+    assert (plan.steps, plan.planned_flops) == (study["objectives"]["3ml"]["steps"][0],
+                                                study["objectives"]["3ml"]["flops"])
+    report = (out / "report.md").read_text()
+    for text in ("## Results", "% of mlm's compute", "## What the numbers say", "seed", "## Exactly what ran",
+                 "python -m fastmae.train --config", "## Effective rank per layer", "sst2 accuracy"):
+        assert text in report, text
+    assert (out / "loss_vs_flops.png").stat().st_size > 10_000 and (out / "ranks.png").stat().st_size > 10_000
+    capsys.readouterr()
+
+    # the same arguments again: every run, fine-tuning and analysis is reused, the numbers are the same
+    assert study_main(args) == 0
+    assert "training" not in capsys.readouterr().err
+    again = json.loads((out / "study.json").read_text())
+    assert again["objectives"] == study["objectives"]
+
+    # other settings for the same --out are refused before anything runs
+    assert study_main([*args, "model.hidden_size=32"]) == 1
+    err = capsys.readouterr().err
+    assert "mlm-seed0.yaml holds another config" in err and err.count("\n") == 1
+
+
+def test_bad_input_is_named(dataset, tmp_path, capsys):
+    data, task = dataset
+    cases = [
+        (["--data", str(tmp_path), "--quick"], "not a prepared dataset"),
+        (["--data", str(data), "--quick", "--objectives", "3ml"], "must include mlm"),
+        (["--data", str(data), "--quick", "--task", str(tmp_path)], "--task-name"),
+        (["--data", str(data), "--budget", "1e3"], "less than one optimizer step"),
+        (["--data", str(data), "--quick", "train.nonsense=1"], "unknown key train.nonsense"),
+    ]
+    for args, message in cases:
+        assert study_main([*args, "--out", str(tmp_path / "out")]) == 1
+        assert message in capsys.readouterr().err, message
