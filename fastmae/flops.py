@@ -66,8 +66,9 @@ def batch_training_flops(config: ModelConfig, batch: PackedBatch) -> int:
     return training_flops(config, batch.seqlens, batch.seqlens - counts.removed, counts.predicted)
 
 
-PLAN_EXACT_STEPS = 5000
-"""`plan_budget` adds up the FLOPs of this many steps' batches exactly and extrapolates beyond at their mean."""
+PLAN_EXACT_MICRO_BATCHES = 5000
+"""`plan_budget` adds up the FLOPs of the steps within this many micro-batches (all ranks) exactly and extrapolates
+beyond at their mean: a few seconds of host work, and with `full` packing steps differ only in their mask counts."""
 
 
 @dataclass(frozen=True)
@@ -81,15 +82,18 @@ class BudgetPlan:
     flops_per_step: float
     """Mean FLOPs of one step (all ranks) over the planned batches."""
     eval_steps: tuple[int, ...]
-    """For each multiple m * eval_every_flops up to the budget, the last step whose cumulative FLOPs <= it."""
+    """For each multiple m * eval_every_flops up to the budget, the last step whose cumulative FLOPs <= it; and the
+    last step."""
     exact: bool
+    """Whether every planned step's FLOPs were added up (else the tail is extrapolated)."""
 
 
 def plan_budget(rank_batches: list[Iterable[PackedBatch]], config: ModelConfig, grad_accum: int, budget: float,
-                eval_every_flops: float = 0.0, exact_steps: int = PLAN_EXACT_STEPS) -> BudgetPlan:
+                eval_every_flops: float = 0.0, exact_micro_batches: int = PLAN_EXACT_MICRO_BATCHES) -> BudgetPlan:
     """Plan a run of `budget` training FLOPs from the batches each data-parallel rank will draw (one iterable per
     rank, in training order; `grad_accum` micro-batches per rank per step). Host-side, over batches, not tokens."""
     iterators: list[Iterator[PackedBatch]] = [iter(batches) for batches in rank_batches]
+    exact_steps = max(1, exact_micro_batches // (len(iterators) * grad_accum))
     cumulative = [0.0]
     while len(cumulative) <= exact_steps and cumulative[-1] <= budget:
         step = sum(batch_training_flops(config, next(it)) for it in iterators for _ in range(grad_accum))
@@ -110,6 +114,6 @@ def plan_budget(rank_batches: list[Iterable[PackedBatch]], config: ModelConfig, 
     evals = ()
     if eval_every_flops > 0:
         limits = [m * eval_every_flops for m in range(1, int(budget // eval_every_flops) + 1)]
-        evals = tuple(sorted({s for s in map(last_step_within, limits) if s > 0}))
+        evals = tuple(sorted({s for s in map(last_step_within, limits) if s > 0} | {steps}))
     return BudgetPlan(steps=steps, planned_flops=flops_at(steps), flops_per_step=per_step, eval_steps=evals,
                       exact=exact)

@@ -500,6 +500,7 @@ def write_report(study: dict, out: Path) -> Path:
              f"preset `{setup['preset']}`; {setup['seeds']} pretraining seed(s) per objective; held-out loss and "
              f"accuracy on {setup['eval_sequences']} sequences, 15% of their tokens hidden the same way for every "
              f"objective, every {setup['budget'] / setup['eval_points']:.4g} FLOPs. Device: {setup['device']}.", "",
+             f"Shared by every run: {setup['shared']}.", "",
              "![held-out loss against compute](loss_vs_flops.png)", "",
              "## Results", "",
              "| objective | encoder / decoder layers | steps | FLOPs used | held-out loss | accuracy "
@@ -527,6 +528,10 @@ def write_report(study: dict, out: Path) -> Path:
               "Ranks: MAE-LM's epsilon rank (epsilon 0.1) of the real tokens' representations, mean over seeds, "
               f"of {setup['analyze_sequences']} held-out sequences with 15% of their tokens replaced by `<mask>` "
               f"and without; width {setup['hidden_size']}.", "",
+              *([f"Fine-tuning: {setup['task_name']} from `{setup['task']}`, {setup['finetune']['seeds']} seed(s) per "
+                 f"encoder, {setup['finetune']['epochs']} epoch(s), lr {setup['finetune']['lr']:g}, batch "
+                 f"{setup['finetune']['batch_size']}; the score is the median over every (pretraining seed, "
+                 "fine-tuning seed) pair and the range is over the same runs.", ""] if setup["task"] else []),
               "## What the numbers say", "",
               "A difference is claimed only when it exceeds the spread between seeds.", ""]
     lines += [f"- {line}" for line in study["findings"]]
@@ -599,9 +604,8 @@ def study(args) -> dict:
         for run in rs:
             train(run, configs[run.name], ranks)
     finetuned = {}
+    ft_config = dataclasses.replace(preset.finetune, **({"seeds": args.finetune_seeds} if args.finetune_seeds else {}))
     if task_name:
-        ft_config = dataclasses.replace(preset.finetune, **({"seeds": args.finetune_seeds}
-                                                            if args.finetune_seeds else {}))
         finetuned = {label: [finetune_run(run, Path(args.task), task_name, ft_config) for run in rs]
                      for label, rs in runs.items()}
     sequences = preset.analyze_sequences
@@ -618,7 +622,8 @@ def study(args) -> dict:
                   "seeds": seeds, "eval_points": preset.eval_points, "eval_sequences": resolved["eval"]["sequences"],
                   "analyze_sequences": sequences, "hidden_size": facts["mlm"]["hidden_size"],
                   "encoder_layers": facts["mlm"]["encoder_layers"], "ranks": ranks, "device": _device_text(first),
-                  "task": args.task, "task_name": task_name},
+                  "task": args.task, "task_name": task_name, "finetune": dataclasses.asdict(ft_config),
+                  "shared": shared_settings(resolved)},
         "command": shlex.join(["fastmae", "study", *args.argv]),
         "commands": {label: [shlex.join(launch_command(run, ranks)) for run in rs] for label, rs in runs.items()},
         "configs": [str(run.config_file.relative_to(out)) for rs in runs.values() for run in rs],
@@ -628,6 +633,18 @@ def study(args) -> dict:
     plot_ranks(summary, facts["mlm"]["hidden_size"], out)
     write_report(result, out)
     return result
+
+
+def shared_settings(resolved: dict) -> str:
+    """One line of the settings every run of the study shares, from a resolved run config."""
+    model, data, train = resolved["model"], resolved["data"], resolved["train"]
+    keys = ("hidden_size", "num_heads", "encoder_layers", "max_seq_len", "position_embedding", "norm_position",
+            "dropout")
+    return (", ".join(f"{k} {model[k]}" for k in keys if k in model)
+            + f"; {data['packing']} packing, {data['tokens_per_micro_batch']} tokens per micro-batch x "
+            f"{train['grad_accum']}; {train['optimizer']} lr {train['lr']:g}, {train['warmup_steps']} warm-up steps, "
+            f"{train['schedule']} decay, clip {train['clip']:g}, weight decay {train['weight_decay']:g}, "
+            f"precision {train['precision']}, ZeRO-{train['zero_stage']}")
 
 
 def _default_ranks() -> int:

@@ -46,7 +46,7 @@ def test_plan_extrapolates_past_its_exact_window():
     config = tiny_config("mlm")
     batch = tiny_batch(4, seed=1)
     step = batch_training_flops(config, batch)
-    plan = plan_budget([iter(lambda: batch, None)], config, 1, 1000.5 * step, exact_steps=10)
+    plan = plan_budget([iter(lambda: batch, None)], config, 1, 1000.5 * step, exact_micro_batches=10)
     assert not plan.exact and plan.steps == 1000 and plan.flops_per_step == step
     assert plan_budget([iter(lambda: batch, None)], config, 1, 0.5 * step).steps == 0
 
@@ -134,7 +134,7 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys):
         assert entry["finetune"]["task"] == "sst2" and entry["finetune"]["runs"] == 2
         layers = study["models"][label]["encoder_layers"] + 1
         assert len(entry["effective_rank"]["real_unmasked_input"]) == layers
-    assert study["objectives"]["mlm"]["percent_of_mlm_compute_to_match"] == pytest.approx(100.0)
+    assert 0 < study["objectives"]["mlm"]["percent_of_mlm_compute_to_match"] <= 100.0  # < 100 if its loss rose late
     # the trainer counted exactly the FLOPs its plan promised (the plan reads the same batches)
     config = ModelConfig.from_dict(json.loads((out / "runs" / "3ml-seed0" / "model_config.json").read_text()))
     plan = plan_budget([PackedLoader(data, "train", max_seq_len=config.max_seq_len, tokens_per_batch=512, seed=0)],

@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 from synthetic import prepare_word_dataset
 
 from fastmae import PackedBatch
-from fastmae.config import load_run_config
+from fastmae.config import ModelConfig, load_run_config
+from fastmae.data import PackedLoader
+from fastmae.flops import plan_budget
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "the cat dog bird sat ran flew on under over a big small red green blue mat tree sky".split()
@@ -60,6 +62,11 @@ def train_losses(run_dir):
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
+def train_flops(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["flops"] for r in records if r["kind"] == "train"}
+
+
 def test_killed_and_resumed_run_equals_an_uninterrupted_one(dataset, tmp_path):
     straight = launch(overrides(dataset, tmp_path / "straight"))
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
@@ -72,6 +79,8 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(dataset, tmp_path):
 
     expected, got = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
     assert sorted(expected) == list(range(1, 7)) and got == expected
+    # the cumulative FLOP count survives the restart too
+    assert train_flops(tmp_path / "straight") == train_flops(tmp_path / "resumed")
     a = load_file(tmp_path / "straight" / "model.safetensors")
     b = load_file(tmp_path / "resumed" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -85,6 +94,29 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(dataset, tmp_path):
     train = [r for r in records if r["kind"] == "train"]
     assert all(0 <= r["accuracy"] <= 1 and r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in train)
     assert all(e["mask_rate"] == 0.15 for e in evals)
+
+
+def test_flop_budget_on_two_ranks_ends_and_evaluates_where_the_plan_says(dataset, tmp_path):
+    """train.flops_budget: the step count and evaluation points planned from both ranks' batches, and the FLOPs the
+    ranks then count (summed) equal the plan's to the FLOP."""
+    config = ModelConfig.preset("mae-lm", hidden_size=32, num_heads=2, encoder_layers=2, decoder_layers=1,
+                                intermediate_size=64, max_seq_len=64, vocab_size=PackedLoader(dataset).vocab_size)
+    loaders = [PackedLoader(dataset, max_seq_len=64, tokens_per_batch=256, rank=r, world_size=2) for r in (0, 1)]
+    step = plan_budget(loaders, config, 1, 1e30, exact_micro_batches=2).flops_per_step
+    budget = 7.5 * step
+    loaders = [PackedLoader(dataset, max_seq_len=64, tokens_per_batch=256, rank=r, world_size=2) for r in (0, 1)]
+    plan = plan_budget(loaders, config, 1, budget, eval_every_flops=budget / 3)
+    run = launch(overrides(dataset, tmp_path / "budget", steps=1000, **{
+        "train.flops_budget": budget, "eval.every_flops": budget / 3, "eval.every": 0}))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "budget" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert plan.exact and train[-1]["step"] == plan.steps and 6 <= plan.steps <= 8
+    assert train[-1]["flops"] == plan.planned_flops <= budget
+    assert [e["step"] for e in evals] == list(plan.eval_steps)
+    assert [r["flops"] for r in train] == sorted(r["flops"] for r in train)
+    assert f"FLOP budget {budget:.4g}: {plan.steps} steps" in run.stderr
 
 
 def test_zero3_bf16_matches_zero2_and_mfu_is_a_fraction(dataset, tmp_path):
