@@ -52,7 +52,7 @@ from .errors import FastmaeError, run_command
 from .finetune import FinetuneConfig
 from .flops import batch_training_flops
 from .metrics import read_metrics
-from .tasks import GLUE_TASKS
+from .tasks import GLUE_TASKS, write_word_order_task
 
 
 # ------------------------------------------------------------------------------------------------ objectives
@@ -114,6 +114,8 @@ class StudyPreset:
     finetune: FinetuneConfig
     analyze_sequences: int
     what: str
+    generated_task: tuple[int, int]
+    """(train, dev) examples of `--task generated` (fastmae.tasks.write_word_order_task)."""
     mlm_steps: int = 0
     """If > 0, the budget is this many of mlm's optimizer steps on the study's data instead (any vocabulary fits)."""
 
@@ -130,8 +132,8 @@ SMALL_CPU_RUN = (
 STUDY_PRESETS = {
     "cpu-30min": StudyPreset(
         budget=9.0e12, run=SMALL_CPU_RUN, eval_points=10, seeds=2,
-        finetune=FinetuneConfig(seeds=3, epochs=3, batch_size=32, lr=1e-4, max_train_examples=2000),
-        analyze_sequences=256,
+        finetune=FinetuneConfig(seeds=3, epochs=3, batch_size=32, lr=1e-4), analyze_sequences=256,
+        generated_task=(2000, 500),
         what="6 x 128 encoder, 64-token sequences, 1,024 tokens per step; fits 2 CPU cores in 30 minutes for "
              "mlm, mae-lm and 3ml with 2 seeds each (no task)"),
     "quick": StudyPreset(
@@ -142,7 +144,7 @@ STUDY_PRESETS = {
             "train.warmup_steps=5", "train.zero_stage=2", "train.precision=fp32", "eval.sequences=32",
             "checkpoint.keep=1", "checkpoint.every=1000", "log.every=5", "log.tensorboard=false"),
         eval_points=3, seeds=1, finetune=FinetuneConfig(seeds=2, epochs=1, batch_size=16, lr=1e-4),
-        analyze_sequences=16, mlm_steps=40,
+        analyze_sequences=16, generated_task=(64, 32), mlm_steps=40,
         what="the CI-sized check of the pipeline: a 2 x 64 encoder for 40 mlm steps' FLOPs; its numbers mean "
              "nothing"),
 }
@@ -318,7 +320,8 @@ def spread(values: list[float]) -> float | None:
     return float(max(values) - min(values)) if len(values) > 1 else None
 
 
-def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned: dict, analyses: dict) -> dict:
+def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned: dict, analyses: dict,
+              task_label: str | None) -> dict:
     """study.json's per-objective numbers (mean over seeds, per-seed values, spreads)."""
     curves = {o.label: [eval_curve(r) for r in runs[o.label]] for o in objectives}
     mlm_final = [curve[-1] for curve in curves["mlm"]]
@@ -354,7 +357,7 @@ def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned
             results = finetuned[objective.label]
             metric = results[0]["metric"]
             scores = [s["scores"][metric] for r in results for s in r["per_seed"]]
-            entry["finetune"] = {"task": results[0]["task"], "metric": metric, "median": float(np.median(scores)),
+            entry["finetune"] = {"task": task_label, "metric": metric, "median": float(np.median(scores)),
                                  "spread": spread(scores), "runs": len(scores),
                                  "median_per_pretraining_seed": [r["median"][metric] for r in results]}
         records = analyses[objective.label]
@@ -586,13 +589,17 @@ def study(args) -> dict:
     data = Path(args.data)
     if not (data / "meta.json").is_file():
         raise FastmaeError(f"--data {data}: not a prepared dataset (no meta.json); run `fastmae prepare` first")
-    task_name = None
-    if args.task:
-        task_name = task_name_of(Path(args.task), args.task_name)
+    out = Path(args.out)
+    task_name = task_dir = task_label = None
+    if args.task == "generated":  # read as SST-2: one sentence, labels 0/1, accuracy
+        task_name, task_dir = "sst2", write_word_order_task(data, out / "task" / "word-order", *preset.generated_task)
+        task_label = "word-order"
+    elif args.task:
+        task_name, task_dir = task_name_of(Path(args.task), args.task_name), Path(args.task)
+        task_label = task_name
     ranks = args.ranks or _default_ranks()
     if preset.mlm_steps:
         budget = preset.mlm_steps * mlm_step_flops(args, preset, ranks)
-    out = Path(args.out)
     runs = {o.label: [Run(o, seed, out) for seed in range(seeds)] for o in objectives}
     configs = {run.name: run_config_text(run, args, budget, preset) for rs in runs.values() for run in rs}
     for rs in runs.values():  # every config is checked before the first run starts
@@ -606,11 +613,11 @@ def study(args) -> dict:
     finetuned = {}
     ft_config = dataclasses.replace(preset.finetune, **({"seeds": args.finetune_seeds} if args.finetune_seeds else {}))
     if task_name:
-        finetuned = {label: [finetune_run(run, Path(args.task), task_name, ft_config) for run in rs]
+        finetuned = {label: [finetune_run(run, task_dir, task_name, ft_config) for run in rs]
                      for label, rs in runs.items()}
     sequences = preset.analyze_sequences
     analyses = {label: [analyze_run(run, data, sequences) for run in rs] for label, rs in runs.items()}
-    summary = summarize(objectives, runs, finetuned, analyses)
+    summary = summarize(objectives, runs, finetuned, analyses, task_label)
     first = runs["mlm"][0]
     facts = {label: model_facts(rs[0]) for label, rs in runs.items()}
     resolved = yaml.safe_load(configs[first.name])
@@ -622,7 +629,8 @@ def study(args) -> dict:
                   "seeds": seeds, "eval_points": preset.eval_points, "eval_sequences": resolved["eval"]["sequences"],
                   "analyze_sequences": sequences, "hidden_size": facts["mlm"]["hidden_size"],
                   "encoder_layers": facts["mlm"]["encoder_layers"], "ranks": ranks, "device": _device_text(first),
-                  "task": args.task, "task_name": task_name, "finetune": dataclasses.asdict(ft_config),
+                  "task": str(task_dir) if task_dir else None, "task_name": task_label,
+                  "finetune": dataclasses.asdict(ft_config),
                   "shared": shared_settings(resolved)},
         "command": shlex.join(["fastmae", "study", *args.argv]),
         "commands": {label: [shlex.join(launch_command(run, ranks)) for run in rs] for label, rs in runs.items()},
@@ -674,7 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"training FLOPs per run, or a preset ({presets}); default cpu-30min")
     parser.add_argument("--quick", action="store_true", help="the CI-sized preset (same as --budget quick)")
     parser.add_argument("--out", required=True, help="output directory (study.json, report.md, runs/, ...)")
-    parser.add_argument("--task", help="a GLUE task directory (train.tsv, dev.tsv) to fine-tune each encoder on")
+    parser.add_argument("--task", help="a GLUE task directory (train.tsv, dev.tsv) to fine-tune each encoder on, or "
+                        "`generated`: word order (10 words as written, or with two swapped) from --data's own text")
     parser.add_argument("--task-name", choices=sorted(GLUE_TASKS), help="the task, when the directory name does "
                         "not say it")
     parser.add_argument("--seeds", type=int, default=0, help="pretraining seeds per objective (default: the "

@@ -213,3 +213,44 @@ def score(metric: str, predictions: np.ndarray, labels: np.ndarray) -> float:
         denominator = math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
         return (tp * tn - fp * fn) / denominator if denominator > 0 else 0.0
     raise ValueError(f"unknown metric {metric!r}")
+
+
+WORD_ORDER_WORDS = 10
+"""Words per sentence of the generated word-order task."""
+
+
+def write_word_order_task(dataset: Path, out: Path, train_examples: int, dev_examples: int, seed: int = 0) -> Path:
+    """Write a GLUE-format (SST-2 layout) task generated from a prepared dataset's own text into `out`: sentences of
+    WORD_ORDER_WORDS consecutive words, label 1 as written, 0 with two different words swapped. A bag-of-words model
+    scores 50%; telling them apart needs word order, i.e. context. Train sentences come from the train split, dev
+    sentences from the valid split (train again if it has none). Returns `out`."""
+    from .data.shards import ShardSet
+    from .data.tokenizer import TOKENIZER_FILE, Tokenizer
+
+    tokenizer = Tokenizer.load(Path(dataset) / TOKENIZER_FILE)
+    rng = np.random.default_rng(seed)
+    for split, count, file in (("train", train_examples, "train.tsv"), ("valid", dev_examples, "dev.tsv")):
+        shards = ShardSet(dataset, split)
+        if shards.num_tokens == 0:
+            shards = ShardSet(dataset, "train")
+        windows = []
+        for shard in shards.shards:
+            for begin, end in zip(shard.offsets[:-1].tolist(), shard.offsets[1:].tolist()):
+                words = tokenizer.decode(np.asarray(shard.tokens[begin:end]).tolist()).split()
+                windows += [words[i:i + WORD_ORDER_WORDS]
+                            for i in range(0, len(words) - WORD_ORDER_WORDS + 1, WORD_ORDER_WORDS)]
+        if len(windows) < count:
+            raise FastmaeError(f"{dataset}: split {split!r} holds {len(windows)} sentences of {WORD_ORDER_WORDS} "
+                               f"words, fewer than the {count} asked for")
+        rows = ["sentence\tlabel"]
+        for index in rng.permutation(len(windows))[:count].tolist():
+            words, label = list(windows[index]), int(rng.integers(2))
+            if label == 0:
+                i, j = rng.choice(WORD_ORDER_WORDS, size=2, replace=False)
+                if words[i] == words[j]:  # a swap of equal words changes nothing: the sentence stays original
+                    label = 1
+                words[i], words[j] = words[j], words[i]
+            rows.append(f"{' '.join(words)}\t{label}")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / file).write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return out

@@ -12,8 +12,9 @@ from fastmae.config import ModelConfig
 from fastmae.data import PackedLoader
 from fastmae.errors import FastmaeError
 from fastmae.flops import batch_training_flops, plan_budget
-from fastmae.study import compare, flops_to_reach, parse_objectives, resolve_budget
+from fastmae.study import compare, flops_to_reach, parse_objectives, resolve_budget, task_name_of
 from fastmae.study import main as study_main
+from fastmae.tasks import GLUE_TASKS, WORD_ORDER_WORDS, load_split, write_word_order_task
 
 WORDS = "the cat dog bird sat ran flew on under over a big small red green blue mat tree sky".split()
 
@@ -100,17 +101,25 @@ def test_claims_are_held_to_the_seed_spread():
 # ------------------------------------------------------------------------------------------------ the command
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("study")
-    data = prepare_word_dataset(root, WORDS, num_docs=600, max_words=30, vocab_size=40, valid_fraction=0.1)
-    keyword_split(root / "SST-2" / "train.tsv", WORDS, 64, seed=0)
-    keyword_split(root / "SST-2" / "dev.tsv", WORDS, 32, seed=1)
-    return data, root / "SST-2"
+    return prepare_word_dataset(tmp_path_factory.mktemp("study"), WORDS, num_docs=600, max_words=30, vocab_size=40,
+                                valid_fraction=0.1)
+
+
+def test_generated_word_order_task(dataset, tmp_path):
+    task = write_word_order_task(dataset, tmp_path / "wo", 200, 40, seed=3)
+    train, dev = (load_split(task / name, GLUE_TASKS["sst2"]) for name in ("train.tsv", "dev.tsv"))
+    assert len(train) == 200 and len(dev) == 40 and 0.3 < train.labels.mean() < 0.7
+    assert all(len(text[0].split()) == WORD_ORDER_WORDS and set(text[0].split()) <= set(WORDS) for text in train.texts)
+    with pytest.raises(FastmaeError, match="fewer than the 100000 asked for"):
+        write_word_order_task(dataset, tmp_path / "big", 100000, 40)
+    keyword_split(tmp_path / "SST-2" / "train.tsv", WORDS, 8, seed=0)
+    assert task_name_of(tmp_path / "SST-2", None) == "sst2" and task_name_of(tmp_path / "x", "rte") == "rte"
 
 
 def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys):
-    data, task = dataset
+    data = dataset
     out = tmp_path / "study"
-    args = ["--data", str(data), "--quick", "--objectives", "mlm,mae-lm,3ml", "--task", str(task), "--out", str(out)]
+    args = ["--data", str(data), "--quick", "--objectives", "mlm,mae-lm,3ml", "--task", "generated", "--out", str(out)]
     assert study_main(args) == 0
     study = json.loads((out / "study.json").read_text())
     budget = study["setup"]["budget"]
@@ -131,7 +140,7 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys):
         assert entry["final_eval_loss"] == curve[-1]["loss"] and np.isfinite(entry["final_eval_loss"])
         percent = entry["percent_of_mlm_compute_to_match"]
         assert percent is None or 0 < percent <= 100 * flops[-1] / study["objectives"]["mlm"]["flops"] + 1e-9
-        assert entry["finetune"]["task"] == "sst2" and entry["finetune"]["runs"] == 2
+        assert entry["finetune"]["task"] == "word-order" and entry["finetune"]["runs"] == 2
         layers = study["models"][label]["encoder_layers"] + 1
         assert len(entry["effective_rank"]["real_unmasked_input"]) == layers
     assert 0 < study["objectives"]["mlm"]["percent_of_mlm_compute_to_match"] <= 100.0  # < 100 if its loss rose late
@@ -143,7 +152,7 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys):
                                                 study["objectives"]["3ml"]["flops"])
     report = (out / "report.md").read_text()
     for text in ("## Results", "% of mlm's compute", "## What the numbers say", "seed", "## Exactly what ran",
-                 "python -m fastmae.train --config", "## Effective rank per layer", "sst2 accuracy"):
+                 "python -m fastmae.train --config", "## Effective rank per layer", "word-order accuracy"):
         assert text in report, text
     assert (out / "loss_vs_flops.png").stat().st_size > 10_000 and (out / "ranks.png").stat().st_size > 10_000
     capsys.readouterr()
@@ -161,7 +170,7 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys):
 
 
 def test_bad_input_is_named(dataset, tmp_path, capsys):
-    data, task = dataset
+    data = dataset
     cases = [
         (["--data", str(tmp_path), "--quick"], "not a prepared dataset"),
         (["--data", str(data), "--quick", "--objectives", "3ml"], "must include mlm"),
