@@ -297,8 +297,10 @@ def task_name_of(task_dir: Path, explicit: str | None) -> str:
 
 # ------------------------------------------------------------------------------------------------ the numbers
 def eval_curve(run: Run) -> list[dict]:
-    """The held-out evaluation records of a finished run, in order."""
-    return [r for r in read_metrics(run.dir) if r.get("kind") == "eval"]
+    """The held-out evaluation records of a finished run, one per step in step order (a resumed run logs again the
+    evaluations after its checkpoint; the last record of a step is the one the finished run continued from)."""
+    by_step = {r["step"]: r for r in read_metrics(run.dir) if r.get("kind") == "eval"}
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def flops_to_reach(curve: list[dict], target: float) -> float | None:
