@@ -125,17 +125,17 @@ SMALL_CPU_RUN = (
     # decoder costs as much as the encoder and no objective can save compute
     "model.hidden_size=128", "model.num_heads=2", "model.encoder_layers=6", "model.max_seq_len=64",
     "model.position_embedding=rotary", "model.norm_position=pre", "model.dropout=0.0", "model.attention_dropout=0.0",
-    "data.packing=full", "data.tokens_per_micro_batch=1024", "train.lr=3.0e-3", "train.warmup_steps=100",
+    "data.packing=full", "data.tokens_per_micro_batch=1024", "train.lr=1.0e-3", "train.warmup_steps=100",
     "train.schedule=polynomial", "train.clip=2.0", "train.zero_stage=2", "train.precision=auto",
     "eval.sequences=1024", "checkpoint.keep=1", "checkpoint.every=500", "log.every=50",
 )
 STUDY_PRESETS = {
     "cpu-30min": StudyPreset(
         budget=9.0e12, run=SMALL_CPU_RUN, eval_points=10, seeds=2,
-        finetune=FinetuneConfig(seeds=3, epochs=3, batch_size=32, lr=1e-4), analyze_sequences=256,
-        generated_task=(2000, 500),
-        what="6 x 128 encoder, 64-token sequences, 1,024 tokens per step; fits 2 CPU cores in 30 minutes for "
-             "mlm, mae-lm and 3ml with 2 seeds each (no task)"),
+        finetune=FinetuneConfig(seeds=2, epochs=4, batch_size=32, lr=1e-3), analyze_sequences=256,
+        generated_task=(1500, 500),
+        what="6 x 128 encoder, 64-token sequences, 1,024 tokens per step, lr 1e-3; fits 2 CPU cores in 30 minutes "
+             "for mlm, mae-lm and 3ml with 2 seeds each and --task generated"),
     "quick": StudyPreset(
         budget=0.0, run=(
             "model.hidden_size=64", "model.num_heads=2", "model.encoder_layers=2", "model.max_seq_len=64",
@@ -143,7 +143,7 @@ STUDY_PRESETS = {
             "model.attention_dropout=0.0", "data.packing=full", "data.tokens_per_micro_batch=512", "train.lr=3.0e-3",
             "train.warmup_steps=5", "train.zero_stage=2", "train.precision=fp32", "eval.sequences=32",
             "checkpoint.keep=1", "checkpoint.every=1000", "log.every=5", "log.tensorboard=false"),
-        eval_points=3, seeds=1, finetune=FinetuneConfig(seeds=2, epochs=1, batch_size=16, lr=1e-4),
+        eval_points=3, seeds=1, finetune=FinetuneConfig(seeds=2, epochs=1, batch_size=16, lr=1e-3),
         analyze_sequences=16, generated_task=(64, 32), mlm_steps=40,
         what="the CI-sized check of the pipeline: a 2 x 64 encoder for 40 mlm steps' FLOPs; its numbers mean "
              "nothing"),
@@ -685,7 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="the CI-sized preset (same as --budget quick)")
     parser.add_argument("--out", required=True, help="output directory (study.json, report.md, runs/, ...)")
     parser.add_argument("--task", help="a GLUE task directory (train.tsv, dev.tsv) to fine-tune each encoder on, or "
-                        "`generated`: word order (10 words as written, or with two swapped) from --data's own text")
+                        "`generated`: word order (10 words as written, or shuffled) from --data's own text")
     parser.add_argument("--task-name", choices=sorted(GLUE_TASKS), help="the task, when the directory name does "
                         "not say it")
     parser.add_argument("--seeds", type=int, default=0, help="pretraining seeds per objective (default: the "

@@ -221,8 +221,8 @@ WORD_ORDER_WORDS = 10
 
 def write_word_order_task(dataset: Path, out: Path, train_examples: int, dev_examples: int, seed: int = 0) -> Path:
     """Write a GLUE-format (SST-2 layout) task generated from a prepared dataset's own text into `out`: sentences of
-    WORD_ORDER_WORDS consecutive words, label 1 as written, 0 with two different words swapped. A bag-of-words model
-    scores 50%; telling them apart needs word order, i.e. context. Train sentences come from the train split, dev
+    WORD_ORDER_WORDS consecutive words, label 1 as written, 0 with the words shuffled. A bag-of-words model scores
+    50%; telling them apart needs word order, i.e. context. Train sentences come from the train split, dev
     sentences from the valid split (train again if it has none). Returns `out`."""
     from .data.shards import ShardSet
     from .data.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -246,10 +246,9 @@ def write_word_order_task(dataset: Path, out: Path, train_examples: int, dev_exa
         for index in rng.permutation(len(windows))[:count].tolist():
             words, label = list(windows[index]), int(rng.integers(2))
             if label == 0:
-                i, j = rng.choice(WORD_ORDER_WORDS, size=2, replace=False)
-                if words[i] == words[j]:  # a swap of equal words changes nothing: the sentence stays original
-                    label = 1
-                words[i], words[j] = words[j], words[i]
+                shuffled = [words[i] for i in rng.permutation(WORD_ORDER_WORDS)]
+                label = int(shuffled == words)  # a shuffle that changes nothing leaves the sentence as written
+                words = shuffled
             rows.append(f"{' '.join(words)}\t{label}")
         out.mkdir(parents=True, exist_ok=True)
         (out / file).write_text("\n".join(rows) + "\n", encoding="utf-8")
