@@ -360,8 +360,7 @@ def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned
             metric = results[0]["metric"]
             scores = [s["scores"][metric] for r in results for s in r["per_seed"]]
             entry["finetune"] = {"task": task_label, "metric": metric, "median": float(np.median(scores)),
-                                 "spread": spread(scores), "runs": len(scores),
-                                 "median_per_pretraining_seed": [r["median"][metric] for r in results]}
+                                 "spread": spread(scores), "runs": len(scores), "scores": scores}
         records = analyses[objective.label]
         entry["effective_rank"] = {
             group: [float(np.mean([rec["layers"][i]["epsilon_rank"][group] for rec in records]))
@@ -378,18 +377,17 @@ def compare(name: str, a: list[float], b: list[float], unit: str, higher_is: str
     """One sentence comparing per-seed values `a` (objective) and `b` (mlm) that never claims a difference smaller
     than the seed spread (the larger of the two ranges)."""
     diff = float(np.mean(a) - np.mean(b))
+    values = f"{np.mean(a):.4g} vs mlm's {np.mean(b):.4g}" + (f" {unit}" if unit else "")
     noise = [s for s in (spread(a), spread(b)) if s is not None]
     if not noise:
-        return (f"{name}: {np.mean(a):.4g} vs mlm's {np.mean(b):.4g} {unit}; one seed each, so the seed noise is "
-                "unmeasured and no difference is claimed")
+        return f"{name}: {values}; one seed each, so the seed noise is unmeasured and no difference is claimed"
     noise_level = max(noise)
     if abs(diff) <= noise_level:
-        return (f"{name}: {np.mean(a):.4g} vs mlm's {np.mean(b):.4g} {unit}: the difference ({diff:+.3g}) is within "
-                f"the seed spread ({noise_level:.3g}); no difference is claimed")
+        return (f"{name}: {values}: the difference ({diff:+.3g}) is within the seed spread ({noise_level:.3g}); no "
+                "difference is claimed")
     direction = "higher" if diff > 0 else "lower"
     verdict = "better" if (direction == higher_is) else "worse"
-    return (f"{name}: {np.mean(a):.4g} vs mlm's {np.mean(b):.4g} {unit}: {direction} by {abs(diff):.3g}, beyond the "
-            f"seed spread ({noise_level:.3g}) - {verdict}")
+    return f"{name}: {values}: {direction} by {abs(diff):.3g}, beyond the seed spread ({noise_level:.3g}) - {verdict}"
 
 
 def findings(summary: dict) -> list[str]:
@@ -427,8 +425,8 @@ def findings(summary: dict) -> list[str]:
                              ranks["real_unmasked_input"], reference["real_unmasked_input"], "dimensions", "higher"))
         if "finetune" in entry and "finetune" in mlm:
             ft, ref = entry["finetune"], mlm["finetune"]
-            lines.append(compare(f"`{label}` fine-tuned {ft['task']} {ft['metric']} (median per pretraining seed)",
-                                 ft["median_per_pretraining_seed"], ref["median_per_pretraining_seed"], "", "higher"))
+            lines.append(compare(f"`{label}` fine-tuned {ft['task']} {ft['metric']} (mean of every pretraining x "
+                                 "fine-tuning seed)", ft["scores"], ref["scores"], "", "higher"))
     return lines
 
 
