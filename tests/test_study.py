@@ -159,7 +159,7 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys):
 
     # the same arguments again: every run, fine-tuning and analysis is reused, the numbers are the same
     assert study_main(args) == 0
-    assert "training" not in capsys.readouterr().err
+    assert "fastmae study: training" not in capsys.readouterr().err
     again = json.loads((out / "study.json").read_text())
     assert again["objectives"] == study["objectives"]
 
