@@ -1,11 +1,15 @@
 """Fused linear cross-entropy (Triton) against the torch reference and an fp64 oracle, forward and backward."""
 
+from collections import Counter
+
 import pytest
 import torch
 from conftest import KERNEL_DEVICE
-from fastmae.kernels import linear_cross_entropy, linear_cross_entropy_reference
-from fastmae.kernels.cross_entropy import CE_BLOCK_V
+from fastmae.kernels import cross_entropy, linear_cross_entropy, linear_cross_entropy_reference
+from fastmae.kernels.cross_entropy import CE_BLOCK_V, CE_CHUNK_BYTES, CE_MIN_CHUNK_ROWS, chunk_rows
 from tolerance import assert_as_accurate
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # DeepSpeed hands the loss a gradient of loss_scale / grad_accum (times fastmae's per-token weight), not 1
@@ -85,3 +89,71 @@ def test_no_rows_gives_zero_loss_and_gradient():
 def test_shape_mismatch_is_named():
     with pytest.raises(ValueError, match="do not fit"):
         linear_cross_entropy(torch.randn(3, 8), torch.randn(10, 7), None, torch.zeros(3, dtype=torch.long))
+
+
+def test_chunks_are_sized_from_the_memory_budget():
+    # base size: T_m = 8,192 predicted rows of a 50,265-piece vocabulary -> a handful of chunks, each within budget
+    for element_bytes, expected_rows in ((2, 2048), (4, 1024)):
+        rows = chunk_rows(8192, 50265, element_bytes, CE_CHUNK_BYTES)
+        assert rows == expected_rows and rows * 50265 * element_bytes <= CE_CHUNK_BYTES
+        assert 8192 // rows <= 8
+    assert chunk_rows(70, 5003, 4, CE_CHUNK_BYTES) == 128  # small batches: one chunk
+    assert chunk_rows(8192, 50265, 4, 1000) == CE_MIN_CHUNK_ROWS  # never below the GEMM-sized minimum
+
+
+class _Allocations(TorchDispatchMode):
+    """Counts the shapes of the tensors that aten ops allocate."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and not func._schema.name.endswith("_"):  # views and in-place ops allocate nothing
+            self.shapes.update(tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_chunked_work_and_allocations(dtype, monkeypatch):
+    """Four chunks of 32 rows: one [32, V] logits tensor each; in fp32 the weight gradient adds in place (one [V, H]
+    buffer, one scaled copy in backward), in bf16 one [V, H] product per chunk; under no_grad no gradient work."""
+    rows, hidden, vocab = 128, 16, 1000
+    monkeypatch.setattr(cross_entropy, "CE_CHUNK_BYTES", 32 * vocab * torch.tensor([], dtype=dtype).element_size())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, hidden, generator=gen).to(KERNEL_DEVICE, dtype).requires_grad_()
+    w = torch.randn(vocab, hidden, generator=gen).to(KERNEL_DEVICE, dtype).requires_grad_()
+    b = torch.randn(vocab, generator=gen).to(KERNEL_DEVICE, dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (rows,), generator=gen).to(KERNEL_DEVICE)
+    with _Allocations() as train:
+        linear_cross_entropy(x, w, b, labels).backward()
+    assert train.shapes[(32, vocab)] == 4 and train.shapes[(rows, vocab)] == 0
+    # fp32: the buffer and its scaled copy in backward; bf16 also casts that back, and each chunk forms its product
+    # and an fp32 copy of it
+    assert train.shapes[(vocab, hidden)] == (2 if dtype == torch.float32 else 3 + 4 * 2)
+    with torch.no_grad(), _Allocations() as evaluation:
+        loss = linear_cross_entropy(x, w, b, labels)
+    assert evaluation.shapes[(32, vocab)] == 4 and evaluation.shapes[(vocab, hidden)] == 0
+    assert evaluation.shapes[(rows, hidden)] == 0 and evaluation.shapes[(vocab,)] == 0
+    reference = linear_cross_entropy_reference(x.double(), w.double(), b.double(), labels)
+    assert_as_accurate("loss", loss, linear_cross_entropy_reference(x, w, b, labels), reference, dtype, factor=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_many_chunks_match_the_reference(dtype, seed, monkeypatch):
+    """The default budget puts small test batches in one chunk; this forces chunks of 32 rows (and a ragged last
+    one) through forward and backward."""
+    rows, hidden, vocab = 70, 48, CE_BLOCK_V + 907
+    monkeypatch.setattr(cross_entropy, "CE_CHUNK_BYTES", 32 * vocab * torch.tensor([], dtype=dtype).element_size())
+    gen = torch.Generator().manual_seed(seed)
+    x, w, b = torch.randn(rows, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen) / hidden**0.5, \
+        torch.randn(vocab, generator=gen)
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    labels[::3] = -100
+    got = _loss_and_grads(linear_cross_entropy, x, w, b, labels, dtype, {})
+    plain = _loss_and_grads(linear_cross_entropy_reference, x, w, b, labels, dtype, {})
+    exact = _loss_and_grads(linear_cross_entropy_reference, x, w, b, labels, torch.float64, {})
+    for i, (g, p, e) in enumerate(zip(got, plain, exact)):
+        assert_as_accurate(["loss", "dx", "dw", "db"][i], g, p, e, dtype, factor=2 if i == 0 else 3)
