@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The first thing to run on a new CUDA machine: every GPU path of fastmae, end to end, with its numbers kept.
+#
+#   bash scripts/gpu_check.sh            # on a CUDA machine, in the set-up .venv (bash scripts/setup.sh first)
+#   bash scripts/gpu_check.sh --dry-run  # anywhere: print what it would run, run nothing
+#
+# Steps (each runs even if an earlier one failed; the summary lists every exit status):
+#   1. the device: nvidia-smi, torch / triton / flash-attn / deepspeed versions
+#   2. the Triton kernel tests compiled for this GPU, realistic shapes included (-m large)
+#   3. the attention backend tests (flash, torch_varlen, padded against the naive reference)
+#   4. benchmarks/kernels.py: each kernel against its torch reference, GB/s against the device's memory bandwidth
+#   5. benchmarks/throughput.py --size base: mlm, mae-lm, 3ml and Hugging Face RoBERTa, tokens/s and MFU
+#   6. a 50-step 3ml base-shaped training run on 1 GPU (configs/3ml-base.yaml on the embedded corpus)
+# Everything lands in benchmarks/results/gpu/DEVICE/ (logs, the benchmarks' JSON + Markdown, the run's metrics),
+# small enough to commit; the training run's checkpoints stay in runs/gpu-check/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+dry_run=0
+case "${1:-}" in
+    --dry-run) dry_run=1 ;;
+    "") ;;
+    *) echo "usage: bash scripts/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+esac
+
+python=${PYTHON:-python}
+if (( dry_run )); then
+    device=DEVICE
+else
+    if ! "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        echo "gpu_check: no CUDA device visible to torch (is this a GPU machine, with a CUDA build of torch?)" >&2
+        exit 1
+    fi
+    device=$("$python" -c "import re, torch; print(re.sub(r'[^A-Za-z0-9.-]+', '_', torch.cuda.get_device_name(0)))")
+fi
+out=benchmarks/results/gpu/$device
+run_dir=runs/gpu-check/3ml-base
+statuses=()
+
+# step NAME COMMAND...: run (or print) one step, its output teed into OUT/NAME.log, its exit status remembered
+step() {
+    local name=$1 line
+    shift
+    printf -v line '%q ' "$@"  # quoted, so the line can be pasted back into a shell
+    echo "+ [$name] ${line% }"
+    if (( dry_run )); then
+        return
+    fi
+    "$@" 2>&1 | tee "$out/$name.log"
+    statuses+=("$name: exit ${PIPESTATUS[0]}")
+}
+
+# keep NAME...: copy benchmarks/results/NAME.{json,md} (what a benchmark just wrote) into OUT
+keep() {
+    for name in "$@"; do
+        echo "+ cp benchmarks/results/$name.{json,md} $out/"
+        (( dry_run )) || cp "benchmarks/results/$name.json" "benchmarks/results/$name.md" "$out/" 2>/dev/null || true
+    done
+}
+
+# device_report: the GPU and the versions that matter
+device_report() {
+    nvidia-smi
+    "$python" - <<'PY'
+import importlib
+
+for name in ("torch", "triton", "flash_attn", "deepspeed"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except ImportError:
+        print(name, "not installed")
+import torch
+
+print("cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0))
+PY
+}
+
+(( dry_run )) || mkdir -p "$out"
+step device device_report
+step kernel_tests "$python" -m pytest -q -m "large or not large" tests/kernels
+step attention_tests "$python" -m pytest -q -m "large or not large" tests/test_attention.py
+step kernel_benchmark "$python" benchmarks/kernels.py
+keep kernels
+step throughput_benchmark "$python" benchmarks/throughput.py --size base
+keep throughput
+step train_3ml_base deepspeed --num_gpus 1 fastmae/train.py --config configs/3ml-base.yaml --resume none \
+    data.path=runs/data/builtin-v8000 data.prepare_builtin=true data.builtin_vocab_size=8000 \
+    train.steps=50 train.grad_accum=1 train.warmup_steps=10 eval.every=50 eval.sequences=256 \
+    checkpoint.every=50 checkpoint.keep=1 log.every=5 "log.dir=$run_dir"
+echo "+ cp $run_dir/{metrics.jsonl,curves.png,config.yaml,deepspeed_config.json} $out/"
+if (( ! dry_run )); then
+    for file in metrics.jsonl curves.png config.yaml deepspeed_config.json; do
+        cp "$run_dir/$file" "$out/train_3ml_base.$file" 2>/dev/null || true
+    done
+    printf '%s\n' "# gpu_check on $device" "" "git $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" "" \
+        "${statuses[@]/#/- }" > "$out/summary.md"
+    cat "$out/summary.md"
+    for status in "${statuses[@]}"; do
+        [[ $status == *"exit 0" ]] || exit 1
+    done
+fi

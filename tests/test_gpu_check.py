@@ -1,0 +1,39 @@
+"""scripts/gpu_check.sh on a machine without a GPU: its dry run names every step, and each step's files and training
+overrides are valid (so the first run on a GPU does not fail on a typo)."""
+
+import shlex
+import subprocess
+from pathlib import Path
+
+from fastmae.config import load_run_config
+from fastmae.train import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_dry_run_names_every_step_and_its_inputs_are_valid():
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    steps = {line.split("]", 1)[0][3:]: shlex.split(line.split("] ", 1)[1])
+             for line in done.stdout.splitlines() if line.startswith("+ [")}
+    assert list(steps) == ["device", "kernel_tests", "attention_tests", "kernel_benchmark", "throughput_benchmark",
+                           "train_3ml_base"]
+    for name in ("kernel_tests", "attention_tests"):  # compiled kernels at realistic shapes too
+        assert steps[name][-3:-1] == ["-m", "large or not large"] and (ROOT / steps[name][-1]).exists()
+    assert (ROOT / steps["kernel_benchmark"][-1]).is_file()
+    assert steps["throughput_benchmark"][-2:] == ["--size", "base"]
+    command = steps["train_3ml_base"]
+    assert command[:3] == ["deepspeed", "--num_gpus", "1"] and (ROOT / command[3]).is_file()
+    args = build_parser().parse_args(command[4:])
+    config = load_run_config(str(ROOT / args.config), args.overrides)
+    model = config.model_config(8000)
+    assert (model.objective, model.hidden_size, model.encoder_layers, model.max_seq_len) == ("3ml", 768, 12, 512)
+    assert config.train.steps == 50 and config.data.prepare_builtin and args.resume == "none"
+    assert "benchmarks/results/gpu/DEVICE" in done.stdout
+    assert not (ROOT / "benchmarks" / "results" / "gpu" / "DEVICE").exists()  # a dry run writes nothing
+
+
+def test_unknown_argument_is_refused():
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--bogus"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and "usage:" in done.stderr
