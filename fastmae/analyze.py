@@ -38,13 +38,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .atomic import atomic_path, atomic_write_text
+from .atomic import atomic_write_text
 from .batch import PackedBatch
 from .config import BOS_ID, EOS_ID, MASK_ID, add_arguments, from_arguments
 from .data.loader import PackedLoader, cut_by_budget
 from .data.shards import ShardSet
 from .errors import FastmaeError, run_command
 from .evaluation import held_out_mask
+from .plot import pyplot, save_figure
 from .pretrained import Pretrained, load_pretrained
 
 GROUPS = ("real_masked_input", "mask", "real_unmasked_input", "all_unmasked_input")
@@ -182,11 +183,7 @@ def _record(stats: LayerStatistics, config: AnalyzeConfig, hidden: int) -> dict:
 
 def plot(record: dict, out: Path) -> list[Path]:
     """ranks.png and mask_dims.png of an analysis record."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     layers = [entry["layer"] for entry in record["layers"]]
     labels = {"real_masked_input": "real tokens, input with <mask>", "mask": "<mask> tokens",
               "real_unmasked_input": "real tokens, input without <mask>",
@@ -198,11 +195,7 @@ def plot(record: dict, out: Path) -> list[Path]:
         ax.axhline(record["hidden_size"], color="gray", linestyle="--", label="hidden size")
         ax.set(xlabel="layer (0 = embeddings)", ylabel=title, title=f"{title}: {record['model']}")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    paths = [out / "ranks.png", out / "mask_dims.png"]
-    with atomic_path(paths[0]) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
+    ranks_png = save_figure(fig, out / "ranks.png")
 
     fig, (ax_count, ax_share) = plt.subplots(1, 2, figsize=(11, 4))
     ax_count.bar(layers, [len(entry["mask_dominated_dims"]) for entry in record["layers"]])
@@ -214,11 +207,7 @@ def plot(record: dict, out: Path) -> list[Path]:
     ax_share.axhline(record["share_by_count"], color="gray", linestyle="--", label="share by row count alone")
     ax_share.set(xlabel="dimension (sorted)", ylabel="<mask> rows' share of variance", title="last layer", ylim=(0, 1))
     ax_share.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_path(paths[1]) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
-    return paths
+    return [ranks_png, save_figure(fig, out / "mask_dims.png")]
 
 
 def run(model_path: str | Path, data: str | Path, out: str | Path, config: AnalyzeConfig) -> dict:

@@ -406,6 +406,11 @@ class RunConfig:
     deepspeed: dict = field(default_factory=dict)
     """Raw DeepSpeed config entries merged over the derived config (they win)."""
 
+    @property
+    def max_seq_len(self) -> int:
+        """The model's sequence length, known before the dataset's vocabulary (the loader needs it first)."""
+        return int(self.model.get("max_seq_len", ModelConfig.max_seq_len))
+
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The ModelConfig of this run; `vocab_size` (the dataset's) unless the YAML sets one, which must agree."""
         values = dict(self.model)

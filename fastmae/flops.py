@@ -59,10 +59,12 @@ def training_flops(config: ModelConfig, seqlens: torch.Tensor, visible_seqlens: 
     return 3 * (k * visible + (n_enc - k) * full + n_dec * decoder + head_flops(config, predicted))
 
 
-def batch_training_flops(config: ModelConfig, batch: PackedBatch) -> int:
-    """Forward + backward FLOPs of training on `batch` under `config`'s masking (host counts only, no device access;
-    the same counts `masking.mask_batch` uses)."""
-    counts = MaskCounts.compute(batch.num_maskable, config.mask_rate, config.mask_token_prob, config.random_token_prob)
+def batch_training_flops(config: ModelConfig, batch: PackedBatch, counts: MaskCounts | None = None) -> int:
+    """Forward + backward FLOPs of training on `batch` under `config`'s masking, from host counts only: `counts` as
+    `masking.mask_batch` made them (the trainer has them), else computed the same way (the plan, before any step)."""
+    if counts is None:
+        counts = MaskCounts.compute(batch.num_maskable, config.mask_rate, config.mask_token_prob,
+                                    config.random_token_prob)
     return training_flops(config, batch.seqlens, batch.seqlens - counts.removed, counts.predicted)
 
 

@@ -9,17 +9,33 @@ import argparse
 import sys
 from pathlib import Path
 
+from .atomic import atomic_path
 from .errors import FastmaeError, run_command
 from .metrics import read_metrics
 
 
-def plot_run(run_dir: Path, output: Path | None = None) -> Path:
-    """Draw the run's curves to `output` (default RUN_DIR/curves.png) and return the path."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display), imported on first use."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay `fig` out, write it to `path` as a PNG atomically, close it, and return the path."""
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    pyplot().close(fig)
+    return Path(path)
+
+
+def plot_run(run_dir: Path, output: Path | None = None) -> Path:
+    """Draw the run's curves to `output` (default RUN_DIR/curves.png) and return the path."""
+    plt = pyplot()
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise FastmaeError(f"{run_dir / 'metrics.jsonl'}: missing (is {run_dir} a training run directory?)")
@@ -42,11 +58,7 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     ax_speed.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train], color="tab:green")
     ax_speed.set(xlabel="optimizer step", ylabel="tokens / s (all ranks)", title="throughput")
     ax_speed.grid(alpha=0.3)
-    fig.tight_layout()
-    output = Path(output) if output else run_dir / "curves.png"
-    fig.savefig(output, dpi=110)
-    plt.close(fig)
-    return output
+    return save_figure(fig, Path(output) if output else run_dir / "curves.png")
 
 
 def main(argv: list[str] | None = None) -> int:

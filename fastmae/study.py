@@ -50,8 +50,9 @@ from .config import ModelConfig, load_run_config
 from .data import PackedLoader
 from .errors import FastmaeError, run_command
 from .finetune import FinetuneConfig
-from .flops import batch_training_flops
+from .flops import plan_budget
 from .metrics import read_metrics
+from .plot import pyplot, save_figure
 from .tasks import GLUE_TASKS, write_word_order_task
 
 
@@ -213,20 +214,15 @@ def run_config_text(run: Run, args, budget: float, preset: StudyPreset) -> str:
 
 
 def mlm_step_flops(args, preset: StudyPreset, ranks: int) -> float:
-    """Training FLOPs of one optimizer step of the study's mlm run on --data (mean of its first 20 steps)."""
+    """Training FLOPs of the first optimizer step of the study's mlm run on --data (all `ranks`)."""
     try:
         config = load_run_config(args.config, [*preset.run, *args.overrides, "model.preset=mlm",
                                                f"data.path={args.data}"])
     except ValueError as err:
         raise FastmaeError(str(err)) from None
-    data = config.data
-    max_seq_len = int(config.model.get("max_seq_len", ModelConfig.max_seq_len))
-    loader = PackedLoader(data.path, "train", max_seq_len=max_seq_len, packing=data.packing,
-                          tokens_per_batch=data.tokens_per_micro_batch)
-    model_config = config.model_config(loader.vocab_size)
-    batches = iter(loader)
-    micro_batches = 20 * config.train.grad_accum
-    return ranks * sum(batch_training_flops(model_config, next(batches)) for _ in range(micro_batches)) / 20
+    loaders = [PackedLoader.for_run(config, rank, ranks) for rank in range(ranks)]
+    model_config = config.model_config(loaders[0].vocab_size)
+    return plan_budget(loaders, model_config, config.train.grad_accum, budget=0.0).flops_per_step
 
 
 def launch_command(run: Run, ranks: int) -> list[str]:
@@ -433,12 +429,7 @@ def findings(summary: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------------ the report
 def plot_curves(summary: dict, out: Path) -> Path:
     """loss_vs_flops.png: held-out loss and accuracy against cumulative training FLOPs (seed mean, min-max band)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_loss, ax_acc) = pyplot().subplots(1, 2, figsize=(12, 4.5))
     for label, entry in summary.items():
         curves = [s["curve"] for s in entry["per_seed"]]
         points = min(len(c) for c in curves)
@@ -458,21 +449,12 @@ def plot_curves(summary: dict, out: Path) -> Path:
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "loss_vs_flops.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "loss_vs_flops.png")
 
 
 def plot_ranks(summary: dict, hidden: int, out: Path) -> Path:
     """ranks.png: epsilon rank of real-token representations per layer, input with and without <mask>."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for label, entry in summary.items():
         without = entry["effective_rank"]["real_unmasked_input"]
         line, = ax.plot(range(len(without)), without, "o-", label=f"{label}: input without <mask>")
@@ -483,11 +465,7 @@ def plot_ranks(summary: dict, hidden: int, out: Path) -> Path:
            title="effective rank of real-token representations")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "ranks.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "ranks.png")
 
 
 def _fmt(value, spec: str = ".4g", missing: str = "-") -> str:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from . import checkpoint
 from .atomic import atomic_write_bytes
-from .config import PRECISIONS, ModelConfig, RunConfig
+from .config import PRECISIONS, RunConfig
 from .data import PackedLoader
 from .data.tokenizer import TOKENIZER_FILE
 from .errors import FastmaeError
@@ -127,10 +127,7 @@ class Trainer:
         self._prepare_data_if_asked()
         data, train = config.data, config.train
         # the model config needs the dataset's vocab size, the loader the model's sequence length
-        max_seq_len = int(config.model.get("max_seq_len", ModelConfig.max_seq_len))
-        self.loader = PackedLoader(data.path, "train", max_seq_len=max_seq_len, packing=data.packing,
-                                   tokens_per_batch=data.tokens_per_micro_batch, rank=self.rank,
-                                   world_size=self.world, seed=train.seed, verify_checksum=data.verify_checksums)
+        self.loader = PackedLoader.for_run(config, self.rank, self.world, data.verify_checksums)
         try:
             self.model_config = config.model_config(self.loader.vocab_size)
         except ValueError as err:
@@ -183,10 +180,8 @@ class Trainer:
     def _plan_budget(self) -> None:
         """Turn train.flops_budget into train.steps (and eval.every_flops into evaluation steps) from the batches
         every rank will draw; each rank plans the same, so no collective is needed."""
-        data, train = self.config.data, self.config.train
-        loaders = [PackedLoader(data.path, "train", max_seq_len=self.model_config.max_seq_len, packing=data.packing,
-                                tokens_per_batch=data.tokens_per_micro_batch, rank=r, world_size=self.world,
-                                seed=train.seed) for r in range(self.world)]
+        train = self.config.train
+        loaders = [PackedLoader.for_run(self.config, r, self.world) for r in range(self.world)]
         plan = plan_budget(loaders, self.model_config, train.grad_accum, train.flops_budget,
                            self.config.eval.every_flops)
         if plan.steps == 0:
@@ -352,7 +347,7 @@ class Trainer:
                     window["correct"] += out.num_correct.item()
                     window["scored"] += out.num_predicted
                 window["tokens"] += batch.num_tokens
-                flops = batch_training_flops(self.model_config, batch)
+                flops = batch_training_flops(self.model_config, batch, out.masked.counts)
                 window["flops"] += flops
                 self.flops_done += flops
                 self.tokens_seen += batch.num_tokens

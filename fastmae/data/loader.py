@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from ..batch import PackedBatch
 from ..config import BOS_ID, EOS_ID
 from ..errors import FastmaeError
 from .shards import ShardSet
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
 
 PACKINGS = ("full", "doc")
 
@@ -61,6 +65,16 @@ class PackedLoader:
             raise FastmaeError(f"{self.data.directory}: split {split!r} holds no tokens")
         self._epoch, self._position = 0, 0
         self._epoch_batches: list[np.ndarray] | None = None
+
+    @classmethod
+    def for_run(cls, config: RunConfig, rank: int = 0, world_size: int = 1,
+                verify_checksum: bool = False) -> PackedLoader:
+        """The training stream of `config` (data path, packing, micro-batch budget, the model's length, train.seed)
+        as data-parallel rank `rank` of `world_size` draws it."""
+        data = config.data
+        return cls(data.path, "train", max_seq_len=config.max_seq_len, packing=data.packing,
+                   tokens_per_batch=data.tokens_per_micro_batch, rank=rank, world_size=world_size,
+                   seed=config.train.seed, verify_checksum=verify_checksum)
 
     # ----------------------------------------------------------------------------------------- sequence index
     def _index_sequences(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
