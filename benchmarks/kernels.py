@@ -2,9 +2,11 @@
 
     python benchmarks/kernels.py [--hidden 768] [--tokens 16384] [--vocab 50265]
 
-On CUDA both implementations run side by side in one process. Without CUDA only the torch reference runs (the
-Triton interpreter is a correctness tool, not a speed), and the table says so.
-Writes benchmarks/results/kernels.{json,md}.
+On CUDA both implementations run side by side in one process, and each is timed twice: wall time per call (what a
+step pays, Python and launches included) and GPU time (the sum of its kernels' durations, from the profiler), from
+which bandwidth (data-movement ops) and FLOP/s (the cross-entropy) are computed; the busiest kernels of each op are
+printed. Without CUDA only the torch reference runs (the Triton interpreter is a correctness tool, not a speed), and
+the table says so. Writes benchmarks/results/kernels.{json,md}.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fastmae.kernels import (
 
 from fastmae import PackedBatch
 from fastmae.config import MASK_ID, NUM_SPECIAL_TOKENS, UNMASKABLE_IDS
+from fastmae.hardware import spec_peak_flops
 from fastmae.masking import MaskCounts
 
 # Peak DRAM bandwidth (GB/s) of devices we know, for the "% of peak" column.
@@ -48,8 +51,24 @@ def measure(fn, device) -> tuple[float, float]:
     return seconds, peak
 
 
+def gpu_time(fn, repeats: int = 5) -> tuple[float, list[tuple[str, float]]]:
+    """(seconds of GPU kernel time per call of fn, [(kernel name, seconds per call)] busiest first), profiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.device_time_total / 1e6 / repeats) for e in prof.key_averages() if e.device_time_total > 0
+               and e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda item: -item[1])
+    return sum(seconds for _, seconds in kernels), kernels
+
+
 def cases(tokens: int, hidden: int, vocab: int, device, dtype):
-    """(name, bytes moved by the ideal kernel, reference fn, kernel fn) for each op, forward + backward."""
+    """(name, bytes moved by the ideal kernel, FLOPs, reference fn, kernel fn) for each op, forward + backward."""
     gen = torch.Generator().manual_seed(0)
     seqlen = 512
     ids = torch.randint(NUM_SPECIAL_TOKENS, vocab, (tokens,), generator=gen, dtype=torch.int32)
@@ -92,10 +111,11 @@ def cases(tokens: int, hidden: int, vocab: int, device, dtype):
         return lambda: fn(x, table, bias, sel.labels).backward()
 
     rows_bytes = 2 * 2 * n_vis * hidden * elt  # read rows + write output, and the same again backward
-    yield "mask select", tokens * 4 * 4, lambda: select_masked_reference(*mask_args), lambda: select_masked(*mask_args)
-    yield "embed gather + LN", rows_bytes, embed(embed_rows_reference), embed(embed_rows)
-    yield "insertion + pos + LN", 2 * 2 * tokens * hidden * elt, insert(insert_rows_reference), insert(insert_rows)
-    yield ("linear cross-entropy", (2 * vocab * hidden + 2 * n_masked * hidden) * elt,
+    yield ("mask select", tokens * 4 * 4, 0, lambda: select_masked_reference(*mask_args),
+           lambda: select_masked(*mask_args))
+    yield "embed gather + LN", rows_bytes, 0, embed(embed_rows_reference), embed(embed_rows)
+    yield "insertion + pos + LN", 2 * 2 * tokens * hidden * elt, 0, insert(insert_rows_reference), insert(insert_rows)
+    yield ("linear cross-entropy", (2 * vocab * hidden + 2 * n_masked * hidden) * elt, 6 * n_masked * vocab * hidden,
            loss(linear_cross_entropy_reference), loss(linear_cross_entropy))
 
 
@@ -110,21 +130,30 @@ def main():
     dtype = torch.bfloat16 if cuda else torch.float32
     tokens = args.tokens or (16384 if cuda else 2048)
     peak = peak_bandwidth(torch.cuda.get_device_name()) if cuda else None
+    peak_flops = spec_peak_flops(device, dtype) if cuda else None
     rows = []
-    for name, nbytes, reference, kernel in cases(tokens, args.hidden, args.vocab, device, dtype):
+    for name, nbytes, flops, reference, kernel in cases(tokens, args.hidden, args.vocab, device, dtype):
         ref_s, ref_mem = measure(reference, device)
         row = {"op (fwd+bwd)": name, "torch ms": 1e3 * ref_s}
         if cuda:
             row["torch MiB"] = ref_mem
             k_s, k_mem = measure(kernel, device)
-            gbps = nbytes / k_s / 1e9
-            row.update({"triton ms": 1e3 * k_s, "triton MiB": k_mem, "speedup": ref_s / k_s, "triton GB/s": gbps,
-                        "% of peak BW": 100 * gbps / peak if peak else float("nan")})
+            ref_gpu_s, _ = gpu_time(reference)
+            k_gpu_s, busiest = gpu_time(kernel)
+            gbps = nbytes / k_gpu_s / 1e9
+            row.update({"triton ms": 1e3 * k_s, "triton MiB": k_mem, "speedup": ref_s / k_s,
+                        "torch GPU ms": 1e3 * ref_gpu_s, "triton GPU ms": 1e3 * k_gpu_s,
+                        "triton GB/s (GPU time)": gbps, "% of peak BW": 100 * gbps / peak if peak else None,
+                        "% of peak FLOP/s": 100 * flops / k_gpu_s / peak_flops if flops and peak_flops else None})
+            for kernel_name, seconds in busiest[:4]:
+                print(f"    {1e6 * seconds:9.1f} us  {kernel_name[:100]}", flush=True)
         rows.append(row)
         print(row, flush=True)
     columns = list(rows[0])
     note = (f"{tokens} tokens (sequences of 512, 50% masked), hidden {args.hidden}, vocab {args.vocab}, {dtype}. "
-            + ("Triton kernels and torch references side by side." if cuda else
+            + ("Triton kernels and torch references side by side; ms = wall time per call, GPU ms = the sum of its "
+               "kernels' durations (profiler), from which GB/s and FLOP/s are computed (peaks: data sheet)."
+               if cuda else
                "No CUDA device: the torch reference path alone (the CPU path); Triton timings need a GPU."))
     print(f"wrote {write_results('kernels', rows, columns, 'fastmae.kernels vs torch references', note)}")
 

@@ -4,8 +4,10 @@ Backends, in order of preference (`auto`):
 - `flash`: flash_attn.flash_attn_varlen_func (CUDA, the optional `gpu` extra).
 - `torch_varlen`: torch.nn.attention.varlen.varlen_attn (CUDA, in torch; no attention dropout, so skipped when
   dropout_p > 0).
-- `padded` / `nested`: torch SDPA over a padded view or over nested jagged tensors (any device). On CPU `padded`
-  is the default without attention dropout: see CPU_BACKEND.
+- `nested`: torch SDPA over nested jagged tensors (any device; on CUDA meant to reach the flash kernel with dropout
+  and no padding, but measured slower than `padded`: see CUDA_DROPOUT_BACKEND).
+- `padded`: torch SDPA over a padded view with a key mask (any device). On CPU the default without attention
+  dropout (see CPU_BACKEND); on CUDA without flash-attn the default with attention dropout.
 - `math`: softmax(QK^T + key mask) V over the padded view with fastmae.dropout on the probabilities. The CPU default
   with attention dropout, where SDPA falls back to its own math path and torch's slow CPU dropout.
 - `reference`: a per-sequence softmax loop, the oracle of the tests (slow, never chosen automatically).
@@ -29,6 +31,9 @@ BACKENDS = ("auto", "flash", "torch_varlen", "padded", "nested", "math", "refere
 # CPU: padded SDPA beat nested jagged SDPA at every shape tried, and `math` beat padded SDPA whenever attention
 # dropout is on (SDPA's CPU flash kernel takes no dropout).
 CPU_BACKEND, CPU_DROPOUT_BACKEND = "padded", "math"
+# CUDA without flash-attn, with attention dropout (varlen_attn takes none). Measured on an H100 (torch 2.11,
+# benchmarks/results/gpu/): a base mlm step took 0.045 s with padded SDPA and 0.194 s with nested jagged SDPA.
+CUDA_DROPOUT_BACKEND = "padded"
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
@@ -144,8 +149,12 @@ def _nested(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: fl
     if mq is not mk:
         return _padded(q, k, v, mq, mk, dropout_p, scale)  # jagged q and kv with different lengths: not supported
 
+    offsets = mq.cu_seqlens.long()
+
     def nest(x):
-        return torch.nested.nested_tensor_from_jagged(x, mq.cu_seqlens.long(), max_seqlen=mq.max_seqlen).transpose(1, 2)
+        # min_seqlen=1: every packed sequence keeps its <s>; given, SDPA need not read the lengths from the device
+        return torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=1,
+                                                      max_seqlen=mq.max_seqlen).transpose(1, 2)
 
     out = F.scaled_dot_product_attention(nest(q), nest(k), nest(v), dropout_p=dropout_p, scale=scale)
     return out.transpose(1, 2).values()
@@ -196,10 +205,22 @@ def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         if _HAS_FLASH_ATTN:
             return "flash"
-        return "torch_varlen" if dropout_p == 0.0 else "padded"
+        return "torch_varlen" if dropout_p == 0.0 else CUDA_DROPOUT_BACKEND
     if device.type == "cpu":
         return CPU_DROPOUT_BACKEND if dropout_p else CPU_BACKEND
     return "padded"
+
+
+FLASH_KERNEL_BACKENDS = ("flash", "torch_varlen", "nested")  # on CUDA: flash kernels, with their head_dim limits
+FLASH_MAX_HEAD_DIM = 256
+
+
+def check_flash_head_dim(head_dim: int, backend: str) -> None:
+    """Raise a ValueError naming the config fields when the CUDA flash kernels cannot take `head_dim`."""
+    if head_dim > FLASH_MAX_HEAD_DIM or head_dim % 8:
+        raise ValueError(f"attention backend {backend!r} runs flash kernels, which take a head dimension that is a "
+                         f"multiple of 8 and at most {FLASH_MAX_HEAD_DIM}; this model's is {head_dim} "
+                         "(model.hidden_size / model.num_heads): change those, or set FASTMAE_ATTENTION=padded")
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: VarlenMeta,
@@ -213,4 +234,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: 
     name = resolve_backend(backend, q.device, dropout_p, q.dtype)
     if name == "torch_varlen" and dropout_p:
         raise ValueError("attention backend 'torch_varlen' has no dropout; use attention dropout 0 or another backend")
+    if q.device.type == "cuda" and name in FLASH_KERNEL_BACKENDS:
+        check_flash_head_dim(q.shape[-1], name)
     return _IMPLS[name](q, k, v, meta_q, meta_k, dropout_p, 1.0 / math.sqrt(q.shape[-1]))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -47,6 +47,14 @@ class PackedBatch:
         return replace(self, tokens=move(self.tokens), cu_seqlens=move(self.cu_seqlens),
                        positions=move(self.positions), seq_ids=move(self.seq_ids))
 
+    def pin_memory(self) -> PackedBatch:
+        """The same batch with its device tensors in page-locked host memory (for asynchronous copies)."""
+        return replace(self, tokens=self.tokens.pin_memory(), cu_seqlens=self.cu_seqlens.pin_memory(),
+                       positions=self.positions.pin_memory(), seq_ids=self.seq_ids.pin_memory())
+
+    def _device_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.tokens, self.cu_seqlens, self.positions, self.seq_ids
+
     @classmethod
     def from_sequences(cls, sequences: Sequence[Sequence[int]], vocab_size: int | None = None,
                        device: torch.device | str | None = None) -> PackedBatch:
@@ -84,3 +92,38 @@ class PackedBatch:
         return cls(tokens=as32(tokens), cu_seqlens=as32(cu), positions=as32(positions), seq_ids=as32(seq_ids),
                    max_seqlen=int(seqlens.max()), seqlens=torch.from_numpy(seqlens),
                    num_maskable=torch.from_numpy(num_maskable))
+
+
+def to_device_ahead(batches: Iterator[PackedBatch], device: torch.device) -> Iterator[PackedBatch]:
+    """`batches` moved to `device`, one batch ahead: on CUDA each batch is pinned and copied on a side stream while
+    the batch before it computes, and the compute stream waits for that copy on the device (the host never does).
+    Elsewhere a plain `.to(device)`."""
+    if device.type != "cuda":
+        for batch in batches:
+            yield batch.to(device)
+        return
+    copy_stream = torch.cuda.Stream(device)
+
+    def launch(batch: PackedBatch) -> tuple[PackedBatch, torch.cuda.Event]:
+        pinned = batch.pin_memory()
+        with torch.cuda.stream(copy_stream):
+            moved = pinned.to(device, non_blocking=True)
+            return moved, copy_stream.record_event()
+
+    ahead = None
+    for batch in batches:
+        current, ahead = ahead, launch(batch)
+        if current is not None:
+            yield _handed_over(*current)
+    if ahead is not None:
+        yield _handed_over(*ahead)
+
+
+def _handed_over(batch: PackedBatch, copied: torch.cuda.Event) -> PackedBatch:
+    """`batch`, copied on a side stream, made safe to use on the current stream: the current stream waits for the
+    copy's event, and the caching allocator keeps the memory until the current stream is done with it."""
+    compute = torch.cuda.current_stream(batch.device)
+    compute.wait_event(copied)
+    for tensor in batch._device_tensors():
+        tensor.record_stream(compute)
+    return batch

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import signal
 import sys
 import time
-from collections import deque
 from pathlib import Path
 
 import deepspeed
@@ -27,6 +25,7 @@ from tqdm import tqdm
 
 from . import checkpoint
 from .atomic import atomic_write_bytes
+from .batch import to_device_ahead
 from .config import PRECISIONS, RunConfig
 from .data import PackedLoader
 from .data.tokenizer import TOKENIZER_FILE
@@ -78,9 +77,11 @@ def deepspeed_config(config: RunConfig, precision: str) -> dict:
     return deep_merge(derived, config.deepspeed)
 
 
-def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, device: torch.device):
+def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, device: torch.device,
+                 found_inf: torch.Tensor | None = None):
     """(engine, DeepSpeed config) for `model`: the one call of deepspeed.initialize, shared by the trainer
-    and benchmarks/throughput.py so that both time the same step.
+    and benchmarks/throughput.py so that both time the same step. `found_inf` (a device fp32 scalar): while it
+    is non-zero, AdamW steps change nothing (the trainer's skip of a step with a non-finite loss).
 
     AdamW is torch's fused kernel (one pass over the fp32 master weights: 19 ms against 183 for the per-tensor loop
     on 36M parameters, 2-core CPU). In a world of one, DeepSpeed's gradient all-reduce only flattens, casts and copies
@@ -92,6 +93,7 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
     if train.optimizer == "adamw":
         optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr,
                                       betas=tuple(train.betas), eps=train.eps, fused=True)
+        optimizer.found_inf = found_inf  # read by the fused kernel on every step (None: never skip)
     elif device.type != "cuda":
         raise FastmaeError("train.optimizer=lamb needs DeepSpeed's CUDA LAMB; use adamw on CPU")
     ds_config = deepspeed_config(config, precision)
@@ -151,11 +153,18 @@ class Trainer:
             for param in model.functional_parameters():
                 deepspeed.zero.register_external_parameter(model, param)
         torch.manual_seed(train.seed + self.rank)
-        self.engine, self.ds_config = build_engine(model, config, self.precision, self.device)
+        # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)
+        self.non_finite = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.engine, self.ds_config = build_engine(model, config, self.precision, self.device, self.non_finite)
         self.peak_flops, self.spec_peak_flops = self._measure_peak()
         self.step, self.micro_step, self.tokens_seen, self.flops_done = 0, 0, 0, 0
-        self.bad_streak, self.skipped = 0, 0
+        self.bad_streak, self.skipped = 0, 0  # host copies, read from the device counters on logged steps
+        self.bad_streak_device = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.skipped_device = torch.zeros((), dtype=torch.float32, device=self.device)
         self.stop_requested = False
+        self.sync_debug = self.device.type == "cuda" and os.environ.get("FASTMAE_SYNC_DEBUG") == "1"
+        # stop requests are agreed every step over the CPU (gloo), so that the host never waits for the GPU
+        self.host_group = dist.new_group(backend="gloo") if self.device.type == "cuda" and self.world > 1 else None
         checkpoint_dir = checkpoint.resolve_resume(self.ckpt_root, resume)
         if checkpoint_dir is not None:  # last: nothing may draw from the restored RNG before the loop
             self._restore(checkpoint.load(self.engine, checkpoint_dir, dataclasses.asdict(self.model_config)))
@@ -247,7 +256,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:
         state = {"step": self.step, "micro_step": self.micro_step, "tokens_seen": self.tokens_seen,
-                 "flops_done": self.flops_done, "bad_streak": self.bad_streak, "skipped": self.skipped,
+                 "flops_done": self.flops_done, "bad_streak": int(self.bad_streak_device.item()),
+                 "skipped": int(self.skipped_device.item()),
                  "torch_rng": torch.get_rng_state(),
                  "loader": self.loader.state_dict()}
         if self.device.type == "cuda":
@@ -258,6 +268,8 @@ class Trainer:
         self.step, self.micro_step, self.tokens_seen = state["step"], state["micro_step"], state["tokens_seen"]
         self.flops_done = state.get("flops_done", 0)  # absent from checkpoints written before FLOP accounting
         self.bad_streak, self.skipped = state["bad_streak"], state["skipped"]
+        self.bad_streak_device.fill_(self.bad_streak)
+        self.skipped_device.fill_(self.skipped)
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
@@ -284,9 +296,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------- loop
     def _any_rank(self, *flags: bool) -> list[bool]:
-        """Whether each flag is set on any rank (one all-reduce)."""
-        tensor = torch.tensor([float(f) for f in flags], device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        """Whether each host flag is set on any rank (one all-reduce on the CPU: the GPU stream is not waited for)."""
+        if self.world == 1:
+            return list(flags)
+        tensor = torch.tensor([float(f) for f in flags])
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.host_group)
         return [bool(v) for v in tensor.tolist()]
 
     def _install_signal_handlers(self) -> None:
@@ -314,45 +328,55 @@ class Trainer:
             self._log_line(f"wrote {plot_run(self.run_dir)}")
 
     def _loop(self, bar, fault_at: int) -> None:
-        """Optimizer steps until the last one (or a stop request), with logs, evals and checkpoints."""
+        """Optimizer steps until the last one (or a stop request), with logs, evals and checkpoints.
+
+        The host never waits for the device inside a step: batches are copied ahead (`to_device_ahead`), the loss,
+        accuracy and non-finite flag are summed on the device, and a step with a non-finite loss on any rank is
+        skipped on the device (see `_skip_if_non_finite`). The host reads those sums on logged steps only.
+        """
         cfg = self.config
-        batches = iter(self.loader)
+        batches = to_device_ahead(iter(self.loader), self.device)
         window = self._new_window()
         self.engine.train()
         stop = False
         while self.step < cfg.train.steps:
             # masked-token accuracy costs an argmax over the vocabulary: only on the micro-batches of logged steps
             logged = (self.step + 1) % cfg.log.every == 0 or self.step + 1 == cfg.train.steps
-            micro_batches = deque(next(batches) for _ in range(cfg.train.grad_accum))
+            self._debug_syncs(self.step >= 2 and not logged)  # steady-state steps: past warm-up, not logged
+            micro_batches = [next(batches) for _ in range(cfg.train.grad_accum)]
             weight = self._per_token_weight(micro_batches)
-            while micro_batches:
-                batch = micro_batches.popleft().to(self.device)
+            self.non_finite.zero_()
+            step_sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss sum, predicted, correct, scored
+            for i, batch in enumerate(micro_batches):
                 out = self.engine(batch, seed=cfg.train.seed, step=self.micro_step, rank=self.rank,
                                   compute_accuracy=logged)
                 self.micro_step += 1
-                loss = out.loss.item()  # one sync per micro-batch: all ranks must agree to skip a non-finite loss
-                bad, stop = self._any_rank(not math.isfinite(loss), self.stop_requested)
-                if bad:
-                    self._skip_micro_batch()
-                    # its replacement is weighted by the step's planned token count (off by the difference once)
-                    micro_batches.append(next(batches))
-                    continue
-                self.bad_streak = 0
+                loss = out.loss.detach()
+                self.non_finite.copy_(torch.maximum(self.non_finite, (~torch.isfinite(loss)).float()))
+                if i + 1 == len(micro_batches):
+                    self._skip_if_non_finite()
                 # the mean over every predicted token of the step, all micro-batches and ranks (DESIGN.md 5)
                 self.engine.backward(out.loss * (out.num_predicted * weight))
+                if i + 1 == len(micro_batches):
+                    self._debug_syncs(False)  # DeepSpeed's optimizer step reads the gradient norm on the host
                 self.engine.step()
-                window["loss_sum"] += loss * out.num_predicted
-                window["predicted"] += out.num_predicted
+                step_sums[0] += loss.double() * out.num_predicted
+                step_sums[1] += out.num_predicted
                 if logged:
-                    window["correct"] += out.num_correct.item()
-                    window["scored"] += out.num_predicted
+                    step_sums[2] += out.num_correct
+                    step_sums[3] += out.num_predicted
                 window["tokens"] += batch.num_tokens
                 flops = batch_training_flops(self.model_config, batch, out.masked.counts)
                 window["flops"] += flops
                 self.flops_done += flops
                 self.tokens_seen += batch.num_tokens
+            # a skipped step adds nothing to the window but counts towards the streak of skipped steps
+            window["sums"] += torch.where(self.non_finite > 0, 0.0, step_sums)
+            self.skipped_device += self.non_finite
+            self.bad_streak_device.mul_(self.non_finite).add_(self.non_finite)
             self.step += 1
             bar.update(1)
+            stop = self._any_rank(self.stop_requested)[0]
             if logged:
                 self._log_train(window, bar)
                 window = self._new_window()
@@ -367,6 +391,19 @@ class Trainer:
             if stop:
                 self._log_line(f"stop requested: checkpoint saved at step {self.step}, exiting")
                 break
+
+    def _debug_syncs(self, on: bool) -> None:
+        """With FASTMAE_SYNC_DEBUG=1 on CUDA (a test), a host-device synchronisation raises while `on`."""
+        if self.sync_debug:
+            torch.cuda.set_sync_debug_mode("error" if on else "default")
+
+    def _skip_if_non_finite(self) -> None:
+        """Before the step's last backward: agree (on the device) whether any rank saw a non-finite loss in this
+        step. The fused AdamW reads the flag as its `found_inf` and leaves weights, moments and step count untouched
+        when it is set; where DeepSpeed's optimizer wrapper checks gradients itself (bf16, ZeRO), it skips the same
+        step because its gradients are non-finite too."""
+        if self.world > 1:
+            dist.all_reduce(self.non_finite, op=dist.ReduceOp.MAX)
 
     def _evaluation_due(self) -> bool:
         if self.step == self.config.train.steps:
@@ -385,27 +422,32 @@ class Trainer:
         dist.all_reduce(total)
         return (self.config.train.grad_accum * self.world) / total.clamp(min=1.0)
 
-    def _skip_micro_batch(self) -> None:
-        self.skipped += 1
-        self.bad_streak += 1
-        self._log_line(f"non-finite loss at step {self.step}: micro-batch skipped ({self.skipped} so far)")
-        if self.bad_streak >= self.config.train.max_bad_steps:
-            raise FastmaeError(f"{self.bad_streak} non-finite losses in a row at step {self.step}: stopping "
-                               "(lower train.lr, check the data, or raise train.max_bad_steps)")
+    def _check_bad_streak(self, bad_streak: int, skipped: int) -> None:
+        """On logged steps: report skipped steps, and stop after train.max_bad_steps of them in a row."""
+        if skipped > self.skipped:
+            self._log_line(f"non-finite loss: {skipped - self.skipped} step(s) skipped up to step {self.step} "
+                           f"({skipped} so far)")
+        self.bad_streak, self.skipped = bad_streak, skipped
+        if bad_streak >= self.config.train.max_bad_steps:
+            raise FastmaeError(f"{bad_streak} optimizer steps in a row with a non-finite loss, up to step {self.step}: "
+                               "stopping (lower train.lr, check the data, or raise train.max_bad_steps)")
 
-    @staticmethod
-    def _new_window() -> dict:
-        """Sums over the optimizer steps since the last log record."""
-        return {"loss_sum": 0.0, "predicted": 0, "correct": 0, "scored": 0, "tokens": 0, "flops": 0, "paused": 0.0,
-                "start": time.perf_counter()}
+    def _new_window(self) -> dict:
+        """Sums over the optimizer steps since the last log record: `sums` on the device (loss sum, predicted,
+        correct, scored, over steps that were not skipped), the rest on the host."""
+        return {"sums": torch.zeros(4, dtype=torch.float64, device=self.device), "tokens": 0, "flops": 0,
+                "paused": 0.0, "start": time.perf_counter()}
 
     def _log_train(self, window: dict, bar) -> None:
         elapsed = time.perf_counter() - window["start"] - window["paused"]
-        keys = ("loss_sum", "predicted", "correct", "scored", "tokens", "flops")
-        totals = torch.tensor([float(window[k]) for k in keys] + [float(self.flops_done)], dtype=torch.float64,
-                              device=self.device)
+        host = torch.tensor([float(window["tokens"]), float(window["flops"]), float(self.flops_done)],
+                            dtype=torch.float64, device=self.device)
+        totals = torch.cat([window["sums"], host])
         dist.all_reduce(totals)
-        loss_sum, predicted, correct, scored, tokens, flops, flops_done = totals.tolist()
+        # the step flags were agreed across ranks, so every rank holds the same counters: read, not reduced
+        values = torch.cat([totals, self.bad_streak_device.double()[None], self.skipped_device.double()[None]])
+        loss_sum, predicted, correct, scored, tokens, flops, flops_done, bad_streak, skipped = values.tolist()
+        self._check_bad_streak(int(bad_streak), int(skipped))
         grad_norm = self.engine.get_global_grad_norm()
         record = {"kind": "train", "step": self.step, "loss": loss_sum / max(predicted, 1),
                   "accuracy": correct / max(scored, 1),

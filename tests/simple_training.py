@@ -36,7 +36,8 @@ def train_on_documents(model: MaskedLM, documents: list[list[int]], loop: LoopCo
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
                                                   lambda s: lr_multiplier(s, loop.warmup_steps, loop.steps))
     n = loop.sequences_per_batch
-    batches = [PackedBatch.from_sequences(documents[i:i + n], model.config.vocab_size)
+    device = next(model.parameters()).device
+    batches = [PackedBatch.from_sequences(documents[i:i + n], model.config.vocab_size).to(device)
                for i in range(0, len(documents) - n + 1, n)]
     model.train()
     losses = []

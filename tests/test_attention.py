@@ -75,8 +75,9 @@ def test_backend_matches_reference_forward_and_backward(backend, device, q_lengt
     exact = run(reference, torch.float64, q32.double(), k32.double(), v32.double())
     got = run(tested, dtype, q32, k32, v32)
     plain = run(reference, dtype, q32, k32, v32)  # plain torch's own error in this dtype
+    scale = max(t.abs().max().item() for t in exact)  # a one-token sequence's dq is exactly 0: rounding noise only
     for name, g, p, e in zip(("out", "dq", "dk", "dv"), got, plain, exact):
-        assert_as_accurate(f"{backend} {name}", g, p, e, dtype, factor=2 if name == "out" else 3)
+        assert_as_accurate(f"{backend} {name}", g, p, e, dtype, factor=2 if name == "out" else 3, scale=scale)
 
 
 def test_sequences_do_not_see_each_other():
@@ -128,25 +129,42 @@ def test_automatic_choice_follows_device_dropout_and_dtype(monkeypatch):
     assert attention.resolve_backend(None, torch.device("cpu"), 0.1, torch.bfloat16) == attention.CPU_DROPOUT_BACKEND
     monkeypatch.setattr(attention, "_HAS_FLASH_ATTN", False)
     assert attention.resolve_backend(None, cuda, 0.0, torch.bfloat16) == "torch_varlen"
-    assert attention.resolve_backend(None, cuda, 0.1, torch.bfloat16) == "padded"  # varlen_attn has no dropout
+    # varlen_attn has no dropout
+    assert attention.resolve_backend(None, cuda, 0.1, torch.bfloat16) == attention.CUDA_DROPOUT_BACKEND
     assert attention.resolve_backend(None, cuda, 0.0, torch.float32) == "padded"  # varlen kernels: half only
     monkeypatch.setattr(attention, "_HAS_FLASH_ATTN", True)
     assert attention.resolve_backend(None, cuda, 0.1, torch.float16) == "flash"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_math_backend_dropout_is_unbiased_and_random(dtype):
+def test_flash_head_dim_limits_name_the_config_fields():
+    from fastmae.attention import check_flash_head_dim
+
+    check_flash_head_dim(64, "nested")
+    for head_dim in (20, 320):
+        with pytest.raises(ValueError, match=r"this model's is \d+ \(model.hidden_size / model.num_heads\)"):
+            check_flash_head_dim(head_dim, "nested")
+
+
+DROPOUT_BACKENDS = [pytest.param("math", "cpu", torch.float32, id="math-cpu-fp32"),
+                    pytest.param("math", "cpu", torch.bfloat16, id="math-cpu-bf16"),
+                    pytest.param("nested", "cuda", torch.bfloat16, id="nested-cuda-bf16",
+                                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+@pytest.mark.parametrize("backend, device, dtype", DROPOUT_BACKENDS)
+def test_attention_dropout_is_unbiased_and_random(backend, device, dtype):
     """With attention dropout, each call drops different probabilities, and the mean over many calls converges to
     the no-dropout output (the survivors' scale is exact), on padded and unequal sequences."""
     torch.manual_seed(0)
-    meta = make_meta([9, 4, 13], "cpu")
-    q, k, v = (torch.randn(26, 2, 8).to(dtype) for _ in range(3))
-    exact = varlen_attention_reference(q.double(), k.double(), v.double(), meta, meta)
-    draws = torch.stack([varlen_attention(q, k, v, meta, dropout_p=0.25, backend="math").double()
+    meta = make_meta([9, 4, 13], device)
+    q, k, v = (torch.randn(26, 2, 8).to(device, dtype) for _ in range(3))
+    exact = varlen_attention_reference(q.double(), k.double(), v.double(), meta, meta).cpu()
+    draws = torch.stack([varlen_attention(q, k, v, meta, dropout_p=0.25, backend=backend).double().cpu()
                          for _ in range(2000)])
     assert not torch.equal(draws[0], draws[1])
     # each draw's error has std <= ~max|v| * sqrt(p / (1 - p)); the mean of n draws shrinks it by sqrt(n)
-    bound = 5 * v.double().abs().max() * (0.25 / 0.75) ** 0.5 / 2000**0.5 + (0.02 if dtype == torch.bfloat16 else 0)
+    bound = (5 * v.double().abs().max().cpu() * (0.25 / 0.75) ** 0.5 / 2000**0.5
+             + (0.02 if dtype == torch.bfloat16 else 0))
     assert (draws.mean(0) - exact).abs().max() < bound
     assert (draws.mean(0) - exact).abs().max() > 0  # not silently without dropout
     assert (draws[0] - exact).abs().max() > 10 * bound / 5**0.5 / 2000**0.5

@@ -272,9 +272,9 @@ def test_shipped_configs_load(name):
     assert model.objective in ("mlm", "mae-lm", "3ml")
 
 
-def single_process(args, timeout=300, **popen):
+def single_process(args, timeout=300, env_extra=None, **popen):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
-    env["PYTHONUNBUFFERED"] = "1"
+    env.update({"PYTHONUNBUFFERED": "1", **(env_extra or {})})
     return subprocess.Popen([sys.executable, "-m", "fastmae.train", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
@@ -285,8 +285,21 @@ def test_non_finite_losses_are_skipped_then_stop_the_run(dataset, tmp_path):
         "train.lr": 1e6, "train.clip": 0.0, "train.warmup_steps": 0, "train.max_bad_steps": 3, "eval.every": 0}))
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1, stderr[-2000:]
-    assert "micro-batch skipped" in stderr
-    assert stderr.strip().splitlines()[-1].startswith("fastmae train: error: 3 non-finite losses in a row")
+    assert "step(s) skipped" in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("fastmae train: error: ") and "optimizer steps in a row with a non-finite loss" in last
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device synchronisation is a CUDA matter")
+@pytest.mark.parametrize("objective", ["mlm", "3ml"])
+def test_the_steady_state_step_never_waits_for_the_gpu(dataset, tmp_path, objective):
+    """FASTMAE_SYNC_DEBUG=1 turns torch.cuda.set_sync_debug_mode("error") on around every steady-state step (past
+    warm-up, not logged), DeepSpeed's optimizer step excepted: any .item(), .tolist() or blocking copy raises."""
+    proc = single_process(overrides(dataset, tmp_path / objective, steps=8, **{
+        "model.preset": objective, "train.precision": "bf16", "train.zero_stage": 1, "train.grad_accum": 2,
+        "eval.every": 0, "checkpoint.every": 100, "log.every": 4}), env_extra={"FASTMAE_SYNC_DEBUG": "1"})
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):

@@ -79,9 +79,9 @@ def test_fp16_gradients_survive_until_the_loss_scale():
 
 
 def test_no_rows_gives_zero_loss_and_gradient():
-    x = torch.zeros(0, 8, requires_grad=True)
-    w = torch.randn(11, 8, requires_grad=True)
-    loss = linear_cross_entropy(x.to(KERNEL_DEVICE), w, None, torch.zeros(0, dtype=torch.long))
+    x = torch.zeros(0, 8, device=KERNEL_DEVICE, requires_grad=True)
+    w = torch.randn(11, 8, device=KERNEL_DEVICE, requires_grad=True)
+    loss = linear_cross_entropy(x, w, None, torch.zeros(0, dtype=torch.long, device=KERNEL_DEVICE))
     loss.backward()
     assert loss.item() == 0.0 and w.grad.abs().sum() == 0
 
