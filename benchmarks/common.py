@@ -30,6 +30,22 @@ def median_time(fn, warmup: int = 2, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def gpu_kernel_time(fn, repeats: int = 3) -> tuple[float, list[tuple[str, float]]]:
+    """(GPU kernel seconds per call of fn, [(kernel name, seconds per call)] busiest first), from the profiler.
+    The sum over kernels against the wall time says how busy fn keeps the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.device_time_total / 1e6 / repeats) for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+    kernels.sort(key=lambda item: -item[1])
+    return sum(seconds for _, seconds in kernels), kernels
+
+
 def stamp() -> dict:
     """Where and with what a result was measured."""
     try:

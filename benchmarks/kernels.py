@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import median_time, write_results
+from common import gpu_kernel_time, median_time, write_results
 from fastmae.kernels import (
     embed_rows,
     embed_rows_reference,
@@ -49,22 +49,6 @@ def measure(fn, device) -> tuple[float, float]:
     seconds = median_time(fn, warmup=3, repeats=10)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else float("nan")
     return seconds, peak
-
-
-def gpu_time(fn, repeats: int = 5) -> tuple[float, list[tuple[str, float]]]:
-    """(seconds of GPU kernel time per call of fn, [(kernel name, seconds per call)] busiest first), profiled."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [(e.key, e.device_time_total / 1e6 / repeats) for e in prof.key_averages() if e.device_time_total > 0
-               and e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels.sort(key=lambda item: -item[1])
-    return sum(seconds for _, seconds in kernels), kernels
 
 
 def cases(tokens: int, hidden: int, vocab: int, device, dtype):
@@ -138,8 +122,10 @@ def main():
         if cuda:
             row["torch MiB"] = ref_mem
             k_s, k_mem = measure(kernel, device)
-            ref_gpu_s, _ = gpu_time(reference)
-            k_gpu_s, busiest = gpu_time(kernel)
+            reference()  # one call outside the profile, as each measured one follows others
+            ref_gpu_s, _ = gpu_kernel_time(reference, repeats=5)
+            kernel()
+            k_gpu_s, busiest = gpu_kernel_time(kernel, repeats=5)
             gbps = nbytes / k_gpu_s / 1e9
             row.update({"triton ms": 1e3 * k_s, "triton MiB": k_mem, "speedup": ref_s / k_s,
                         "torch GPU ms": 1e3 * ref_gpu_s, "triton GPU ms": 1e3 * k_gpu_s,

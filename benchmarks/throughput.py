@@ -10,6 +10,10 @@ in the same run, in the training dtype (DESIGN.md sections 5 and 8). Model FLOPs
 each system computes: Hugging Face runs its LM head on every row, fastmae on the predicted rows only. On CUDA, `mlm`
 also runs with each attention backend present.
 
+On CUDA every system's step is also profiled (3 steps after the timed ones): `gpu_busy` is the share of the step's
+wall time that the GPU spends in kernels (well below 1: the host cannot keep up, or waits), and the busiest kernels
+are printed.
+
 Writes benchmarks/results/throughput.{json,md,png}.
 """
 
@@ -22,7 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import RESULTS_DIR, median_time, write_results
+from common import RESULTS_DIR, gpu_kernel_time, median_time, write_results
 
 from fastmae.config import BOS_ID, EOS_ID, MASK_ID, NUM_SPECIAL_TOKENS, ModelConfig
 from fastmae.flops import training_flops
@@ -149,12 +153,22 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
     else:
         step, flops = _fastmae_step(config, tokens, device, precision, backend)
     seconds = median_time(step, warmup=warmup, repeats=repeats)
+    result = {"step_s": seconds, "tokens_per_s": tokens.numel() / seconds, "flops_per_step": flops}
     if device.type == "cuda":
-        peak_mib = torch.cuda.max_memory_allocated() / 2**20
+        result["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        result["gpu_busy"] = _profile(step, f"{system} [{backend or 'auto'}]") / seconds
     else:
-        peak_mib = _resident_mib()[1] - baseline_mib
-    return {"step_s": seconds, "tokens_per_s": tokens.numel() / seconds, "flops_per_step": flops,
-            "peak_memory_mib": peak_mib}
+        result["peak_memory_mib"] = _resident_mib()[1] - baseline_mib
+    return result
+
+
+def _profile(step, name: str, top: int = 12) -> float:
+    """GPU kernel seconds per step of `step` (profiled over 3 steps); prints the busiest kernels."""
+    busy, kernels = gpu_kernel_time(step, repeats=3)
+    print(f"{name}: {1e3 * busy:.2f} ms of GPU kernels per step; busiest:", flush=True)
+    for key, seconds in kernels[:top]:
+        print(f"  {1e3 * seconds:8.3f} ms  {key[:110]}", flush=True)
+    return busy
 
 
 def _run_isolated(*args) -> dict:
@@ -244,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
              "MFU = model FLOPs / (step time x GEMM peak measured in this run); Hugging Face's FLOPs include its LM "
              "head on every row. Peak memory: CUDA allocator peak, or resident-set growth of the system's process.")
     columns = ["size", "system", "tokens_per_s", "x_hf", "step_s", "gflops_per_step", "mfu", "peak_memory_mib"]
+    if device.type == "cuda":
+        columns.append("gpu_busy")
     header = {"dtype": precision, "peak_flops": peak, "sizes": sizes, "sequences": sequences, "seq_len": SEQ_LEN,
               "vocab_size": VOCAB_SIZE, "versions": _versions()}
     path = write_results("throughput", rows, columns, "Training throughput and MFU", notes, header)

@@ -83,6 +83,9 @@ CE_BLOCK_V = 4096  # vocabulary block of the online log-sum-exp
 CE_NUM_WARPS = 8  # 4096 / (8 * 32) = 16 fp32 per thread
 
 
+CE_VOCAB_ALIGN = 64
+"""The logits' row length is padded to a multiple of this: at an odd vocabulary (RoBERTa's 50,265) cuBLAS finds no
+aligned kernel and falls back to slow ones (measured on an H100: sm75 `align1` GEMMs, 10% of peak)."""
 CE_MIN_CHUNK_ROWS = 32  # single-row chunks turn the gradient matmuls into gemv: ~5x the fp32 error of one GEMM on CPU
 CE_CHUNK_BYTES = 256 * 2**20
 """Memory budget of one chunk's logits (in the compute dtype). Every chunk re-reads the [V, H] weight and adds into
@@ -104,21 +107,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         num_rows, hidden = x.shape
         vocab = weight.shape[0]
         compute_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-        x_c, w_c = x.to(compute_dtype), weight.to(compute_dtype)
-        b_c = None if bias is None else bias.to(compute_dtype)
+        # zero rows pad the vocabulary to an aligned size: their logits are 0, which the kernel never reads (it stops
+        # at `vocab`) and which add nothing to grad_x; their gradient rows are cut off at the end
+        pad = -vocab % CE_VOCAB_ALIGN
+        x_c, w_c = x.to(compute_dtype), F.pad(weight.to(compute_dtype), (0, 0, 0, pad))
+        b_c = None if bias is None else F.pad(bias.to(compute_dtype), (0, pad))
         labels = labels.contiguous()
         count = (labels != ignore_index).sum().clamp(min=1)
         scale = 1.0 / count.float()  # stays on the device: no sync
         loss_rows = torch.empty(num_rows, device=x.device, dtype=torch.float32)
         grad_x = torch.empty(x.shape, device=x.device, dtype=torch.float32) if needs_grad else None
-        grad_w = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if needs_grad else None
-        grad_b = torch.zeros(vocab, device=x.device, dtype=torch.float32) if needs_grad and bias is not None else None
-        chunk = chunk_rows(num_rows, vocab, w_c.element_size(), CE_CHUNK_BYTES)
+        grad_w = torch.zeros(w_c.shape, device=x.device, dtype=torch.float32) if needs_grad else None
+        grad_b = torch.zeros(vocab + pad, device=x.device, dtype=torch.float32) if needs_grad and bias is not None \
+            else None
+        chunk = chunk_rows(num_rows, vocab + pad, w_c.element_size(), CE_CHUNK_BYTES)
         block_v = min(CE_BLOCK_V, triton.next_power_of_2(vocab))
         for start in range(0, num_rows, chunk):
             stop = min(start + chunk, num_rows)
             x_chunk = x_c[start:stop]
-            logits = F.linear(x_chunk, w_c, b_c).contiguous()  # [chunk, V]: the only logits alive
+            logits = F.linear(x_chunk, w_c, b_c).contiguous()  # [chunk, V + pad]: the only logits alive
             _ce_rows_kernel[(stop - start,)](
                 logits, logits.stride(0), labels[start:stop], loss_rows[start:stop], vocab, ignore_index,
                 label_smoothing, z_loss, COMPUTE_GRAD=needs_grad, BLOCK_V=block_v, num_warps=CE_NUM_WARPS)
@@ -127,6 +134,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 _add_transposed_product(grad_w, logits, x_chunk)
                 if grad_b is not None:
                     grad_b += logits.sum(0, dtype=torch.float32)
+        if needs_grad:
+            grad_w = grad_w[:vocab]
+            grad_b = None if grad_b is None else grad_b[:vocab]
         ctx.save_for_backward(grad_x, grad_w, grad_b, scale)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss_rows.sum() * scale
@@ -144,10 +154,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _add_transposed_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """accumulator (fp32) += a^T @ b. In fp32 one in-place addmm, no temporary; in 16 bits the product is formed in
-    the compute dtype first (one [V, H] temporary per chunk, which the chunk budget keeps to a handful)."""
+    """accumulator (fp32) += a^T @ b, in place. In fp32 one addmm; in 16 bits on CUDA one addmm with an fp32 output
+    (cuBLAS accumulates into the fp32 buffer: no temporary, no rounding of the product). On CPU, which has no such
+    addmm, the 16-bit product is formed first (one [V, H] temporary per chunk, rounded once more)."""
     if a.dtype == accumulator.dtype:
         accumulator.addmm_(a.t(), b)
+    elif accumulator.is_cuda:
+        torch.addmm(accumulator, a.t(), b, out_dtype=accumulator.dtype, out=accumulator)
     else:
         accumulator += (a.t() @ b).float()
 

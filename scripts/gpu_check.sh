@@ -7,10 +7,12 @@
 # Steps (each runs even if an earlier one failed; the summary lists every exit status):
 #   1. the device: nvidia-smi, torch / triton / flash-attn / deepspeed versions
 #   2. the Triton kernel tests compiled for this GPU, realistic shapes included (-m large)
-#   3. the attention backend tests (flash, torch_varlen, padded against the naive reference)
-#   4. benchmarks/kernels.py: each kernel against its torch reference, GB/s against the device's memory bandwidth
-#   5. benchmarks/throughput.py --size base: mlm, mae-lm, 3ml and Hugging Face RoBERTa, tokens/s and MFU
-#   6. a 50-step 3ml base-shaped training run on 1 GPU (configs/3ml-base.yaml on the embedded corpus)
+#   3. the attention backend tests (flash, torch_varlen, padded, nested against the naive reference)
+#   4. the training step under torch.cuda.set_sync_debug_mode("error"): no host-device sync in a steady-state step
+#   5. benchmarks/kernels.py: each kernel against its torch reference, GB/s against the device's memory bandwidth
+#   6. benchmarks/attention.py: every attention backend, with and without dropout
+#   7. benchmarks/throughput.py --size base: mlm, mae-lm, 3ml and Hugging Face RoBERTa, tokens/s and MFU
+#   8. a 50-step 3ml base-shaped training run on 1 GPU (configs/3ml-base.yaml on the embedded corpus)
 # Everything lands in benchmarks/results/gpu/DEVICE/ (logs, the benchmarks' JSON + Markdown, the run's metrics),
 # small enough to commit; the training run's checkpoints stay in runs/gpu-check/.
 set -uo pipefail
@@ -77,11 +79,18 @@ PY
 
 (( dry_run )) || mkdir -p "$out"
 step device device_report
-step kernel_tests "$python" -m pytest -q -m "large or not large" tests/kernels
+# pytest-xdist, where installed, compiles the kernels of several tests at once
+parallel=()
+(( dry_run )) || ! "$python" -c "import xdist" 2>/dev/null || parallel=(-n 8)
+step kernel_tests "$python" -m pytest -q "${parallel[@]}" -m "large or not large" tests/kernels
 step attention_tests "$python" -m pytest -q -m "large or not large" tests/test_attention.py
+step sync_tests "$python" -m pytest -q tests/test_train.py -k steady_state
 step kernel_benchmark "$python" benchmarks/kernels.py
 keep kernels
-step throughput_benchmark "$python" benchmarks/throughput.py --size base
+step attention_benchmark "$python" benchmarks/attention.py
+keep attention
+step throughput_benchmark "$python" benchmarks/throughput.py --size base --sequences 32 \
+    --systems hf-roberta,mlm,mae-lm,3ml
 keep throughput
 step train_3ml_base deepspeed --num_gpus 1 fastmae/train.py --config configs/3ml-base.yaml --resume none \
     data.path=runs/data/builtin-v8000 data.prepare_builtin=true data.builtin_vocab_size=8000 \

@@ -17,12 +17,14 @@ def test_dry_run_names_every_step_and_its_inputs_are_valid():
     assert done.returncode == 0, done.stderr
     steps = {line.split("]", 1)[0][3:]: shlex.split(line.split("] ", 1)[1])
              for line in done.stdout.splitlines() if line.startswith("+ [")}
-    assert list(steps) == ["device", "kernel_tests", "attention_tests", "kernel_benchmark", "throughput_benchmark",
-                           "train_3ml_base"]
+    assert list(steps) == ["device", "kernel_tests", "attention_tests", "sync_tests", "kernel_benchmark",
+                           "attention_benchmark", "throughput_benchmark", "train_3ml_base"]
     for name in ("kernel_tests", "attention_tests"):  # compiled kernels at realistic shapes too
         assert steps[name][-3:-1] == ["-m", "large or not large"] and (ROOT / steps[name][-1]).exists()
-    assert (ROOT / steps["kernel_benchmark"][-1]).is_file()
-    assert steps["throughput_benchmark"][-2:] == ["--size", "base"]
+    assert steps["sync_tests"][-2:] == ["-k", "steady_state"] and (ROOT / steps["sync_tests"][-3]).is_file()
+    assert (ROOT / steps["kernel_benchmark"][-1]).is_file() and (ROOT / steps["attention_benchmark"][-1]).is_file()
+    throughput = steps["throughput_benchmark"]
+    assert throughput[throughput.index("--size") + 1] == "base" and (ROOT / throughput[1]).is_file()
     command = steps["train_3ml_base"]
     assert command[:3] == ["deepspeed", "--num_gpus", "1"] and (ROOT / command[3]).is_file()
     args = build_parser().parse_args(command[4:])

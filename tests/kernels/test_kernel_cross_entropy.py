@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import KERNEL_DEVICE
 from fastmae.kernels import cross_entropy, linear_cross_entropy, linear_cross_entropy_reference
-from fastmae.kernels.cross_entropy import CE_BLOCK_V, CE_CHUNK_BYTES, CE_MIN_CHUNK_ROWS, chunk_rows
+from fastmae.kernels.cross_entropy import CE_BLOCK_V, CE_CHUNK_BYTES, CE_MIN_CHUNK_ROWS, CE_VOCAB_ALIGN, chunk_rows
 from tolerance import assert_as_accurate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -110,17 +110,20 @@ class _Allocations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view and not func._schema.name.endswith("_"):  # views and in-place ops allocate nothing
+        # views, in-place ops and out= overloads allocate nothing
+        if not func.is_view and not func._schema.name.endswith("_") and "out" not in func._overloadname:
             self.shapes.update(tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_chunked_work_and_allocations(dtype, monkeypatch):
-    """Four chunks of 32 rows: one [32, V] logits tensor each; in fp32 the weight gradient adds in place (one [V, H]
-    buffer, one scaled copy in backward), in bf16 one [V, H] product per chunk; under no_grad no gradient work."""
+    """Four chunks of 32 rows: one [32, V'] logits tensor each (V' = V padded to CE_VOCAB_ALIGN); the weight gradient
+    adds in place into one [V', H] fp32 buffer (in bf16 on CPU through one [V', H] product per chunk and its fp32
+    copy), one scaled [V, H] copy in backward; under no_grad no gradient work."""
     rows, hidden, vocab = 128, 16, 1000
-    monkeypatch.setattr(cross_entropy, "CE_CHUNK_BYTES", 32 * vocab * torch.tensor([], dtype=dtype).element_size())
+    padded = vocab + -vocab % CE_VOCAB_ALIGN
+    monkeypatch.setattr(cross_entropy, "CE_CHUNK_BYTES", 32 * padded * torch.tensor([], dtype=dtype).element_size())
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, hidden, generator=gen).to(KERNEL_DEVICE, dtype).requires_grad_()
     w = torch.randn(vocab, hidden, generator=gen).to(KERNEL_DEVICE, dtype).requires_grad_()
@@ -128,13 +131,16 @@ def test_chunked_work_and_allocations(dtype, monkeypatch):
     labels = torch.randint(0, vocab, (rows,), generator=gen).to(KERNEL_DEVICE)
     with _Allocations() as train:
         linear_cross_entropy(x, w, b, labels).backward()
-    assert train.shapes[(32, vocab)] == 4 and train.shapes[(rows, vocab)] == 0
-    # fp32: the buffer and its scaled copy in backward; bf16 also casts that back, and each chunk forms its product
-    # and an fp32 copy of it
-    assert train.shapes[(vocab, hidden)] == (2 if dtype == torch.float32 else 3 + 4 * 2)
+    assert train.shapes[(32, padded)] == 4 and train.shapes[(rows, padded)] == 0
+    # the padded weight and the fp32 buffer; on CPU in bf16 each chunk's product and its fp32 copy
+    per_chunk = 2 if dtype == torch.bfloat16 and KERNEL_DEVICE == "cpu" else 0
+    assert train.shapes[(padded, hidden)] == 2 + 4 * per_chunk
+    # backward: the scaled gradient, and in bf16 its cast
+    assert train.shapes[(vocab, hidden)] == (1 if dtype == torch.float32 else 2)
     with torch.no_grad(), _Allocations() as evaluation:
         loss = linear_cross_entropy(x, w, b, labels)
-    assert evaluation.shapes[(32, vocab)] == 4 and evaluation.shapes[(vocab, hidden)] == 0
+    assert evaluation.shapes[(32, padded)] == 4 and evaluation.shapes[(padded, hidden)] == 1
+    assert evaluation.shapes[(vocab, hidden)] == 0
     assert evaluation.shapes[(rows, hidden)] == 0 and evaluation.shapes[(vocab,)] == 0
     reference = linear_cross_entropy_reference(x.double(), w.double(), b.double(), labels)
     assert_as_accurate("loss", loss, linear_cross_entropy_reference(x, w, b, labels), reference, dtype, factor=2)
@@ -146,7 +152,8 @@ def test_many_chunks_match_the_reference(dtype, seed, monkeypatch):
     """The default budget puts small test batches in one chunk; this forces chunks of 32 rows (and a ragged last
     one) through forward and backward."""
     rows, hidden, vocab = 70, 48, CE_BLOCK_V + 907
-    monkeypatch.setattr(cross_entropy, "CE_CHUNK_BYTES", 32 * vocab * torch.tensor([], dtype=dtype).element_size())
+    padded = vocab + -vocab % CE_VOCAB_ALIGN
+    monkeypatch.setattr(cross_entropy, "CE_CHUNK_BYTES", 32 * padded * torch.tensor([], dtype=dtype).element_size())
     gen = torch.Generator().manual_seed(seed)
     x, w, b = torch.randn(rows, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen) / hidden**0.5, \
         torch.randn(vocab, generator=gen)
