@@ -7,8 +7,9 @@ steps through the engine fastmae trains with (fastmae.trainer.build_engine: Deep
 fp32, fp32 master weights and gradient accumulation, fused AdamW, clipping at 2.0): forward, backward, optimizer step.
 Each system runs in a fresh process (its peak memory is its own); the GEMM peak that MFU divides by is measured once,
 in the same run, in the training dtype (DESIGN.md sections 5 and 8). Model FLOPs are fastmae/flops.py's count of what
-each system computes: Hugging Face runs its LM head on every row, fastmae on the predicted rows only. On CUDA, `mlm`
-also runs with each attention backend present.
+each system computes: Hugging Face runs its LM head on every row, fastmae on the predicted rows only. With
+--backends (CUDA), `mlm` also runs with each attention backend present; with --compile every fastmae system also runs
+with its layers compiled (train.compile).
 
 On CUDA every system's step is also profiled (3 steps after the timed ones): `gpu_busy` is the share of the step's
 wall time that the GPU spends in kernels (well below 1: the host cannot keep up, or waits), and the busiest kernels
@@ -108,13 +109,16 @@ def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, pr
 
 
 def _fastmae_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, precision: str,
-                  backend: str | None):
+                  variant: str | None):
     """A training-step closure for fastmae's MaskedLM, and its model FLOPs per step."""
     from fastmae import MaskedLM, PackedBatch
     from fastmae.masking import mask_batch
 
     model = MaskedLM(config)
-    model.set_attention_backend(backend)
+    if variant == "compiled":
+        model.compile_layers()
+    else:
+        model.set_attention_backend(variant)
     engine = _engine(model, precision, device)
     batch = PackedBatch.from_sequences(tokens.tolist(), device=device)
     counts = mask_batch(batch, config, seed=0, step=0).counts  # exact per-sequence counts: the same every step
@@ -136,8 +140,9 @@ def _resident_mib() -> tuple[float, float]:
 
 
 def measure_system(system: str, size: str, sequences: int, precision: str, warmup: int, repeats: int,
-                   backend: str | None) -> dict:
-    """Median step time, tokens/s, model FLOPs per step and peak memory of one system (run in its own process)."""
+                   variant: str | None) -> dict:
+    """Median step time, tokens/s, model FLOPs per step and peak memory of one system (run in its own process).
+    variant: None, an attention backend, or "compiled"."""
     _init_world_of_one()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
@@ -145,18 +150,18 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
     baseline_mib, _ = _resident_mib()
     torch.manual_seed(0)
     config = model_config(system, size)
-    if backend == "torch_varlen":  # varlen_attn takes no attention dropout: this row measures the kernel without it
+    if variant == "torch_varlen":  # varlen_attn takes no attention dropout: this row measures the kernel without it
         config = dataclasses.replace(config, attention_dropout=0.0)
     tokens = make_tokens(sequences)
     if system == "hf-roberta":
         step, flops = _hf_step(config, tokens, device, precision)
     else:
-        step, flops = _fastmae_step(config, tokens, device, precision, backend)
+        step, flops = _fastmae_step(config, tokens, device, precision, variant)
     seconds = median_time(step, warmup=warmup, repeats=repeats)
     result = {"step_s": seconds, "tokens_per_s": tokens.numel() / seconds, "flops_per_step": flops}
     if device.type == "cuda":
         result["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        result["gpu_busy"] = _profile(step, f"{system} [{backend or 'auto'}]") / seconds
+        result["gpu_busy"] = _profile(step, f"{system} [{variant or 'eager'}]") / seconds
     else:
         result["peak_memory_mib"] = _resident_mib()[1] - baseline_mib
     return result
@@ -206,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="training dtype; auto: bf16 where the device multiplies it natively (DESIGN.md 5)")
     parser.add_argument("--sequences", type=int, default=None, help="sequences of 512 per step (default 8; quick 4)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    parser.add_argument("--backends", action="store_true", help="CUDA: also mlm with each attention backend")
+    parser.add_argument("--compile", action="store_true", help="also each fastmae system with compiled layers")
     args = parser.parse_args(argv)
     systems, sizes = args.systems.split(","), args.size.split(",")
     if not set(sizes) <= set(SIZES):
@@ -229,17 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{device} GEMM peak in {precision}: {peak / 1e9:.1f} GFLOP/s", flush=True)
 
     runs = [(system, None) for system in systems]
-    if device.type == "cuda" and "mlm" in systems:
+    if args.backends and device.type == "cuda":
         from fastmae.attention import available_backends
 
         runs += [("mlm", b) for b in available_backends(device) if b != "reference"]
+    if args.compile:
+        runs += [(system, "compiled") for system in systems if system != "hf-roberta"]
     rows = []
     for size in sizes:
         size_rows = []
-        for system, backend in runs:
-            note = ", no attn dropout" if backend == "torch_varlen" else ""
-            name = system if backend is None else f"{system} [{backend}{note}]"
-            result = _run_isolated(system, size, sequences, precision, warmup, repeats, backend)
+        for system, variant in runs:
+            note = ", no attn dropout" if variant == "torch_varlen" else ""
+            name = system if variant is None else f"{system} [{variant}{note}]"
+            result = _run_isolated(system, size, sequences, precision, warmup, repeats, variant)
             size_rows.append({"system": name, "size": size, "dtype": precision,
                               "tokens_per_step": sequences * SEQ_LEN, **result,
                               "mfu": result["flops_per_step"] / result["step_s"] / peak})

@@ -300,7 +300,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each layer in backward instead of keeping its activations."""
     compile: bool = False
-    """torch.compile the model."""
+    """Compile every transformer layer (torch.compile, dynamic shapes; MaskedLM.compile_layers)."""
     seed: int = 0
     max_bad_steps: int = 20
     """Stop after this many non-finite losses in a row (each is skipped and counted)."""

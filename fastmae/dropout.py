@@ -5,7 +5,7 @@ torch's CPU dropout draws one Mersenne-twister number per element through `berno
 gives four 16-bit numbers, each compared with round(p * 2^16): ~1.2 ns per element, drop probability p to within
 2^-17, and the survivors are scaled by the exact 1 / (1 - p_used) so the expectation is unchanged. The draws come
 from torch's global CPU generator, so torch.manual_seed and saved RNG states reproduce them. CUDA keeps F.dropout
-(its Philox draws are fused and cheap).
+(its Philox draws are fused and cheap), and so do compiled graphs (train.compile), where inductor fuses the draws.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def drop_mask(shape: tuple[int, ...], p: float, device: torch.device | str = "cp
     _check_probability(p)
     threshold = round(p * _LEVELS)
     scale = 1.0 / (1.0 - threshold / _LEVELS)
-    if torch.device(device).type != "cpu":
+    if torch.device(device).type != "cpu" or torch.compiler.is_compiling():
         return torch.rand(shape, device=device) < threshold / _LEVELS, scale
     count = math.prod(shape)
     # random_() alone stops at 2^63 - 1 (the top 16 bits would never be negative): ask for the whole int64 range
@@ -43,7 +43,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """Zero elements of `x` with probability p and scale the rest by 1 / (1 - p); identity when not training."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
         return F.dropout(x, p, training=True)
     dropped, scale = drop_mask(tuple(x.shape), p)
     return x.masked_fill(dropped, 0.0) * scale

@@ -209,6 +209,13 @@ class MaskedLM(nn.Module):
         modules = [self.embeddings] + ([self.insertion] if self.insertion is not None else [])
         return [p for m in modules for p in m.parameters()] + [self.head.bias]
 
+    def compile_layers(self) -> None:
+        """Regional compilation (train.compile): every transformer layer compiled with dynamic shapes, so the
+        varying row counts of packed batches (T, T_v) reuse one graph. Masking, the fused row kernels and the fused
+        loss stay eager around them: their Triton kernels never enter a graph."""
+        for layer in [*self.encoder, *self.decoder]:
+            layer.compile(dynamic=True)
+
     def set_attention_backend(self, backend: str | None) -> None:
         """Force one attention backend for every layer (None: automatic)."""
         for layer in [*self.encoder, *self.decoder]:

@@ -97,6 +97,8 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
     elif device.type != "cuda":
         raise FastmaeError("train.optimizer=lamb needs DeepSpeed's CUDA LAMB; use adamw on CPU")
     ds_config = deepspeed_config(config, precision)
+    if train.compile:
+        model.compile_layers()
     schedule = lambda step: lr_multiplier(step, train.warmup_steps, train.steps,  # noqa: E731
                                           train.power if train.schedule == "polynomial" else 1.0,
                                           train.min_lr_ratio)
@@ -106,8 +108,6 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
         model_parameters=None if optimizer is not None else param_groups(model, train.weight_decay))
     if dist.get_world_size() == 1 and (train.zero_stage == 0 or isinstance(optimizer, BF16_Optimizer)):
         engine.enable_backward_allreduce = False
-    if train.compile:
-        engine.compile()
     return engine, ds_config
 
 

@@ -11,7 +11,7 @@
 #   4. the training step under torch.cuda.set_sync_debug_mode("error"): no host-device sync in a steady-state step
 #   5. benchmarks/kernels.py: each kernel against its torch reference, GB/s against the device's memory bandwidth
 #   6. benchmarks/attention.py: every attention backend, with and without dropout
-#   7. benchmarks/throughput.py --size base: mlm, mae-lm, 3ml and Hugging Face RoBERTa, tokens/s and MFU
+#   7. benchmarks/throughput.py --size base: mlm and 3ml (eager and compiled) and Hugging Face RoBERTa, tokens/s, MFU
 #   8. a 50-step 3ml base-shaped training run on 1 GPU (configs/3ml-base.yaml on the embedded corpus)
 # Everything lands in benchmarks/results/gpu/DEVICE/ (logs, the benchmarks' JSON + Markdown, the run's metrics),
 # small enough to commit; the training run's checkpoints stay in runs/gpu-check/.
@@ -90,7 +90,7 @@ keep kernels
 step attention_benchmark "$python" benchmarks/attention.py
 keep attention
 step throughput_benchmark "$python" benchmarks/throughput.py --size base --sequences 32 \
-    --systems hf-roberta,mlm,mae-lm,3ml
+    --systems hf-roberta,mlm,3ml --compile
 keep throughput
 step train_3ml_base deepspeed --num_gpus 1 fastmae/train.py --config configs/3ml-base.yaml --resume none \
     data.path=runs/data/builtin-v8000 data.prepare_builtin=true data.builtin_vocab_size=8000 \

@@ -290,6 +290,22 @@ def test_non_finite_losses_are_skipped_then_stop_the_run(dataset, tmp_path):
     assert last.startswith("fastmae train: error: ") and "optimizer steps in a row with a non-finite loss" in last
 
 
+def test_compiled_run_matches_the_eager_run(dataset, tmp_path):
+    """train.compile through DeepSpeed: the same losses as the eager run (dropout off, so both draw nothing)."""
+    losses = {}
+    for compiled in (False, True):
+        run_dir = tmp_path / f"compile-{compiled}"
+        proc = single_process(overrides(dataset, run_dir, steps=4, **{
+            "train.compile": compiled, "model.dropout": 0.0, "model.attention_dropout": 0.0, "eval.every": 0,
+            "checkpoint.every": 100}))
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        losses[compiled] = [r["loss"] for r in records if r["kind"] == "train"]
+    assert len(losses[True]) == 4
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device synchronisation is a CUDA matter")
 @pytest.mark.parametrize("objective", ["mlm", "3ml"])
 def test_the_steady_state_step_never_waits_for_the_gpu(dataset, tmp_path, objective):

@@ -1,0 +1,49 @@
+"""train.compile: regional compilation of the transformer layers (inductor's CPU backend here; gcc is present)."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch._dynamo
+from simple_training import LoopConfig, demo_config, demo_documents, train_on_documents
+
+from fastmae import MaskedLM
+
+
+def _train(objective: str, compiled: bool, steps: int, **overrides) -> list[float]:
+    torch.manual_seed(0)
+    config = dataclasses.replace(demo_config(objective), **overrides)
+    model = MaskedLM(config)
+    if compiled:
+        model.compile_layers()
+    documents = demo_documents(config.vocab_size, seed=0)
+    return train_on_documents(model, documents, LoopConfig(steps=steps, warmup_steps=2, sequences_per_batch=4, seed=0))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()
+
+
+def test_compiled_layers_train_like_eager_without_recompiling(fresh_dynamo):
+    """3ml runs its layers on two streams (visible rows, then all rows) whose lengths change every batch: after the
+    first steps no new graph is compiled, and the losses are eager's."""
+    eager = _train("3ml", compiled=False, steps=8)
+    warm = _train("3ml", compiled=True, steps=3)
+    graphs_after_warm_up = fresh_dynamo["stats"]["unique_graphs"]
+    compiled = _train("3ml", compiled=True, steps=8)
+    assert 0 < graphs_after_warm_up <= 2  # the layer; at most a second one for the other stream layout
+    assert fresh_dynamo["stats"]["unique_graphs"] == graphs_after_warm_up, "recompiled after warm-up"
+    assert not fresh_dynamo["graph_break"], dict(fresh_dynamo["graph_break"])
+    torch.testing.assert_close(torch.tensor(warm), torch.tensor(eager[:3]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-4)
+
+
+def test_dropout_compiles_without_graph_breaks(fresh_dynamo):
+    """fastmae's CPU dropout draws with random_, which dynamo cannot trace: compiled graphs use F.dropout instead."""
+    losses = _train("mlm", compiled=True, steps=3, dropout=0.1, attention_dropout=0.1)
+    assert not fresh_dynamo["graph_break"], dict(fresh_dynamo["graph_break"])
+    assert fresh_dynamo["stats"]["unique_graphs"] >= 1 and all(loss == loss for loss in losses)
