@@ -79,10 +79,12 @@ PY
 
 (( dry_run )) || mkdir -p "$out"
 step device device_report
-# pytest-xdist, where installed, compiles the kernels of several tests at once
+# pytest-xdist, where installed, compiles the kernels of several tests at once; the large shapes (up to 14 GB each)
+# run one at a time
 parallel=()
 (( dry_run )) || ! "$python" -c "import xdist" 2>/dev/null || parallel=(-n 8)
-step kernel_tests "$python" -m pytest -q "${parallel[@]}" -m "large or not large" tests/kernels
+step kernel_tests "$python" -m pytest -q "${parallel[@]}" -m "not large" tests/kernels
+step kernel_tests_large "$python" -m pytest -q -m large tests/kernels
 step attention_tests "$python" -m pytest -q -m "large or not large" tests/test_attention.py
 step sync_tests "$python" -m pytest -q tests/test_train.py -k steady_state
 step kernel_benchmark "$python" benchmarks/kernels.py

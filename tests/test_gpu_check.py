@@ -17,10 +17,12 @@ def test_dry_run_names_every_step_and_its_inputs_are_valid():
     assert done.returncode == 0, done.stderr
     steps = {line.split("]", 1)[0][3:]: shlex.split(line.split("] ", 1)[1])
              for line in done.stdout.splitlines() if line.startswith("+ [")}
-    assert list(steps) == ["device", "kernel_tests", "attention_tests", "sync_tests", "kernel_benchmark",
-                           "attention_benchmark", "throughput_benchmark", "train_3ml_base"]
-    for name in ("kernel_tests", "attention_tests"):  # compiled kernels at realistic shapes too
-        assert steps[name][-3:-1] == ["-m", "large or not large"] and (ROOT / steps[name][-1]).exists()
+    assert list(steps) == ["device", "kernel_tests", "kernel_tests_large", "attention_tests", "sync_tests",
+                           "kernel_benchmark", "attention_benchmark", "throughput_benchmark", "train_3ml_base"]
+    # compiled kernels at realistic shapes too
+    for name, marks in (("kernel_tests", "not large"), ("kernel_tests_large", "large"),
+                        ("attention_tests", "large or not large")):
+        assert steps[name][-3:-1] == ["-m", marks] and (ROOT / steps[name][-1]).exists()
     assert steps["sync_tests"][-2:] == ["-k", "steady_state"] and (ROOT / steps["sync_tests"][-3]).is_file()
     assert (ROOT / steps["kernel_benchmark"][-1]).is_file() and (ROOT / steps["attention_benchmark"][-1]).is_file()
     throughput = steps["throughput_benchmark"]
