@@ -15,7 +15,8 @@ setup(
     install_requires=[
         # Bounded so the local CPU wheel (2.13.0) satisfies it and pip never fetches a CUDA build.
         "torch>=2.6,<2.15",
-        "triton>=3.2,<4",
+        # the Triton kernels run on Linux GPUs; everything else (and the CPU path) imports without it
+        "triton>=3.2,<4; platform_system == 'Linux'",
         "numpy>=1.24",
         "tqdm>=4.60",
         "pyyaml>=6.0",

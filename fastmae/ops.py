@@ -23,18 +23,20 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return mode == "triton" or (mode == "auto" and tensor.is_cuda)
 
 
-def _dispatch(kernel, reference):
-    """An op that runs `kernel` when its first tensor argument goes to Triton, else `reference` (same signature)."""
+def _dispatch(name: str):
+    """An op that runs the Triton kernel `name` when its first tensor argument goes to Triton, else
+    `name_reference` (same signature). The kernel is looked up at call time: Triton is imported only when used."""
+    reference = getattr(kernels, f"{name}_reference")
 
     def op(first: torch.Tensor, *args, **kwargs):
-        return (kernel if use_triton(first) else reference)(first, *args, **kwargs)
+        return (getattr(kernels, name) if use_triton(first) else reference)(first, *args, **kwargs)
 
-    op.__name__ = kernel.__name__
-    op.__doc__ = f"fastmae.kernels.{kernel.__name__} (Triton) or {reference.__name__} (torch); see their docstrings."
+    op.__name__ = name
+    op.__doc__ = f"fastmae.kernels.{name} (Triton) or {reference.__name__} (torch); see their docstrings."
     return op
 
 
-select_masked = _dispatch(kernels.select_masked, kernels.select_masked_reference)
-embed_rows = _dispatch(kernels.embed_rows, kernels.embed_rows_reference)
-insert_rows = _dispatch(kernels.insert_rows, kernels.insert_rows_reference)
-linear_cross_entropy = _dispatch(kernels.linear_cross_entropy, kernels.linear_cross_entropy_reference)
+select_masked = _dispatch("select_masked")
+embed_rows = _dispatch("embed_rows")
+insert_rows = _dispatch("insert_rows")
+linear_cross_entropy = _dispatch("linear_cross_entropy")

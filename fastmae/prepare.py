@@ -27,7 +27,7 @@ from .data.readers import FORMATS, ReadStats, read_documents
 from .data.shards import FORMAT_VERSION, SPLITS, read_shard_meta, token_dtype, write_shard
 from .data.tokenizer import TOKENIZER_FILE, Tokenizer, train_sentencepiece
 from .errors import FastmaeError, run_command
-from .kernels.mask_select import hash32_int
+from .kernels.hashing import hash32_int
 
 
 def is_validation(doc_index: int, fraction: float, seed: int) -> bool:

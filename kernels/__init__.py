@@ -1,23 +1,42 @@
-"""fastmae.kernels: Triton kernels for packed varlen tensors, each beside its plain-torch reference.
+"""fastmae.kernels: Triton kernels for packed varlen tensors, each with a plain-torch reference.
 
 Every op comes in two implementations with the same signature: `name` (Triton; CUDA, or CPU under
-TRITON_INTERPRET=1) and `name_reference` (plain torch: the CPU path, the oracle of the tests, the benchmark baseline).
-They know no model. This folder installs as `fastmae.kernels`: a top-level `kernels` would collide with the PyPI
-package of that name.
+TRITON_INTERPRET=1), in the module of its topic (mask_select, rows, cross_entropy), and `name_reference` (plain
+torch: the CPU path, the oracle of the tests, the benchmark baseline), in reference.py. The references and the
+masking hash (hashing.py) import no Triton; the Triton ops are imported on first use, so fastmae installs and trains
+on CPU where Triton is not installed (macOS, CPU-only boxes). They know no model. This folder installs as
+`fastmae.kernels`: a top-level `kernels` would collide with the PyPI package of that name.
 """
 
-from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
-from .mask_select import (
-                          MaskSelection,
-                          hash32,
-                          mask_key,
-                          rank_within_sequences,
-                          row_uniform_bits,
-                          select_masked,
-                          select_masked_reference,
-                          uniform_bits,
+from importlib import import_module
+
+from .hashing import hash32, mask_key, row_uniform_bits, uniform_bits
+from .reference import (
+    MaskSelection,
+    embed_rows_reference,
+    insert_rows_reference,
+    linear_cross_entropy_reference,
+    rank_within_sequences,
+    select_masked_reference,
 )
-from .rows import embed_rows, embed_rows_reference, insert_rows, insert_rows_reference
+
+TRITON_OPS = {"select_masked": "mask_select", "embed_rows": "rows", "insert_rows": "rows",
+              "linear_cross_entropy": "cross_entropy"}  # op -> module, imported on first use
+
+
+def __getattr__(name: str):
+    """The Triton ops, imported when first asked for (PEP 562)."""
+    if name not in TRITON_OPS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        module = import_module(f".{TRITON_OPS[name]}", __name__)
+    except ImportError as err:
+        raise ImportError(f"fastmae.kernels.{name} needs Triton ({err}); install it (Linux) or use "
+                          f"{name}_reference, which fastmae's CPU path does") from err
+    op = getattr(module, name)
+    globals()[name] = op  # later lookups find it directly
+    return op
+
 
 __all__ = [
     "MaskSelection",

@@ -14,7 +14,6 @@ gradient of `src` directly.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -248,22 +247,6 @@ def embed_rows(table: torch.Tensor, ids: torch.Tensor, pos_table: torch.Tensor |
                                ids.numel())
 
 
-def _layer_norm_fp32(x, weight, bias, eps):
-    """LayerNorm computed in at least fp32 (as the kernel does), whatever the dtypes of x and the parameters."""
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    return F.layer_norm(x.to(dtype), x.shape[-1:], weight.to(dtype), bias.to(dtype), eps)
-
-
-def embed_rows_reference(table, ids, pos_table=None, pos_ids=None, ln_weight=None, ln_bias=None, eps=1e-5):
-    """`embed_rows` in plain torch."""
-    x = F.embedding(ids.long(), table)
-    if pos_table is not None:
-        x = x + F.embedding(pos_ids.long(), pos_table)
-    if ln_weight is not None:
-        x = _layer_norm_fp32(x, ln_weight, ln_bias, eps)
-    return x.to(table.dtype)
-
-
 def insert_rows(visible: torch.Tensor, visible_index: torch.Tensor, removed_index: torch.Tensor, fill: torch.Tensor,
                 pos_table: torch.Tensor | None = None, pos_ids: torch.Tensor | None = None,
                 ln_weight: torch.Tensor | None = None, ln_bias: torch.Tensor | None = None,
@@ -282,17 +265,3 @@ def insert_rows(visible: torch.Tensor, visible_index: torch.Tensor, removed_inde
     launch_pos_ids = pos_ids.index_select(0, dst_index) if pos_ids is not None else None
     return _RowsFunction.apply(visible, None, fill.reshape(-1).to(visible.dtype), pos_table, launch_pos_ids,
                                ln_weight, ln_bias, eps, dst_index, total)
-
-
-def insert_rows_reference(visible, visible_index, removed_index, fill, pos_table=None, pos_ids=None, ln_weight=None,
-                          ln_bias=None, eps=1e-5):
-    """`insert_rows` in plain torch."""
-    total = visible.shape[0] + removed_index.shape[0]
-    out = visible.new_empty(total, visible.shape[1])
-    out = out.index_copy(0, visible_index.long(), visible)
-    out = out.index_copy(0, removed_index.long(), fill.reshape(-1).to(visible.dtype).expand(removed_index.shape[0], -1))
-    if pos_table is not None:
-        out = out + F.embedding(pos_ids.long(), pos_table)
-    if ln_weight is not None:
-        out = _layer_norm_fp32(out, ln_weight, ln_bias, eps)
-    return out.to(visible.dtype)

@@ -2,7 +2,7 @@ import pytest
 import torch
 from conftest import tiny_batch, tiny_config
 from fastmae.kernels import hash32
-from fastmae.kernels.mask_select import hash32_int
+from fastmae.kernels.hashing import hash32_int
 
 from fastmae import PackedBatch
 from fastmae.config import MASK_ID, NUM_SPECIAL_TOKENS, UNMASKABLE_IDS
