@@ -274,7 +274,12 @@ class TrainConfig:
     """If > 0: train for the most steps whose training FLOPs (fastmae/flops.py's count, all ranks) fit this budget,
     planned from the run's own batches before the first step, so the schedule decays to the budget's end."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step on each rank."""
+    """Micro-batches per optimizer step on each rank; derived from tokens_per_step when that is set (a value other
+    than 1 given here must then agree)."""
+    tokens_per_step: int = 0
+    """If > 0, the global batch in tokens per optimizer step (all ranks and micro-batches; nominal, since a
+    micro-batch holds at most data.tokens_per_micro_batch tokens): grad_accum = tokens_per_step / (ranks x
+    data.tokens_per_micro_batch), which must be a whole number, so one recipe runs on any rank count that divides."""
     optimizer: str = "adamw"
     """`adamw` (torch) or `lamb` (DeepSpeed's fused LAMB; CUDA only)."""
     lr: float = 2e-4
@@ -314,6 +319,8 @@ class TrainConfig:
         for key in ("steps", "grad_accum", "max_bad_steps", "collective_timeout_s"):
             if getattr(self, key) <= 0:
                 bad(key, "must be positive")
+        if self.tokens_per_step < 0:
+            bad("tokens_per_step", "must be >= 0 (0: use grad_accum)")
         if self.optimizer not in ("adamw", "lamb"):
             bad("optimizer", "must be 'adamw' or 'lamb'")
         if self.schedule not in ("linear", "polynomial"):
@@ -423,6 +430,22 @@ class RunConfig:
             return ModelConfig.preset(preset, **values)
         except ValueError as err:
             raise ValueError(str(err).replace("ModelConfig.", "model.")) from None
+
+    def for_world(self, world: int) -> RunConfig:
+        """This config for `world` ranks: train.grad_accum derived from train.tokens_per_step when that is set.
+        Raises ValueError naming the values when they do not divide or disagree."""
+        train, micro = self.train, self.data.tokens_per_micro_batch
+        if not train.tokens_per_step:
+            return self
+        accum, rest = divmod(train.tokens_per_step, world * micro)
+        if rest or not accum:
+            raise ValueError(f"train.tokens_per_step={train.tokens_per_step} is not a multiple of {world} rank(s) x "
+                             f"data.tokens_per_micro_batch={micro} = {world * micro}: change one of them")
+        if train.grad_accum not in (1, accum):  # 1 is the default: any other value was meant
+            raise ValueError(f"train.grad_accum={train.grad_accum} disagrees with train.tokens_per_step="
+                             f"{train.tokens_per_step} on {world} rank(s) of data.tokens_per_micro_batch={micro} "
+                             f"(which gives {accum}); set only one of them")
+        return dataclasses.replace(self, train=dataclasses.replace(train, grad_accum=accum))
 
     def validate(self) -> None:
         for section in (self.data, self.train, self.eval, self.checkpoint, self.log):

@@ -217,7 +217,7 @@ def mlm_step_flops(args, preset: StudyPreset, ranks: int) -> float:
     """Training FLOPs of the first optimizer step of the study's mlm run on --data (all `ranks`)."""
     try:
         config = load_run_config(args.config, [*preset.run, *args.overrides, "model.preset=mlm",
-                                               f"data.path={args.data}"])
+                                               f"data.path={args.data}"]).for_world(ranks)
     except ValueError as err:
         raise FastmaeError(str(err)) from None
     loaders = [PackedLoader.for_run(config, rank, ranks) for rank in range(ranks)]

@@ -115,8 +115,11 @@ class Trainer:
     """Builds data, model and engine for this rank, then runs, evaluates and checkpoints."""
 
     def __init__(self, config: RunConfig, resume: str | None = "auto"):
-        self.config = config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        try:
+            self.config = config = config.for_world(self.world)  # train.tokens_per_step -> grad_accum
+        except ValueError as err:
+            raise FastmaeError(str(err)) from None
         self.run_dir = Path(config.log.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.device = torch.device(deepspeed.get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", 0))))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from synthetic import prepare_word_dataset
 
@@ -270,6 +271,43 @@ def test_shipped_configs_load(name):
     config = load_run_config(str(ROOT / "configs" / f"{name}.yaml"))
     model = config.model_config(config.model.get("vocab_size", 8000))
     assert model.objective in ("mlm", "mae-lm", "3ml")
+
+
+@pytest.mark.parametrize("name, micro, accum_on_8, accum_on_64", [("roberta-base", 16384, 32, 4),
+                                                                  ("roberta-large", 8192, 64, 8),
+                                                                  ("mae-lm-base", 16384, 8, 1)])
+def test_recipes_fix_tokens_per_step_whatever_the_gpu_count(name, micro, accum_on_8, accum_on_64):
+    config = load_run_config(str(ROOT / "configs" / f"{name}.yaml"))
+    assert config.data.tokens_per_micro_batch == micro
+    for world, accum in ((8, accum_on_8), (64, accum_on_64)):
+        derived = config.for_world(world).train
+        assert derived.grad_accum == accum and world * accum * micro == config.train.tokens_per_step
+
+
+def test_tokens_per_step_that_does_not_divide_names_the_values():
+    config = load_run_config(str(ROOT / "configs" / "roberta-base.yaml"))
+    with pytest.raises(ValueError, match=r"train.tokens_per_step=4194304 is not a multiple of 3 rank\(s\) x "
+                                         r"data.tokens_per_micro_batch=16384 = 49152"):
+        config.for_world(3)
+    clash = load_run_config(str(ROOT / "configs" / "roberta-base.yaml"), ["train.grad_accum=8"])
+    with pytest.raises(ValueError, match=r"train.grad_accum=8 disagrees .* \(which gives 32\)"):
+        clash.for_world(8)
+    assert clash.for_world(32).train.grad_accum == 8  # 4,194,304 / (32 x 16,384): the value given agrees
+    plain = load_run_config(str(ROOT / "configs" / "tiny-cpu.yaml"))
+    assert plain.for_world(2) is plain  # no tokens_per_step: grad_accum as written
+
+
+def test_a_run_derives_grad_accum_from_tokens_per_step(dataset, tmp_path):
+    run_dir = tmp_path / "tps"
+    proc = single_process(overrides(dataset, run_dir, steps=2, **{"train.tokens_per_step": 3 * 256, "eval.every": 0,
+                                                                  "checkpoint.every": 100}))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["train"]["grad_accum"] == 3 and resolved["train"]["tokens_per_step"] == 768
+    proc = single_process(overrides(dataset, tmp_path / "bad", steps=2, **{"train.tokens_per_step": 1000}))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "train.tokens_per_step=1000 is not a multiple of 1 rank(s)" in stderr
 
 
 def single_process(args, timeout=300, env_extra=None, **popen):
