@@ -287,3 +287,28 @@ def test_saved_hugging_face_dataset(tmp_path):
     meta = prepare([tmp_path / "hf"], tmp_path / "ds", fmt="hf", text_field="body", vocab_size=40,
                    valid_fraction=0.0, progress=False)
     assert meta["splits"]["train"]["documents"] == 100
+
+
+def test_thousands_of_shards_stay_within_the_open_file_limit(tmp_path):
+    """2,000 one-document shards (two files each), read under `ulimit -n 256`: token maps are opened on use and at
+    most MAX_OPEN_SHARDS of them stay open, document offsets live in memory."""
+    rng = np.random.default_rng(0)
+    words = list(WORDS)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(" ".join(rng.choice(words, size=12)) + "\n" for _ in range(2100)))
+    prepare([corpus], tmp_path / "ds", vocab_size=40, valid_fraction=0.05, docs_per_shard=1, workers=1,
+            progress=False)
+    assert len(ShardSet(tmp_path / "ds").shards) >= 1900
+    code = f"""
+import resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+from fastmae.data import PackedLoader
+for split in ("train", "valid"):
+    loader = PackedLoader({str(tmp_path / "ds")!r}, split=split, max_seq_len=32, tokens_per_batch=256)
+    batches = iter(loader)
+    tokens = sum(next(batches).num_tokens for _ in range(loader.batches_per_epoch + 3))  # past an epoch's end
+    assert tokens > 0
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -92,7 +92,7 @@ class PackedLoader:
                 start = first + within * body
                 stop = np.minimum(start + body, np.repeat(doc_starts + lengths_nonempty, pieces))
             else:
-                stream_length = len(shard.tokens) + shard.num_documents  # a </s> after every document
+                stream_length = shard.num_tokens + shard.num_documents  # a </s> after every document
                 start = np.arange(0, stream_length, body)
                 stop = np.minimum(start + body, stream_length)
             shard_ids.append(np.full(len(start), s, dtype=np.int64))
@@ -149,7 +149,7 @@ class PackedLoader:
                 local = positions - stream_offsets[doc]
                 doc_length = shard.offsets[doc + 1] - shard.offsets[doc]
                 is_separator = local == doc_length
-                token_index = np.minimum(shard.offsets[doc] + local, max(len(shard.tokens) - 1, 0))
+                token_index = np.minimum(shard.offsets[doc] + local, max(shard.num_tokens - 1, 0))
                 body = np.where(is_separator, EOS_ID, np.asarray(shard.tokens[token_index], dtype=np.int64))
             bodies.append(np.concatenate(([BOS_ID], body, [EOS_ID])))
         return np.concatenate(bodies), np.array([len(b) for b in bodies], dtype=np.int64)

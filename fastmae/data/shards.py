@@ -10,6 +10,7 @@ Every file is written atomically (fastmae.atomic).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -65,21 +66,48 @@ def read_shard_meta(directory: Path, split: str, name: str) -> dict | None:
         raise FastmaeError(f"{meta_path}: corrupt shard metadata (not JSON)") from None
 
 
-@dataclass
+MAX_OPEN_SHARDS = 64
+"""Token maps kept open at once: each holds a file descriptor, so a dataset of thousands of shards re-maps the
+least recently used ones on demand instead of running out of descriptors (document offsets are read into memory)."""
+
+
+@functools.lru_cache(maxsize=MAX_OPEN_SHARDS)
+def _token_map(path: Path, dtype: str, count: int, version: tuple[int, int]) -> np.ndarray:
+    """The map of one shard's tokens; `version` (inode, mtime) keeps a rewritten file from being served stale."""
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype=dtype)
+
+
+@dataclass(frozen=True)
 class Shard:
-    """One memory-mapped shard: tokens [N] (uint16/uint32) and document offsets [D + 1] (int64)."""
+    """One shard: its tokens (memory-mapped on use) and document offsets [D + 1] (int64, in memory)."""
 
     path: Path
-    tokens: np.ndarray
+    dtype: str
+    num_tokens: int
     offsets: np.ndarray
+    version: tuple[int, int]  # (inode, mtime_ns) of the tokens file when it was checked
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """[num_tokens] uint16/uint32 ids, memory-mapped; at most MAX_OPEN_SHARDS maps stay open (LRU)."""
+        return _token_map(self.path, self.dtype, self.num_tokens, self.version)
 
     @property
     def num_documents(self) -> int:
         return len(self.offsets) - 1
 
 
+def _file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def open_shard(directory: Path, split: str, name: str, verify_checksum: bool = False) -> Shard:
-    """Map a shard and check it against its metadata; errors name the file and the problem."""
+    """Check a shard against its metadata and read its document offsets (no file stays open); errors name the file
+    and the problem."""
     tokens_path, docs_path, _ = shard_files(directory, split, name)
     meta = read_shard_meta(directory, split, name)
     if meta is None:
@@ -89,22 +117,22 @@ def open_shard(directory: Path, split: str, name: str, verify_checksum: bool = F
             raise FastmaeError(f"{path}: missing")
     dtype = np.dtype(meta["dtype"])
     expected = meta["tokens"] * dtype.itemsize
-    actual = tokens_path.stat().st_size
+    stat = tokens_path.stat()
+    actual = stat.st_size
     if actual != expected:
         raise FastmaeError(f"{tokens_path}: {actual} bytes, expected {expected} ({meta['tokens']} x {dtype.name}): "
                            "truncated or corrupt")
     try:
-        offsets = np.load(docs_path, mmap_mode="r")
+        offsets = np.load(docs_path)
     except (ValueError, OSError, EOFError) as err:
         raise FastmaeError(f"{docs_path}: corrupt document index ({err})") from None
     if (offsets.ndim != 1 or len(offsets) != meta["documents"] + 1 or offsets[0] != 0
             or offsets[-1] != meta["tokens"] or (len(offsets) > 1 and (np.diff(offsets) < 0).any())):
         raise FastmaeError(f"{docs_path}: document offsets do not match {meta['documents']} documents of "
                            f"{meta['tokens']} tokens")
-    tokens = np.memmap(tokens_path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype=dtype)
-    if verify_checksum and hashlib.sha256(tokens.tobytes()).hexdigest() != meta["sha256"]:
+    if verify_checksum and _file_sha256(tokens_path) != meta["sha256"]:
         raise FastmaeError(f"{tokens_path}: sha256 differs from {tokens_path.with_suffix('.json').name}: corrupt")
-    return Shard(tokens_path, tokens, np.asarray(offsets))
+    return Shard(tokens_path, dtype.name, int(meta["tokens"]), offsets, (stat.st_ino, stat.st_mtime_ns))
 
 
 class ShardSet:
@@ -143,7 +171,7 @@ class ShardSet:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.shards)
+        return sum(s.num_tokens for s in self.shards)
 
     @property
     def num_documents(self) -> int:
