@@ -30,20 +30,24 @@ def median_time(fn, warmup: int = 2, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def gpu_kernel_time(fn, repeats: int = 3) -> tuple[float, list[tuple[str, float]]]:
-    """(GPU kernel seconds per call of fn, [(kernel name, seconds per call)] busiest first), from the profiler.
-    The sum over kernels against the wall time says how busy fn keeps the GPU."""
+def gpu_kernel_time(fn, label: str, repeats: int = 3, top: int = 8) -> float:
+    """GPU kernel seconds per call of fn, from the profiler (against the wall time: how busy fn keeps the GPU);
+    prints the `top` busiest kernels under `label`."""
     from torch.profiler import ProfilerActivity, profile
 
+    fn()  # one call outside the profile, as each measured one follows others
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
             fn()
         torch.cuda.synchronize()
-    kernels = [(e.key, e.device_time_total / 1e6 / repeats) for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
-    kernels.sort(key=lambda item: -item[1])
-    return sum(seconds for _, seconds in kernels), kernels
+    kernels = sorted(((e.device_time_total / 1e6 / repeats, e.key) for e in prof.key_averages()
+                      if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0), reverse=True)
+    busy = sum(seconds for seconds, _ in kernels)
+    print(f"{label}: {1e3 * busy:.3f} ms of GPU kernels per call; busiest:", flush=True)
+    for seconds, key in kernels[:top]:
+        print(f"  {1e3 * seconds:8.3f} ms  {key[:110]}", flush=True)
+    return busy
 
 
 def stamp() -> dict:

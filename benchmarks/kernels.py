@@ -122,17 +122,13 @@ def main():
         if cuda:
             row["torch MiB"] = ref_mem
             k_s, k_mem = measure(kernel, device)
-            reference()  # one call outside the profile, as each measured one follows others
-            ref_gpu_s, _ = gpu_kernel_time(reference, repeats=5)
-            kernel()
-            k_gpu_s, busiest = gpu_kernel_time(kernel, repeats=5)
+            ref_gpu_s = gpu_kernel_time(reference, f"{name}, torch", repeats=5, top=4)
+            k_gpu_s = gpu_kernel_time(kernel, f"{name}, triton", repeats=5, top=4)
             gbps = nbytes / k_gpu_s / 1e9
             row.update({"triton ms": 1e3 * k_s, "triton MiB": k_mem, "speedup": ref_s / k_s,
                         "torch GPU ms": 1e3 * ref_gpu_s, "triton GPU ms": 1e3 * k_gpu_s,
                         "triton GB/s (GPU time)": gbps, "% of peak BW": 100 * gbps / peak if peak else None,
                         "% of peak FLOP/s": 100 * flops / k_gpu_s / peak_flops if flops and peak_flops else None})
-            for kernel_name, seconds in busiest[:4]:
-                print(f"    {1e6 * seconds:9.1f} us  {kernel_name[:100]}", flush=True)
         rows.append(row)
         print(row, flush=True)
     columns = list(rows[0])

@@ -161,19 +161,10 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
     result = {"step_s": seconds, "tokens_per_s": tokens.numel() / seconds, "flops_per_step": flops}
     if device.type == "cuda":
         result["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        result["gpu_busy"] = _profile(step, f"{system} [{variant or 'eager'}]") / seconds
+        result["gpu_busy"] = gpu_kernel_time(step, f"{system} [{variant or 'eager'}]", top=12) / seconds
     else:
         result["peak_memory_mib"] = _resident_mib()[1] - baseline_mib
     return result
-
-
-def _profile(step, name: str, top: int = 12) -> float:
-    """GPU kernel seconds per step of `step` (profiled over 3 steps); prints the busiest kernels."""
-    busy, kernels = gpu_kernel_time(step, repeats=3)
-    print(f"{name}: {1e3 * busy:.2f} ms of GPU kernels per step; busiest:", flush=True)
-    for key, seconds in kernels[:top]:
-        print(f"  {1e3 * seconds:8.3f} ms  {key[:110]}", flush=True)
-    return busy
 
 
 def _run_isolated(*args) -> dict:

@@ -41,19 +41,18 @@ class PackedBatch:
     def device(self) -> torch.device:
         return self.tokens.device
 
+    DEVICE_FIELDS = ("tokens", "cu_seqlens", "positions", "seq_ids")
+
+    def _map_device_tensors(self, fn) -> PackedBatch:
+        return replace(self, **{name: fn(getattr(self, name)) for name in self.DEVICE_FIELDS})
+
     def to(self, device, non_blocking: bool = False) -> PackedBatch:
         """The same batch with its device tensors on `device` (host counts stay on the CPU)."""
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return replace(self, tokens=move(self.tokens), cu_seqlens=move(self.cu_seqlens),
-                       positions=move(self.positions), seq_ids=move(self.seq_ids))
+        return self._map_device_tensors(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> PackedBatch:
         """The same batch with its device tensors in page-locked host memory (for asynchronous copies)."""
-        return replace(self, tokens=self.tokens.pin_memory(), cu_seqlens=self.cu_seqlens.pin_memory(),
-                       positions=self.positions.pin_memory(), seq_ids=self.seq_ids.pin_memory())
-
-    def _device_tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.tokens, self.cu_seqlens, self.positions, self.seq_ids
+        return self._map_device_tensors(torch.Tensor.pin_memory)
 
     @classmethod
     def from_sequences(cls, sequences: Sequence[Sequence[int]], vocab_size: int | None = None,
@@ -124,6 +123,6 @@ def _handed_over(batch: PackedBatch, copied: torch.cuda.Event) -> PackedBatch:
     copy's event, and the caching allocator keeps the memory until the current stream is done with it."""
     compute = torch.cuda.current_stream(batch.device)
     compute.wait_event(copied)
-    for tensor in batch._device_tensors():
-        tensor.record_stream(compute)
+    for name in batch.DEVICE_FIELDS:
+        getattr(batch, name).record_stream(compute)
     return batch

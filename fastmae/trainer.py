@@ -161,9 +161,10 @@ class Trainer:
         self.engine, self.ds_config = build_engine(model, config, self.precision, self.device, self.non_finite)
         self.peak_flops, self.spec_peak_flops = self._measure_peak()
         self.step, self.micro_step, self.tokens_seen, self.flops_done = 0, 0, 0, 0
-        self.bad_streak, self.skipped = 0, 0  # host copies, read from the device counters on logged steps
+        # skipped steps so far and in a row, counted on the device; `skipped` is the count the last log reported
         self.bad_streak_device = torch.zeros((), dtype=torch.float32, device=self.device)
         self.skipped_device = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.skipped = 0
         self.stop_requested = False
         self.sync_debug = self.device.type == "cuda" and os.environ.get("FASTMAE_SYNC_DEBUG") == "1"
         # stop requests are agreed every step over the CPU (gloo), so that the host never waits for the GPU
@@ -270,8 +271,8 @@ class Trainer:
     def _restore(self, state: dict) -> None:
         self.step, self.micro_step, self.tokens_seen = state["step"], state["micro_step"], state["tokens_seen"]
         self.flops_done = state.get("flops_done", 0)  # absent from checkpoints written before FLOP accounting
-        self.bad_streak, self.skipped = state["bad_streak"], state["skipped"]
-        self.bad_streak_device.fill_(self.bad_streak)
+        self.skipped = state["skipped"]
+        self.bad_streak_device.fill_(state["bad_streak"])
         self.skipped_device.fill_(self.skipped)
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and self.device.type == "cuda":
@@ -335,7 +336,7 @@ class Trainer:
 
         The host never waits for the device inside a step: batches are copied ahead (`to_device_ahead`), the loss,
         accuracy and non-finite flag are summed on the device, and a step with a non-finite loss on any rank is
-        skipped on the device (see `_skip_if_non_finite`). The host reads those sums on logged steps only.
+        skipped on the device (see `_agree_on_non_finite`). The host reads those sums on logged steps only.
         """
         cfg = self.config
         batches = to_device_ahead(iter(self.loader), self.device)
@@ -351,16 +352,17 @@ class Trainer:
             self.non_finite.zero_()
             step_sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss sum, predicted, correct, scored
             for i, batch in enumerate(micro_batches):
+                last = i + 1 == len(micro_batches)
                 out = self.engine(batch, seed=cfg.train.seed, step=self.micro_step, rank=self.rank,
                                   compute_accuracy=logged)
                 self.micro_step += 1
                 loss = out.loss.detach()
-                self.non_finite.copy_(torch.maximum(self.non_finite, (~torch.isfinite(loss)).float()))
-                if i + 1 == len(micro_batches):
-                    self._skip_if_non_finite()
+                torch.maximum(self.non_finite, (~torch.isfinite(loss)).float(), out=self.non_finite)
+                if last:
+                    self._agree_on_non_finite()
                 # the mean over every predicted token of the step, all micro-batches and ranks (DESIGN.md 5)
                 self.engine.backward(out.loss * (out.num_predicted * weight))
-                if i + 1 == len(micro_batches):
+                if last:
                     self._debug_syncs(False)  # DeepSpeed's optimizer step reads the gradient norm on the host
                 self.engine.step()
                 step_sums[0] += loss.double() * out.num_predicted
@@ -400,7 +402,7 @@ class Trainer:
         if self.sync_debug:
             torch.cuda.set_sync_debug_mode("error" if on else "default")
 
-    def _skip_if_non_finite(self) -> None:
+    def _agree_on_non_finite(self) -> None:
         """Before the step's last backward: agree (on the device) whether any rank saw a non-finite loss in this
         step. The fused AdamW reads the flag as its `found_inf` and leaves weights, moments and step count untouched
         when it is set; where DeepSpeed's optimizer wrapper checks gradients itself (bf16, ZeRO), it skips the same
@@ -430,7 +432,7 @@ class Trainer:
         if skipped > self.skipped:
             self._log_line(f"non-finite loss: {skipped - self.skipped} step(s) skipped up to step {self.step} "
                            f"({skipped} so far)")
-        self.bad_streak, self.skipped = bad_streak, skipped
+        self.skipped = skipped
         if bad_streak >= self.config.train.max_bad_steps:
             raise FastmaeError(f"{bad_streak} optimizer steps in a row with a non-finite loss, up to step {self.step}: "
                                "stopping (lower train.lr, check the data, or raise train.max_bad_steps)")

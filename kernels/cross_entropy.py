@@ -87,8 +87,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # zero rows pad the vocabulary to an aligned size: their logits are 0, which the kernel never reads (it stops
         # at `vocab`) and which add nothing to grad_x; their gradient rows are cut off at the end
         pad = -vocab % CE_VOCAB_ALIGN
-        x_c, w_c = x.to(compute_dtype), F.pad(weight.to(compute_dtype), (0, 0, 0, pad))
-        b_c = None if bias is None else F.pad(bias.to(compute_dtype), (0, pad))
+        x_c, w_c = x.to(compute_dtype), _pad_rows(weight.to(compute_dtype), pad)
+        b_c = None if bias is None else _pad_rows(bias.to(compute_dtype), pad)
         labels = labels.contiguous()
         count = (labels != ignore_index).sum().clamp(min=1)
         scale = 1.0 / count.float()  # stays on the device: no sync
@@ -128,6 +128,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dw = None if grad_w is None else (grad_w * factor).to(w_dtype)
         db = None if grad_b is None else (grad_b * factor).to(b_dtype)
         return dx, dw, db, None, None, None, None, None
+
+
+def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """`t` with `pad` zero rows appended along dim 0; `t` itself when there are none (F.pad would still copy)."""
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) if pad else t
 
 
 def _add_transposed_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -25,10 +25,10 @@ def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def assert_as_accurate(name: str, got: torch.Tensor, plain: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype,
-                       factor: float, scale: float | None = None) -> None:
-    """Max-abs error of `got` within `factor` x that of `plain` (both against `exact`), plus FLOOR[dtype] x `scale`
-    (default: the largest |exact|; pass the scale of the computation where the exact result is 0 by cancellation,
-    as the query gradient of a one-token sequence is)."""
+                       factor: float, zero_scale: float = 0.0) -> None:
+    """Max-abs error of `got` within `factor` x that of `plain` (both against `exact`), plus FLOOR[dtype] x the
+    largest |exact|. Where `exact` is 0 everywhere by cancellation (the query gradient of one-token sequences), the
+    floor is FLOOR[dtype] x `zero_scale`, the magnitude of the terms that cancel."""
     stored_dtype = got.dtype
     got, plain, exact = (t.detach().double().cpu() for t in (got, plain, exact))
     assert got.shape == exact.shape, f"{name}: shape {tuple(got.shape)} != {tuple(exact.shape)}"
@@ -36,7 +36,7 @@ def assert_as_accurate(name: str, got: torch.Tensor, plain: torch.Tensor, exact:
         return
     assert not torch.isnan(got).any(), f"{name}: NaN in the result (an unwritten row?)"
     base = (plain - exact).abs().max().item()
-    scale = exact.abs().max().item() if scale is None else scale
+    scale = exact.abs().max().item() or zero_scale
     allowed = torch.full_like(exact, factor * base + FLOOR[dtype] * scale)
     if INTERPRETED and stored_dtype in (torch.bfloat16, torch.float16):
         allowed += ulp(exact, stored_dtype)

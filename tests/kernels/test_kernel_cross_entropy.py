@@ -141,6 +141,9 @@ def test_chunked_work_and_allocations(dtype, monkeypatch):
         loss = linear_cross_entropy(x, w, b, labels)
     assert evaluation.shapes[(32, padded)] == 4 and evaluation.shapes[(padded, hidden)] == 1
     assert evaluation.shapes[(vocab, hidden)] == 0
+    with torch.no_grad(), _Allocations() as aligned:  # an aligned vocabulary is used as it is: no padded copy
+        linear_cross_entropy(x, w[:padded - CE_VOCAB_ALIGN], b[:padded - CE_VOCAB_ALIGN], labels % 960)
+    assert aligned.shapes[(padded - CE_VOCAB_ALIGN, hidden)] == 0
     assert evaluation.shapes[(rows, hidden)] == 0 and evaluation.shapes[(vocab,)] == 0
     reference = linear_cross_entropy_reference(x.double(), w.double(), b.double(), labels)
     assert_as_accurate("loss", loss, linear_cross_entropy_reference(x, w, b, labels), reference, dtype, factor=2)
