@@ -19,6 +19,7 @@ setup(
         "triton>=3.2,<4; platform_system == 'Linux'",
         "numpy>=1.24",
         "tqdm>=4.60",
+        "zstandard>=0.22",
         "pyyaml>=6.0",
         "sentencepiece>=0.2",
         "safetensors>=0.4",

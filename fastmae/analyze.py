@@ -41,7 +41,8 @@ from tqdm import tqdm
 from .atomic import atomic_write_text
 from .batch import PackedBatch
 from .config import BOS_ID, EOS_ID, MASK_ID, add_arguments, from_arguments
-from .data.loader import PackedLoader, cut_by_budget
+from .data.loader import PackedLoader
+from .data.order import cut_by_budget
 from .data.shards import ShardSet
 from .errors import FastmaeError, run_command
 from .evaluation import held_out_mask

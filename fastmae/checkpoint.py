@@ -4,12 +4,15 @@
                                    /fastmae_rank{R}.pt   the trainer's own state: counters, RNG, data cursor
                                    /model.safetensors    the fp32 master weights, gathered (what `export` reads)
                                    /COMPLETE             written last; names the step and world size
+                                   /universal/           made on a resume by another number of ranks
 Everything is first written under `.partial-stepN` and renamed once every rank has finished, so only directories with
 a COMPLETE marker count. The trainer's state loads with `weights_only=True`.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import io
 import json
 import re
@@ -24,6 +27,7 @@ from .errors import FastmaeError
 
 STEP_DIR = re.compile(r"^step(\d{8})$")
 WEIGHTS = "model.safetensors"
+UNIVERSAL = "universal"
 
 
 def write_weights(path: Path, tensors: dict[str, torch.Tensor], model_config: dict, step: int) -> None:
@@ -117,26 +121,54 @@ def save(engine, root: Path, step: int, trainer_state: dict, keep: int, metadata
     return final
 
 
-def load(engine, directory: Path, model_config: dict) -> dict:
-    """Restore the engine from `directory` and return this rank's trainer state.
+def saved_world_size(directory: Path) -> int:
+    """How many ranks wrote the checkpoint in `directory`."""
+    return int(json.loads((Path(directory) / "COMPLETE").read_text())["world_size"])
 
-    The checkpoint must have been saved by as many ranks, for the same `model_config`.
+
+def make_universal(directory: Path) -> Path:
+    """Rank 0, before the engine exists: DeepSpeed's universal (rank-count independent) form of the checkpoint in
+    `directory`, converted once into `directory/universal` (atomically; later resumes reuse it)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    universal = Path(directory) / UNIVERSAL
+    if not universal.is_dir():
+        partial = Path(directory) / f".partial-{UNIVERSAL}"
+        if partial.exists():
+            shutil.rmtree(partial)
+        args = argparse.Namespace(input_folder=str(directory), output_folder=str(partial), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=True)  # the state Megatron-DeepSpeed records, made up
+        with contextlib.redirect_stdout(io.StringIO()):  # its progress report would interleave with the ranks' logs
+            ds_to_universal.main(args)
+        partial.rename(universal)
+    return universal
+
+
+def load(engine, directory: Path, model_config: dict) -> list[dict]:
+    """Restore the engine from `directory` and return the trainer state of every rank that saved it.
+
+    The checkpoint must be for the same `model_config`. Saved by another number of ranks, it is read through its
+    universal form (`make_universal`, which rank 0 must have run and the engine built with `load_universal`).
     """
     directory = Path(directory)
     marker = json.loads((directory / "COMPLETE").read_text())
-    world = dist.get_world_size()
-    if marker["world_size"] != world:
-        raise FastmaeError(f"{directory}: saved by {marker['world_size']} ranks, resuming with {world}")
     saved = marker.get("model_config", {})
     changed = sorted(k for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k))
     if changed:
         differences = ", ".join(f"{k}={saved.get(k)!r}" for k in changed)
         raise FastmaeError(f"{directory}: saved for another model ({differences}); resume with the same model, or "
                            "start a new run (log.dir=... or --resume none)")
-    path, _ = engine.load_checkpoint(str(directory.parent), tag=directory.name)
+    if marker["world_size"] == dist.get_world_size():
+        path, _ = engine.load_checkpoint(str(directory.parent), tag=directory.name)
+    else:
+        path, _ = engine.load_checkpoint(str(directory), tag=UNIVERSAL)
     if path is None:
         raise FastmaeError(f"{directory}: DeepSpeed could not load this checkpoint")
-    state_file = directory / f"fastmae_rank{dist.get_rank()}.pt"
-    if not state_file.is_file():
-        raise FastmaeError(f"{state_file}: missing")
-    return torch.load(state_file, map_location="cpu", weights_only=True)
+    states = []
+    for rank in range(marker["world_size"]):
+        state_file = directory / f"fastmae_rank{rank}.pt"
+        if not state_file.is_file():
+            raise FastmaeError(f"{state_file}: missing")
+        states.append(torch.load(state_file, map_location="cpu", weights_only=True))
+    return states

@@ -21,7 +21,8 @@ import torch
 
 from .batch import PackedBatch
 from .config import UNMASKABLE_IDS
-from .data.loader import PackedLoader, cut_by_budget
+from .data.loader import PackedLoader
+from .data.order import cut_by_budget
 from .kernels import mask_key, rank_within_sequences, uniform_bits
 from .masking import MaskCounts
 

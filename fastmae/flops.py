@@ -90,15 +90,16 @@ class BudgetPlan:
     """Whether every planned step's FLOPs were added up (else the tail is extrapolated)."""
 
 
-def plan_budget(rank_batches: list[Iterable[PackedBatch]], config: ModelConfig, grad_accum: int, budget: float,
+def plan_budget(batches: Iterable[PackedBatch], config: ModelConfig, micro_batches_per_step: int, budget: float,
                 eval_every_flops: float = 0.0, exact_micro_batches: int = PLAN_EXACT_MICRO_BATCHES) -> BudgetPlan:
-    """Plan a run of `budget` training FLOPs from the batches each data-parallel rank will draw (one iterable per
-    rank, in training order; `grad_accum` micro-batches per rank per step). Host-side, over batches, not tokens."""
-    iterators: list[Iterator[PackedBatch]] = [iter(batches) for batches in rank_batches]
-    exact_steps = max(1, exact_micro_batches // (len(iterators) * grad_accum))
+    """Plan a run of `budget` training FLOPs from the micro-batches all data-parallel ranks together will draw, in
+    training order (`PackedLoader.every_rank()`), `micro_batches_per_step` per optimizer step. Host-side, over batches,
+    not tokens."""
+    it: Iterator[PackedBatch] = iter(batches)
+    exact_steps = max(1, exact_micro_batches // micro_batches_per_step)
     cumulative = [0.0]
     while len(cumulative) <= exact_steps and cumulative[-1] <= budget:
-        step = sum(batch_training_flops(config, next(it)) for it in iterators for _ in range(grad_accum))
+        step = sum(batch_training_flops(config, next(it)) for _ in range(micro_batches_per_step))
         cumulative.append(cumulative[-1] + step)
     measured = len(cumulative) - 1
     per_step = cumulative[-1] / measured

@@ -2,6 +2,7 @@
 
     fastmae prepare --format builtin --output data/builtin --vocab-size 8000
     fastmae prepare --input corpus/*.jsonl --format jsonl --field text --output data/web --vocab-size 50000
+    fastmae prepare --input dumps/ --glob '*.jsonl.zst' --format jsonl --output data/web --tokenizer tok.model
 
 Re-running with the same inputs skips finished shards. Every file is written atomically; a failure exits non-zero
 with a one-line error naming the file and the problem, and leaves no half-written output.
@@ -23,7 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .atomic import atomic_write_bytes, atomic_write_text
-from .data.readers import FORMATS, ReadStats, read_documents
+from .data.readers import FORMATS, ReadStats, expand_inputs, read_documents
 from .data.shards import FORMAT_VERSION, SPLITS, read_shard_meta, token_dtype, write_shard
 from .data.tokenizer import TOKENIZER_FILE, Tokenizer, train_sentencepiece
 from .errors import FastmaeError, run_command
@@ -72,13 +73,16 @@ def prepare(inputs: list[Path], output: Path, fmt: str = "text", text_field: str
             vocab_size: int = 32000, tokenizer_path: Path | None = None, model_type: str = "unigram",
             character_coverage: float = 0.9995, input_sentence_size: int = 2_000_000, valid_fraction: float = 0.01,
             docs_per_shard: int = 20000, workers: int | None = None, on_decode_error: str = "fail", seed: int = 0,
-            progress: bool = True) -> dict:
-    """Run the whole preparation; return the dataset metadata (also written to OUTPUT/meta.json)."""
+            progress: bool = True, glob: str = "*") -> dict:
+    """Run the whole preparation; return the dataset metadata (also written to OUTPUT/meta.json). Directories among
+    `inputs` stand for their files matching `glob` at any depth."""
     if not 0.0 <= valid_fraction < 1.0:
         raise FastmaeError(f"--valid-fraction {valid_fraction}: must be in [0, 1)")
     if docs_per_shard <= 0:
         raise FastmaeError(f"--docs-per-shard {docs_per_shard}: must be positive")
     output = Path(output)
+    if fmt != "builtin":
+        inputs = expand_inputs([Path(p) for p in inputs], glob, fmt)
     output.mkdir(parents=True, exist_ok=True)
     read = lambda stats=None: read_documents(inputs, fmt, text_field, text_mode, on_decode_error, stats)  # noqa
 
@@ -157,7 +161,10 @@ def prepare(inputs: list[Path], output: Path, fmt: str = "text", text_field: str
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastmae prepare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", type=Path, nargs="*", default=[], help="input files or directories")
+    parser.add_argument("--input", type=Path, nargs="*", default=[],
+                        help="input files or directories (.gz, .bz2 and .zst text/JSONL read as a stream)")
+    parser.add_argument("--glob", default="*",
+                        help="which files of an input directory to read, at any depth (e.g. '*.jsonl.zst')")
     parser.add_argument("--output", type=Path, required=True, help="dataset directory to write")
     parser.add_argument("--format", choices=FORMATS, default="text",
                         help="text, jsonl, parquet, hf (save_to_disk) or builtin (the embedded Python docs corpus)")
@@ -184,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_command("fastmae prepare", prepare, args.input, args.output, args.format, args.field, args.text_mode,
                        args.vocab_size, args.tokenizer, args.model_type, args.character_coverage,
                        args.input_sentence_size, args.valid_fraction, args.docs_per_shard, args.workers,
-                       args.on_decode_error, args.seed)
+                       args.on_decode_error, args.seed, True, args.glob)
 
 
 if __name__ == "__main__":

@@ -220,9 +220,9 @@ def mlm_step_flops(args, preset: StudyPreset, ranks: int) -> float:
                                                f"data.path={args.data}"]).for_world(ranks)
     except ValueError as err:
         raise FastmaeError(str(err)) from None
-    loaders = [PackedLoader.for_run(config, rank, ranks) for rank in range(ranks)]
-    model_config = config.model_config(loaders[0].vocab_size)
-    return plan_budget(loaders, model_config, config.train.grad_accum, budget=0.0).flops_per_step
+    loader = PackedLoader.for_run(config, 0, ranks)
+    model_config = config.model_config(loader.vocab_size)
+    return plan_budget(loader.every_rank(), model_config, loader.micro_batches_per_step, budget=0.0).flops_per_step
 
 
 def launch_command(run: Run, ranks: int) -> list[str]:

@@ -28,6 +28,7 @@ from .atomic import atomic_write_bytes
 from .batch import to_device_ahead
 from .config import PRECISIONS, RunConfig
 from .data import PackedLoader
+from .data.order import DIGEST_MODULUS, sequences_digest
 from .data.tokenizer import TOKENIZER_FILE
 from .errors import FastmaeError
 from .evaluation import HeldOutSet
@@ -78,10 +79,11 @@ def deepspeed_config(config: RunConfig, precision: str) -> dict:
 
 
 def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, device: torch.device,
-                 found_inf: torch.Tensor | None = None):
+                 found_inf: torch.Tensor | None = None, load_universal: bool = False):
     """(engine, DeepSpeed config) for `model`: the one call of deepspeed.initialize, shared by the trainer
     and benchmarks/throughput.py so that both time the same step. `found_inf` (a device fp32 scalar): while it
-    is non-zero, AdamW steps change nothing (the trainer's skip of a step with a non-finite loss).
+    is non-zero, AdamW steps change nothing (the trainer's skip of a step with a non-finite loss). `load_universal`:
+    the engine will load a universal checkpoint (one saved by another number of ranks).
 
     AdamW is torch's fused kernel (one pass over the fp32 master weights: 19 ms against 183 for the per-tensor loop
     on 36M parameters, 2-core CPU). In a world of one, DeepSpeed's gradient all-reduce only flattens, casts and copies
@@ -97,6 +99,8 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
     elif device.type != "cuda":
         raise FastmaeError("train.optimizer=lamb needs DeepSpeed's CUDA LAMB; use adamw on CPU")
     ds_config = deepspeed_config(config, precision)
+    if load_universal:
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     if train.compile:
         model.compile_layers()
     schedule = lambda step: lr_multiplier(step, train.warmup_steps, train.steps,  # noqa: E731
@@ -158,9 +162,18 @@ class Trainer:
         torch.manual_seed(train.seed + self.rank)
         # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)
         self.non_finite = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.engine, self.ds_config = build_engine(model, config, self.precision, self.device, self.non_finite)
+        checkpoint_dir = checkpoint.resolve_resume(self.ckpt_root, resume)
+        elastic = checkpoint_dir is not None and checkpoint.saved_world_size(checkpoint_dir) != self.world
+        if elastic:  # saved by another number of ranks: DeepSpeed re-shards its universal form
+            if self.rank == 0:
+                self._log_line(f"{checkpoint_dir} was saved by {checkpoint.saved_world_size(checkpoint_dir)} "
+                               f"rank(s): converting it to DeepSpeed's universal checkpoint for {self.world}")
+                checkpoint.make_universal(checkpoint_dir)
+            dist.barrier()
+        self.engine, self.ds_config = build_engine(model, config, self.precision, self.device, self.non_finite,
+                                                   load_universal=elastic)
         self.peak_flops, self.spec_peak_flops = self._measure_peak()
-        self.step, self.micro_step, self.tokens_seen, self.flops_done = 0, 0, 0, 0
+        self.step, self.tokens_seen, self.flops_done = 0, 0, 0  # tokens and FLOPs: this rank's share
         # skipped steps so far and in a row, counted on the device; `skipped` is the count the last log reported
         self.bad_streak_device = torch.zeros((), dtype=torch.float32, device=self.device)
         self.skipped_device = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -169,7 +182,6 @@ class Trainer:
         self.sync_debug = self.device.type == "cuda" and os.environ.get("FASTMAE_SYNC_DEBUG") == "1"
         # stop requests are agreed every step over the CPU (gloo), so that the host never waits for the GPU
         self.host_group = dist.new_group(backend="gloo") if self.device.type == "cuda" and self.world > 1 else None
-        checkpoint_dir = checkpoint.resolve_resume(self.ckpt_root, resume)
         if checkpoint_dir is not None:  # last: nothing may draw from the restored RNG before the loop
             self._restore(checkpoint.load(self.engine, checkpoint_dir, dataclasses.asdict(self.model_config)))
             self._log_line(f"resumed from {checkpoint_dir} at step {self.step}")
@@ -194,9 +206,8 @@ class Trainer:
         """Turn train.flops_budget into train.steps (and eval.every_flops into evaluation steps) from the batches
         every rank will draw; each rank plans the same, so no collective is needed."""
         train = self.config.train
-        loaders = [PackedLoader.for_run(self.config, r, self.world) for r in range(self.world)]
-        plan = plan_budget(loaders, self.model_config, train.grad_accum, train.flops_budget,
-                           self.config.eval.every_flops)
+        plan = plan_budget(self.loader.every_rank(), self.model_config, self.loader.micro_batches_per_step,
+                           train.flops_budget, self.config.eval.every_flops)
         if plan.steps == 0:
             raise FastmaeError(f"train.flops_budget={train.flops_budget:.4g} is less than one optimizer step "
                                f"({plan.flops_per_step:.4g} FLOPs here)")
@@ -259,25 +270,37 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:
-        state = {"step": self.step, "micro_step": self.micro_step, "tokens_seen": self.tokens_seen,
+        state = {"step": self.step, "tokens_seen": self.tokens_seen,
                  "flops_done": self.flops_done, "bad_streak": int(self.bad_streak_device.item()),
                  "skipped": int(self.skipped_device.item()),
                  "torch_rng": torch.get_rng_state(),
-                 "loader": self.loader.state_dict()}
+                 "loader": self.loader.state_dict(self.step)}
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return state
 
-    def _restore(self, state: dict) -> None:
-        self.step, self.micro_step, self.tokens_seen = state["step"], state["micro_step"], state["tokens_seen"]
-        self.flops_done = state.get("flops_done", 0)  # absent from checkpoints written before FLOP accounting
-        self.skipped = state["skipped"]
-        self.bad_streak_device.fill_(state["bad_streak"])
+    def _restore(self, states: list[dict]) -> None:
+        """Continue from the trainer states of a checkpoint's ranks. On as many ranks, each takes its own. On another
+        number (elastic), the data cursor, step and counters carry over (this rank's shares of the token and FLOP
+        totals go to rank 0) and each rank's RNG starts afresh from (seed, rank, step)."""
+        mine = states[self.rank] if len(states) == self.world else states[0]
+        self.step = mine["step"]
+        self.skipped = mine["skipped"]
+        self.bad_streak_device.fill_(mine["bad_streak"])
         self.skipped_device.fill_(self.skipped)
-        torch.set_rng_state(state["torch_rng"])
-        if "cuda_rng" in state and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
-        self.loader.load_state_dict(state["loader"])
+        self.loader.load_state_dict(mine["loader"])
+        if len(states) == self.world:
+            self.tokens_seen, self.flops_done = mine["tokens_seen"], mine["flops_done"]
+            torch.set_rng_state(mine["torch_rng"])
+            if "cuda_rng" in mine and self.device.type == "cuda":
+                torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
+            return
+        first = self.rank == 0
+        self.tokens_seen = sum(state["tokens_seen"] for state in states) if first else 0
+        self.flops_done = sum(state["flops_done"] for state in states) if first else 0
+        torch.manual_seed(hash((self.config.train.seed, self.rank, self.step)) % 2**63)
+        self._log_line(f"resuming {len(states)} rank(s)' run on {self.world}: the same micro-batches follow, "
+                       f"{self.loader.micro_batches_per_step} per step; dropout draws anew")
 
     def save_checkpoint(self) -> None:
         model_config = dataclasses.asdict(self.model_config)
@@ -353,9 +376,9 @@ class Trainer:
             step_sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss sum, predicted, correct, scored
             for i, batch in enumerate(micro_batches):
                 last = i + 1 == len(micro_batches)
-                out = self.engine(batch, seed=cfg.train.seed, step=self.micro_step, rank=self.rank,
-                                  compute_accuracy=logged)
-                self.micro_step += 1
+                # masks follow the micro-batch's place in the run, not the rank: the same on any number of ranks
+                index = self.step * self.loader.micro_batches_per_step + i * self.world + self.rank
+                out = self.engine(batch, seed=cfg.train.seed, step=index, compute_accuracy=logged)
                 loss = out.loss.detach()
                 torch.maximum(self.non_finite, (~torch.isfinite(loss)).float(), out=self.non_finite)
                 if last:
@@ -371,6 +394,7 @@ class Trainer:
                     step_sums[2] += out.num_correct
                     step_sums[3] += out.num_predicted
                 window["tokens"] += batch.num_tokens
+                window["digest"] = (window["digest"] + sequences_digest(batch.dataset_ids)) % DIGEST_MODULUS
                 flops = batch_training_flops(self.model_config, batch, out.masked.counts)
                 window["flops"] += flops
                 self.flops_done += flops
@@ -441,26 +465,28 @@ class Trainer:
         """Sums over the optimizer steps since the last log record: `sums` on the device (loss sum, predicted,
         correct, scored, over steps that were not skipped), the rest on the host."""
         return {"sums": torch.zeros(4, dtype=torch.float64, device=self.device), "tokens": 0, "flops": 0,
-                "paused": 0.0, "start": time.perf_counter()}
+                "digest": 0, "paused": 0.0, "start": time.perf_counter()}
 
     def _log_train(self, window: dict, bar) -> None:
         elapsed = time.perf_counter() - window["start"] - window["paused"]
-        host = torch.tensor([float(window["tokens"]), float(window["flops"]), float(self.flops_done)],
-                            dtype=torch.float64, device=self.device)
+        host = torch.tensor([float(window["tokens"]), float(window["flops"]), float(self.flops_done),
+                             float(self.tokens_seen), float(window["digest"])], dtype=torch.float64, device=self.device)
         totals = torch.cat([window["sums"], host])
         dist.all_reduce(totals)
         # the step flags were agreed across ranks, so every rank holds the same counters: read, not reduced
         values = torch.cat([totals, self.bad_streak_device.double()[None], self.skipped_device.double()[None]])
-        loss_sum, predicted, correct, scored, tokens, flops, flops_done, bad_streak, skipped = values.tolist()
+        (loss_sum, predicted, correct, scored, tokens, flops, flops_done, tokens_seen, digest, bad_streak,
+         skipped) = values.tolist()
         self._check_bad_streak(int(bad_streak), int(skipped))
         grad_norm = self.engine.get_global_grad_norm()
         record = {"kind": "train", "step": self.step, "loss": loss_sum / max(predicted, 1),
                   "accuracy": correct / max(scored, 1),
                   "lr": self.engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "tokens_per_s": tokens / elapsed, "mfu": flops / elapsed / self.peak_flops,
-                  "memory_mib": peak_memory_mib(self.device), "tokens_seen": self.tokens_seen * self.world,
+                  "memory_mib": peak_memory_mib(self.device), "tokens_seen": int(tokens_seen),
                   "flops": flops_done,
-                  "skipped": self.skipped, "epoch": self.loader.epoch}
+                  "skipped": self.skipped, "epoch": self.loader.epoch,
+                  "data_digest": int(digest) % DIGEST_MODULUS}
         if self.spec_peak_flops:
             record["mfu_spec"] = flops / elapsed / self.spec_peak_flops
         if self.metrics is not None:

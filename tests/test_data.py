@@ -9,6 +9,9 @@ import pytest
 
 from fastmae.config import BOS_ID, EOS_ID, MASK_ID
 from fastmae.data import PackedLoader, ShardSet, Tokenizer
+from fastmae.data.loader import CURSORS_KEPT
+from fastmae.data.order import EpochOrder, cut_by_budget
+from fastmae.data.sequences import SequenceIndex
 from fastmae.data.shards import shard_files
 from fastmae.errors import FastmaeError
 from fastmae.prepare import prepare
@@ -87,16 +90,25 @@ def drain(loader, n):
     return [next(it) for _ in range(n)]
 
 
+def epoch_plan(loader, epoch=0):
+    """This rank's micro-batches (sequence ids) of every step of `epoch`, in order."""
+    batches, position = [], 0
+    while (bounds := loader.planner.plan_step(epoch, position)) is not None:
+        batches += loader.step_sequences(epoch, bounds)
+        position = int(bounds[-1])
+    return batches
+
+
 @pytest.mark.parametrize("packing", ["full", "doc"])
 def test_packing_covers_every_token_once_and_respects_limits(dataset, packing):
     directory, _ = dataset
     loader = PackedLoader(directory, max_seq_len=32, packing=packing, tokens_per_batch=200, seed=1)
-    for batch in drain(loader, loader.batches_per_epoch):
+    for batch in drain(loader, loader.planner.steps_per_epoch()):
         tokens, cu = batch.tokens.numpy(), batch.cu_seqlens.numpy()
         assert batch.num_tokens <= 200 and batch.max_seqlen <= 32
         assert (tokens[cu[:-1]] == BOS_ID).all() and (tokens[cu[1:] - 1] == EOS_ID).all()
     # one rank: the epoch's micro-batches hold every sequence exactly once
-    order = np.concatenate(loader._batches_of_epoch(0))
+    order = np.concatenate(epoch_plan(loader))
     assert np.array_equal(np.sort(order), np.arange(loader.num_sequences))
     # and the sequences, in index order and without <s> ... </s>, are exactly the token stream: every token once
     tokens, lengths = loader.tokens_of(np.arange(loader.num_sequences))
@@ -119,7 +131,7 @@ def test_doc_packing_never_truncates(dataset):
     directory, _ = dataset
     loader = PackedLoader(directory, max_seq_len=16, packing="doc", tokens_per_batch=10_000)
     data = ShardSet(directory)
-    bodies = loader._stop - loader._start
+    bodies = loader.index.lengths.astype(np.int64) - 2
     assert bodies.sum() == data.num_tokens and bodies.max() <= 14
 
 
@@ -127,15 +139,16 @@ def test_ranks_get_disjoint_equal_shares(dataset):
     directory, _ = dataset
     per_rank = [PackedLoader(directory, max_seq_len=32, tokens_per_batch=128, rank=r, world_size=3, seed=2)
                 for r in range(3)]
-    counts = {loader.batches_per_epoch for loader in per_rank}
+    counts = {len(epoch_plan(loader)) for loader in per_rank}
     assert len(counts) == 1
-    seen = [set(np.concatenate(loader._batches_of_epoch(0)).tolist()) for loader in per_rank]
+    seen = [set(np.concatenate(epoch_plan(loader)).tolist()) for loader in per_rank]
     for i in range(3):
         for j in range(i + 1, 3):
             assert not seen[i] & seen[j], (i, j)
-    # together they cover the epoch but for the dropped remainder: fewer than world_size micro-batches
+    # together they cover the epoch but for the dropped remainder: fewer than one step's 3 micro-batches
     whole = PackedLoader(directory, max_seq_len=32, tokens_per_batch=128, rank=0, world_size=1, seed=2)
-    plan = whole._batches_of_epoch(0)
+    plan = epoch_plan(whole)
+    assert len(plan) > 3 * counts.pop() - 1
     union = set().union(*seen)
     assert union <= set(range(whole.num_sequences))
     dropped = set(range(whole.num_sequences)) - union
@@ -148,7 +161,7 @@ def test_same_seed_same_stream_other_epoch_other_order(dataset):
     b = drain(PackedLoader(directory, max_seq_len=32, tokens_per_batch=128, seed=5), 4)
     assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
     loader = PackedLoader(directory, max_seq_len=32, tokens_per_batch=128, seed=5)
-    assert not np.array_equal(loader._batches_of_epoch(0)[0], loader._batches_of_epoch(1)[0])
+    assert not np.array_equal(epoch_plan(loader, 0)[0], epoch_plan(loader, 1)[0])
 
 
 @pytest.mark.parametrize("packing", ["full", "doc"])
@@ -156,7 +169,7 @@ def test_exact_resume(dataset, packing):
     directory, _ = dataset
     make = lambda: PackedLoader(directory, max_seq_len=32, packing=packing, tokens_per_batch=128, seed=3)  # noqa
     loader = make()
-    n = loader.batches_per_epoch - 2  # resume across the epoch boundary
+    n = loader.planner.steps_per_epoch() - 2  # resume across the epoch boundary
     it = iter(loader)
     for _ in range(n):
         next(it)
@@ -168,6 +181,122 @@ def test_exact_resume(dataset, packing):
     for e, g in zip(expected, got):
         assert np.array_equal(e.tokens, g.tokens) and np.array_equal(e.cu_seqlens, g.cu_seqlens)
     assert fresh.epoch == 1
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 1000, 65_537, 250_001])
+def test_epoch_order_is_a_permutation_at_any_positions(n):
+    order = EpochOrder(n, seed=7, epoch=0)
+    ids = order[np.arange(n)]
+    assert np.array_equal(np.sort(ids), np.arange(n))
+    lo, hi = n // 3, min(n, n // 3 + 50)
+    assert np.array_equal(order[np.arange(lo, hi)], ids[lo:hi])  # a slice costs only its positions
+    if n >= 1000:
+        # shuffled like a uniform permutation (bounds: 5 standard deviations of one): neighbours in the order lie a
+        # third of the data apart on average, and position and id are uncorrelated
+        assert abs(np.abs(np.diff(ids)).mean() / n - 1 / 3) < 5 * 0.236 / np.sqrt(n)
+        assert abs(np.corrcoef(np.arange(n), ids)[0, 1]) < 5 / np.sqrt(n)
+        other = EpochOrder(n, seed=7, epoch=1)[np.arange(n)]
+        assert (other == ids).mean() < 0.01
+
+
+def _greedy_reference(lengths, budget):
+    """The greedy cut written as a plain loop over sequences."""
+    parts, begin, used = [], 0, 0
+    for i, length in enumerate(lengths.tolist()):
+        if used + length > budget and i > begin:
+            parts.append(slice(begin, i))
+            begin, used = i, 0
+        used += length
+    parts.append(slice(begin, len(lengths)))
+    return parts
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cut_by_budget_is_the_greedy_cut(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        lengths = rng.integers(3, 70, size=rng.integers(1, 400))
+        budget = int(rng.integers(3, 300))
+        assert cut_by_budget(lengths, budget) == _greedy_reference(lengths, budget)
+
+
+def test_sequence_index_locates_every_sequence():
+    """Stream spans from the stored lengths and every 64th offset equal a cumulative sum over all sequences, with
+    empty shards and empty documents in between."""
+    rng = np.random.default_rng(3)
+    shards = [rng.integers(0, 90, size=rng.integers(0, 200)) for _ in range(12)] + [np.zeros(0, dtype=np.int64)]
+    for packing in ("full", "doc"):
+        index = SequenceIndex(shards, max_seq_len=20, packing=packing)
+        bodies = index.lengths.astype(np.int64) - 2
+        starts = np.concatenate(([0], np.cumsum(bodies)[:-1]))
+        shard = np.searchsorted(index.shard_starts, starts, side="right") - 1
+        got_shard, got_start, got_stop = index.stream_spans(np.arange(len(index)))
+        assert np.array_equal(got_shard, shard)
+        assert np.array_equal(got_start, starts - index.shard_starts[shard])
+        assert np.array_equal(got_stop - got_start, bodies)
+        assert bodies.max() <= 18 and (bodies > 0).all()
+        streams = [d.sum() + (len(d) if packing == "full" else 0) for d in shards]
+        assert np.array_equal(np.diff(index.shard_starts), streams)
+
+
+def _steps(loader, count):
+    """`count` optimizer steps of `loader` as each step's sorted sequence ids (this rank's share)."""
+    it = iter(loader)
+    steps = []
+    for _ in range(count):
+        batches = [next(it) for _ in range(loader.micro_batches_per_step // loader.world_size)]
+        steps.append(np.sort(np.concatenate([b.dataset_ids for b in batches])))
+    return steps
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2), (3, 2)])
+def test_elastic_resume_continues_the_same_sequences(dataset, before, after):
+    """A step is the same micro-batches on 1, 2 or 3 ranks (6 a step: grad_accum 6 / 3 / 2); a cursor saved on
+    `before` ranks resumes on `after`, across the epoch's end, without repeating or skipping a sequence."""
+    directory, _ = dataset
+
+    def loaders(world):
+        return [PackedLoader(directory, max_seq_len=32, tokens_per_batch=128, rank=r, world_size=world,
+                             grad_accum=6 // world, seed=4) for r in range(world)]
+
+    def union(per_rank):  # the steps of all ranks, merged
+        return [np.sort(np.concatenate(parts)) for parts in zip(*per_rank)]
+
+    reference = loaders(1)[0]
+    per_epoch = reference.planner.steps_per_epoch()
+    assert per_epoch >= 4
+    straight = union([_steps(reference, per_epoch + 3)])
+    first = loaders(before)
+    cut = per_epoch - 2
+    head = union([_steps(loader, cut) for loader in first])
+    states = [loader.state_dict(cut) for loader in first]
+    assert all(state == states[0] for state in states)  # the cursor does not depend on the rank
+    resumed = loaders(after)
+    for loader in resumed:
+        loader.load_state_dict(json.loads(json.dumps(states[0])))
+    tail = union([_steps(loader, 5) for loader in resumed])
+    for got, expected in zip(head + tail, straight):
+        assert np.array_equal(got, expected)
+    epoch0 = np.concatenate(straight[:per_epoch])
+    assert len(np.unique(epoch0)) == len(epoch0)  # no sequence twice in an epoch
+    assert reference.num_sequences - len(epoch0) < 6 * 128  # at most one step's worth left out
+
+
+def test_the_cursor_of_a_step_survives_batches_drawn_ahead(dataset):
+    """The trainer asks for the cursor after the step it finished while the next micro-batch is already drawn."""
+    directory, _ = dataset
+    make = lambda: PackedLoader(directory, max_seq_len=32, tokens_per_batch=128, grad_accum=2, seed=6)  # noqa
+    loader = make()
+    it = iter(loader)
+    drawn = [next(it) for _ in range(7)]  # steps 1-3 and the first micro-batch of step 4
+    fresh = make()
+    fresh.load_state_dict(loader.state_dict(3))
+    again = next(iter(fresh))
+    assert np.array_equal(again.dataset_ids, drawn[6].dataset_ids)
+    for _ in range(2 * CURSORS_KEPT):
+        next(it)
+    with pytest.raises(FastmaeError, match="no cursor for step 0"):  # long forgotten: an error, not a wrong cursor
+        loader.state_dict(0)
 
 
 def test_resume_into_other_data_is_an_error(dataset):
@@ -258,6 +387,66 @@ def test_missing_jsonl_field_fails_the_cli_in_one_line(tmp_path):
     assert not (tmp_path / "ds" / "meta.json").exists()
 
 
+def _compress(kind, data):
+    import bz2
+    import gzip
+
+    import zstandard
+
+    if kind == "zst":  # two frames, as concatenated .zst files are
+        half = len(data) // 2
+        return b"".join(zstandard.ZstdCompressor().compress(part) for part in (data[:half], data[half:]))
+    return gzip.compress(data) if kind == "gz" else bz2.compress(data)
+
+
+def _documents(directory):
+    """Every document of a dataset's train split as a tuple of token ids, sorted."""
+    return sorted(tuple(shard.tokens[a:b].tolist()) for shard in ShardSet(directory).shards
+                  for a, b in zip(shard.offsets[:-1], shard.offsets[1:]))
+
+
+def test_prepare_reads_directories_and_compressed_files(tmp_path):
+    """A directory stands for its files at any depth matching --glob (hidden ones skipped); .gz, .bz2 and .zst
+    (several frames) are read as streams and give the same dataset as the plain files."""
+    docs = [" ".join(WORDS[i % 30:i % 30 + 6]) + f" {i}" for i in range(120)]
+    parts = [docs[:30], docs[30:60], docs[60:90], docs[90:]]
+    plain, packed = tmp_path / "plain", tmp_path / "corpus"
+    plain.mkdir()
+    for i, part in enumerate(parts):
+        (plain / f"{i}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
+    for name, kind, part in [("a/0.jsonl.gz", "gz", parts[0]), ("a/b/1.jsonl.bz2", "bz2", parts[1]),
+                             ("c/2.jsonl.zst", "zst", parts[2]), ("3.jsonl", None, parts[3])]:
+        path = packed / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = "".join(json.dumps({"text": d}) + "\n" for d in part).encode()
+        path.write_bytes(_compress(kind, data) if kind else data)
+    (packed / "README.md").write_text("not a corpus file")
+    (packed / ".cache").mkdir()
+    (packed / ".cache" / "9.jsonl").write_text(json.dumps({"text": "hidden"}) + "\n")
+    kwargs = dict(fmt="jsonl", vocab_size=40, valid_fraction=0.0, workers=1, progress=False)
+    prepare(sorted(plain.iterdir()), tmp_path / "want", **kwargs)
+    got = prepare([packed], tmp_path / "got", glob="*.jsonl*", tokenizer_path=tmp_path / "want" / "tokenizer.model",
+                  **kwargs)
+    assert got["inputs"] == [str(packed / n) for n in ("3.jsonl", "a/0.jsonl.gz", "a/b/1.jsonl.bz2", "c/2.jsonl.zst")]
+    assert got["splits"]["train"]["documents"] == 120
+    assert _documents(tmp_path / "got") == _documents(tmp_path / "want")
+    with pytest.raises(FastmaeError, match="no file matching --glob '[*].parquet'"):
+        prepare([packed], tmp_path / "none", glob="*.parquet", **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["gz", "bz2", "zst"])
+def test_a_truncated_archive_is_a_one_line_error_naming_it(tmp_path, kind):
+    data = "".join(json.dumps({"text": f"{WORDS[i % 30]} {i}"}) + "\n" for i in range(3000)).encode()
+    path = tmp_path / f"in.jsonl.{kind}"
+    path.write_bytes(_compress(kind, data)[:-40])
+    proc = subprocess.run([sys.executable, "-m", "fastmae.prepare", "--input", str(path), "--format", "jsonl",
+                           "--output", str(tmp_path / "ds"), "--vocab-size", "30"], capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"fastmae prepare: error: {path}: corrupt or truncated")
+    assert not (tmp_path / "ds" / "meta.json").exists()
+
+
 def test_parquet_reads_the_named_column(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
@@ -306,7 +495,7 @@ from fastmae.data import PackedLoader
 for split in ("train", "valid"):
     loader = PackedLoader({str(tmp_path / "ds")!r}, split=split, max_seq_len=32, tokens_per_batch=256)
     batches = iter(loader)
-    tokens = sum(next(batches).num_tokens for _ in range(loader.batches_per_epoch + 3))  # past an epoch's end
+    tokens = sum(next(batches).num_tokens for _ in range(loader.planner.steps_per_epoch() + 3))  # past an epoch's end
     assert tokens > 0
 print("ok")
 """

@@ -35,21 +35,24 @@ def test_plan_matches_a_brute_force_sum(preset, ranks, grad_accum):
     cumulative = np.cumsum(per_step)
     assert len(set(per_step)) > 5  # the steps really differ
     budget = float(cumulative[20]) + 0.5 * per_step[21]  # inside step 22
-    plan = plan_budget(streams, config, grad_accum, budget, eval_every_flops=budget / 4)
+    # all ranks' micro-batches in training order: step by step, each rank's grad_accum in turn
+    flat = [streams[r][s * grad_accum + a] for s in range(400 // grad_accum) for r in range(ranks)
+            for a in range(grad_accum)]
+    plan = plan_budget(flat, config, ranks * grad_accum, budget, eval_every_flops=budget / 4)
     assert plan.exact and plan.steps == 21 and plan.planned_flops == cumulative[20]
     expected_evals = [int(np.searchsorted(cumulative, m * budget / 4, side="right")) for m in (1, 2, 3, 4)]
     assert list(plan.eval_steps) == expected_evals and plan.eval_steps[-1] == plan.steps
     # a budget of exactly k steps' FLOPs includes step k
-    assert plan_budget(streams, config, grad_accum, float(cumulative[9])).steps == 10
+    assert plan_budget(flat, config, ranks * grad_accum, float(cumulative[9])).steps == 10
 
 
 def test_plan_extrapolates_past_its_exact_window():
     config = tiny_config("mlm")
     batch = tiny_batch(4, seed=1)
     step = batch_training_flops(config, batch)
-    plan = plan_budget([iter(lambda: batch, None)], config, 1, 1000.5 * step, exact_micro_batches=10)
+    plan = plan_budget(iter(lambda: batch, None), config, 1, 1000.5 * step, exact_micro_batches=10)
     assert not plan.exact and plan.steps == 1000 and plan.flops_per_step == step
-    assert plan_budget([iter(lambda: batch, None)], config, 1, 0.5 * step).steps == 0
+    assert plan_budget(iter(lambda: batch, None), config, 1, 0.5 * step).steps == 0
 
 
 def test_trainer_flops_are_the_models_own_count():
@@ -146,7 +149,7 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys):
     assert 0 < study["objectives"]["mlm"]["percent_of_mlm_compute_to_match"] <= 100.0  # < 100 if its loss rose late
     # the trainer counted exactly the FLOPs its plan promised (the plan reads the same batches)
     config = ModelConfig.from_dict(json.loads((out / "runs" / "3ml-seed0" / "model_config.json").read_text()))
-    plan = plan_budget([PackedLoader(data, "train", max_seq_len=config.max_seq_len, tokens_per_batch=512, seed=0)],
+    plan = plan_budget(PackedLoader(data, "train", max_seq_len=config.max_seq_len, tokens_per_batch=512, seed=0),
                        config, 1, budget)
     assert (plan.steps, plan.planned_flops) == (study["objectives"]["3ml"]["steps"][0],
                                                 study["objectives"]["3ml"]["flops"])

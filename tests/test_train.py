@@ -102,11 +102,10 @@ def test_flop_budget_on_two_ranks_ends_and_evaluates_where_the_plan_says(dataset
     ranks then count (summed) equal the plan's to the FLOP."""
     config = ModelConfig.preset("mae-lm", hidden_size=32, num_heads=2, encoder_layers=2, decoder_layers=1,
                                 intermediate_size=64, max_seq_len=64, vocab_size=PackedLoader(dataset).vocab_size)
-    loaders = [PackedLoader(dataset, max_seq_len=64, tokens_per_batch=256, rank=r, world_size=2) for r in (0, 1)]
-    step = plan_budget(loaders, config, 1, 1e30, exact_micro_batches=2).flops_per_step
+    stream = PackedLoader(dataset, max_seq_len=64, tokens_per_batch=256, world_size=2)  # both ranks' micro-batches
+    step = plan_budget(stream.every_rank(), config, 2, 1e30, exact_micro_batches=2).flops_per_step
     budget = 7.5 * step
-    loaders = [PackedLoader(dataset, max_seq_len=64, tokens_per_batch=256, rank=r, world_size=2) for r in (0, 1)]
-    plan = plan_budget(loaders, config, 1, budget, eval_every_flops=budget / 3)
+    plan = plan_budget(stream.every_rank(), config, 2, budget, eval_every_flops=budget / 3)
     run = launch(overrides(dataset, tmp_path / "budget", steps=1000, **{
         "train.flops_budget": budget, "eval.every_flops": budget / 3, "eval.every": 0}))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -186,9 +185,9 @@ def test_loss_weighs_every_predicted_token_of_the_step_the_same(dataset, tmp_pat
     loss_sum, counts = 0.0, []
     for rank in (0, 1):
         loader = iter(PackedLoader(dataset, "train", max_seq_len=64, packing="doc", tokens_per_batch=256, rank=rank,
-                                   world_size=2, seed=seed))
-        for micro_step in (0, 1):
-            out = model(next(loader), seed=seed, step=micro_step, rank=rank)
+                                   world_size=2, grad_accum=2, seed=seed))
+        for i in (0, 1):  # the step's micro-batches rank, rank + 2; masks follow that place in the step
+            out = model(next(loader), seed=seed, step=i * 2 + rank)
             loss_sum = loss_sum + out.loss * out.num_predicted
             counts.append(out.num_predicted)
     assert len(set(counts)) > 1, counts  # micro-batches with different numbers of predicted tokens
@@ -310,6 +309,48 @@ def test_a_run_derives_grad_accum_from_tokens_per_step(dataset, tmp_path):
     assert proc.returncode == 1 and "train.tokens_per_step=1000 is not a multiple of 1 rank(s)" in stderr
 
 
+def train_records(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def straight_two_ranks(dataset, tmp_path_factory):
+    """The uninterrupted run the elastic ones are compared with: 2 ranks, 2 micro-batches of 256 tokens a step."""
+    run_dir = tmp_path_factory.mktemp("elastic") / "straight"
+    run = launch(overrides(dataset, run_dir, **ELASTIC))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run_dir
+
+
+ELASTIC = {"train.tokens_per_step": 512, "model.dropout": 0.0, "model.attention_dropout": 0.0, "eval.every": 0}
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_a_run_resumes_on_another_number_of_ranks(dataset, tmp_path, straight_two_ranks, before, after):
+    """Checkpointed on `before` ranks at step 3, resumed on `after`: every step draws the same sequences as the
+    uninterrupted run (the logged digest of each step's sequence ids), and with dropout off the losses and final
+    weights agree up to the order of fp32 sums (gradients reduced over ranks or accumulated)."""
+    run_dir = tmp_path / "elastic"
+    killed = launch(overrides(dataset, run_dir, **ELASTIC), env_extra={"FASTMAE_FAULT_AT_STEP": "3"}, ranks=before)
+    assert killed.returncode != 0 and (run_dir / "checkpoints" / "step00000003" / "COMPLETE").is_file()
+    resumed = launch(overrides(dataset, run_dir, **ELASTIC), ranks=after)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"saved by {before} rank(s): converting it to DeepSpeed's universal checkpoint for {after}" \
+        in resumed.stderr
+    expected, got = train_records(straight_two_ranks), train_records(run_dir)
+    assert sorted(got) == sorted(expected) == list(range(1, 7))
+    assert [got[s]["data_digest"] for s in got] == [expected[s]["data_digest"] for s in got]
+    assert len({expected[s]["data_digest"] for s in expected}) == 6  # the digests tell steps apart
+    for step in expected:
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-4), step
+        assert got[step]["tokens_seen"] == expected[step]["tokens_seen"]
+        assert got[step]["flops"] == expected[step]["flops"]
+    a, b = load_file(straight_two_ranks / "model.safetensors"), load_file(run_dir / "model.safetensors")
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-6), name
+
+
 def single_process(args, timeout=300, env_extra=None, **popen):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
     env.update({"PYTHONUNBUFFERED": "1", **(env_extra or {})})
@@ -320,7 +361,7 @@ def single_process(args, timeout=300, env_extra=None, **popen):
 def test_non_finite_losses_are_skipped_then_stop_the_run(dataset, tmp_path):
     # an absurd learning rate blows the weights up within a few steps; every later loss is non-finite
     proc = single_process(overrides(dataset, tmp_path / "nan", steps=50, **{
-        "train.lr": 1e6, "train.clip": 0.0, "train.warmup_steps": 0, "train.max_bad_steps": 3, "eval.every": 0}))
+        "train.lr": 1e12, "train.clip": 0.0, "train.warmup_steps": 0, "train.max_bad_steps": 3, "eval.every": 0}))
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1, stderr[-2000:]
     assert "step(s) skipped" in stderr

@@ -1,16 +1,113 @@
-"""Document readers: plain text, JSONL, Parquet, Hugging Face datasets saved to disk; the embedded corpus."""
+"""Document readers: plain text, JSONL, Parquet, Hugging Face datasets saved to disk; the embedded corpus.
+
+Text and JSONL files may be compressed (`.gz`, `.bz2`, `.zst`/`.zstd`, by suffix): they are decompressed as a stream,
+never whole. Directories given as inputs stand for their files at any depth that match a glob (`expand_inputs`).
+"""
 
 from __future__ import annotations
 
+import bz2
+import contextlib
+import gzip
+import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
+
+import zstandard
 
 from ..errors import FastmaeError
 from .builtin import builtin_documents
 
 FORMATS = ("text", "jsonl", "parquet", "hf", "builtin")
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bzip2", ".zst": "zstd", ".zstd": "zstd"}
+
+
+def expand_inputs(inputs: list[Path], pattern: str = "*", fmt: str = "text") -> list[Path]:
+    """The files to read: a file as given; a directory (but a saved Hugging Face dataset, `hf`) as its files at any
+    depth whose names match `pattern`, sorted, hidden ones (a part starting with '.') left out."""
+    files = []
+    for path in inputs:
+        if not path.exists():
+            raise FastmaeError(f"{path}: no such file or directory")
+        if not path.is_dir() or fmt == "hf":
+            files.append(path)
+            continue
+        found = sorted(p for p in path.rglob(pattern)
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not found:
+            raise FastmaeError(f"{path}: a directory with no file matching --glob {pattern!r}")
+        files += found
+    return files
+
+
+class _ZstdStream(io.RawIOBase):
+    """A .zst file's decompressed bytes, frame after frame; a file that ends inside a frame is an error (zstandard's
+    own stream reader would stop there silently)."""
+
+    def __init__(self, path: Path):
+        self._file = path.open("rb")
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame = self._decompressor.decompressobj()
+        self._in_frame = False
+        self._pending, self._offset = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def _refill(self) -> bool:
+        """Decompress more input into `_pending`; False at the end of the file."""
+        while self._offset >= len(self._pending):
+            chunk = self._file.read(1 << 20)
+            if not chunk:
+                if self._in_frame:
+                    raise EOFError("the file ends inside a zstd frame")
+                return False
+            out = []
+            while chunk:
+                out.append(self._frame.decompress(chunk))
+                self._in_frame = not self._frame.eof
+                chunk = b""
+                if self._frame.eof:  # the next frame starts in what is left over
+                    chunk = self._frame.unused_data
+                    self._frame = self._decompressor.decompressobj()
+            self._pending, self._offset = b"".join(out), 0
+        return True
+
+    def readinto(self, buffer) -> int:
+        if not self._refill():
+            return 0
+        count = min(len(buffer), len(self._pending) - self._offset)
+        buffer[:count] = self._pending[self._offset:self._offset + count]
+        self._offset += count
+        return count
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+@contextlib.contextmanager
+def open_input(path: Path) -> Iterator[BinaryIO]:
+    """`path` opened for reading bytes, decompressed by its suffix; a corrupt or truncated archive raises a
+    FastmaeError naming the file."""
+    kind = COMPRESSIONS.get(path.suffix.lower())
+    if kind == "gzip":
+        handle = gzip.open(path, "rb")
+    elif kind == "bzip2":
+        handle = bz2.open(path, "rb")
+    elif kind == "zstd":
+        handle = io.BufferedReader(_ZstdStream(path))
+    else:
+        handle = path.open("rb")
+    try:
+        yield handle
+    except (EOFError, OSError, zstandard.ZstdError) as err:
+        raise FastmaeError(f"{path}: corrupt or truncated {kind or 'file'} ({err})") from None
+    finally:
+        handle.close()
 
 
 @dataclass
@@ -36,7 +133,7 @@ def _decode(raw: bytes, where: str, on_decode_error: str, stats: ReadStats) -> s
 def _text_documents(path: Path, text_mode: str, on_decode_error: str, stats: ReadStats) -> Iterator[str]:
     """One document per line (`line`) or per blank-line separated block (`paragraph`)."""
     block: list[str] = []
-    with path.open("rb") as handle:
+    with open_input(path) as handle:
         for number, raw in enumerate(handle, 1):
             line = _decode(raw, f"{path}:{number}", on_decode_error, stats)
             if line is None:
@@ -56,7 +153,7 @@ def _text_documents(path: Path, text_mode: str, on_decode_error: str, stats: Rea
 
 
 def _jsonl_documents(path: Path, text_field: str, on_decode_error: str, stats: ReadStats) -> Iterator[str]:
-    with path.open("rb") as handle:
+    with open_input(path) as handle:
         for number, raw in enumerate(handle, 1):
             line = _decode(raw, f"{path}:{number}", on_decode_error, stats)
             if line is None or not line.strip():
@@ -108,7 +205,8 @@ def _hf_documents(path: Path, column: str) -> Iterator[str]:
 
 def read_documents(inputs: list[Path], fmt: str, text_field: str = "text", text_mode: str = "line",
                    on_decode_error: str = "fail", stats: ReadStats | None = None) -> Iterator[str]:
-    """Every non-empty document of `inputs`, in order. Errors name the file (and line) and the problem."""
+    """Every non-empty document of `inputs` (files; see `expand_inputs`), in order. Errors name the file (and line)
+    and the problem."""
     stats = stats if stats is not None else ReadStats()
     if fmt not in FORMATS:
         raise FastmaeError(f"--format {fmt!r}: choose one of {FORMATS}")
