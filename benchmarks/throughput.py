@@ -63,12 +63,11 @@ def make_tokens(sequences: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------- one system, one process
 def _init_world_of_one() -> None:
-    import deepspeed
-
     from fastmae.train import set_world_of_one_env
+    from fastmae.trainer import init_distributed
 
     set_world_of_one_env()
-    deepspeed.init_distributed(verbose=False)
+    init_distributed()
 
 
 def _engine(model: torch.nn.Module, precision: str, device: torch.device):

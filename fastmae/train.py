@@ -16,7 +16,8 @@ if __name__ == "__main__" and not __package__:
     sys.path = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _here]
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
+import faulthandler  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 
 from fastmae.config import load_run_config  # noqa: E402
@@ -46,18 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a rank is, on its stderr
     try:
         config = load_run_config(args.config, args.overrides)
     except ValueError as err:
         print(f"fastmae train: error: {err}", file=sys.stderr)
         return 2
     set_world_of_one_env()
-    import deepspeed
+    from fastmae.trainer import Trainer, init_distributed
 
-    from fastmae.trainer import Trainer
-
-    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=config.train.collective_timeout_s),
-                               verbose=False)
+    init_distributed(config.train.collective_timeout_s)
     return run_command("fastmae train", lambda: Trainer(config, args.resume).run())
 
 

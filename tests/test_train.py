@@ -416,13 +416,13 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):
 
 
 WORLD_OF_ONE = """
-import deepspeed, torch
+import torch
 from fastmae.train import set_world_of_one_env
 set_world_of_one_env()
-deepspeed.init_distributed(verbose=False)
+from fastmae.trainer import build_engine, init_distributed
+init_distributed()
 from fastmae import MaskedLM, ModelConfig, PackedBatch
 from fastmae.config import RunConfig
-from fastmae.trainer import build_engine
 
 batches = [PackedBatch.from_sequences(torch.randint(5, 50, (3, 20), generator=torch.Generator().manual_seed(i))
                                       .tolist()) for i in range(3)]
