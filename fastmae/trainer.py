@@ -387,7 +387,9 @@ class Trainer:
             micro_batches = [next(batches) for _ in range(cfg.train.grad_accum)]
             weight = self._per_token_weight(micro_batches)
             self.non_finite.zero_()
-            step_sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss sum, predicted, correct, scored
+            # loss sum, predicted, correct, scored, and this step's share of one averaged step (1 / ranks)
+            step_sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+            step_sums[4] = 1.0 / self.world  # a fill on the device, no copy from the host
             for i, batch in enumerate(micro_batches):
                 last = i + 1 == len(micro_batches)
                 # masks follow the micro-batch's place in the run, not the rank: the same on any number of ranks
@@ -478,7 +480,7 @@ class Trainer:
     def _new_window(self) -> dict:
         """Sums over the optimizer steps since the last log record: `sums` on the device (loss sum, predicted,
         correct, scored, over steps that were not skipped), the rest on the host."""
-        return {"sums": torch.zeros(4, dtype=torch.float64, device=self.device), "tokens": 0, "flops": 0,
+        return {"sums": torch.zeros(5, dtype=torch.float64, device=self.device), "tokens": 0, "flops": 0,
                 "digest": 0, "paused": 0.0, "start": time.perf_counter()}
 
     def _log_train(self, window: dict, bar) -> None:
@@ -489,11 +491,12 @@ class Trainer:
         dist.all_reduce(totals)
         # the step flags were agreed across ranks, so every rank holds the same counters: read, not reduced
         values = torch.cat([totals, self.bad_streak_device.double()[None], self.skipped_device.double()[None]])
-        (loss_sum, predicted, correct, scored, tokens, flops, flops_done, tokens_seen, digest, bad_streak,
+        (loss_sum, predicted, correct, scored, averaged, tokens, flops, flops_done, tokens_seen, digest, bad_streak,
          skipped) = values.tolist()
         self._check_bad_streak(int(bad_streak), int(skipped))
         grad_norm = self.engine.get_global_grad_norm()
         record = {"kind": "train", "step": self.step, "loss": loss_sum / max(predicted, 1),
+                  "averaged_steps": round(averaged),  # since the last record (or the resume), skipped ones left out
                   "accuracy": correct / max(scored, 1),
                   "lr": self.engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "tokens_per_s": tokens / elapsed, "mfu": flops / elapsed / self.peak_flops,

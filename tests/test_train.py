@@ -358,6 +358,19 @@ def single_process(args, timeout=300, env_extra=None, **popen):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
+def test_train_records_say_how_many_steps_they_average(dataset, tmp_path):
+    """log.every=2: records average two steps, but the first after a resume (at step 3) only one, and says so."""
+    args = overrides(dataset, tmp_path / "avg", steps=5, **{"log.every": 2, "eval.every": 0})
+    killed = single_process(args, env_extra={"FASTMAE_FAULT_AT_STEP": "3"})
+    killed.communicate(timeout=300)
+    assert killed.returncode == 17
+    resumed = single_process(args)
+    _, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, stderr[-3000:]
+    averaged = {s: r["averaged_steps"] for s, r in train_records(tmp_path / "avg").items()}
+    assert averaged == {2: 2, 4: 1, 5: 1}
+
+
 def test_non_finite_losses_are_skipped_then_stop_the_run(dataset, tmp_path):
     # an absurd learning rate blows the weights up within a few steps; every later loss is non-finite
     proc = single_process(overrides(dataset, tmp_path / "nan", steps=50, **{
