@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # Fixed special-token ids, shared by the tokenizer (data pipeline) and the model.
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID = 0, 1, 2, 3, 4
@@ -234,24 +235,35 @@ def from_arguments(cls, args):
 # --------------------------------------------------------------------------------------------- training configs
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
+BUILTIN_ROOT = "runs/data"
+"""Where `data.path: builtin` prepares the embedded corpus (relative to the working directory)."""
+
+
 @dataclass
 class DataConfig:
     """Where the tokens come from and how they are packed."""
 
-    path: str = "runs/data/builtin"
-    """A dataset directory written by `fastmae prepare`."""
-    prepare_builtin: bool = False
-    """If `path` holds no dataset yet, prepare the embedded Python-docs corpus there first (the offline demo)."""
+    path: str = "builtin"
+    """A dataset directory written by `fastmae prepare`, or `builtin`: the embedded Python-docs corpus (the offline
+    demo), prepared on first use into BUILTIN_ROOT/builtin-v{builtin_vocab_size}. A path that holds no dataset is an
+    error, never a reason to build one."""
     builtin_vocab_size: int = 8000
-    """Tokenizer size when prepare_builtin trains one."""
+    """Tokenizer size of the embedded corpus (path: builtin)."""
     builtin_valid_fraction: float = 0.05
-    """Share of the embedded corpus's documents held out for evaluation when prepare_builtin prepares it."""
+    """Share of the embedded corpus's documents held out for evaluation (path: builtin)."""
     packing: str = "full"
     """`full` (RoBERTa FULL-SENTENCES) or `doc` (one document per varlen sequence)."""
     tokens_per_micro_batch: int = 8192
     """Token budget of one micro-batch on one rank (specials included)."""
     verify_checksums: bool = False
     """Hash every shard at start-up (slow for big corpora; sizes and indexes are always checked)."""
+
+    @property
+    def directory(self) -> Path:
+        """The dataset directory: `path`, or where `builtin` is prepared."""
+        if self.path == "builtin":
+            return Path(BUILTIN_ROOT) / f"builtin-v{self.builtin_vocab_size}"
+        return Path(self.path)
 
     def validate(self) -> None:
         if self.packing not in ("full", "doc"):

@@ -201,7 +201,7 @@ def run_config_text(run: Run, args, budget: float, preset: StudyPreset) -> str:
     overrides = [*preset.run, *args.overrides,
                  f"model.preset={run.objective.preset}",
                  *(f"model.{key}={json.dumps(value)}" for key, value in run.objective.overrides.items()),
-                 f"data.path={Path(args.data).resolve()}", "data.prepare_builtin=false", f"log.dir={run.dir.resolve()}",
+                 f"data.path={Path(args.data).resolve()}", f"log.dir={run.dir.resolve()}",
                  f"train.seed={run.seed}", f"train.flops_budget={budget!r}", "eval.every=0",
                  f"eval.every_flops={budget / preset.eval_points!r}"]
     try:

@@ -154,14 +154,14 @@ class Trainer:
         try:
             self.model_config = config.model_config(self.loader.vocab_size)
         except ValueError as err:
-            raise FastmaeError(f"{data.path}: {err}") from None
+            raise FastmaeError(f"{data.directory}: {err}") from None
         self.eval_steps = None  # evaluate at these steps (a FLOP budget's plan) instead of every eval.every
         if train.flops_budget > 0:
             self._plan_budget()
             config, train = self.config, self.config.train
         self.held_out = None  # the same sequences and masks for every objective, world size and micro-batch size
         if config.eval.every > 0 or self.eval_steps:
-            self.held_out = HeldOutSet(data.path, max_seq_len=self.model_config.max_seq_len, packing=data.packing,
+            self.held_out = HeldOutSet(data.directory, max_seq_len=self.model_config.max_seq_len, packing=data.packing,
                                        tokens_per_batch=data.tokens_per_micro_batch, sequences=config.eval.sequences,
                                        mask_rate=config.eval.mask_rate, seed=config.eval.seed, rank=self.rank,
                                        world_size=self.world)
@@ -206,12 +206,12 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ setup
     def _prepare_data_if_asked(self) -> None:
         data = self.config.data
-        if data.prepare_builtin and not (Path(data.path) / "meta.json").is_file():
+        if data.path == "builtin" and not (data.directory / "meta.json").is_file():
             if self.rank == 0:
                 from .prepare import prepare
 
-                self._log_line(f"preparing the embedded corpus in {data.path} (once)")
-                prepare([], Path(data.path), fmt="builtin", vocab_size=data.builtin_vocab_size,
+                self._log_line(f"preparing the embedded corpus in {data.directory} (once)")
+                prepare([], data.directory, fmt="builtin", vocab_size=data.builtin_vocab_size,
                         valid_fraction=data.builtin_valid_fraction,
                         workers=1, progress=False)
             dist.barrier()
@@ -276,7 +276,7 @@ class Trainer:
         (self.run_dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(self.model_config), indent=1))
         (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=1))
         # the run directory stands alone for export, finetune and analyze, wherever the data goes later
-        atomic_write_bytes(self.run_dir / TOKENIZER_FILE, (Path(self.config.data.path) / TOKENIZER_FILE).read_bytes())
+        atomic_write_bytes(self.run_dir / TOKENIZER_FILE, (self.config.data.directory / TOKENIZER_FILE).read_bytes())
 
     def _log_line(self, text: str) -> None:
         if self.rank == 0:

@@ -95,7 +95,7 @@ step throughput_benchmark "$python" benchmarks/throughput.py --size base --seque
     --systems hf-roberta,mlm,3ml --compile
 keep throughput
 step train_3ml_base deepspeed --num_gpus 1 fastmae/train.py --config configs/3ml-base.yaml --resume none \
-    data.path=runs/data/builtin-v8000 data.prepare_builtin=true data.builtin_vocab_size=8000 \
+    data.path=builtin data.builtin_vocab_size=8000 \
     train.steps=50 train.tokens_per_step=16384 train.warmup_steps=10 eval.every=50 eval.sequences=256 \
     checkpoint.every=50 checkpoint.keep=1 log.every=5 "log.dir=$run_dir"
 echo "+ cp $run_dir/{metrics.jsonl,curves.png,config.yaml,deepspeed_config.json} $out/"

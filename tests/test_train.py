@@ -358,6 +358,22 @@ def single_process(args, timeout=300, env_extra=None, **popen):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
+def test_a_mistyped_data_path_is_an_error_not_the_embedded_corpus(tmp_path):
+    """The demo config builds the embedded corpus only for `data.path: builtin`; any other missing path stops."""
+    typo = tmp_path / "runs" / "data" / "bultin-v1000"
+    proc = single_process(["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), f"data.path={typo}",
+                           f"log.dir={tmp_path / 'run'}", "train.steps=1"])
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert stderr.strip().splitlines()[-1] == (f"fastmae train: error: {typo / 'meta.json'}: missing; run "
+                                               f"`fastmae prepare --output {typo}` first")
+    assert not typo.exists()
+    demo = load_run_config(str(ROOT / "configs" / "tiny-cpu.yaml")).data
+    assert demo.path == "builtin" and demo.directory == Path("runs/data/builtin-v1000")
+    with pytest.raises(ValueError, match="prepare_builtin"):  # the old switch is gone, and says so by name
+        load_run_config(str(ROOT / "configs" / "tiny-cpu.yaml"), ["data.prepare_builtin=true"])
+
+
 def test_train_records_say_how_many_steps_they_average(dataset, tmp_path):
     """log.every=2: records average two steps, but the first after a resume (at step 3) only one, and says so."""
     args = overrides(dataset, tmp_path / "avg", steps=5, **{"log.every": 2, "eval.every": 0})
