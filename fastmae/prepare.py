@@ -4,7 +4,8 @@
     fastmae prepare --input corpus/*.jsonl --format jsonl --field text --output data/web --vocab-size 50000
     fastmae prepare --input dumps/ --glob '*.jsonl.zst' --format jsonl --output data/web --tokenizer tok.model
 
-Re-running with the same inputs skips finished shards. Every file is written atomically; a failure exits non-zero
+Re-running with the same inputs skips finished shards that verify (size, document index, sha256) and rebuilds the
+others. Every file is written atomically; a failure exits non-zero
 with a one-line error naming the file and the problem, and leaves no half-written output.
 """
 
@@ -25,7 +26,7 @@ from tqdm import tqdm
 
 from .atomic import atomic_write_bytes, atomic_write_text
 from .data.readers import FORMATS, ReadStats, expand_inputs, read_documents
-from .data.shards import FORMAT_VERSION, SPLITS, read_shard_meta, token_dtype, write_shard
+from .data.shards import FORMAT_VERSION, SPLITS, finished_shard_problem, read_shard_meta, token_dtype, write_shard
 from .data.tokenizer import TOKENIZER_FILE, Tokenizer, train_sentencepiece
 from .errors import FastmaeError, run_command
 from .kernels.hashing import hash32_int
@@ -122,11 +123,14 @@ def prepare(inputs: list[Path], output: Path, fmt: str = "text", text_field: str
         in_flight: collections.deque = collections.deque()  # at most 2 chunks per worker held in memory
         for index, first_doc, texts in _chunks(read(stats), docs_per_shard):
             name = f"shard_{index:05d}"
-            done = {split: read_shard_meta(output, split, name) for split in SPLITS}
-            if all(m is not None and m["tokenizer_sha256"] == tokenizer.sha256 for m in done.values()):
-                shard_metas[index] = done  # finished by an earlier run
+            problems = {split: finished_shard_problem(output, split, name, tokenizer.sha256) for split in SPLITS}
+            if not any(problems.values()):  # finished by an earlier run, and intact
+                shard_metas[index] = {split: read_shard_meta(output, split, name) for split in SPLITS}
                 bar.update(len(texts))
                 continue
+            damaged = [problem for problem in problems.values() if problem and problem != "not finished"]
+            if damaged and progress:
+                tqdm.write(f"fastmae prepare: rebuilding {name}: {damaged[0]}", file=sys.stderr)
             job = (index, first_doc, texts, str(output), valid_fraction, seed)
             in_flight.append(pool.apply_async(_tokenize_shard, (job,)))
             if len(in_flight) >= 2 * workers:

@@ -63,6 +63,27 @@ def test_prepare_is_idempotent(dataset, tmp_path):
     assert tokens_file.stat().st_mtime_ns == before
 
 
+def test_prepare_rebuilds_damaged_shards_instead_of_skipping_them(tmp_path, capsys):
+    write_corpus(tmp_path / "corpus.txt", num_docs=120)
+    kwargs = dict(vocab_size=40, valid_fraction=0.1, docs_per_shard=30, workers=1)
+    prepare([tmp_path / "corpus.txt"], tmp_path / "ds", progress=False, **kwargs)
+    intact = {name: shard_files(tmp_path / "ds", "train", name)[0].read_bytes() for name in ("shard_00001",
+                                                                                                "shard_00002")}
+    truncated, flipped = (shard_files(tmp_path / "ds", "train", name)[0] for name in intact)
+    truncated.write_bytes(truncated.read_bytes()[:-6])
+    data = bytearray(flipped.read_bytes())
+    data[10] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    capsys.readouterr()
+    prepare([tmp_path / "corpus.txt"], tmp_path / "ds", progress=True, **kwargs)
+    err = capsys.readouterr().err
+    assert f"rebuilding shard_00001: {truncated}:" in err and "truncated or corrupt" in err
+    assert f"rebuilding shard_00002: {flipped}: sha256 differs" in err
+    assert "shard_00000" not in err and "shard_00003" not in err  # intact shards are kept
+    ShardSet(tmp_path / "ds", "train", verify_checksum=True)
+    assert {name: shard_files(tmp_path / "ds", "train", name)[0].read_bytes() for name in intact} == intact
+
+
 @pytest.mark.parametrize("fmt, mode", [("text", "paragraph"), ("jsonl", None)])
 def test_other_input_formats(tmp_path, fmt, mode):
     if fmt == "jsonl":

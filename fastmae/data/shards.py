@@ -135,6 +135,21 @@ def open_shard(directory: Path, split: str, name: str, verify_checksum: bool = F
     return Shard(tokens_path, dtype.name, int(meta["tokens"]), offsets, (stat.st_ino, stat.st_mtime_ns))
 
 
+def finished_shard_problem(directory: Path, split: str, name: str, tokenizer_sha256: str) -> str | None:
+    """Why the shard NAME of `split` cannot be kept as finished (missing, another tokenizer, wrong size, corrupt
+    index, sha256 mismatch), or None when it is intact. Reads the whole tokens file (a streamed sha256)."""
+    meta = read_shard_meta(directory, split, name)
+    if meta is None:
+        return "not finished"
+    if meta.get("tokenizer_sha256") != tokenizer_sha256:
+        return "tokenised with another tokenizer"
+    try:
+        open_shard(directory, split, name, verify_checksum=True)
+    except FastmaeError as err:
+        return str(err)
+    return None
+
+
 class ShardSet:
     """A prepared dataset directory: its metadata and the shards of one split."""
 
