@@ -74,9 +74,10 @@ class HeldOutSet:
     """
 
     def __init__(self, data_path: str | Path, *, max_seq_len: int, packing: str, tokens_per_batch: int,
-                 sequences: int, mask_rate: float, seed: int, rank: int = 0, world_size: int = 1):
+                 sequences: int, mask_rate: float, seed: int, rank: int = 0, world_size: int = 1,
+                 verify_checksum: bool = False):
         split = PackedLoader(data_path, "valid", max_seq_len=max_seq_len, packing=packing,
-                             tokens_per_batch=max(tokens_per_batch, max_seq_len))
+                             tokens_per_batch=max(tokens_per_batch, max_seq_len), verify_checksum=verify_checksum)
         ids = np.arange(min(sequences, split.num_sequences))
         tokens, _ = split.tokens_of(ids)
         self.num_sequences, self.num_tokens = len(ids), len(tokens)

@@ -164,7 +164,8 @@ class Trainer:
             self.held_out = HeldOutSet(data.directory, max_seq_len=self.model_config.max_seq_len, packing=data.packing,
                                        tokens_per_batch=data.tokens_per_micro_batch, sequences=config.eval.sequences,
                                        mask_rate=config.eval.mask_rate, seed=config.eval.seed, rank=self.rank,
-                                       world_size=self.world)
+                                       world_size=self.world,
+                                       verify_checksum=data.verify_checksums)
 
         self.precision = self._choose_precision()
         torch.manual_seed(train.seed)  # identical initial weights on every rank

@@ -320,6 +320,27 @@ def test_the_cursor_of_a_step_survives_batches_drawn_ahead(dataset):
         loader.state_dict(0)
 
 
+def test_token_ids_outside_the_vocabulary_are_named(dataset, tmp_path):
+    """A shard holding an id >= vocab_size: caught from its metadata when opened, or (bytes changed behind the
+    metadata's back) when a batch holding it is drawn; both errors name the shard."""
+    import shutil
+
+    directory = tmp_path / "ds"
+    shutil.copytree(dataset[0], directory)
+    tokens_path, _, meta_path = shard_files(directory, "train", "shard_00001")
+    data = np.fromfile(tokens_path, dtype=np.uint16)
+    data[5] = 60_000
+    data.tofile(tokens_path)
+    loader = PackedLoader(directory, max_seq_len=32, tokens_per_batch=128)
+    with pytest.raises(FastmaeError, match=f"{tokens_path}: token id 60000 is outside the vocabulary of 56"):
+        drain(loader, loader.planner.steps_per_epoch())
+    meta = json.loads(meta_path.read_text())
+    meta["max_id"] = 60_000  # what prepare records for such a shard
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(FastmaeError, match=f"{tokens_path}: token id 60000 is outside the vocabulary of 56"):
+        ShardSet(directory)
+
+
 def test_resume_into_other_data_is_an_error(dataset):
     directory, _ = dataset
     state = PackedLoader(directory, max_seq_len=32, tokens_per_batch=128).state_dict()

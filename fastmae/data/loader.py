@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -123,7 +123,18 @@ class PackedLoader:
             for old in [s for s in self._cursors if s <= self._step - CURSORS_KEPT]:
                 del self._cursors[old]
             for sequences in self.step_sequences(epoch, bounds):
-                yield PackedBatch.from_packed(*self.tokens_of(sequences), dataset_ids=sequences)
+                tokens, lengths = self.tokens_of(sequences)
+                if tokens.max() >= self.vocab_size:  # a damaged shard: stop here, not in an embedding lookup
+                    self._out_of_vocabulary(tokens, lengths, sequences)
+                yield PackedBatch.from_packed(tokens, lengths, dataset_ids=sequences)
+
+    def _out_of_vocabulary(self, tokens: np.ndarray, lengths: np.ndarray, sequences: np.ndarray) -> NoReturn:
+        """Raise the error naming the shard of the first sequence of a batch that holds an id >= vocab_size."""
+        bad = int(np.searchsorted(np.cumsum(lengths), int(np.argmax(tokens >= self.vocab_size)), side="right"))
+        shard = self.data.shards[int(self.index.stream_spans(sequences[bad:bad + 1])[0][0])]
+        raise FastmaeError(f"{shard.path}: token id {int(tokens.max())} is outside the vocabulary of "
+                           f"{self.vocab_size} (sequence {int(sequences[bad])} of split {self.split!r}): corrupt "
+                           "shard; check it with data.verify_checksums=true or re-run fastmae prepare")
 
     # ------------------------------------------------------------------------------------------------ state
     @property

@@ -50,7 +50,8 @@ def write_shard(directory: Path, split: str, name: str, documents: list[list[int
     np.save(buffer, offsets)
     atomic_write_bytes(docs_path, buffer.getvalue())
     meta = {"tokens": int(offsets[-1]), "documents": len(documents), "dtype": dtype.name,
-            "sha256": hashlib.sha256(data).hexdigest(), "tokenizer_sha256": tokenizer_sha256}
+            "sha256": hashlib.sha256(data).hexdigest(), "tokenizer_sha256": tokenizer_sha256,
+            "max_id": int(flat.max()) if flat.size else -1}
     atomic_write_text(meta_path, json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -175,6 +176,14 @@ class ShardSet:
             if meta["tokenizer_sha256"] != self.tokenizer_sha256:
                 raise FastmaeError(f"{shard.path}: tokenised with another tokenizer (sha256 "
                                    f"{meta['tokenizer_sha256'][:12]}..., dataset {self.tokenizer_sha256[:12]}...)")
+            # the largest id, recorded by prepare (shards written before it recorded one: read when verifying)
+            max_id = meta.get("max_id")
+            if max_id is None and verify_checksum and shard.num_tokens:
+                max_id = int(shard.tokens.max())
+            if max_id is not None and max_id >= self.vocab_size:
+                raise FastmaeError(f"{shard.path}: token id {max_id} is outside the vocabulary of {self.vocab_size} "
+                                   f"(max_id in {shard_files(self.directory, split, name)[2].name}): corrupt or "
+                                   "from another dataset")
 
     @property
     def vocab_size(self) -> int:
