@@ -6,23 +6,48 @@ A crash mid-write leaves the old file (or none), never a half-written one that l
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
+
+from .errors import FastmaeError
+
+
+@contextlib.contextmanager
+def named_disk_errors(path: str | Path) -> Iterator[None]:
+    """Turn a full disk met while writing `path` (a file or a directory of files) into a FastmaeError naming the
+    directory and the file, whatever library was writing (Python's OSError; torch's and safetensors' RuntimeErrors
+    such as "basic_ios::clear: iostream error", counted as a full disk only if the disk has < 1 MiB free)."""
+    path = Path(path)
+    try:
+        yield
+    except OSError as err:
+        if err.errno == errno.ENOSPC:
+            raise FastmaeError(f"no space left on {path.parent} while writing {path.name}") from None
+        raise
+    except RuntimeError as err:
+        parent = next((p for p in (path, *path.parents) if p.is_dir()), Path("/"))
+        if shutil.disk_usage(parent).free < 2**20:
+            raise FastmaeError(f"no space left on {path.parent} while writing {path.name} ({err})") from None
+        raise
 
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; on normal exit it is fsynced and renamed to `path`."""
+    """Yield a temporary path next to `path`; on normal exit it is fsynced and renamed to `path`. A full disk is a
+    FastmaeError naming the directory and the file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        yield tmp
-        if tmp.is_file():
-            with tmp.open("rb+") as handle:
-                os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        with named_disk_errors(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            if tmp.is_file():
+                with tmp.open("rb+") as handle:
+                    os.fsync(handle.fileno())
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .atomic import atomic_path, atomic_write_bytes, atomic_write_text
+from .atomic import atomic_path, atomic_write_bytes, atomic_write_text, named_disk_errors
 from .errors import FastmaeError
 
 STEP_DIR = re.compile(r"^step(\d{8})$")
@@ -103,7 +103,8 @@ def save(engine, root: Path, step: int, trainer_state: dict, keep: int, metadata
     if rank == 0 and partial.exists():
         shutil.rmtree(partial)  # left by a crash during an earlier save
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=partial.name, save_latest=False)
+    with named_disk_errors(partial):  # DeepSpeed writes its files itself
+        engine.save_checkpoint(str(root), tag=partial.name, save_latest=False)
     buffer = io.BytesIO()
     torch.save(trainer_state, buffer)
     atomic_write_bytes(partial / f"fastmae_rank{rank}.pt", buffer.getvalue())

@@ -82,6 +82,8 @@ def prepare(inputs: list[Path], output: Path, fmt: str = "text", text_field: str
     if docs_per_shard <= 0:
         raise FastmaeError(f"--docs-per-shard {docs_per_shard}: must be positive")
     output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise FastmaeError(f"--output {output}: exists and is not a directory")
     if fmt != "builtin":
         inputs = expand_inputs([Path(p) for p in inputs], glob, fmt)
     output.mkdir(parents=True, exist_ok=True)
