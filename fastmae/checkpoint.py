@@ -3,10 +3,12 @@
     RUN/checkpoints/step00001000/       DeepSpeed's files (model, optimizer, scheduler) for every rank
                                    /fastmae_rank{R}.pt   the trainer's own state: counters, RNG, data cursor
                                    /model.safetensors    the fp32 master weights, gathered (what `export` reads)
+                                   /MANIFEST.json        size and sha256 of every file above
                                    /COMPLETE             written last; names the step and world size
                                    /universal/           made on a resume by another number of ranks
 Everything is first written under `.partial-stepN` and renamed once every rank has finished, so only directories with
-a COMPLETE marker count. The trainer's state loads with `weights_only=True`.
+a COMPLETE marker count, and a checkpoint is resumed only if every file matches its manifest (`verify`): a damaged
+newest checkpoint is skipped for the one before. The trainer's state loads with `weights_only=True`.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import torch
 import torch.distributed as dist
 
 from .atomic import atomic_path, atomic_write_bytes, atomic_write_text, named_disk_errors
+from .data.shards import file_sha256
 from .errors import FastmaeError
 
 STEP_DIR = re.compile(r"^step(\d{8})$")
 WEIGHTS = "model.safetensors"
 UNIVERSAL = "universal"
+MANIFEST = "MANIFEST.json"
 
 
 def write_weights(path: Path, tensors: dict[str, torch.Tensor], model_config: dict, step: int) -> None:
@@ -80,16 +84,62 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def resolve_resume(root: Path, resume: str | None) -> Path | None:
-    """The checkpoint directory `--resume` names: `auto` (newest complete one, or none), a path, or None."""
+def _manifest(directory: Path) -> dict[str, dict]:
+    """Size and sha256 of every file of a checkpoint directory but its marker, manifest and universal form."""
+    entries = {}
+    for path in sorted(directory.rglob("*")):
+        relative = path.relative_to(directory)
+        if path.is_file() and relative.parts[0] not in ("COMPLETE", MANIFEST, UNIVERSAL):
+            entries[relative.as_posix()] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    return entries
+
+
+def verify(directory: Path) -> str | None:
+    """Why the checkpoint in `directory` must not be resumed (unreadable marker, missing manifest, a file missing,
+    of another size or another sha256), or None when it is intact. Reads every file once."""
+    try:
+        marker = json.loads((directory / "COMPLETE").read_text())
+        int(marker["step"]), int(marker["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unreadable COMPLETE marker"
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"no readable {MANIFEST}"
+    for name, expected in manifest.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, its manifest says {expected['bytes']}"
+        if file_sha256(path) != expected["sha256"]:
+            return f"{name} differs from its sha256 in {MANIFEST}"
+    return None
+
+
+def resolve_resume(root: Path, resume: str | None, log) -> Path | None:
+    """The checkpoint to resume from, verified (rank 0's work): `auto` walks back from the newest complete one to the
+    newest that verifies, `log`ging what it skips and why, and starts afresh only if there is none at all; a path
+    must verify; None or `none`: start afresh."""
     if resume in (None, "", "none"):
         return None
     if resume == "auto":
         found = complete_checkpoints(root)
-        return found[-1][1] if found else None
+        for _, path in reversed(found):
+            problem = verify(path)
+            if problem is None:
+                return path
+            log(f"skipping checkpoint {path}: {problem}")
+        if found:
+            raise FastmaeError(f"{root}: none of its {len(found)} checkpoint(s) verifies; resume one with --resume DIR "
+                               "after repairing it, or start afresh with --resume none (or another log.dir)")
+        return None
     path = Path(resume)
     if not (path / "COMPLETE").is_file():
         raise FastmaeError(f"--resume {resume}: not a complete checkpoint directory (no COMPLETE marker)")
+    problem = verify(path)
+    if problem is not None:
+        raise FastmaeError(f"--resume {resume}: {problem}")
     return path
 
 
@@ -112,6 +162,7 @@ def save(engine, root: Path, step: int, trainer_state: dict, keep: int, metadata
         write_weights(partial / WEIGHTS, weights, metadata["model_config"], step)
     dist.barrier()
     if rank == 0:
+        atomic_write_text(partial / MANIFEST, json.dumps(_manifest(partial), indent=1) + "\n")
         atomic_write_text(partial / "COMPLETE", json.dumps({"step": step, "world_size": world, **metadata}) + "\n")
         if final.exists():
             shutil.rmtree(final)

@@ -177,7 +177,7 @@ class Trainer:
         torch.manual_seed(train.seed + self.rank)
         # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)
         self.non_finite = torch.zeros((), dtype=torch.float32, device=self.device)
-        checkpoint_dir = checkpoint.resolve_resume(self.ckpt_root, resume)
+        checkpoint_dir = self._checkpoint_to_resume(resume)
         elastic = checkpoint_dir is not None and checkpoint.saved_world_size(checkpoint_dir) != self.world
         if elastic:  # saved by another number of ranks: DeepSpeed re-shards its universal form
             if self.rank == 0:
@@ -216,6 +216,21 @@ class Trainer:
                         valid_fraction=data.builtin_valid_fraction,
                         workers=1, progress=False)
             dist.barrier()
+
+    def _checkpoint_to_resume(self, resume: str | None) -> Path | None:
+        """The verified checkpoint `--resume` names, chosen by rank 0 (which reads every file of the newest once)
+        and broadcast, so that a bad choice is the same one-line error on every rank."""
+        choice: list = [None, None]  # path, error
+        if self.rank == 0:
+            try:
+                found = checkpoint.resolve_resume(self.ckpt_root, resume, self._log_line)
+                choice[0] = str(found) if found is not None else None
+            except FastmaeError as err:
+                choice[1] = str(err)
+        dist.broadcast_object_list(choice, src=0)
+        if choice[1] is not None:
+            raise FastmaeError(choice[1])
+        return Path(choice[0]) if choice[0] is not None else None
 
     def _plan_budget(self) -> None:
         """Turn train.flops_budget into train.steps (and eval.every_flops into evaluation steps) from the batches

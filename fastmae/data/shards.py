@@ -98,7 +98,8 @@ class Shard:
         return len(self.offsets) - 1
 
 
-def _file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    """sha256 of a file, read in 16 MiB blocks."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         while block := handle.read(chunk):
@@ -131,7 +132,7 @@ def open_shard(directory: Path, split: str, name: str, verify_checksum: bool = F
             or offsets[-1] != meta["tokens"] or (len(offsets) > 1 and (np.diff(offsets) < 0).any())):
         raise FastmaeError(f"{docs_path}: document offsets do not match {meta['documents']} documents of "
                            f"{meta['tokens']} tokens")
-    if verify_checksum and _file_sha256(tokens_path) != meta["sha256"]:
+    if verify_checksum and file_sha256(tokens_path) != meta["sha256"]:
         raise FastmaeError(f"{tokens_path}: sha256 differs from {tokens_path.with_suffix('.json').name}: corrupt")
     return Shard(tokens_path, dtype.name, int(meta["tokens"]), offsets, (stat.st_ino, stat.st_mtime_ns))
 
