@@ -24,6 +24,7 @@ setup(
         "sentencepiece>=0.2",
         "safetensors>=0.4",
         "deepspeed>=0.19,<0.20",
+        "psutil>=5.9",
         "matplotlib>=3.7",
     ],
     extras_require={

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import deepspeed
+import psutil
 import torch
 import torch.distributed as dist
 import yaml
@@ -90,6 +91,21 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
     own = Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{dist.get_rank()}"
     if address and port and own.is_file():
         own.unlink(missing_ok=True)
+
+
+def launch_processes() -> list[psutil.Process]:
+    """This process's ancestors that belong to its DeepSpeed launch (the `deepspeed` command and
+    `deepspeed.launcher.launch`), nearest first; none for a plain `python -m fastmae.train`."""
+    chain, process = [], psutil.Process().parent()
+    while process is not None and process.pid > 1:
+        try:
+            if "deepspeed" not in " ".join(process.cmdline()):
+                break
+        except psutil.Error:
+            break
+        chain.append(process)
+        process = process.parent()
+    return chain
 
 
 def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, device: torch.device,
@@ -194,6 +210,7 @@ class Trainer:
         self.skipped_device = torch.zeros((), dtype=torch.float32, device=self.device)
         self.skipped = 0
         self.stop_requested = False
+        self.launchers = launch_processes()
         self.sync_debug = self.device.type == "cuda" and os.environ.get("FASTMAE_SYNC_DEBUG") == "1"
         # stop requests are agreed every step over the CPU (gloo), so that the host never waits for the GPU
         self.host_group = dist.new_group(backend="gloo") if self.device.type == "cuda" and self.world > 1 else None
@@ -367,6 +384,20 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, request_stop)
 
+    def _launcher_gone(self) -> bool:
+        """Whether a process of this rank's launch (the `deepspeed` command, DeepSpeed's per-node launcher) has died:
+        SIGTERM to the `deepspeed` command kills it alone, and its ranks would otherwise train on unattended."""
+        for process in self.launchers:
+            try:
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            self._log_line(f"the launcher (pid {process.pid}) is gone: saving a checkpoint and exiting")
+            self.launchers = []
+            return True
+        return False
+
     def run(self) -> None:
         """Train until config.train.steps optimizer steps; checkpoint at the end (or on SIGTERM/SIGINT)."""
         cfg = self.config
@@ -437,6 +468,7 @@ class Trainer:
             self.bad_streak_device.mul_(self.non_finite).add_(self.non_finite)
             self.step += 1
             bar.update(1)
+            self.stop_requested = self.stop_requested or self._launcher_gone()
             stop = self._any_rank(self.stop_requested)[0]
             if logged:
                 self._log_train(window, bar)
