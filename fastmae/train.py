@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""How gloo reports a collective whose peer process has died: that rank's own error is the cause, not this."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a rank is, on its stderr
@@ -54,10 +58,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastmae train: error: {err}", file=sys.stderr)
         return 2
     set_world_of_one_env()
+    import torch.distributed
+
     from fastmae.trainer import Trainer, init_distributed
 
     init_distributed(config.train.collective_timeout_s)
-    return run_command("fastmae train", lambda: Trainer(config, args.resume).run())
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    prog = "fastmae train" if world == 1 else f"fastmae train [rank {rank} of {world}]"
+    try:
+        return run_command(prog, lambda: Trainer(config, args.resume).run())
+    except RuntimeError as err:  # torch.distributed's errors when a peer process has gone
+        if world == 1 or not any(sign in str(err) for sign in PEER_GONE):
+            raise
+        print(f"{prog}: stopped: another rank failed (its error is above)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

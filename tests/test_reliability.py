@@ -125,3 +125,31 @@ def test_sigterm_to_the_launcher_alone_still_checkpoints_and_stops_every_rank(tm
     assert len(saved) == 1 and (saved[0] / "COMPLETE").is_file()
     log = (tmp_path / "stderr.txt").read_text()
     assert "is gone: saving a checkpoint and exiting" in log and f"saved {saved[0]}" in log
+
+
+def test_the_failing_rank_names_itself_and_its_peer_does_not_bury_it(tmp_path):
+    """A token id outside the vocabulary in a sequence only rank 1 draws in step 1: rank 1 stops with its one-line
+    error, rank 0 (waiting for it in a collective) with one line pointing at it, no traceback; exit non-zero."""
+    import numpy as np
+    from test_train import WORDS, launch, overrides, prepare_word_dataset
+
+    from fastmae.data import PackedLoader
+    from fastmae.data.shards import shard_files
+
+    (tmp_path / "data").mkdir()
+    data = prepare_word_dataset(tmp_path / "data", WORDS, 400, 60, vocab_size=40, valid_fraction=0.1)
+    args = overrides(data, tmp_path / "run", **{"eval.every": 0, "data.packing": "doc"})
+    rank1 = PackedLoader(data, max_seq_len=64, packing="doc", tokens_per_batch=256, rank=1, world_size=2)
+    sequence = next(iter(rank1)).dataset_ids[0]
+    shard, start, _ = (int(a[0]) for a in rank1.index.stream_spans(np.array([sequence])))
+    name = rank1.data.meta["splits"]["train"]["shards"][shard]
+    tokens_path = shard_files(data, "train", name)[0]
+    tokens = np.fromfile(tokens_path, dtype=np.uint16)
+    tokens[start] = 999  # under `doc` packing a sequence's stream position is its first token's index
+    tokens.tofile(tokens_path)
+    run = launch(args)
+    assert run.returncode != 0
+    lines = [line for line in run.stderr.splitlines() if line.startswith("fastmae train")]
+    assert any(line.startswith("fastmae train [rank 1 of 2]: error: ") and "token id 999 is outside" in line
+               for line in lines), run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
