@@ -89,15 +89,54 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+# ------------------------------------------------------------------------------------ relative position bias
+def relative_position_buckets(relative: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's bidirectional buckets of `relative` = key position - query position: half the buckets per direction, the
+    first half of those exact distances, the rest log-spaced up to `max_distance` (farther ones share the last)."""
+    half = num_buckets // 2
+    exact = half // 2
+    distance = relative.abs()
+    far = exact + (torch.log(distance.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+                   * (half - exact)).long()
+    return (relative > 0).long() * half + torch.where(distance < exact, distance, far.clamp(max=half - 1))
+
+
+class RelativeBias:
+    """The T5-style attention bias of one forward pass (MAE-LM's encoder): `table` [num_buckets, heads], one for all
+    layers, looked up by the rows' *original* positions, so dropping tokens keeps every distance. The padded
+    [B, heads, S_q, S_k] form is computed once per stream pair and shared by the layers."""
+
+    def __init__(self, table: torch.Tensor, max_distance: int):
+        self.table, self.max_distance = table, max_distance
+        self._padded: dict[tuple[int, int], torch.Tensor] = {}
+
+    def of(self, positions_q: torch.Tensor, positions_k: torch.Tensor) -> torch.Tensor:
+        """[heads, len_q, len_k] bias between query and key rows of the given original positions."""
+        relative = positions_k.long()[None, :] - positions_q.long()[:, None]
+        buckets = relative_position_buckets(relative, self.table.shape[0], self.max_distance)
+        return self.table[buckets].permute(2, 0, 1)
+
+    def padded(self, mq: VarlenMeta, mk: VarlenMeta) -> torch.Tensor:
+        """[B, heads, S_q, S_k] bias in the padded views of the two streams (padding rows hold position 0)."""
+        key = (id(mq), id(mk))
+        if key not in self._padded:
+            pos_q = _to_padded(mq.positions[:, None, None], mq)[:, 0, :, 0]  # [B, S_q]
+            pos_k = _to_padded(mk.positions[:, None, None], mk)[:, 0, :, 0]
+            relative = pos_k.long()[:, None, :] - pos_q.long()[:, :, None]
+            buckets = relative_position_buckets(relative, self.table.shape[0], self.max_distance)
+            self._padded[key] = self.table[buckets].permute(0, 3, 1, 2)
+        return self._padded[key]
+
+
 # --------------------------------------------------------------------------------------------------- backends
-def _flash(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float):
+def _flash(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func(q, k, v, mq.cu_seqlens, mk.cu_seqlens, mq.max_seqlen, mk.max_seqlen,
                                   dropout_p=dropout_p, softmax_scale=scale, causal=False)
 
 
-def _torch_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float):
+def _torch_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
     from torch.nn.attention.varlen import varlen_attn
 
     return varlen_attn(q, k, v, mq.cu_seqlens, mk.cu_seqlens, mq.max_seqlen, mk.max_seqlen, scale=scale)
@@ -117,20 +156,30 @@ def _from_padded(out: torch.Tensor, meta: VarlenMeta) -> torch.Tensor:
     return out if meta.is_rectangular else out.index_select(0, meta.padded_index)
 
 
-def _padded(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float):
-    mask = None if mk.is_rectangular else mk.key_valid[:, None, None, :]  # padded keys get no weight
+def _key_mask(mk: VarlenMeta, bias: RelativeBias | None, mq: VarlenMeta, dtype: torch.dtype):
+    """SDPA's attn_mask: None, the boolean key mask, or (with a bias) the float bias with -inf at padded keys."""
+    if bias is None:
+        return None if mk.is_rectangular else mk.key_valid[:, None, None, :]  # padded keys get no weight
+    mask = bias.padded(mq, mk).to(dtype)
+    return mask if mk.is_rectangular else mask.masked_fill(~mk.key_valid[:, None, None, :], -math.inf)
+
+
+def _padded(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
+    mask = _key_mask(mk, bias, mq, q.dtype)
     out = F.scaled_dot_product_attention(_to_padded(q, mq), _to_padded(k, mk), _to_padded(v, mk), attn_mask=mask,
                                          dropout_p=dropout_p, scale=scale)
     return _from_padded(out, mq)
 
 
-def _math(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float):
+def _math(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
     q_pad, k_pad, v_pad = _to_padded(q * scale, mq), _to_padded(k, mk), _to_padded(v, mk)
     batch, heads, len_q, head_dim = q_pad.shape
     len_k = mk.max_seqlen
     q_pad = q_pad.reshape(batch * heads, len_q, head_dim)
     k_t = k_pad.reshape(batch * heads, len_k, head_dim).transpose(1, 2)
-    if mk.is_rectangular:
+    if bias is not None:
+        scores = torch.baddbmm(_key_mask(mk, bias, mq, q.dtype).reshape(batch * heads, len_q, len_k), q_pad, k_t)
+    elif mk.is_rectangular:
         scores = torch.bmm(q_pad, k_t)
     else:  # 0 / -inf per key, [B * heads, 1, S_k], broadcast over the queries without a copy (stride 0)
         key_bias = torch.zeros(mk.key_valid.shape, dtype=q.dtype, device=q.device)
@@ -145,7 +194,7 @@ def _math(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: floa
     return _from_padded(out.view(batch, heads, len_q, head_dim), mq)
 
 
-def _nested(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float):
+def _nested(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
     if mq is not mk:
         return _padded(q, k, v, mq, mk, dropout_p, scale)  # jagged q and kv with different lengths: not supported
 
@@ -161,8 +210,9 @@ def _nested(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: fl
 
 
 def varlen_attention_reference(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float = 0.0,
-                               scale: float | None = None):
-    """Plain softmax attention, one sequence at a time, computed in q's dtype (the oracle in fp64; no dropout)."""
+                               scale: float | None = None, bias: RelativeBias | None = None):
+    """Plain softmax attention, one sequence at a time, computed in q's dtype (the oracle in fp64; no dropout); with
+    `bias`, each sequence's bias looked up from its rows' positions on its own."""
     if dropout_p:
         raise ValueError("varlen_attention_reference: dropout is not supported")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -170,7 +220,10 @@ def varlen_attention_reference(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_
     outs = []
     for b in range(len(cq) - 1):
         qb, kb, vb = (t.transpose(0, 1) for t in (q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]))
-        weights = torch.softmax(qb @ kb.transpose(1, 2) * scale, dim=-1)
+        scores = qb @ kb.transpose(1, 2) * scale
+        if bias is not None:
+            scores = scores + bias.of(mq.positions[cq[b]:cq[b + 1]], mk.positions[ck[b]:ck[b + 1]]).to(scores.dtype)
+        weights = torch.softmax(scores, dim=-1)
         outs.append((weights @ vb).transpose(0, 1))
     return torch.cat(outs)
 
@@ -189,9 +242,13 @@ def available_backends(device: torch.device | str) -> list[str]:
     return names
 
 
+BIAS_BACKENDS = ("padded", "math", "reference")
+"""Backends that add a relative position bias; `auto` picks padded SDPA (a float mask) or `math` with one."""
+
+
 def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
-                    dtype: torch.dtype = torch.bfloat16) -> str:
-    """The backend `auto` (or None) means for this device, dropout and dtype; explicit names are checked.
+                    dtype: torch.dtype = torch.bfloat16, biased: bool = False) -> str:
+    """The backend `auto` (or None) means for this device, dropout, dtype and bias; explicit names are checked.
 
     The CUDA varlen kernels take fp16/bf16 only; fp32 on CUDA falls back to padded SDPA.
     """
@@ -201,7 +258,12 @@ def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
     if backend != "auto":
         if backend not in available_backends(device):
             raise ValueError(f"attention backend {backend!r} is not available on {device}")
+        if biased and backend not in BIAS_BACKENDS:
+            raise ValueError(f"attention backend {backend!r} takes no relative position bias; choose one of "
+                             f"{BIAS_BACKENDS} (or model.relative_attention_bias=false)")
         return backend
+    if biased:
+        return CPU_DROPOUT_BACKEND if device.type == "cpu" and dropout_p else "padded"
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         if _HAS_FLASH_ATTN:
             return "flash"
@@ -224,16 +286,18 @@ def check_flash_head_dim(head_dim: int, backend: str) -> None:
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: VarlenMeta,
-                     meta_k: VarlenMeta | None = None, dropout_p: float = 0.0, backend: str | None = None):
+                     meta_k: VarlenMeta | None = None, dropout_p: float = 0.0, backend: str | None = None,
+                     bias: RelativeBias | None = None):
     """Bidirectional attention within each packed sequence; no sequence sees another.
 
     q: [T_q, heads, head_dim]; k, v: [T_k, heads, head_dim] (the same rows as q when meta_k is None or meta_q).
-    Sequence b of the queries attends to sequence b of the keys. Returns [T_q, heads, head_dim] in q's dtype.
+    Sequence b of the queries attends to sequence b of the keys; `bias` adds a relative position bias to the
+    scaled scores. Returns [T_q, heads, head_dim] in q's dtype.
     """
     meta_k = meta_q if meta_k is None else meta_k
-    name = resolve_backend(backend, q.device, dropout_p, q.dtype)
+    name = resolve_backend(backend, q.device, dropout_p, q.dtype, biased=bias is not None)
     if name == "torch_varlen" and dropout_p:
         raise ValueError("attention backend 'torch_varlen' has no dropout; use attention dropout 0 or another backend")
     if q.device.type == "cuda" and name in FLASH_KERNEL_BACKENDS:
         check_flash_head_dim(q.shape[-1], name)
-    return _IMPLS[name](q, k, v, meta_q, meta_k, dropout_p, 1.0 / math.sqrt(q.shape[-1]))
+    return _IMPLS[name](q, k, v, meta_q, meta_k, dropout_p, 1.0 / math.sqrt(q.shape[-1]), bias=bias)

@@ -4,9 +4,11 @@ from tolerance import assert_as_accurate
 
 from fastmae.attention import (
     BACKENDS,
+    RelativeBias,
     VarlenMeta,
     apply_rotary,
     available_backends,
+    relative_position_buckets,
     rotary_tables,
     varlen_attention,
     varlen_attention_reference,
@@ -171,3 +173,66 @@ def test_attention_dropout_is_unbiased_and_random(backend, device, dtype):
     assert (draws.mean(0) - exact).abs().max() < bound
     assert (draws.mean(0) - exact).abs().max() > 0  # not silently without dropout
     assert (draws[0] - exact).abs().max() > 10 * bound / 5**0.5 / 2000**0.5
+
+
+# ------------------------------------------------------------------------------------ relative position bias
+BIAS_SHAPES = [
+    pytest.param([7, 1, 33], None, None, id="self-7-1-33"),
+    pytest.param([40, 12], None, [0, 5, 9, 30, 31, 33, 60, 90, 140, 141] * 4 + [0, 1, 2, 3, 7, 8, 9, 100, 200, 300, 301,
+                                                                                 302], id="self-dropped-positions"),
+    pytest.param([2, 5, 4], [9, 5, 30], None, id="cross-q2,5,4-k9,5,30"),
+    pytest.param([16, 16], None, None, id="rectangular-2x16"),
+]
+
+
+@pytest.mark.parametrize("backend", ["padded", "math"])
+@pytest.mark.parametrize("q_lengths, k_lengths, positions", BIAS_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_biased_backends_match_the_reference_and_train_the_table(backend, q_lengths, k_lengths, positions, dtype,
+                                                                  seed):
+    """Forward and backward (q, k, v and the bias table) against the per-sequence reference in fp64, on rows whose
+    original positions have gaps (as after dropping masked tokens) and across max_distance."""
+    heads, head_dim, buckets = 3, 16, 64
+    pos = None if positions is None else torch.tensor(positions, dtype=torch.int32)
+    mq = make_meta(q_lengths, "cpu", pos)
+    mk = mq if k_lengths is None else make_meta(k_lengths, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    q32 = torch.randn(sum(q_lengths), heads, head_dim, generator=gen)
+    k32, v32 = (torch.randn(sum(k_lengths or q_lengths), heads, head_dim, generator=gen) for _ in range(2))
+    table32 = torch.randn(buckets, heads, generator=gen)
+    grad_out = torch.randn(q32.shape, generator=gen)
+
+    def run(fn, dtype, q, k, v, table):
+        q, k, v, table = (t.to(dtype).requires_grad_() for t in (q, k, v, table))
+        out = fn(q, k, v, RelativeBias(table, max_distance=128))
+        out.backward(grad_out.to(dtype))
+        return [t.float() for t in (out, q.grad, k.grad, v.grad, table.grad)]
+
+    reference = lambda q, k, v, b: varlen_attention_reference(q, k, v, mq, mk, bias=b)  # noqa: E731
+    tested = lambda q, k, v, b: varlen_attention(q, k, v, mq, mk, backend=backend, bias=b)  # noqa: E731
+    args = (q32, k32, v32, table32)
+    exact = run(reference, torch.float64, *(t.double() for t in args))
+    got, plain = run(tested, dtype, *args), run(reference, dtype, *args)
+    zero_scale = max(t.abs().max().item() for t in exact)
+    for name, g, p, e in zip(("out", "dq", "dk", "dv", "dtable"), got, plain, exact):
+        assert_as_accurate(f"{backend} {name}", g, p, e, dtype, factor=3, zero_scale=zero_scale)
+    assert exact[4].abs().sum() > 0  # the table learns
+
+
+def test_t5_buckets():
+    rel = torch.tensor([0, 1, -1, 15, 16, -16, 127, 128, 1000, -1000])
+    got = relative_position_buckets(rel, num_buckets=64, max_distance=128).tolist()
+    # exact up to 15 each way (keys after the query in the upper half), log-spaced to 128, the last bucket beyond
+    assert got[:6] == [0, 33, 1, 47, 48, 16] and got[6] == 63 and got[7:9] == [63, 63] and got[9] == 31
+
+
+def test_dropping_tokens_keeps_the_bias_of_every_remaining_pair():
+    """The visible rows' bias (looked up by original positions) equals the full sequence's bias on the same pairs."""
+    table = torch.randn(64, 2)
+    full = make_meta([300], "cpu")
+    keep = torch.tensor(sorted(torch.randperm(300, generator=torch.Generator().manual_seed(0))[:140].tolist()))
+    visible = make_meta([140], "cpu", keep.to(torch.int32))
+    bias = RelativeBias(table, max_distance=128)
+    full_bias = bias.padded(full, full)[0]
+    assert torch.equal(bias.padded(visible, visible)[0], full_bias[:, keep][:, :, keep])
