@@ -46,6 +46,13 @@ class ModelConfig:
     """`learned` (RoBERTa absolute, exportable to Hugging Face) or `rotary` (applied by original position id)."""
     rotary_base: float = 10000.0
     """Base of the rotary frequencies (only with position_embedding=rotary)."""
+    relative_attention_bias: bool = False
+    """T5-style relative position bias in the encoder's attention (MAE-LM's reference encoder): one table of
+    [buckets, heads] shared by all encoder layers, looked up by original positions; the decoder has none."""
+    relative_attention_buckets: int = 64
+    """Buckets of the relative bias (half per direction, T5's exact-then-logarithmic spacing); the reference: 64."""
+    relative_attention_max_distance: int = 128
+    """Distances beyond this share the last bucket; the reference: 128."""
     norm_position: str = "post"
     """`post` (RoBERTa, BERT) or `pre` LayerNorm in each layer."""
     layer_norm_eps: float = 1e-5
@@ -98,6 +105,10 @@ class ModelConfig:
             bad("decoder_kind", "must be 'self' or 'cross'")
         if self.decoder_kind == "cross" and self.decoder_layers == 0:
             bad("decoder_kind", "'cross' needs decoder_layers > 0")
+        if self.relative_attention_buckets < 4 or self.relative_attention_buckets % 2:
+            bad("relative_attention_buckets", "must be an even number >= 4")
+        if self.relative_attention_max_distance <= self.relative_attention_buckets // 4:
+            bad("relative_attention_max_distance", "must exceed relative_attention_buckets / 4 (the exact range)")
         if self.position_embedding not in ("learned", "rotary"):
             bad("position_embedding", "must be 'learned' or 'rotary'")
         if self.norm_position not in ("post", "pre"):

@@ -39,6 +39,9 @@ def check_exportable(config: ModelConfig) -> None:
     if config.position_embedding != "learned":
         raise FastmaeError(f"position_embedding={config.position_embedding!r}: RoBERTa has learned absolute positions "
                            "only; fine-tune this model with `fastmae finetune --model RUN_DIR` instead")
+    if config.relative_attention_bias:
+        raise FastmaeError("relative_attention_bias=true: RoBERTa's attention has no relative position bias; "
+                           "fine-tune this model with `fastmae finetune --model RUN_DIR` instead")
     if config.norm_position != "post":
         raise FastmaeError("norm_position='pre': RoBERTa's layers are post-LN; fine-tune this model with "
                            "`fastmae finetune --model RUN_DIR` instead")

@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import ops
-from .attention import VarlenMeta, apply_rotary, varlen_attention
+from .attention import RelativeBias, VarlenMeta, apply_rotary, varlen_attention
 from .batch import PackedBatch
 from .config import ModelConfig
 from .dropout import Dropout
@@ -101,7 +101,7 @@ class TransformerLayer(nn.Module):
         self.attention_backend: str | None = None  # None: fastmae.attention picks per device
 
     def _attention(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None,
-                   meta_k: VarlenMeta | None) -> torch.Tensor:
+                   meta_k: VarlenMeta | None, bias: RelativeBias | None) -> torch.Tensor:
         rows, h = x.shape
         heads, head_dim = self.num_heads, h // self.num_heads
         if context is None:
@@ -116,20 +116,21 @@ class TransformerLayer(nn.Module):
             q = apply_rotary(q, *meta.rotary)
             k = apply_rotary(k, *meta_k.rotary)
         p = self.attention_dropout if self.training else 0.0
-        out = varlen_attention(q, k, v, meta, meta_k, dropout_p=p, backend=self.attention_backend)
+        out = varlen_attention(q, k, v, meta, meta_k, dropout_p=p, backend=self.attention_backend, bias=bias)
         return self.attn_out(out.reshape(rows, h))
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.ffn_out(F.gelu(self.ffn_in(x)))
 
     def forward(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None = None,
-                meta_k: VarlenMeta | None = None) -> torch.Tensor:
-        """x: [rows, H] on layout `meta`. With `context` [T_k, H] (layout meta_k), queries attend to it instead."""
+                meta_k: VarlenMeta | None = None, bias: RelativeBias | None = None) -> torch.Tensor:
+        """x: [rows, H] on layout `meta`. With `context` [T_k, H] (layout meta_k), queries attend to it instead.
+        `bias`: a relative position bias added to the attention scores."""
         if self.pre_norm:
             ctx = None if context is None else self.attn_norm(context)
-            x = x + self.dropout(self._attention(self.attn_norm(x), meta, ctx, meta_k))
+            x = x + self.dropout(self._attention(self.attn_norm(x), meta, ctx, meta_k, bias))
             return x + self.dropout(self._ffn(self.ffn_norm(x)))
-        x = self.attn_norm(x + self.dropout(self._attention(x, meta, context, meta_k)))
+        x = self.attn_norm(x + self.dropout(self._attention(x, meta, context, meta_k, bias)))
         return self.ffn_norm(x + self.dropout(self._ffn(x)))
 
 
@@ -189,8 +190,13 @@ class MaskedLM(nn.Module):
         self.decoder_norm = (nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
                              if pre and config.decoder_layers else None)
         self.head = LMHead(config)
+        # MAE-LM's relative position bias: [buckets, heads], shared by the encoder layers (None when off)
+        self.relative_bias = (nn.Parameter(torch.empty(config.relative_attention_buckets, config.num_heads))
+                              if config.relative_attention_bias else None)
         self.activation_checkpointing = False  # recompute each layer in backward (set by the trainer)
         self.apply(self._init_weights)
+        if self.relative_bias is not None:
+            nn.init.normal_(self.relative_bias, std=config.initializer_range)
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -207,7 +213,8 @@ class MaskedLM(nn.Module):
         Sharding that gathers parameters per module call (ZeRO-3) must treat these as used by the whole model.
         """
         modules = [self.embeddings] + ([self.insertion] if self.insertion is not None else [])
-        return [p for m in modules for p in m.parameters()] + [self.head.bias]
+        extra = [self.relative_bias] if self.relative_bias is not None else []
+        return [p for m in modules for p in m.parameters()] + [self.head.bias] + extra
 
     def compile_layers(self) -> None:
         """Regional compilation (train.compile): every transformer layer compiled with dynamic shapes, so the
@@ -227,14 +234,14 @@ class MaskedLM(nn.Module):
                              f"{self.config.max_seq_len}")
 
     def _run(self, layers: nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
-             states: list[torch.Tensor] | None = None) -> torch.Tensor:
+             states: list[torch.Tensor] | None = None, bias: RelativeBias | None = None) -> torch.Tensor:
         """Run `layers` in order on rows laid out by `meta` (recomputed in backward under activation checkpointing);
         append each layer's output to `states` when given."""
         for layer in layers:
             if self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, meta, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, meta, None, None, bias, use_reentrant=False)
             else:
-                x = layer(x, meta)
+                x = layer(x, meta, bias=bias)
             if states is not None:
                 states.append(x)
         return x
@@ -254,12 +261,14 @@ class MaskedLM(nn.Module):
             x = self.embeddings(sel.input_tokens.index_select(0, sel.visible_index), masked.visible.positions)
         if states is not None:
             states.append(x)
+        bias = (RelativeBias(self.relative_bias, self.config.relative_attention_max_distance)
+                if self.relative_bias is not None else None)  # by original positions, so drops keep distances
         if k > 0:
-            x = self._run(self.encoder[:k], x, masked.visible, states)
+            x = self._run(self.encoder[:k], x, masked.visible, states, bias)
             if k < n_enc:
                 x = self.insertion(x, masked, self.embeddings.tokens.weight)
         if k < n_enc:
-            x = self._run(self.encoder[k:], x, masked.full, states)
+            x = self._run(self.encoder[k:], x, masked.full, states, bias)
         if self.encoder_norm is not None:
             x = self.encoder_norm(x)
             if states is not None:

@@ -117,7 +117,7 @@ def test_unknown_or_unavailable_backend_is_an_error(monkeypatch):
     from fastmae import attention
 
     ran = []  # the forced backend must be the one that runs (its output alone would equal any other backend's)
-    spy = lambda *args: ran.append(True) or varlen_attention_reference(*args)  # noqa: E731
+    spy = lambda *args, **kwargs: ran.append(True) or varlen_attention_reference(*args, **kwargs)  # noqa: E731
     monkeypatch.setitem(attention._IMPLS, "reference", spy)
     monkeypatch.setenv("FASTMAE_ATTENTION", "reference")
     torch.testing.assert_close(varlen_attention(x, x, x, meta), varlen_attention_reference(x, x, x, meta, meta))

@@ -116,6 +116,7 @@ def test_auto_tokenizer_gives_sentencepiece_ids(model_type, tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"position_embedding": "rotary"}, "position_embedding='rotary'"),
+    ({"relative_attention_bias": True}, "relative_attention_bias=true"),
     ({"norm_position": "pre"}, "norm_position='pre'"),
     ({"insert_layer": 1, "decoder_layers": 0}, "insert_layer=1"),
 ])
