@@ -43,6 +43,7 @@ FASTMAE_SYSTEMS = {  # system -> (preset, overrides)
     "mae-lm": ("mae-lm", {}),
     "3ml": ("3ml", {}),
     "3ml-cross": ("3ml", {"decoder_kind": "cross"}),
+    "mae-lm-relbias": ("mae-lm", {"relative_attention_bias": True}),  # the reference encoder's T5 bias
 }
 SYSTEMS = ("hf-roberta", *FASTMAE_SYSTEMS)
 
