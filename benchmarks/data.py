@@ -110,7 +110,7 @@ SCALE_STEPS_TIMED = 200
 
 
 def synthetic_documents(sequences: int, packing: str, seed: int = 0):
-    """Per shard, document lengths (log-normal, ~600 tokens mean, 1 to 20,000) making about `sequences` sequences of
+    """Per shard, document lengths (log-normal, ~665 tokens mean, 1 to 20,000) making about `sequences` sequences of
     SCALE_MAX_SEQ_LEN under `packing`. Generated shard by shard: nothing of the corpus but the index is held."""
     rng = np.random.default_rng(seed)
     body = SCALE_MAX_SEQ_LEN - 2

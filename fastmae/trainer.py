@@ -434,9 +434,7 @@ class Trainer:
             micro_batches = [next(batches) for _ in range(cfg.train.grad_accum)]
             weight = self._per_token_weight(micro_batches)
             self.non_finite.zero_()
-            # loss sum, predicted, correct, scored, and this step's share of one averaged step (1 / ranks)
-            step_sums = torch.zeros(5, dtype=torch.float64, device=self.device)
-            step_sums[4] = 1.0 / self.world  # a fill on the device, no copy from the host
+            step_sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss sum, predicted, correct, scored
             for i, batch in enumerate(micro_batches):
                 last = i + 1 == len(micro_batches)
                 # masks follow the micro-batch's place in the run, not the rank: the same on any number of ranks
@@ -467,6 +465,7 @@ class Trainer:
             self.skipped_device += self.non_finite
             self.bad_streak_device.mul_(self.non_finite).add_(self.non_finite)
             self.step += 1
+            window["steps"] += 1
             bar.update(1)
             self.stop_requested = self.stop_requested or self._launcher_gone()
             stop = self._any_rank(self.stop_requested)[0]
@@ -528,8 +527,8 @@ class Trainer:
     def _new_window(self) -> dict:
         """Sums over the optimizer steps since the last log record: `sums` on the device (loss sum, predicted,
         correct, scored, over steps that were not skipped), the rest on the host."""
-        return {"sums": torch.zeros(5, dtype=torch.float64, device=self.device), "tokens": 0, "flops": 0,
-                "digest": 0, "paused": 0.0, "start": time.perf_counter()}
+        return {"sums": torch.zeros(4, dtype=torch.float64, device=self.device), "tokens": 0, "flops": 0,
+                "steps": 0, "digest": 0, "paused": 0.0, "start": time.perf_counter()}
 
     def _log_train(self, window: dict, bar) -> None:
         elapsed = time.perf_counter() - window["start"] - window["paused"]
@@ -539,12 +538,13 @@ class Trainer:
         dist.all_reduce(totals)
         # the step flags were agreed across ranks, so every rank holds the same counters: read, not reduced
         values = torch.cat([totals, self.bad_streak_device.double()[None], self.skipped_device.double()[None]])
-        (loss_sum, predicted, correct, scored, averaged, tokens, flops, flops_done, tokens_seen, digest, bad_streak,
+        (loss_sum, predicted, correct, scored, tokens, flops, flops_done, tokens_seen, digest, bad_streak,
          skipped) = values.tolist()
+        averaged = window["steps"] - (int(skipped) - self.skipped)  # the window's steps, less those skipped in it
         self._check_bad_streak(int(bad_streak), int(skipped))
         grad_norm = self.engine.get_global_grad_norm()
         record = {"kind": "train", "step": self.step, "loss": loss_sum / max(predicted, 1),
-                  "averaged_steps": round(averaged),  # since the last record (or the resume), skipped ones left out
+                  "averaged_steps": averaged,  # since the last record (or the resume), skipped ones left out
                   "accuracy": correct / max(scored, 1),
                   "lr": self.engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "tokens_per_s": tokens / elapsed, "mfu": flops / elapsed / self.peak_flops,

@@ -23,13 +23,11 @@ import numpy as np
 from ..batch import PackedBatch
 from ..errors import FastmaeError
 from .order import ORDER_VERSION, StepPlanner
-from .sequences import PACKINGS, SequenceIndex
+from .sequences import SequenceIndex
 from .shards import ShardSet
 
 if TYPE_CHECKING:
     from ..config import RunConfig
-
-__all__ = ["PACKINGS", "PackedLoader"]
 
 CURSORS_KEPT = 8
 """Cursors remembered for steps already planned: a checkpoint asks for the one its trainer has reached, which lags the
@@ -56,8 +54,8 @@ class PackedLoader:
         self.tokens_per_batch, self.rank, self.world_size, self.seed = tokens_per_batch, rank, world_size, seed
         self.micro_batches_per_step = world_size * grad_accum
         self.planner = StepPlanner(self.index.lengths, seed, tokens_per_batch, self.micro_batches_per_step)
-        self._epoch, self._position, self._step = 0, 0, 0
-        self._cursors: dict[int, tuple[int, int]] = {0: (0, 0)}
+        self._step = 0  # optimizer steps planned so far
+        self._cursors: dict[int, tuple[int, int]] = {0: (0, 0)}  # step -> (epoch, position) where it starts
 
     @classmethod
     def for_run(cls, config: RunConfig, rank: int = 0, world_size: int = 1,
@@ -73,7 +71,7 @@ class PackedLoader:
         """The same stream as all ranks together draw it, from its start: every micro-batch of every step, in order."""
         whole = copy.copy(self)
         whole.rank, whole.world_size = 0, 1
-        whole._epoch, whole._position, whole._step, whole._cursors = 0, 0, 0, {0: (0, 0)}
+        whole._step, whole._cursors = 0, {0: (0, 0)}
         return whole
 
     @property
@@ -108,18 +106,18 @@ class PackedLoader:
 
     def __iter__(self) -> Iterator[PackedBatch]:
         while True:
-            bounds = self.planner.plan_step(self._epoch, self._position)
+            epoch, position = self._cursors[self._step]
+            bounds = self.planner.plan_step(epoch, position)
             if bounds is None:
-                if self._position == 0:
+                if position == 0:
                     raise FastmaeError(
                         f"{self.data.directory} split {self.split!r}: one epoch does not fill one optimizer step of "
                         f"{self.micro_batches_per_step} micro-batches ({self.world_size} rank(s) x grad_accum) of "
                         f"{self.tokens_per_batch} tokens; lower the tokens per step or add data")
-                self._epoch, self._position = self._epoch + 1, 0
-                self._cursors[self._step] = (self._epoch, 0)
+                self._cursors[self._step] = (epoch + 1, 0)
                 continue
-            epoch, self._position, self._step = self._epoch, int(bounds[-1]), self._step + 1
-            self._cursors[self._step] = (self._epoch, self._position)
+            self._step += 1
+            self._cursors[self._step] = (epoch, int(bounds[-1]))
             for old in [s for s in self._cursors if s <= self._step - CURSORS_KEPT]:
                 del self._cursors[old]
             for sequences in self.step_sequences(epoch, bounds):
@@ -139,7 +137,8 @@ class PackedLoader:
     # ------------------------------------------------------------------------------------------------ state
     @property
     def epoch(self) -> int:
-        return self._epoch
+        """The epoch the next step is drawn from."""
+        return self._cursors[self._step][0]
 
     def state_dict(self, step: int | None = None) -> dict:
         """The cursor after `step` optimizer steps (default: every step planned so far): restored, on any number of
@@ -148,12 +147,11 @@ class PackedLoader:
         if step not in self._cursors:
             raise FastmaeError(f"data loader: no cursor for step {step} (planned up to {self._step})")
         epoch, position = self._cursors[step]
-        return {"epoch": epoch, "position": position, "step": step, "fingerprint": self.fingerprint(),
-                "micro_batches_per_step": self.micro_batches_per_step, "tokens_per_batch": self.tokens_per_batch}
+        return {"epoch": epoch, "position": position, "step": step, "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("fingerprint") != self.fingerprint():
             raise FastmaeError(f"data loader state does not match this data/config: saved {state.get('fingerprint')},"
                                f" now {self.fingerprint()}")
-        self._epoch, self._position, self._step = int(state["epoch"]), int(state["position"]), int(state["step"])
-        self._cursors = {self._step: (self._epoch, self._position)}
+        self._step = int(state["step"])
+        self._cursors = {self._step: (int(state["epoch"]), int(state["position"]))}

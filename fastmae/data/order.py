@@ -75,15 +75,20 @@ def batch_ends(lengths: np.ndarray, budget: int) -> np.ndarray:
     return np.maximum(ends, np.arange(1, len(lengths) + 1))
 
 
+def follow_ends(ends: np.ndarray, size: int, count: int) -> list[int]:
+    """Boundaries of the first `count` consecutive micro-batches of `batch_ends`' output over `size` sequences,
+    from 0 (fewer if the sequences run out). A loop over micro-batches, not sequences."""
+    ends, bounds = memoryview(ends), [0]
+    while len(bounds) <= count and bounds[-1] < size:
+        bounds.append(ends[bounds[-1]])
+    return bounds
+
+
 def cut_by_budget(lengths: np.ndarray, budget: int) -> list[slice]:
     """Greedy cut of consecutive sequences of `lengths` into runs of at most `budget` tokens (a longer sequence
-    gets a run of its own). A loop over the runs, not the sequences."""
-    ends, parts, begin = batch_ends(np.asarray(lengths), budget), [], 0
-    while begin < len(lengths):
-        end = int(ends[begin])
-        parts.append(slice(begin, end))
-        begin = end
-    return parts or [slice(0, 0)]
+    gets a run of its own)."""
+    bounds = follow_ends(batch_ends(np.asarray(lengths), budget), len(lengths), len(lengths))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])] or [slice(0, 0)]
 
 
 class StepPlanner:
@@ -109,10 +114,9 @@ class StepPlanner:
         order, n = self.order(epoch), len(self.lengths)
         while True:
             stop = min(n, position + int(count * self._per_batch * self._margin) + 64)
-            ends = memoryview(batch_ends(self.lengths[order[np.arange(position, stop)]], self.tokens_per_batch))
-            bounds, size = [0], stop - position
-            while len(bounds) <= count and bounds[-1] < size:  # a loop over micro-batches
-                bounds.append(ends[bounds[-1]])
+            size = stop - position
+            bounds = follow_ends(batch_ends(self.lengths[order[np.arange(position, stop)]], self.tokens_per_batch),
+                                 size, count)
             if stop == n or (len(bounds) > count and bounds[-1] < size):
                 return bounds
             self._margin *= 2  # the window may have cut the last micro-batch short: look further
