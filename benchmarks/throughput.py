@@ -43,7 +43,10 @@ FASTMAE_SYSTEMS = {  # system -> (preset, overrides)
     "mae-lm": ("mae-lm", {}),
     "3ml": ("3ml", {}),
     "3ml-cross": ("3ml", {"decoder_kind": "cross"}),
-    "mae-lm-relbias": ("mae-lm", {"relative_attention_bias": True}),  # the reference encoder's T5 bias
+    # the reference encoder's relative position bias: with attention dropout (padded SDPA + a float mask), and
+    # without (FlexAttention on CUDA; padded SDPA without dropout on CPU)
+    "mae-lm-relbias": ("mae-lm", {"relative_attention_bias": True}),
+    "mae-lm-relbias-flex": ("mae-lm", {"relative_attention_bias": True, "attention_dropout": 0.0}),
 }
 SYSTEMS = ("hf-roberta", *FASTMAE_SYSTEMS)
 

@@ -4,6 +4,8 @@ Backends, in order of preference (`auto`):
 - `flash`: flash_attn.flash_attn_varlen_func (CUDA, the optional `gpu` extra).
 - `torch_varlen`: torch.nn.attention.varlen.varlen_attn (CUDA, in torch; no attention dropout, so skipped when
   dropout_p > 0).
+- `flex`: torch's FlexAttention, compiled (CUDA): the document mask as a block mask and the relative position bias
+  as a score_mod; no attention dropout. The default with a relative bias on CUDA when attention dropout is 0.
 - `nested`: torch SDPA over nested jagged tensors (any device; on CUDA meant to reach the flash kernel with dropout
   and no padding, but measured slower than `padded`: see CUDA_DROPOUT_BACKEND).
 - `padded`: torch SDPA over a padded view with a key mask (any device). On CPU the default without attention
@@ -16,6 +18,7 @@ Override with the `backend` argument or the FASTMAE_ATTENTION environment variab
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 
 from .dropout import drop_mask
 
-BACKENDS = ("auto", "flash", "torch_varlen", "padded", "nested", "math", "reference")
+BACKENDS = ("auto", "flash", "torch_varlen", "flex", "padded", "nested", "math", "reference")
 # Measured by benchmarks/attention.py (results in benchmarks/results/attention.md), forward + backward on a 2-core
 # CPU: padded SDPA beat nested jagged SDPA at every shape tried, and `math` beat padded SDPA whenever attention
 # dropout is on (SDPA's CPU flash kernel takes no dropout).
@@ -91,41 +94,61 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # ------------------------------------------------------------------------------------ relative position bias
 def relative_position_buckets(relative: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
-    """T5's bidirectional buckets of `relative` = key position - query position: half the buckets per direction, the
-    first half of those exact distances, the rest log-spaced up to `max_distance` (farther ones share the last)."""
+    """MAE-LM's buckets of `relative` = key position - query position (its fairseq `relative_position_bucket`, shifted
+    to start at 0 as the reference does): distances below num_buckets / 4 get a bucket each, longer ones
+    log-spaced buckets (rounded up) up to max_distance - 1, beyond which all share the last one; the sign picks the
+    side, so distance 0 is the middle bucket num_buckets / 2 - 1 and the table's last row is never read.
+
+    A T5 variant: T5 rounds down, spaces up to max_distance and gives each direction num_buckets / 2 buckets of
+    its own (0 included); the reference's exact scheme is kept so that its recipes mean the same here."""
     half = num_buckets // 2
     exact = half // 2
     distance = relative.abs()
-    far = exact + (torch.log(distance.float().clamp(min=1) / exact) / math.log(max_distance / exact)
-                   * (half - exact)).long()
-    return (relative > 0).long() * half + torch.where(distance < exact, distance, far.clamp(max=half - 1))
+    log_ratio = torch.log(distance.float().clamp(min=1) / exact) / math.log((max_distance - 1) / exact)
+    far = (exact + torch.ceil(log_ratio * (half - 1 - exact)).long()).clamp(max=half - 1)
+    return torch.where(distance < exact, distance, far) * relative.sign() + (half - 1)
 
 
-class RelativeBias:
-    """The T5-style attention bias of one forward pass (MAE-LM's encoder): `table` [num_buckets, heads], one for all
-    layers, looked up by the rows' *original* positions, so dropping tokens keeps every distance. The padded
-    [B, heads, S_q, S_k] form is computed once per stream pair and shared by the layers."""
+def relative_bias_by_distance(table: torch.Tensor, max_distance: int) -> torch.Tensor:
+    """[2 * max_distance + 1, heads]: the bias of every relative position in [-max_distance, max_distance] (farther
+    ones share the end buckets), gathered from `table` [num_buckets, heads] once per forward pass, so that the
+    gradients of every lookup reach the table."""
+    distances = torch.arange(-max_distance, max_distance + 1, device=table.device)
+    return table[relative_position_buckets(distances, table.shape[0], max_distance)]
 
-    def __init__(self, table: torch.Tensor, max_distance: int):
-        self.table, self.max_distance = table, max_distance
-        self._padded: dict[tuple[int, int], torch.Tensor] = {}
 
-    def of(self, positions_q: torch.Tensor, positions_k: torch.Tensor) -> torch.Tensor:
-        """[heads, len_q, len_k] bias between query and key rows of the given original positions."""
-        relative = positions_k.long()[None, :] - positions_q.long()[:, None]
-        buckets = relative_position_buckets(relative, self.table.shape[0], self.max_distance)
-        return self.table[buckets].permute(2, 0, 1)
+class StreamBias(NamedTuple):
+    """The relative position bias (MAE-LM's encoder) between a query stream and a key stream, looked up by the rows'
+    *original* positions, so dropping tokens keeps every distance. Built once per step and stream pair, outside the
+    layers (compiled layers take it as an input, like VarlenMeta), in the form `backend` reads: `dense` for padded
+    SDPA and math, the document `block_mask` for flex (whose score_mod reads by_distance), neither for the reference.
+    """
 
-    def padded(self, mq: VarlenMeta, mk: VarlenMeta) -> torch.Tensor:
-        """[B, heads, S_q, S_k] bias in the padded views of the two streams (padding rows hold position 0)."""
-        key = (id(mq), id(mk))
-        if key not in self._padded:
+    backend: str
+    by_distance: torch.Tensor  # [2 * max_distance + 1, heads], relative_bias_by_distance
+    max_distance: int
+    dense: torch.Tensor | None  # [B, heads, S_q, S_k] in the streams' padded views (padding rows at position 0)
+    block_mask: object | None  # torch.nn.attention.flex_attention.BlockMask
+
+    @classmethod
+    def build(cls, by_distance: torch.Tensor, max_distance: int, mq: VarlenMeta, mk: VarlenMeta,
+              backend: str) -> StreamBias:
+        if backend not in BIAS_BACKENDS:
+            raise ValueError(f"attention backend {backend!r} takes no relative position bias; choose one of "
+                             f"{BIAS_BACKENDS} (or model.relative_attention_bias=false)")
+        bias = cls(backend, by_distance, max_distance, None, None)
+        if backend in ("padded", "math"):
             pos_q = _to_padded(mq.positions[:, None, None], mq)[:, 0, :, 0]  # [B, S_q]
             pos_k = _to_padded(mk.positions[:, None, None], mk)[:, 0, :, 0]
             relative = pos_k.long()[:, None, :] - pos_q.long()[:, :, None]
-            buckets = relative_position_buckets(relative, self.table.shape[0], self.max_distance)
-            self._padded[key] = self.table[buckets].permute(0, 3, 1, 2)
-        return self._padded[key]
+            bias = bias._replace(dense=bias.lookup(relative).permute(0, 3, 1, 2))
+        elif backend == "flex":
+            bias = bias._replace(block_mask=document_block_mask(mq, mk))
+        return bias
+
+    def lookup(self, relative: torch.Tensor) -> torch.Tensor:
+        """[..., heads] bias of the relative positions (key - query) in `relative` [...]."""
+        return self.by_distance[relative.clamp(-self.max_distance, self.max_distance) + self.max_distance]
 
 
 # --------------------------------------------------------------------------------------------------- backends
@@ -142,6 +165,44 @@ def _torch_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, sca
     return varlen_attn(q, k, v, mq.cu_seqlens, mk.cu_seqlens, mq.max_seqlen, mk.max_seqlen, scale=scale)
 
 
+def document_block_mask(mq: VarlenMeta, mk: VarlenMeta):
+    """FlexAttention's BlockMask over packed rows: query row i sees key row j when both are in the same sequence
+    (blocks of 128 x 128 rows that span no shared sequence are skipped)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seq_q = (mq.padded_index // mq.max_seqlen).to(torch.int32)
+    seq_k = (mk.padded_index // mk.max_seqlen).to(torch.int32)
+
+    def same_sequence(batch, head, q_row, k_row):
+        return seq_q[q_row] == seq_k[k_row]
+    return create_block_mask(same_sequence, None, None, seq_q.numel(), seq_k.numel(), device=seq_q.device)
+
+
+@functools.cache
+def _flex_attention(device_type: str):
+    """flex_attention compiled for CUDA (dynamic shapes: packed row counts change every step); eager elsewhere,
+    where torch runs it forward only (the CPU test of the score_mod and block mask)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+
+
+def _flex(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
+    if dropout_p:
+        raise ValueError("attention backend 'flex' has no attention dropout; use model.attention_dropout 0 or the "
+                         "'padded' backend")
+    block_mask = document_block_mask(mq, mk) if bias is None else bias.block_mask
+    score_mod = None
+    if bias is not None:
+        by_distance, pos_q, pos_k, far = bias.by_distance, mq.positions, mk.positions, bias.max_distance
+
+        def score_mod(score, batch, head, q_row, k_row):
+            return score + by_distance[(pos_k[k_row] - pos_q[q_row]).clamp(-far, far) + far, head].to(score.dtype)
+    rows_first = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, T, D]: one long row of packed sequences
+    out = _flex_attention(q.device.type)(*rows_first, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    return out[0].transpose(0, 1)
+
+
 def _to_padded(x: torch.Tensor, meta: VarlenMeta) -> torch.Tensor:
     """[T, heads, D] -> [B, heads, max_seqlen, D], zeros in the padding (a view when there is none)."""
     padded = x
@@ -156,16 +217,16 @@ def _from_padded(out: torch.Tensor, meta: VarlenMeta) -> torch.Tensor:
     return out if meta.is_rectangular else out.index_select(0, meta.padded_index)
 
 
-def _key_mask(mk: VarlenMeta, bias: RelativeBias | None, mq: VarlenMeta, dtype: torch.dtype):
+def _key_mask(mk: VarlenMeta, bias: StreamBias | None, dtype: torch.dtype):
     """SDPA's attn_mask: None, the boolean key mask, or (with a bias) the float bias with -inf at padded keys."""
     if bias is None:
         return None if mk.is_rectangular else mk.key_valid[:, None, None, :]  # padded keys get no weight
-    mask = bias.padded(mq, mk).to(dtype)
+    mask = bias.dense.to(dtype)
     return mask if mk.is_rectangular else mask.masked_fill(~mk.key_valid[:, None, None, :], -math.inf)
 
 
 def _padded(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
-    mask = _key_mask(mk, bias, mq, q.dtype)
+    mask = _key_mask(mk, bias, q.dtype)
     out = F.scaled_dot_product_attention(_to_padded(q, mq), _to_padded(k, mk), _to_padded(v, mk), attn_mask=mask,
                                          dropout_p=dropout_p, scale=scale)
     return _from_padded(out, mq)
@@ -178,7 +239,7 @@ def _math(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: floa
     q_pad = q_pad.reshape(batch * heads, len_q, head_dim)
     k_t = k_pad.reshape(batch * heads, len_k, head_dim).transpose(1, 2)
     if bias is not None:
-        scores = torch.baddbmm(_key_mask(mk, bias, mq, q.dtype).reshape(batch * heads, len_q, len_k), q_pad, k_t)
+        scores = torch.baddbmm(_key_mask(mk, bias, q.dtype).reshape(batch * heads, len_q, len_k), q_pad, k_t)
     elif mk.is_rectangular:
         scores = torch.bmm(q_pad, k_t)
     else:  # 0 / -inf per key, [B * heads, 1, S_k], broadcast over the queries without a copy (stride 0)
@@ -210,7 +271,7 @@ def _nested(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: fl
 
 
 def varlen_attention_reference(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float = 0.0,
-                               scale: float | None = None, bias: RelativeBias | None = None):
+                               scale: float | None = None, bias: StreamBias | None = None):
     """Plain softmax attention, one sequence at a time, computed in q's dtype (the oracle in fp64; no dropout); with
     `bias`, each sequence's bias looked up from its rows' positions on its own."""
     if dropout_p:
@@ -222,13 +283,15 @@ def varlen_attention_reference(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_
         qb, kb, vb = (t.transpose(0, 1) for t in (q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]))
         scores = qb @ kb.transpose(1, 2) * scale
         if bias is not None:
-            scores = scores + bias.of(mq.positions[cq[b]:cq[b + 1]], mk.positions[ck[b]:ck[b + 1]]).to(scores.dtype)
+            relative = mk.positions[ck[b]:ck[b + 1]].long()[None, :] - mq.positions[cq[b]:cq[b + 1]].long()[:, None]
+            scores = scores + bias.lookup(relative).permute(2, 0, 1).to(scores.dtype)
         weights = torch.softmax(scores, dim=-1)
         outs.append((weights @ vb).transpose(0, 1))
     return torch.cat(outs)
 
 
-_IMPLS = {"flash": _flash, "torch_varlen": _torch_varlen, "padded": _padded, "nested": _nested, "math": _math,
+_IMPLS = {"flash": _flash, "torch_varlen": _torch_varlen, "flex": _flex, "padded": _padded, "nested": _nested,
+          "math": _math,
           "reference": varlen_attention_reference}
 
 
@@ -236,14 +299,15 @@ def available_backends(device: torch.device | str) -> list[str]:
     """Backends that can run on `device` here (the reference always can)."""
     names = ["padded", "nested", "math", "reference"]
     if torch.device(device).type == "cuda":
-        names = ["torch_varlen", *names]
+        names = ["torch_varlen", "flex", *names]
         if _HAS_FLASH_ATTN:
             names = ["flash", *names]
     return names
 
 
-BIAS_BACKENDS = ("padded", "math", "reference")
-"""Backends that add a relative position bias; `auto` picks padded SDPA (a float mask) or `math` with one."""
+BIAS_BACKENDS = ("flex", "padded", "math", "reference")
+"""Backends that add a relative position bias. `auto` picks `flex` on CUDA without attention dropout (FlexAttention
+has none), else padded SDPA with the bias as a float mask (or `math` on CPU with dropout)."""
 
 
 def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
@@ -263,6 +327,8 @@ def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
                              f"{BIAS_BACKENDS} (or model.relative_attention_bias=false)")
         return backend
     if biased:
+        if device.type == "cuda":
+            return "padded" if dropout_p else "flex"
         return CPU_DROPOUT_BACKEND if device.type == "cpu" and dropout_p else "padded"
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         if _HAS_FLASH_ATTN:
@@ -287,7 +353,7 @@ def check_flash_head_dim(head_dim: int, backend: str) -> None:
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: VarlenMeta,
                      meta_k: VarlenMeta | None = None, dropout_p: float = 0.0, backend: str | None = None,
-                     bias: RelativeBias | None = None):
+                     bias: StreamBias | None = None):
     """Bidirectional attention within each packed sequence; no sequence sees another.
 
     q: [T_q, heads, head_dim]; k, v: [T_k, heads, head_dim] (the same rows as q when meta_k is None or meta_q).
@@ -296,6 +362,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: 
     """
     meta_k = meta_q if meta_k is None else meta_k
     name = resolve_backend(backend, q.device, dropout_p, q.dtype, biased=bias is not None)
+    if bias is not None and bias.backend != name:
+        raise ValueError(f"the relative position bias was built for attention backend {bias.backend!r}, but this "
+                         f"call resolves to {name!r}")
     if name == "torch_varlen" and dropout_p:
         raise ValueError("attention backend 'torch_varlen' has no dropout; use attention dropout 0 or another backend")
     if q.device.type == "cuda" and name in FLASH_KERNEL_BACKENDS:

@@ -50,9 +50,10 @@ class ModelConfig:
     """T5-style relative position bias in the encoder's attention (MAE-LM's reference encoder): one table of
     [buckets, heads] shared by all encoder layers, looked up by original positions; the decoder has none."""
     relative_attention_buckets: int = 64
-    """Buckets of the relative bias (half per direction, T5's exact-then-logarithmic spacing); the reference: 64."""
+    """Buckets of the relative bias (per direction: a quarter exact, then log-spaced; the reference's bucketing,
+    fastmae.attention.relative_position_buckets). The reference: 64 (base), 128 (large)."""
     relative_attention_max_distance: int = 128
-    """Distances beyond this share the last bucket; the reference: 128."""
+    """Distances from max_distance - 1 on share the last bucket; the reference: 128 (base), 256 (large)."""
     norm_position: str = "post"
     """`post` (RoBERTa, BERT) or `pre` LayerNorm in each layer."""
     layer_norm_eps: float = 1e-5
@@ -107,8 +108,9 @@ class ModelConfig:
             bad("decoder_kind", "'cross' needs decoder_layers > 0")
         if self.relative_attention_buckets < 4 or self.relative_attention_buckets % 2:
             bad("relative_attention_buckets", "must be an even number >= 4")
-        if self.relative_attention_max_distance <= self.relative_attention_buckets // 4:
-            bad("relative_attention_max_distance", "must exceed relative_attention_buckets / 4 (the exact range)")
+        if self.relative_attention_max_distance <= self.relative_attention_buckets // 4 + 1:
+            bad("relative_attention_max_distance",
+                "must exceed relative_attention_buckets / 4 + 1 (past the exact distances)")
         if self.position_embedding not in ("learned", "rotary"):
             bad("position_embedding", "must be 'learned' or 'rotary'")
         if self.norm_position not in ("post", "pre"):

@@ -16,7 +16,14 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import ops
-from .attention import RelativeBias, VarlenMeta, apply_rotary, varlen_attention
+from .attention import (
+    StreamBias,
+    VarlenMeta,
+    apply_rotary,
+    relative_bias_by_distance,
+    resolve_backend,
+    varlen_attention,
+)
 from .batch import PackedBatch
 from .config import ModelConfig
 from .dropout import Dropout
@@ -101,7 +108,7 @@ class TransformerLayer(nn.Module):
         self.attention_backend: str | None = None  # None: fastmae.attention picks per device
 
     def _attention(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None,
-                   meta_k: VarlenMeta | None, bias: RelativeBias | None) -> torch.Tensor:
+                   meta_k: VarlenMeta | None, bias: StreamBias | None) -> torch.Tensor:
         rows, h = x.shape
         heads, head_dim = self.num_heads, h // self.num_heads
         if context is None:
@@ -115,15 +122,23 @@ class TransformerLayer(nn.Module):
         if meta.rotary is not None:
             q = apply_rotary(q, *meta.rotary)
             k = apply_rotary(k, *meta_k.rotary)
-        p = self.attention_dropout if self.training else 0.0
-        out = varlen_attention(q, k, v, meta, meta_k, dropout_p=p, backend=self.attention_backend, bias=bias)
+        out = varlen_attention(q, k, v, meta, meta_k, dropout_p=self.attention_dropout_p,
+                               backend=self.attention_backend, bias=bias)
         return self.attn_out(out.reshape(rows, h))
+
+    @property
+    def attention_dropout_p(self) -> float:
+        return self.attention_dropout if self.training else 0.0
+
+    def biased_backend(self, x: torch.Tensor) -> str:
+        """The attention backend this layer runs with a relative position bias on rows like `x`."""
+        return resolve_backend(self.attention_backend, x.device, self.attention_dropout_p, x.dtype, biased=True)
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.ffn_out(F.gelu(self.ffn_in(x)))
 
     def forward(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None = None,
-                meta_k: VarlenMeta | None = None, bias: RelativeBias | None = None) -> torch.Tensor:
+                meta_k: VarlenMeta | None = None, bias: StreamBias | None = None) -> torch.Tensor:
         """x: [rows, H] on layout `meta`. With `context` [T_k, H] (layout meta_k), queries attend to it instead.
         `bias`: a relative position bias added to the attention scores."""
         if self.pre_norm:
@@ -234,9 +249,14 @@ class MaskedLM(nn.Module):
                              f"{self.config.max_seq_len}")
 
     def _run(self, layers: nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
-             states: list[torch.Tensor] | None = None, bias: RelativeBias | None = None) -> torch.Tensor:
+             states: list[torch.Tensor] | None = None, bias_by_distance: torch.Tensor | None = None) -> torch.Tensor:
         """Run `layers` in order on rows laid out by `meta` (recomputed in backward under activation checkpointing);
-        append each layer's output to `states` when given."""
+        append each layer's output to `states` when given. With `bias_by_distance` (relative_bias_by_distance) the
+        layers add the relative position bias, built here once for the stream in the form their backend reads."""
+        bias = None
+        if bias_by_distance is not None and len(layers):
+            bias = StreamBias.build(bias_by_distance, self.config.relative_attention_max_distance, meta, meta,
+                                    layers[0].biased_backend(x))
         for layer in layers:
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(layer, x, meta, None, None, bias, use_reentrant=False)
@@ -261,8 +281,9 @@ class MaskedLM(nn.Module):
             x = self.embeddings(sel.input_tokens.index_select(0, sel.visible_index), masked.visible.positions)
         if states is not None:
             states.append(x)
-        bias = (RelativeBias(self.relative_bias, self.config.relative_attention_max_distance)
-                if self.relative_bias is not None else None)  # by original positions, so drops keep distances
+        bias = None  # looked up by original positions, so dropping tokens keeps every distance
+        if self.relative_bias is not None:
+            bias = relative_bias_by_distance(self.relative_bias, self.config.relative_attention_max_distance)
         if k > 0:
             x = self._run(self.encoder[:k], x, masked.visible, states, bias)
             if k < n_enc:

@@ -7,11 +7,13 @@
 # Steps (each runs even if an earlier one failed; the summary lists every exit status):
 #   1. the device: nvidia-smi, torch / triton / flash-attn / deepspeed versions
 #   2. the Triton kernel tests compiled for this GPU, realistic shapes included (-m large)
-#   3. the attention backend tests (flash, torch_varlen, padded, nested against the naive reference)
+#   3. the attention backend tests (flash, torch_varlen, flex, padded, nested against the naive reference; the
+#      relative position bias with FlexAttention inside the compiled model)
 #   4. the training step under torch.cuda.set_sync_debug_mode("error"): no host-device sync in a steady-state step
 #   5. benchmarks/kernels.py: each kernel against its torch reference, GB/s against the device's memory bandwidth
 #   6. benchmarks/attention.py: every attention backend, with and without dropout
-#   7. benchmarks/throughput.py --size base: mlm and 3ml (eager and compiled) and Hugging Face RoBERTa, tokens/s, MFU
+#   7. benchmarks/throughput.py --size base: mlm, 3ml, mae-lm with and without the relative bias (eager and
+#      compiled) and Hugging Face RoBERTa, tokens/s, MFU
 #   8. a 50-step 3ml base-shaped training run on 1 GPU (configs/3ml-base.yaml on the embedded corpus)
 # Everything lands in benchmarks/results/gpu/DEVICE/ (logs, the benchmarks' JSON + Markdown, the run's metrics),
 # small enough to commit; the training run's checkpoints stay in runs/gpu-check/.
@@ -85,14 +87,15 @@ parallel=()
 (( dry_run )) || ! "$python" -c "import xdist" 2>/dev/null || parallel=(-n 8)
 step kernel_tests "$python" -m pytest -q "${parallel[@]}" -m "not large" tests/kernels
 step kernel_tests_large "$python" -m pytest -q -m large tests/kernels
-step attention_tests "$python" -m pytest -q -m "large or not large" tests/test_attention.py
+step attention_tests "$python" -m pytest -q -m "large or not large" tests/test_attention.py \
+    tests/test_model.py -k "not test_model.py or relative_bias_on_cuda"
 step sync_tests "$python" -m pytest -q tests/test_train.py -k steady_state
 step kernel_benchmark "$python" benchmarks/kernels.py
 keep kernels
 step attention_benchmark "$python" benchmarks/attention.py
 keep attention
 step throughput_benchmark "$python" benchmarks/throughput.py --size base --sequences 32 \
-    --systems hf-roberta,mlm,3ml --compile
+    --systems hf-roberta,mlm,3ml,mae-lm,mae-lm-relbias,mae-lm-relbias-flex --compile
 keep throughput
 step train_3ml_base deepspeed --num_gpus 1 fastmae/train.py --config configs/3ml-base.yaml --resume none \
     data.path=builtin data.builtin_vocab_size=8000 \

@@ -2,12 +2,15 @@ import pytest
 import torch
 from tolerance import assert_as_accurate
 
+from fastmae import attention
 from fastmae.attention import (
     BACKENDS,
-    RelativeBias,
+    BIAS_BACKENDS,
+    StreamBias,
     VarlenMeta,
     apply_rotary,
     available_backends,
+    relative_bias_by_distance,
     relative_position_buckets,
     rotary_tables,
     varlen_attention,
@@ -25,9 +28,9 @@ def make_meta(lengths, device, positions=None):
     return VarlenMeta.build(cu.to(device), max(max(lengths), 1), seq_ids.to(device), positions.to(device))
 
 
-def backend_params():
-    """Every backend on every device it is meant for; absent ones skip with the reason."""
-    for backend in BACKENDS[1:-1]:  # all but auto and the reference itself
+def backend_params(names=BACKENDS[1:-1]):  # all but auto and the reference itself
+    """Every backend of `names` on every device it is meant for; absent ones skip with the reason."""
+    for backend in names:
         for device in ("cpu", "cuda") if backend in ("padded", "nested", "math") else ("cuda",):
             if device == "cuda" and not torch.cuda.is_available():
                 reason = "no CUDA device"
@@ -67,7 +70,7 @@ def test_backend_matches_reference_forward_and_backward(backend, device, q_lengt
     grad_out = torch.randn(q32.shape, generator=gen)
 
     def run(fn, dtype, q, k, v):
-        q, k, v = (t.to(device, dtype).requires_grad_() for t in (q, k, v))
+        q, k, v = (t.detach().to(device, dtype).requires_grad_() for t in (q, k, v))  # own leaves, own .grad
         out = fn(q, k, v)
         out.backward(grad_out.to(device, dtype))
         return [t.float().cpu() for t in (out, q.grad, k.grad, v.grad)]
@@ -185,18 +188,12 @@ BIAS_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["padded", "math"])
-@pytest.mark.parametrize("q_lengths, k_lengths, positions", BIAS_SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_biased_backends_match_the_reference_and_train_the_table(backend, q_lengths, k_lengths, positions, dtype,
-                                                                  seed):
-    """Forward and backward (q, k, v and the bias table) against the per-sequence reference in fp64, on rows whose
-    original positions have gaps (as after dropping masked tokens) and across max_distance."""
+def _biased_run(backend, device, q_lengths, k_lengths, positions, dtype, seed, grad=True):
+    """(got, plain torch in dtype, fp64 oracle): out and, with grad, dq, dk, dv and the bias table's gradient."""
     heads, head_dim, buckets = 3, 16, 64
     pos = None if positions is None else torch.tensor(positions, dtype=torch.int32)
-    mq = make_meta(q_lengths, "cpu", pos)
-    mk = mq if k_lengths is None else make_meta(k_lengths, "cpu")
+    mq = make_meta(q_lengths, device, pos)
+    mk = mq if k_lengths is None else make_meta(k_lengths, device)
     gen = torch.Generator().manual_seed(seed)
     q32 = torch.randn(sum(q_lengths), heads, head_dim, generator=gen)
     k32, v32 = (torch.randn(sum(k_lengths or q_lengths), heads, head_dim, generator=gen) for _ in range(2))
@@ -204,27 +201,60 @@ def test_biased_backends_match_the_reference_and_train_the_table(backend, q_leng
     grad_out = torch.randn(q32.shape, generator=gen)
 
     def run(fn, dtype, q, k, v, table):
-        q, k, v, table = (t.to(dtype).requires_grad_() for t in (q, k, v, table))
-        out = fn(q, k, v, RelativeBias(table, max_distance=128))
-        out.backward(grad_out.to(dtype))
-        return [t.float() for t in (out, q.grad, k.grad, v.grad, table.grad)]
+        q, k, v, table = (t.detach().to(device, dtype).requires_grad_(grad) for t in (q, k, v, table))
+        out = fn(q, k, v, table)
+        if not grad:
+            return [out.float().cpu()]
+        out.backward(grad_out.to(device, dtype))
+        return [t.float().cpu() for t in (out, q.grad, k.grad, v.grad, table.grad)]
 
-    reference = lambda q, k, v, b: varlen_attention_reference(q, k, v, mq, mk, bias=b)  # noqa: E731
-    tested = lambda q, k, v, b: varlen_attention(q, k, v, mq, mk, backend=backend, bias=b)  # noqa: E731
+    def bias(table, backend):
+        return StreamBias.build(relative_bias_by_distance(table, 128), 128, mq, mk, backend)
+
+    reference = lambda q, k, v, t: varlen_attention_reference(q, k, v, mq, mk, bias=bias(t, "reference"))  # noqa: E731
+    tested = lambda q, k, v, t: varlen_attention(q, k, v, mq, mk, backend=backend, bias=bias(t, backend))  # noqa: E731
+    if backend == "flex" and device == "cpu":  # not an available CPU backend: torch runs it forward only there
+        tested = lambda q, k, v, t: attention._flex(q, k, v, mq, mk, 0.0, head_dim**-0.5, bias(t, "flex"))  # noqa: E731
     args = (q32, k32, v32, table32)
-    exact = run(reference, torch.float64, *(t.double() for t in args))
-    got, plain = run(tested, dtype, *args), run(reference, dtype, *args)
+    with torch.set_grad_enabled(grad):
+        return run(tested, dtype, *args), run(reference, dtype, *args), run(reference, torch.float64, *args)
+
+
+@pytest.mark.parametrize("backend, device", list(backend_params(BIAS_BACKENDS[:-1])))
+@pytest.mark.parametrize("q_lengths, k_lengths, positions", BIAS_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_biased_backends_match_the_reference_and_train_the_table(backend, device, q_lengths, k_lengths, positions,
+                                                                  dtype, seed):
+    """Forward and backward (q, k, v and the bias table) against the per-sequence reference in fp64, on rows whose
+    original positions have gaps (as after dropping masked tokens) and across max_distance."""
+    got, plain, exact = _biased_run(backend, device, q_lengths, k_lengths, positions, dtype, seed)
     zero_scale = max(t.abs().max().item() for t in exact)
     for name, g, p, e in zip(("out", "dq", "dk", "dv", "dtable"), got, plain, exact):
         assert_as_accurate(f"{backend} {name}", g, p, e, dtype, factor=3, zero_scale=zero_scale)
     assert exact[4].abs().sum() > 0  # the table learns
 
 
-def test_t5_buckets():
-    rel = torch.tensor([0, 1, -1, 15, 16, -16, 127, 128, 1000, -1000])
+@pytest.mark.parametrize("q_lengths, k_lengths, positions", BIAS_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_flex_score_mod_and_document_mask_match_the_reference_on_cpu(q_lengths, k_lengths, positions, dtype):
+    """The CUDA FlexAttention path's score_mod (bias by original positions) and block mask (no attention across
+    packed sequences) run forward under torch's eager FlexAttention here; the CUDA test above adds the backward."""
+    got, plain, exact = _biased_run("flex", "cpu", q_lengths, k_lengths, positions, dtype, seed=0, grad=False)
+    assert_as_accurate("flex out", got[0], plain[0], exact[0], dtype, factor=2)
+
+
+def test_reference_buckets():
+    """MAE-LM's bucketing (64 buckets, max distance 128), values worked out by hand from its formula: exact below
+    16 each way around the middle bucket 31, then 16 + ceil(ln(d / 16) / ln(127 / 16) * 15) per side."""
+    rel = torch.tensor([0, 1, -1, 15, -15, 16, 17, -17, 100, 126, 127, 1000, -1000])
     got = relative_position_buckets(rel, num_buckets=64, max_distance=128).tolist()
-    # exact up to 15 each way (keys after the query in the upper half), log-spaced to 128, the last bucket beyond
-    assert got[:6] == [0, 33, 1, 47, 48, 16] and got[6] == 63 and got[7:9] == [63, 63] and got[9] == 31
+    assert got == [31, 32, 30, 46, 16, 47, 48, 14, 61, 62, 62, 62, 0]
+    every = relative_position_buckets(torch.arange(-600, 601), num_buckets=64, max_distance=128)
+    assert (every.diff() >= 0).all() and torch.equal(every + every.flip(0), torch.full_like(every, 62))
+    assert set(every.tolist()) == set(range(63))  # every bucket but the last is used, as in the reference
+    large = relative_position_buckets(torch.tensor([0, 31, 32, 254, 255, -10**6]), 128, 256).tolist()
+    assert large == [63, 94, 95, 126, 126, 0]
 
 
 def test_dropping_tokens_keeps_the_bias_of_every_remaining_pair():
@@ -233,6 +263,7 @@ def test_dropping_tokens_keeps_the_bias_of_every_remaining_pair():
     full = make_meta([300], "cpu")
     keep = torch.tensor(sorted(torch.randperm(300, generator=torch.Generator().manual_seed(0))[:140].tolist()))
     visible = make_meta([140], "cpu", keep.to(torch.int32))
-    bias = RelativeBias(table, max_distance=128)
-    full_bias = bias.padded(full, full)[0]
-    assert torch.equal(bias.padded(visible, visible)[0], full_bias[:, keep][:, :, keep])
+    by_distance = relative_bias_by_distance(table, 128)
+    full_bias = StreamBias.build(by_distance, 128, full, full, "padded").dense[0]
+    visible_bias = StreamBias.build(by_distance, 128, visible, visible, "padded").dense[0]
+    assert torch.equal(visible_bias, full_bias[:, keep][:, :, keep])
