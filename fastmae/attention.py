@@ -5,7 +5,8 @@ Backends, in order of preference (`auto`):
 - `torch_varlen`: torch.nn.attention.varlen.varlen_attn (CUDA, in torch; no attention dropout, so skipped when
   dropout_p > 0).
 - `flex`: torch's FlexAttention, compiled (CUDA): the document mask as a block mask and the relative position bias
-  as a score_mod; no attention dropout. The default with a relative bias on CUDA when attention dropout is 0.
+  as a score_mod; no attention dropout. The default with a relative bias on CUDA when attention dropout is 0. On CPU
+  torch runs it eagerly and forward only (never chosen automatically there).
 - `nested`: torch SDPA over nested jagged tensors (any device; on CUDA meant to reach the flash kernel with dropout
   and no padding, but measured slower than `padded`: see CUDA_DROPOUT_BACKEND).
 - `padded`: torch SDPA over a padded view with a key mask (any device). On CPU the default without attention
@@ -18,7 +19,6 @@ Override with the `backend` argument or the FASTMAE_ATTENTION environment variab
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 import os
@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from .dropout import drop_mask
 
@@ -168,8 +169,6 @@ def _torch_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, sca
 def document_block_mask(mq: VarlenMeta, mk: VarlenMeta):
     """FlexAttention's BlockMask over packed rows: query row i sees key row j when both are in the same sequence
     (blocks of 128 x 128 rows that span no shared sequence are skipped)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     seq_q = (mq.padded_index // mq.max_seqlen).to(torch.int32)
     seq_k = (mk.padded_index // mk.max_seqlen).to(torch.int32)
 
@@ -178,19 +177,17 @@ def document_block_mask(mq: VarlenMeta, mk: VarlenMeta):
     return create_block_mask(same_sequence, None, None, seq_q.numel(), seq_k.numel(), device=seq_q.device)
 
 
-@functools.cache
-def _flex_attention(device_type: str):
-    """flex_attention compiled for CUDA (dynamic shapes: packed row counts change every step); eager elsewhere,
-    where torch runs it forward only (the CPU test of the score_mod and block mask)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+_compiled_flex_attention = torch.compile(flex_attention, dynamic=True)  # compiles at the first call (CUDA)
 
 
 def _flex(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
     if dropout_p:
         raise ValueError("attention backend 'flex' has no attention dropout; use model.attention_dropout 0 or the "
                          "'padded' backend")
+    on_cuda = q.device.type == "cuda"
+    if not on_cuda and torch.is_grad_enabled() and q.requires_grad:
+        raise ValueError(f"attention backend 'flex' runs forward only on {q.device.type} (torch has no FlexAttention "
+                         "backward there); use 'padded' to train")
     block_mask = document_block_mask(mq, mk) if bias is None else bias.block_mask
     score_mod = None
     if bias is not None:
@@ -199,7 +196,8 @@ def _flex(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: floa
         def score_mod(score, batch, head, q_row, k_row):
             return score + by_distance[(pos_k[k_row] - pos_q[q_row]).clamp(-far, far) + far, head].to(score.dtype)
     rows_first = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, T, D]: one long row of packed sequences
-    out = _flex_attention(q.device.type)(*rows_first, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    run = _compiled_flex_attention if on_cuda else flex_attention  # eager: the unfused reference implementation
+    out = run(*rows_first, score_mod=score_mod, block_mask=block_mask, scale=scale)
     return out[0].transpose(0, 1)
 
 
@@ -297,9 +295,9 @@ _IMPLS = {"flash": _flash, "torch_varlen": _torch_varlen, "flex": _flex, "padded
 
 def available_backends(device: torch.device | str) -> list[str]:
     """Backends that can run on `device` here (the reference always can)."""
-    names = ["padded", "nested", "math", "reference"]
+    names = ["padded", "nested", "math", "flex", "reference"]
     if torch.device(device).type == "cuda":
-        names = ["torch_varlen", "flex", *names]
+        names = ["torch_varlen", *names]
         if _HAS_FLASH_ATTN:
             names = ["flash", *names]
     return names

@@ -2,7 +2,6 @@ import pytest
 import torch
 from tolerance import assert_as_accurate
 
-from fastmae import attention
 from fastmae.attention import (
     BACKENDS,
     BIAS_BACKENDS,
@@ -213,8 +212,6 @@ def _biased_run(backend, device, q_lengths, k_lengths, positions, dtype, seed, g
 
     reference = lambda q, k, v, t: varlen_attention_reference(q, k, v, mq, mk, bias=bias(t, "reference"))  # noqa: E731
     tested = lambda q, k, v, t: varlen_attention(q, k, v, mq, mk, backend=backend, bias=bias(t, backend))  # noqa: E731
-    if backend == "flex" and device == "cpu":  # not an available CPU backend: torch runs it forward only there
-        tested = lambda q, k, v, t: attention._flex(q, k, v, mq, mk, 0.0, head_dim**-0.5, bias(t, "flex"))  # noqa: E731
     args = (q32, k32, v32, table32)
     with torch.set_grad_enabled(grad):
         return run(tested, dtype, *args), run(reference, dtype, *args), run(reference, torch.float64, *args)
@@ -242,6 +239,13 @@ def test_flex_score_mod_and_document_mask_match_the_reference_on_cpu(q_lengths, 
     packed sequences) run forward under torch's eager FlexAttention here; the CUDA test above adds the backward."""
     got, plain, exact = _biased_run("flex", "cpu", q_lengths, k_lengths, positions, dtype, seed=0, grad=False)
     assert_as_accurate("flex out", got[0], plain[0], exact[0], dtype, factor=2)
+
+
+def test_flex_refuses_to_train_on_cpu():
+    meta = make_meta([5, 3], "cpu")
+    q = torch.randn(8, 2, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="'flex' runs forward only on cpu"):
+        varlen_attention(q, q, q, meta, backend="flex")
 
 
 def test_reference_buckets():

@@ -61,3 +61,32 @@ def test_relative_bias_compiles_like_eager(fresh_dynamo):
     assert fresh_dynamo["stats"]["unique_graphs"] == graphs_after_warm_up, "recompiled after warm-up"
     torch.testing.assert_close(torch.tensor(warm), torch.tensor(eager[:2]), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-4)
+
+
+def test_flex_attention_in_compiled_layers_traces_once(fresh_dynamo):
+    """The CUDA path of the relative bias, traced by dynamo as train.compile does (run by the eager backend here: torch
+    has no compiled FlexAttention on CPU, and forward only): the stream's BlockMask and the score_mod's captured
+    tensors go into the layer graph without graph breaks, batches of other lengths reuse the graph, and the losses
+    are the per-sequence reference's."""
+    from conftest import tiny_batch
+
+    from fastmae import ModelConfig
+
+    config = ModelConfig.preset("mae-lm", vocab_size=60, hidden_size=32, num_heads=4, encoder_layers=2,
+                                max_seq_len=160, relative_attention_bias=True, dropout=0.0, attention_dropout=0.0)
+    batches = [tiny_batch(num_sequences=n, seed=n, vocab_size=60, max_len=150) for n in (9, 14, 11, 6, 12)]
+    losses = {}
+    for backend in ("reference", "flex"):
+        torch.manual_seed(0)
+        model = MaskedLM(config).eval()
+        for layer in model.encoder:
+            layer.attention_backend = backend
+            if backend == "flex":
+                layer.compile(dynamic=True, backend="eager")
+        with torch.no_grad():
+            losses[backend] = [model(batch, seed=1, step=i).loss for i, batch in enumerate(batches[:2])]
+            graphs_after_warm_up = fresh_dynamo["stats"]["unique_graphs"]
+            losses[backend] += [model(batch, seed=1, step=i + 2).loss for i, batch in enumerate(batches[2:])]
+    assert graphs_after_warm_up == 1 and fresh_dynamo["stats"]["unique_graphs"] == 1, "recompiled for another batch"
+    assert not fresh_dynamo["graph_break"], dict(fresh_dynamo["graph_break"])
+    torch.testing.assert_close(torch.stack(losses["flex"]), torch.stack(losses["reference"]), rtol=1e-5, atol=1e-6)

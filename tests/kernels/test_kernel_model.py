@@ -12,6 +12,7 @@ VARIANTS = [
     pytest.param("mae-lm", {"decoder_layers": 0}, id="mae-lm-no-decoder"),
     pytest.param("3ml", {"position_embedding": "rotary", "norm_position": "pre"}, id="3ml-rotary-pre"),
     pytest.param("mlm", {"insert_layer": 1}, id="mask-later-k1"),
+    pytest.param("mae-lm", {"relative_attention_bias": True}, id="mae-lm-relative-bias"),
 ]
 
 
