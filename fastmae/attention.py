@@ -111,11 +111,12 @@ def relative_position_buckets(relative: torch.Tensor, num_buckets: int, max_dist
 
 
 def relative_bias_by_distance(table: torch.Tensor, max_distance: int) -> torch.Tensor:
-    """[2 * max_distance + 1, heads]: the bias of every relative position in [-max_distance, max_distance] (farther
-    ones share the end buckets), gathered from `table` [num_buckets, heads] once per forward pass, so that the
-    gradients of every lookup reach the table."""
+    """[2 * max_distance + 1, heads] fp32: the bias of every relative position in [-max_distance, max_distance]
+    (farther ones share the end buckets), gathered from `table` [num_buckets, heads] once per forward pass, so that
+    the gradients of every lookup reach the table. In fp32 whatever the table's dtype: a bucket's gradient sums one
+    term per query-key pair and head, millions per step, which bf16 accumulation would drown (tested)."""
     distances = torch.arange(-max_distance, max_distance + 1, device=table.device)
-    return table[relative_position_buckets(distances, table.shape[0], max_distance)]
+    return table.float()[relative_position_buckets(distances, table.shape[0], max_distance)]
 
 
 class StreamBias(NamedTuple):
@@ -126,9 +127,9 @@ class StreamBias(NamedTuple):
     """
 
     backend: str
-    by_distance: torch.Tensor  # [2 * max_distance + 1, heads], relative_bias_by_distance
+    by_distance: torch.Tensor  # [2 * max_distance + 1, heads] fp32, relative_bias_by_distance
     max_distance: int
-    dense: torch.Tensor | None  # [B, heads, S_q, S_k] in the streams' padded views (padding rows at position 0)
+    dense: torch.Tensor | None  # [B, heads, S_q, S_k] fp32 in the streams' padded views (padding rows at position 0)
     block_mask: object | None  # torch.nn.attention.flex_attention.BlockMask
 
     @classmethod
