@@ -7,8 +7,8 @@
 # Steps (each runs even if an earlier one failed; the summary lists every exit status):
 #   1. the device: nvidia-smi, torch / triton / flash-attn / deepspeed versions
 #   2. the Triton kernel tests compiled for this GPU, realistic shapes included (-m large)
-#   3. the attention backend tests (flash, torch_varlen, flex, padded, nested against the naive reference; the
-#      relative position bias with FlexAttention inside the compiled model)
+#   3. the attention backend tests (flash, torch_varlen, flex, padded, nested against the naive reference), and the
+#      model with the relative position bias on FlexAttention inside compiled layers
 #   4. the training step under torch.cuda.set_sync_debug_mode("error"): no host-device sync in a steady-state step
 #   5. benchmarks/kernels.py: each kernel against its torch reference, GB/s against the device's memory bandwidth
 #   6. benchmarks/attention.py: every attention backend, with and without dropout
@@ -87,8 +87,8 @@ parallel=()
 (( dry_run )) || ! "$python" -c "import xdist" 2>/dev/null || parallel=(-n 8)
 step kernel_tests "$python" -m pytest -q "${parallel[@]}" -m "not large" tests/kernels
 step kernel_tests_large "$python" -m pytest -q -m large tests/kernels
-step attention_tests "$python" -m pytest -q -m "large or not large" tests/test_attention.py \
-    tests/test_model.py -k "not test_model.py or relative_bias_on_cuda"
+step attention_tests "$python" -m pytest -q -m "large or not large" tests/test_attention.py
+step relative_bias_tests "$python" -m pytest -q tests/test_model.py -k relative_bias
 step sync_tests "$python" -m pytest -q tests/test_train.py -k steady_state
 step kernel_benchmark "$python" benchmarks/kernels.py
 keep kernels
