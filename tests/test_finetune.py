@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from conftest import tiny_model
 from synthetic import keyword_split, word_tokenizer_bytes, write_run_dir
 
@@ -138,3 +139,29 @@ def test_bad_input_writes_nothing(run_dir, tmp_path, capsys):
                           "--out", str(out)]) == 1
     assert "no such directory" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_model_with_the_relative_bias_fine_tunes_with_its_table(tmp_path):
+    """model.relative_attention_bias (the mae-lm recipes): `fastmae finetune --model RUN_DIR` loads the pretrained
+    bias table, runs the encoder with it (attention dropout on: the CPU math backend) and learns the task."""
+    from safetensors.torch import load_file
+
+    model_bytes = word_tokenizer_bytes(WORDS, 40)
+    model = tiny_model("mae-lm", vocab_size=Tokenizer(model_bytes).vocab_size, max_seq_len=64, dropout=0.1,
+                       attention_dropout=0.1, decoder_layers=1, relative_attention_bias=True)
+    with torch.no_grad():
+        model.relative_bias.normal_(mean=3.0, std=1.0)  # far from a fresh init (std initializer_range)
+    run = write_run_dir(tmp_path / "run", model, model_bytes)
+    keyword_split(tmp_path / "sst2" / "train.tsv", WORDS, 256, seed=0)
+    keyword_split(tmp_path / "sst2" / "dev.tsv", WORDS, 64, seed=1)
+    assert finetune_main(["--model", str(run), "--out", str(tmp_path / "out"), "--task", "sst2", "--data",
+                          str(tmp_path / "sst2"), "--seeds", "1", "--epochs", "8", "--lr", "1e-3",
+                          "--batch-size", "16"]) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["median"]["accuracy"] >= 0.9, results["per_seed"]
+    tuned = {name: t for name, t in load_file(tmp_path / "out" / "seed0" / "best.safetensors").items()
+             if name.endswith("relative_bias")}
+    assert len(tuned) == 1, "the fine-tuned encoder has no bias table"
+    (table,) = tuned.values()
+    pretrained = model.relative_bias.detach()
+    assert table.shape == pretrained.shape and 0 < (table - pretrained).abs().max() < 0.5  # loaded, then tuned
