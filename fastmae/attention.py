@@ -122,28 +122,34 @@ def relative_bias_by_distance(table: torch.Tensor, max_distance: int) -> torch.T
 class StreamBias(NamedTuple):
     """The relative position bias (MAE-LM's encoder) between a query stream and a key stream, looked up by the rows'
     *original* positions, so dropping tokens keeps every distance. Built once per step and stream pair, outside the
-    layers (compiled layers take it as an input, like VarlenMeta), in the form `backend` reads: `dense` for padded
-    SDPA and math, the document `block_mask` for flex (whose score_mod reads by_distance), neither for the reference.
+    layers (compiled layers take it as an input, like VarlenMeta), in the form `backend` reads: for padded SDPA and
+    math the `dense` attention mask, for flex the document `block_mask` (its score_mod reads by_distance), for the
+    reference neither.
     """
 
     backend: str
     by_distance: torch.Tensor  # [2 * max_distance + 1, heads] fp32, relative_bias_by_distance
     max_distance: int
-    dense: torch.Tensor | None  # [B, heads, S_q, S_k] fp32 in the streams' padded views (padding rows at position 0)
+    dense: torch.Tensor | None  # [B, heads, S_q, S_k] in the attention dtype over the padded views, -inf at padded keys
     block_mask: object | None  # torch.nn.attention.flex_attention.BlockMask
 
     @classmethod
-    def build(cls, by_distance: torch.Tensor, max_distance: int, mq: VarlenMeta, mk: VarlenMeta,
-              backend: str) -> StreamBias:
+    def build(cls, by_distance: torch.Tensor, max_distance: int, mq: VarlenMeta, mk: VarlenMeta, backend: str,
+              dtype: torch.dtype) -> StreamBias:
+        """The bias for attention from stream `mq` to stream `mk` on `backend` with q, k, v in `dtype`."""
         if backend not in BIAS_BACKENDS:
             raise ValueError(f"attention backend {backend!r} takes no relative position bias; choose one of "
                              f"{BIAS_BACKENDS} (or model.relative_attention_bias=false)")
         bias = cls(backend, by_distance, max_distance, None, None)
         if backend in ("padded", "math"):
-            pos_q = _to_padded(mq.positions[:, None, None], mq)[:, 0, :, 0]  # [B, S_q]
+            pos_q = _to_padded(mq.positions[:, None, None], mq)[:, 0, :, 0]  # [B, S_q], padding rows at 0
             pos_k = _to_padded(mk.positions[:, None, None], mk)[:, 0, :, 0]
             relative = pos_k.long()[:, None, :] - pos_q.long()[:, :, None]
-            bias = bias._replace(dense=bias.lookup(relative).permute(0, 3, 1, 2))
+            # one cast and one contiguous copy for all layers (the kernels read the key dimension with stride 1)
+            dense = bias.lookup(relative).permute(0, 3, 1, 2).to(dtype, memory_format=torch.contiguous_format)
+            if not mk.is_rectangular:
+                dense = dense.masked_fill(~mk.key_valid[:, None, None, :], -math.inf)  # padded keys get no weight
+            bias = bias._replace(dense=dense)
         elif backend == "flex":
             bias = bias._replace(block_mask=document_block_mask(mq, mk))
         return bias
@@ -216,16 +222,15 @@ def _from_padded(out: torch.Tensor, meta: VarlenMeta) -> torch.Tensor:
     return out if meta.is_rectangular else out.index_select(0, meta.padded_index)
 
 
-def _key_mask(mk: VarlenMeta, bias: StreamBias | None, dtype: torch.dtype):
-    """SDPA's attn_mask: None, the boolean key mask, or (with a bias) the float bias with -inf at padded keys."""
-    if bias is None:
-        return None if mk.is_rectangular else mk.key_valid[:, None, None, :]  # padded keys get no weight
-    mask = bias.dense.to(dtype)
-    return mask if mk.is_rectangular else mask.masked_fill(~mk.key_valid[:, None, None, :], -math.inf)
+def _key_mask(mk: VarlenMeta, bias: StreamBias | None):
+    """SDPA's attn_mask: None, the boolean key mask, or (with a bias) the bias's dense mask."""
+    if bias is not None:
+        return bias.dense
+    return None if mk.is_rectangular else mk.key_valid[:, None, None, :]  # padded keys get no weight
 
 
 def _padded(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
-    mask = _key_mask(mk, bias, q.dtype)
+    mask = _key_mask(mk, bias)
     out = F.scaled_dot_product_attention(_to_padded(q, mq), _to_padded(k, mk), _to_padded(v, mk), attn_mask=mask,
                                          dropout_p=dropout_p, scale=scale)
     return _from_padded(out, mq)
@@ -238,7 +243,7 @@ def _math(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: floa
     q_pad = q_pad.reshape(batch * heads, len_q, head_dim)
     k_t = k_pad.reshape(batch * heads, len_k, head_dim).transpose(1, 2)
     if bias is not None:
-        scores = torch.baddbmm(_key_mask(mk, bias, q.dtype).reshape(batch * heads, len_q, len_k), q_pad, k_t)
+        scores = torch.baddbmm(_key_mask(mk, bias).reshape(batch * heads, len_q, len_k), q_pad, k_t)
     elif mk.is_rectangular:
         scores = torch.bmm(q_pad, k_t)
     else:  # 0 / -inf per key, [B * heads, 1, S_k], broadcast over the queries without a copy (stride 0)

@@ -256,7 +256,7 @@ class MaskedLM(nn.Module):
         bias = None
         if bias_by_distance is not None and len(layers):
             bias = StreamBias.build(bias_by_distance, self.config.relative_attention_max_distance, meta, meta,
-                                    layers[0].biased_backend(x))
+                                    layers[0].biased_backend(x), x.dtype)
         for layer in layers:
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(layer, x, meta, None, None, bias, use_reentrant=False)
