@@ -65,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(config.train.collective_timeout_s)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     prog = "fastmae train" if world == 1 else f"fastmae train [rank {rank} of {world}]"
-    try:
-        return run_command(prog, lambda: Trainer(config, args.resume).run())
+    try:  # the lines start fresh: rank 0's progress bar shares stderr (and may be mid-line when this one fails)
+        return run_command(prog, lambda: Trainer(config, args.resume).run(), fresh_line=True)
     except RuntimeError as err:  # torch.distributed's errors when a peer process has gone
         if world == 1 or not any(sign in str(err) for sign in PEER_GONE):
             raise
-        print(f"{prog}: stopped: another rank failed (its error is above)", file=sys.stderr)
+        print(f"\n{prog}: stopped: another rank failed (its error is above)", file=sys.stderr)
         return 1
 
 
