@@ -225,11 +225,11 @@ class MaskedLM(nn.Module):
     def functional_parameters(self) -> list[nn.Parameter]:
         """Parameters read outside their own module's forward (fused row ops, the tied projection, the head bias).
 
-        Sharding that gathers parameters per module call (ZeRO-3) must treat these as used by the whole model.
+        Sharding that gathers parameters per module call (ZeRO-3) must treat these as used by the whole model. (The
+        relative bias table, read by `_encoder`, is this module's own parameter: gathered for its forward anyway.)
         """
         modules = [self.embeddings] + ([self.insertion] if self.insertion is not None else [])
-        extra = [self.relative_bias] if self.relative_bias is not None else []
-        return [p for m in modules for p in m.parameters()] + [self.head.bias] + extra
+        return [p for m in modules for p in m.parameters()] + [self.head.bias]
 
     def compile_layers(self) -> None:
         """Regional compilation (train.compile): every transformer layer compiled with dynamic shapes, so the

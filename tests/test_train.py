@@ -137,6 +137,20 @@ def test_zero3_bf16_matches_zero2_and_mfu_is_a_fraction(dataset, tmp_path):
         check_weights_and_export(tmp_path / f"z{stage}", tmp_path / f"hf{stage}")
 
 
+def test_relative_bias_trains_under_zero3_bf16(dataset, tmp_path):
+    """The relative bias table is sharded like every parameter under ZeRO-3 and read once per pass for all encoder
+    layers (MaskedLM's own parameter, gathered for its forward). Two CPU ranks, bf16: the run trains, the table
+    moves."""
+    run = launch(overrides(dataset, tmp_path / "run", steps=4, **{
+        "model.relative_attention_bias": True, "train.zero_stage": 3, "train.precision": "bf16", "eval.every": 0,
+        "checkpoint.every": 2}))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert sorted(train_losses(tmp_path / "run")) == [1, 2, 3, 4]
+    early = load_file(tmp_path / "run" / "checkpoints" / "step00000002" / "model.safetensors")["relative_bias"]
+    final = load_file(tmp_path / "run" / "model.safetensors")["relative_bias"]
+    assert early.shape == (64, 2) and (final - early).abs().max() > 0
+
+
 def check_weights_and_export(run_dir, export_dir):
     """The run's weights are the fp32 masters (the end-of-run file equals the last checkpoint's), and its
     Hugging Face export computes what fastmae computes from them."""
