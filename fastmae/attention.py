@@ -198,10 +198,10 @@ def _flex(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: floa
     block_mask = document_block_mask(mq, mk) if bias is None else bias.block_mask
     score_mod = None
     if bias is not None:
-        by_distance, pos_q, pos_k, far = bias.by_distance, mq.positions, mk.positions, bias.max_distance
+        pos_q, pos_k = mq.positions, mk.positions
 
         def score_mod(score, batch, head, q_row, k_row):
-            return score + by_distance[(pos_k[k_row] - pos_q[q_row]).clamp(-far, far) + far, head].to(score.dtype)
+            return score + bias.lookup(pos_k[k_row] - pos_q[q_row])[head].to(score.dtype)
     rows_first = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, T, D]: one long row of packed sequences
     run = _compiled_flex_attention if on_cuda else flex_attention  # eager: the unfused reference implementation
     out = run(*rows_first, score_mod=score_mod, block_mask=block_mask, scale=scale)
