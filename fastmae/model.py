@@ -128,6 +128,7 @@ class TransformerLayer(nn.Module):
 
     @property
     def attention_dropout_p(self) -> float:
+        """The attention dropout this layer applies now (none in eval mode)."""
         return self.attention_dropout if self.training else 0.0
 
     def biased_backend(self, x: torch.Tensor) -> str:
@@ -281,15 +282,16 @@ class MaskedLM(nn.Module):
             x = self.embeddings(sel.input_tokens.index_select(0, sel.visible_index), masked.visible.positions)
         if states is not None:
             states.append(x)
-        bias = None  # looked up by original positions, so dropping tokens keeps every distance
+        bias_by_distance = None  # looked up by original positions, so dropping tokens keeps every distance
         if self.relative_bias is not None:
-            bias = relative_bias_by_distance(self.relative_bias, self.config.relative_attention_max_distance)
+            max_distance = self.config.relative_attention_max_distance
+            bias_by_distance = relative_bias_by_distance(self.relative_bias, max_distance)
         if k > 0:
-            x = self._run(self.encoder[:k], x, masked.visible, states, bias)
+            x = self._run(self.encoder[:k], x, masked.visible, states, bias_by_distance)
             if k < n_enc:
                 x = self.insertion(x, masked, self.embeddings.tokens.weight)
         if k < n_enc:
-            x = self._run(self.encoder[k:], x, masked.full, states, bias)
+            x = self._run(self.encoder[k:], x, masked.full, states, bias_by_distance)
         if self.encoder_norm is not None:
             x = self.encoder_norm(x)
             if states is not None:
