@@ -129,18 +129,17 @@ class StreamBias(NamedTuple):
 
     backend: str
     by_distance: torch.Tensor  # [2 * max_distance + 1, heads] fp32, relative_bias_by_distance
-    max_distance: int
     dense: torch.Tensor | None  # [B, heads, S_q, S_k] in the attention dtype over the padded views, -inf at padded keys
     block_mask: object | None  # torch.nn.attention.flex_attention.BlockMask
 
     @classmethod
-    def build(cls, by_distance: torch.Tensor, max_distance: int, mq: VarlenMeta, mk: VarlenMeta, backend: str,
+    def build(cls, by_distance: torch.Tensor, mq: VarlenMeta, mk: VarlenMeta, backend: str,
               dtype: torch.dtype) -> StreamBias:
         """The bias for attention from stream `mq` to stream `mk` on `backend` with q, k, v in `dtype`."""
         if backend not in BIAS_BACKENDS:
             raise ValueError(f"attention backend {backend!r} takes no relative position bias; choose one of "
                              f"{BIAS_BACKENDS} (or model.relative_attention_bias=false)")
-        bias = cls(backend, by_distance, max_distance, None, None)
+        bias = cls(backend, by_distance, None, None)
         if backend in ("padded", "math"):
             pos_q = _to_padded(mq.positions[:, None, None], mq)[:, 0, :, 0]  # [B, S_q], padding rows at 0
             pos_k = _to_padded(mk.positions[:, None, None], mk)[:, 0, :, 0]
@@ -154,9 +153,14 @@ class StreamBias(NamedTuple):
             bias = bias._replace(block_mask=document_block_mask(mq, mk))
         return bias
 
+    @property
+    def max_distance(self) -> int:
+        return (self.by_distance.shape[0] - 1) // 2
+
     def lookup(self, relative: torch.Tensor) -> torch.Tensor:
         """[..., heads] bias of the relative positions (key - query) in `relative` [...]."""
-        return self.by_distance[relative.clamp(-self.max_distance, self.max_distance) + self.max_distance]
+        far = self.max_distance
+        return self.by_distance[relative.clamp(-far, far) + far]
 
 
 # --------------------------------------------------------------------------------------------------- backends

@@ -256,8 +256,7 @@ class MaskedLM(nn.Module):
         layers add the relative position bias, built here once for the stream in the form their backend reads."""
         bias = None
         if bias_by_distance is not None and len(layers):
-            bias = StreamBias.build(bias_by_distance, self.config.relative_attention_max_distance, meta, meta,
-                                    layers[0].biased_backend(x), x.dtype)
+            bias = StreamBias.build(bias_by_distance, meta, meta, layers[0].biased_backend(x), x.dtype)
         for layer in layers:
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(layer, x, meta, None, None, bias, use_reentrant=False)
@@ -284,8 +283,8 @@ class MaskedLM(nn.Module):
             states.append(x)
         bias_by_distance = None  # looked up by original positions, so dropping tokens keeps every distance
         if self.relative_bias is not None:
-            max_distance = self.config.relative_attention_max_distance
-            bias_by_distance = relative_bias_by_distance(self.relative_bias, max_distance)
+            bias_by_distance = relative_bias_by_distance(self.relative_bias,
+                                                         self.config.relative_attention_max_distance)
         if k > 0:
             x = self._run(self.encoder[:k], x, masked.visible, states, bias_by_distance)
             if k < n_enc:

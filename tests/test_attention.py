@@ -208,7 +208,7 @@ def _biased_run(backend, device, q_lengths, k_lengths, positions, dtype, seed, g
         return [t.float().cpu() for t in (out, q.grad, k.grad, v.grad, table.grad)]
 
     def bias(table, backend):
-        return StreamBias.build(relative_bias_by_distance(table, 128), 128, mq, mk, backend, table.dtype)
+        return StreamBias.build(relative_bias_by_distance(table, 128), mq, mk, backend, table.dtype)
 
     reference = lambda q, k, v, t: varlen_attention_reference(q, k, v, mq, mk, bias=bias(t, "reference"))  # noqa: E731
     tested = lambda q, k, v, t: varlen_attention(q, k, v, mq, mk, backend=backend, bias=bias(t, backend))  # noqa: E731
@@ -252,7 +252,7 @@ def test_bias_table_gradient_survives_bf16(backend, device):
 
     def table_grad(dtype, backend):
         leaf = table.to(device, dtype).requires_grad_()
-        bias = StreamBias.build(relative_bias_by_distance(leaf, 128), 128, meta, meta, backend, dtype)
+        bias = StreamBias.build(relative_bias_by_distance(leaf, 128), meta, meta, backend, dtype)
         out = varlen_attention(*(t.to(device, dtype) for t in (q, k, v)), meta, backend=backend, bias=bias)
         out.backward(grad_out.to(device, dtype))
         return leaf.grad.double().cpu()
@@ -289,6 +289,6 @@ def test_dropping_tokens_keeps_the_bias_of_every_remaining_pair():
     keep = torch.tensor(sorted(torch.randperm(300, generator=torch.Generator().manual_seed(0))[:140].tolist()))
     visible = make_meta([140], "cpu", keep.to(torch.int32))
     by_distance = relative_bias_by_distance(table, 128)
-    full_bias = StreamBias.build(by_distance, 128, full, full, "padded", torch.float32).dense[0]
-    visible_bias = StreamBias.build(by_distance, 128, visible, visible, "padded", torch.float32).dense[0]
+    full_bias = StreamBias.build(by_distance, full, full, "padded", torch.float32).dense[0]
+    visible_bias = StreamBias.build(by_distance, visible, visible, "padded", torch.float32).dense[0]
     assert torch.equal(visible_bias, full_bias[:, keep][:, :, keep])
