@@ -16,6 +16,8 @@ held-out evaluation chooses them), (b) as they are. Per layer (0 = embeddings), 
 it reports two effective ranks of the (uncentred) row matrix X with singular values s_1 >= s_2 >= ...:
     epsilon rank   min k such that sum_{i<=k} s_i^2 >= (1 - epsilon) sum_i s_i^2      (MAE-LM's definition)
     entropy rank   exp(-sum_i p_i log p_i) with p_i = s_i / sum_j s_j                (Roy & Vetterli, 2007)
+and both again for the centred rows X - mean(X) (`centred_epsilon_rank`, `centred_entropy_rank`): a pre-LN residual
+stream shares one large mean direction, which alone can hold most of the uncentred energy;
 and, for (a), the dimensions whose variance (about the mean of all rows) comes mostly from `<mask>` rows:
 share_j = mask rows' sum of squared deviations / all rows' in dimension j; a dimension is mask-dominated when
 share_j >= --dominance (the share `<mask>` rows would have by their count alone is reported as `share_by_count`).
@@ -77,28 +79,34 @@ def effective_ranks(gram: np.ndarray, epsilon: float) -> tuple[int, float]:
 
 
 class LayerStatistics:
-    """Per layer and group: the row count and X^T X; per layer for input (a): per-dimension sums and squares of the
-    real and `<mask>` rows (for the mask shares)."""
+    """Per layer and group: the row count, X^T X and the column sums (for centring); per layer for input (a):
+    per-dimension squares of the real and `<mask>` rows (for the mask shares)."""
 
     def __init__(self, layers: int, hidden: int):
         self.rows = np.zeros((layers, len(GROUPS)), dtype=np.int64)
         self.gram = np.zeros((layers, len(GROUPS), hidden, hidden))
-        self.sums = np.zeros((layers, 2, hidden))  # [real, mask] of input (a)
-        self.squares = np.zeros((layers, 2, hidden))
+        self.sums = np.zeros((layers, len(GROUPS), hidden))
+        self.squares = np.zeros((layers, 2, hidden))  # [real, mask] of input (a)
 
     def add(self, layer: int, group: int, x: torch.Tensor) -> None:
         x = x.double()
         self.rows[layer, group] += x.shape[0]
         self.gram[layer, group] += (x.T @ x).cpu().numpy()
+        self.sums[layer, group] += x.sum(0).cpu().numpy()
         if group < 2:
-            self.sums[layer, group] += x.sum(0).cpu().numpy()
             self.squares[layer, group] += (x * x).sum(0).cpu().numpy()
+
+    def centred_gram(self, layer: int, group: int) -> np.ndarray:
+        """(X - mean)^T (X - mean) = X^T X - s s^T / n, with s the column sums of the group's n rows."""
+        n, total = max(1, self.rows[layer, group]), self.sums[layer, group]
+        return self.gram[layer, group] - np.outer(total, total) / n
 
     def mask_shares(self, layer: int) -> np.ndarray:
         """[H] share of each dimension's squared deviation (about the mean of real and mask rows) from mask rows."""
         n = self.rows[layer, :2].astype(np.float64)[:, None]
-        mean = self.sums[layer].sum(0) / n.sum()
-        deviation = self.squares[layer] - 2 * mean * self.sums[layer] + n * mean**2  # [2, H]
+        sums = self.sums[layer, :2]
+        mean = sums.sum(0) / n.sum()
+        deviation = self.squares[layer] - 2 * mean * sums + n * mean**2  # [2, H]
         total = deviation.sum(0)
         return np.divide(deviation[1], total, out=np.zeros_like(total), where=total > 0)
 
@@ -156,6 +164,8 @@ def _record(stats: LayerStatistics, config: AnalyzeConfig, hidden: int) -> dict:
     per_layer = []
     for layer in range(stats.rows.shape[0]):
         ranks = {GROUPS[g]: effective_ranks(stats.gram[layer, g], config.epsilon) for g in range(len(GROUPS))}
+        centred = {GROUPS[g]: effective_ranks(stats.centred_gram(layer, g), config.epsilon)
+                   for g in range(len(GROUPS))}
         shares = stats.mask_shares(layer)
         order = np.argsort(-shares)
         dominated = [int(j) for j in order if shares[j] >= config.dominance]
@@ -163,6 +173,8 @@ def _record(stats: LayerStatistics, config: AnalyzeConfig, hidden: int) -> dict:
             "layer": layer,
             "epsilon_rank": {g: r[0] for g, r in ranks.items()},
             "entropy_rank": {g: round(r[1], 3) for g, r in ranks.items()},
+            "centred_epsilon_rank": {g: r[0] for g, r in centred.items()},
+            "centred_entropy_rank": {g: round(r[1], 3) for g, r in centred.items()},
             "rows": {g: int(stats.rows[layer, i]) for i, g in enumerate(GROUPS)},
             "mask_dominated_dims": dominated,
             "top_mask_shares": [[int(j), round(float(shares[j]), 4)] for j in order[:10]],
@@ -175,7 +187,8 @@ def _record(stats: LayerStatistics, config: AnalyzeConfig, hidden: int) -> dict:
         "definitions": {
             "epsilon_rank": f"min k with sum_(i<=k) s_i^2 >= (1 - {config.epsilon}) sum_i s_i^2 (MAE-LM)",
             "entropy_rank": "exp(entropy of s_i / sum_j s_j) (Roy & Vetterli 2007)",
-            "rows": "uncentred rows of each group; <s> and </s> excluded; layer 0 is the embeddings' output",
+            "rows": "rows of each group (uncentred for epsilon_rank / entropy_rank, minus the group's mean for the "
+                    "centred_ ranks); <s> and </s> excluded; layer 0 is the embeddings' output",
             "mask_share": "share of a dimension's squared deviation about the mean of input (a)'s rows that comes "
                           f"from <mask> rows; mask-dominated when >= {config.dominance}",
         },

@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from .dropout import drop_mask
 
@@ -177,6 +176,29 @@ def _torch_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, sca
     return varlen_attn(q, k, v, mq.cu_seqlens, mk.cu_seqlens, mq.max_seqlen, mk.max_seqlen, scale=scale)
 
 
+class FlexAttention(NamedTuple):
+    """torch's FlexAttention: create_block_mask, the eager flex_attention and a compiled one."""
+
+    create_block_mask: object
+    eager: object
+    compiled: object
+
+
+_flex_attention: FlexAttention | None = None
+
+
+def flex_attention_api() -> FlexAttention:
+    """torch's FlexAttention, imported at first use: the import pulls in dynamo and inductor, 3.5 of the 7.5 s that
+    importing the trainer took on a 2-core CPU, in every process of every run that never uses it."""
+    global _flex_attention
+    if _flex_attention is None:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        # the compiled one compiles at its first call (CUDA)
+        _flex_attention = FlexAttention(create_block_mask, flex_attention, torch.compile(flex_attention, dynamic=True))
+    return _flex_attention
+
+
 def document_block_mask(mq: VarlenMeta, mk: VarlenMeta):
     """FlexAttention's BlockMask over packed rows: query row i sees key row j when both are in the same sequence
     (blocks of 128 x 128 rows that span no shared sequence are skipped)."""
@@ -185,10 +207,8 @@ def document_block_mask(mq: VarlenMeta, mk: VarlenMeta):
 
     def same_sequence(batch, head, q_row, k_row):
         return seq_q[q_row] == seq_k[k_row]
-    return create_block_mask(same_sequence, None, None, seq_q.numel(), seq_k.numel(), device=seq_q.device)
-
-
-_compiled_flex_attention = torch.compile(flex_attention, dynamic=True)  # compiles at the first call (CUDA)
+    return flex_attention_api().create_block_mask(same_sequence, None, None, seq_q.numel(), seq_k.numel(),
+                                                  device=seq_q.device)
 
 
 def _flex(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
@@ -207,7 +227,8 @@ def _flex(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: floa
         def score_mod(score, batch, head, q_row, k_row):
             return score + bias.lookup(pos_k[k_row] - pos_q[q_row])[head].to(score.dtype)
     rows_first = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, T, D]: one long row of packed sequences
-    run = _compiled_flex_attention if on_cuda else flex_attention  # eager: the unfused reference implementation
+    flex = flex_attention_api()
+    run = flex.compiled if on_cuda else flex.eager  # eager: the unfused reference implementation
     out = run(*rows_first, score_mod=score_mod, block_mask=block_mask, scale=scale)
     return out[0].transpose(0, 1)
 

@@ -106,6 +106,13 @@ class ModelConfig:
             bad("decoder_kind", "must be 'self' or 'cross'")
         if self.decoder_kind == "cross" and self.decoder_layers == 0:
             bad("decoder_kind", "'cross' needs decoder_layers > 0")
+        if self.removed_rows_see_no_context:
+            raise ValueError(
+                f"ModelConfig.insert_layer={self.insert_layer} with encoder_layers={self.encoder_layers} and "
+                f"decoder_layers={self.decoder_layers}: no layer runs after the insertion, so every removed token "
+                f"reaches the LM head as the same <mask> embedding and can learn only token frequencies; use "
+                f"decoder_layers >= 1 or insert_layer < encoder_layers (or mask_rate=0 for an encoder that "
+                f"predicts nothing)")
         if self.relative_attention_buckets < 4 or self.relative_attention_buckets % 2:
             bad("relative_attention_buckets", "must be an even number >= 4")
         if self.relative_attention_max_distance <= self.relative_attention_buckets // 4 + 1:
@@ -132,6 +139,13 @@ class ModelConfig:
     def num_layers(self) -> int:
         """All layers, encoder and decoder."""
         return self.encoder_layers + self.decoder_layers
+
+    @property
+    def removed_rows_see_no_context(self) -> bool:
+        """Whether tokens removed at the insertion are predicted without any layer after it (k > 0 and
+        k == L + d): their head inputs are then all the one `<mask>` embedding, whatever the sequence says."""
+        removes = self.mask_rate > 0 and self.mask_token_prob > 0
+        return removes and self.insert_layer > 0 and self.insert_layer == self.num_layers
 
     @property
     def position_offset(self) -> int:

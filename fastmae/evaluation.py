@@ -6,8 +6,9 @@ the token's position), so the selection depends on nothing else: not the objecti
 size or the step. Every selected token is hidden the same way (`masking.mask_rows`): removed from the encoder when
 k > 0, replaced by `<mask>` when k = 0; never kept, never randomised.
 
-Each record also carries the held-out unigram baselines (the entropy of the held-out tokens' own frequencies and the
-accuracy of always guessing the most frequent token), so "it learned" means "it beats them".
+Each record also carries the held-out unigram baselines over the same predicted tokens the loss is taken on (the
+entropy of their own frequencies and the accuracy of always guessing the most frequent of them), so "it learned"
+means "it beats them".
 """
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ def held_out_mask(tokens: torch.Tensor, seqlens: torch.Tensor, sequence_ids: tor
     return rank < count[seq]
 
 
-def unigram_baselines(tokens: np.ndarray) -> dict:
-    """Entropy (nats) of the maskable tokens' own frequencies, and the share of the most frequent one."""
-    maskable = tokens[~np.isin(tokens, UNMASKABLE_IDS)]
-    if maskable.size == 0:
+def unigram_baselines(predicted_tokens: np.ndarray) -> dict:
+    """The loss and accuracy of a model that ignores context, on the predicted tokens ([T_m] ids): the entropy (nats)
+    of their own frequencies, and the share of the most frequent one."""
+    if predicted_tokens.size == 0:
         return {"unigram_entropy": float("nan"), "unigram_accuracy": float("nan")}
-    p = np.bincount(maskable)
-    p = p[p > 0] / maskable.size
+    p = np.bincount(predicted_tokens)
+    p = p[p > 0] / predicted_tokens.size
     return {"unigram_entropy": float(-(p * np.log(p)).sum()), "unigram_accuracy": float(p.max())}
 
 
@@ -79,9 +80,12 @@ class HeldOutSet:
         split = PackedLoader(data_path, "valid", max_seq_len=max_seq_len, packing=packing,
                              tokens_per_batch=max(tokens_per_batch, max_seq_len), verify_checksum=verify_checksum)
         ids = np.arange(min(sequences, split.num_sequences))
-        tokens, _ = split.tokens_of(ids)
+        tokens, lengths = split.tokens_of(ids)
         self.num_sequences, self.num_tokens = len(ids), len(tokens)
-        self.baselines = unigram_baselines(tokens)
+        # every rank's predicted tokens (the mask is a pure function of the sequence), so all ranks agree
+        predicted = held_out_mask(torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(lengths.astype(np.int64)),
+                                  torch.from_numpy(ids).long(), mask_rate, seed)
+        self.baselines = unigram_baselines(tokens[predicted.numpy()])
         self.mask_rate, self.seed = mask_rate, seed
         plan = cut_by_budget(split.sequence_lengths(ids), max(tokens_per_batch, max_seq_len))
         mine = [self._micro_batch(split, ids[part], mask_rate, seed, 1.0) for part in plan[rank::world_size]]

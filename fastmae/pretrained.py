@@ -35,9 +35,10 @@ class Pretrained:
     def encoder(self) -> MaskedLM:
         """The pretrained network minus its decoder (what fine-tuning and `encode` run), with its weights loaded.
 
-        The LM head stays (loaded when the source has it) but `encode` never reads it.
+        The LM head stays (loaded when the source has it) but `encode` never reads it; the encoder predicts
+        nothing, so its mask rate is 0.
         """
-        config = self.config.replace(decoder_layers=0, decoder_kind="self")
+        config = self.config.replace(decoder_layers=0, decoder_kind="self", mask_rate=0.0)
         model = MaskedLM(config)
         expected = model.state_dict()
         missing = sorted(k for k in expected if k not in self.weights and not k.startswith("head."))

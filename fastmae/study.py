@@ -10,7 +10,8 @@ last step within every budget / eval_points FLOPs. Then, with --task, each encod
 fine-tuning seeds), and `analyze` measures its effective ranks with and without `<mask>` inputs.
 
 Objectives: `mlm`, `mae-lm`, `3ml` (the presets), `k=N` (3ml's masking, 50% removed, with the insertion at encoder
-layer N and no decoder: the "mask later" family), each optionally followed by `:field=value` ModelConfig overrides
+layer N, 0 < N < L, and no decoder: the "mask later" family; k=L without a decoder is refused, nothing would
+run after the insertion), each optionally followed by `:field=value` ModelConfig overrides
 (`mae-lm:decoder_layers=2`). `mlm` must be one of them: it is the reference of "percent of mlm's compute".
 
     OUT/configs/NAME-seedS.yaml   the exact run config of each run (re-running with other settings is refused)
@@ -197,7 +198,8 @@ class Run:
 
 
 def run_config_text(run: Run, args, budget: float, preset: StudyPreset) -> str:
-    """The resolved YAML config of `run`, validated by the trainer's own loader."""
+    """The resolved YAML config of `run`, validated by the trainer's own loader and its model config (so an
+    objective that cannot learn from context is refused before any run starts)."""
     overrides = [*preset.run, *args.overrides,
                  f"model.preset={run.objective.preset}",
                  *(f"model.{key}={json.dumps(value)}" for key, value in run.objective.overrides.items()),
@@ -206,6 +208,7 @@ def run_config_text(run: Run, args, budget: float, preset: StudyPreset) -> str:
                  f"eval.every_flops={budget / preset.eval_points!r}"]
     try:
         config = load_run_config(args.config, overrides)
+        config.model_config(json.loads((Path(args.data) / "meta.json").read_text())["vocab_size"])
     except ValueError as err:
         raise FastmaeError(f"objective {run.objective.label!r}: {err}") from None
     resolved = dataclasses.asdict(config)
@@ -362,6 +365,10 @@ def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned
             group: [float(np.mean([rec["layers"][i]["epsilon_rank"][group] for rec in records]))
                     for i in range(len(records[0]["layers"]))]
             for group in ("real_masked_input", "real_unmasked_input", "all_unmasked_input")}
+        entry["centred_effective_rank"] = {
+            group: [float(np.mean([rec["layers"][i]["centred_epsilon_rank"][group] for rec in records]))
+                    for i in range(len(records[0]["layers"]))]
+            for group in ("real_masked_input", "real_unmasked_input")}
         entry["effective_rank_last_layer_per_seed"] = {
             group: [rec["layers"][-1]["epsilon_rank"][group] for rec in records]
             for group in ("real_masked_input", "real_unmasked_input")}
@@ -508,7 +515,8 @@ def write_report(study: dict, out: Path) -> Path:
               f"{first['unigram_entropy']:.3f} nats, most-frequent-token accuracy {first['unigram_accuracy']:.3f}. "
               "Ranks: MAE-LM's epsilon rank (epsilon 0.1) of the real tokens' representations, mean over seeds, "
               f"of {setup['analyze_sequences']} held-out sequences with 15% of their tokens replaced by `<mask>` "
-              f"and without; width {setup['hidden_size']}.", "",
+              f"and without; width {setup['hidden_size']}. Centred: the same rows minus their mean (a pre-LN "
+              "residual stream's shared mean direction alone can hold most of the uncentred energy).", "",
               *([f"Fine-tuning: {setup['task_name']} from `{setup['task']}`, {setup['finetune']['seeds']} seed(s) per "
                  f"encoder, {setup['finetune']['epochs']} epoch(s), lr {setup['finetune']['lr']:g}, batch "
                  f"{setup['finetune']['batch_size']}; the score is the median over every (pretraining seed, "
@@ -520,8 +528,10 @@ def write_report(study: dict, out: Path) -> Path:
               "| objective | input | " + " | ".join(f"layer {i}" for i in range(setup["encoder_layers"] + 1)) + " |",
               "|---|---|" + "---|" * (setup["encoder_layers"] + 1)]
     for label, e in summary.items():
-        for group, what in (("real_unmasked_input", "without `<mask>`"), ("real_masked_input", "with `<mask>`")):
-            lines.append(f"| `{label}` | {what} | " + " | ".join(f"{v:.1f}" for v in e["effective_rank"][group]) + " |")
+        for key, group, what in (("effective_rank", "real_unmasked_input", "without `<mask>`"),
+                                 ("effective_rank", "real_masked_input", "with `<mask>`"),
+                                 ("centred_effective_rank", "real_unmasked_input", "without `<mask>`, centred")):
+            lines.append(f"| `{label}` | {what} | " + " | ".join(f"{v:.1f}" for v in e[key][group]) + " |")
     lines += ["", "## Sizes, steps and seeds", "",
               "| objective | seed | steps | FLOPs | final loss | final accuracy | % of mlm's compute | seconds |",
               "|---|---|---|---|---|---|---|---|"]

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_model
 from synthetic import prepare_word_dataset, word_tokenizer_bytes, write_run_dir
 
-from fastmae.analyze import AnalyzeConfig, analyze, effective_ranks
+from fastmae.analyze import AnalyzeConfig, LayerStatistics, analyze, effective_ranks
 from fastmae.analyze import main as analyze_main
 from fastmae.config import MASK_ID
 from fastmae.data.tokenizer import Tokenizer
@@ -31,6 +31,24 @@ def test_rank_definitions_on_a_known_spectrum():
     p = singular[:4] / singular.sum()
     assert effective_ranks(x.T @ x, epsilon=0.1)[1] == pytest.approx(np.exp(-(p * np.log(p)).sum()), rel=1e-6)
     assert effective_ranks(np.eye(5), epsilon=0.1)[1] == pytest.approx(5.0)
+
+
+def test_centred_ranks_see_past_a_shared_mean_direction():
+    """Rows = a large shared mean + 5 directions of spread (added in batches, as analyze does): the uncentred rank
+    is 1 (the mean holds > 90% of the energy), the centred rank is that of the spread, as numpy's SVD says."""
+    rng = np.random.default_rng(0)
+    directions = np.linalg.qr(rng.normal(size=(16, 5)))[0].T
+    spread = rng.normal(size=(300, 5)) @ np.diag([5.0, 4.0, 3.0, 2.0, 1.5]) @ directions
+    x = 40.0 * np.ones(16) + spread
+    stats = LayerStatistics(layers=1, hidden=16)
+    for part in np.array_split(x, 3):
+        stats.add(0, 2, torch.from_numpy(part))
+    assert effective_ranks(stats.gram[0, 2], epsilon=0.1)[0] == 1
+    centred = x - x.mean(0)
+    squared = np.linalg.svd(centred, compute_uv=False) ** 2
+    expected = int(np.searchsorted(np.cumsum(squared) / squared.sum(), 0.9) + 1)
+    assert effective_ranks(stats.centred_gram(0, 2), epsilon=0.1)[0] == expected >= 3
+    np.testing.assert_allclose(stats.centred_gram(0, 2), centred.T @ centred, rtol=1e-9, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +85,7 @@ def test_command_on_a_dataset_and_a_text_file(tokenizer_bytes, tmp_path, capsys)
     record = json.loads((tmp_path / "a" / "analysis.json").read_text())
     assert len(record["layers"]) == 3 and record["sequences"] == 8 and record["objective"] == "3ml"
     assert all(0 < entry["epsilon_rank"]["real_unmasked_input"] <= 48 for entry in record["layers"])
+    assert all(0 < entry["centred_epsilon_rank"]["real_unmasked_input"] <= 48 for entry in record["layers"])
     assert (tmp_path / "a" / "ranks.png").stat().st_size > 0 and (tmp_path / "a" / "mask_dims.png").is_file()
 
     (tmp_path / "text.txt").write_text("the cat sat on the mat\n\nthe dog ran under a big tree\n" * 5)

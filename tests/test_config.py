@@ -44,6 +44,28 @@ def test_decoder_needs_insertion_at_the_top():
         ModelConfig.preset("mae-lm", insert_layer=3)
 
 
+@pytest.mark.parametrize("preset, overrides", [
+    ("mae-lm", dict(encoder_layers=2, decoder_layers=0)),  # study objective `mae-lm:decoder_layers=0`
+    ("3ml", dict(encoder_layers=2, decoder_layers=0)),
+    ("3ml", dict(encoder_layers=2, insert_layer=2, decoder_layers=0)),  # study objective `k=L`
+    ("3ml", dict(encoder_layers=2, decoder_layers=0, mask_token_prob=0.5, random_token_prob=0.2)),
+])
+def test_objectives_whose_removed_tokens_see_no_context_are_refused(preset, overrides):
+    with pytest.raises(ValueError, match=r"insert_layer=2 with encoder_layers=2 and decoder_layers=0: no layer runs"):
+        ModelConfig.preset(preset, **overrides)
+
+
+@pytest.mark.parametrize("preset, overrides", [
+    ("3ml", dict(encoder_layers=2, insert_layer=1, decoder_layers=0)),  # mask later: layer 1 sees the context
+    ("mae-lm", dict(encoder_layers=2, decoder_layers=1)),
+    ("mae-lm", dict(encoder_layers=2, decoder_layers=0, mask_rate=0.0)),  # predicts nothing: the fine-tuning encoder
+    ("3ml", dict(encoder_layers=2, decoder_layers=0, mask_token_prob=0.0, random_token_prob=1.0)),  # none removed
+    ("mlm", dict(encoder_layers=1)),
+])
+def test_objectives_whose_predicted_tokens_see_context_are_accepted(preset, overrides):
+    assert not ModelConfig.preset(preset, **overrides).removed_rows_see_no_context
+
+
 def test_unknown_preset_and_field_are_rejected():
     with pytest.raises(ValueError, match="unknown preset"):
         ModelConfig.preset("bert")

@@ -1,5 +1,5 @@
 """The held-out protocol: the same tokens and masks for every objective, world size and micro-batch size, every
-predicted token hidden from the encoder, and the unigram baselines."""
+predicted token hidden from the encoder, and the unigram baselines over those predicted tokens."""
 
 import math
 
@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_model
 from synthetic import prepare_word_dataset
 
-from fastmae.config import MASK_ID
+from fastmae.config import MASK_ID, UNMASKABLE_IDS
 from fastmae.evaluation import HeldOutSet, unigram_baselines
 from fastmae.masking import mask_rows
 
@@ -74,8 +74,20 @@ def test_every_objective_predicts_the_same_hidden_tokens(dataset, preset):
 
 
 def test_unigram_baselines():
-    tokens = np.array([1, 7, 7, 7, 9, 2, 1, 9, 2])  # specials 1 and 2 are not counted
+    tokens = np.array([7, 7, 7, 9, 9])
     baselines = unigram_baselines(tokens)
     p = np.array([3, 2]) / 5
     assert math.isclose(baselines["unigram_entropy"], float(-(p * np.log(p)).sum()))
     assert math.isclose(baselines["unigram_accuracy"], 0.6)
+
+
+def test_unigram_baselines_are_over_the_predicted_tokens_of_every_rank(dataset):
+    """The baselines describe the tokens the loss is taken on (all ranks' predicted tokens), not all held-out ones."""
+    sets = [HeldOutSet(dataset, max_seq_len=32, packing="full", tokens_per_batch=64, sequences=40, mask_rate=0.15,
+                       seed=0, rank=r, world_size=2) for r in range(2)]
+    predicted = np.concatenate([item.batch.tokens[item.predicted].numpy() for held_out in sets
+                                for item in held_out.micro_batches if item.weight])
+    assert sets[0].baselines == sets[1].baselines == unigram_baselines(predicted)
+    every = np.concatenate([item.batch.tokens.numpy() for held_out in sets for item in held_out.micro_batches
+                            if item.weight])
+    assert sets[0].baselines != unigram_baselines(every[~np.isin(every, UNMASKABLE_IDS)])  # not the maskable ones

@@ -1,10 +1,11 @@
-"""flops.training_flops against torch's own count (FlopCounterMode) of a real forward + backward."""
+"""flops.py's count against torch's own count (FlopCounterMode) of a real forward + backward: exactly equal, both
+from the forward's own mask counts and from the host counts the FLOP-budget plan uses before any step."""
 
 import pytest
 from conftest import tiny_batch, tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
-from fastmae.flops import training_flops
+from fastmae.flops import batch_training_flops, training_flops
 
 
 @pytest.mark.parametrize("preset, extra", [
@@ -22,5 +23,6 @@ def test_training_flops_match_the_flop_counter(preset, extra):
         out = model(batch, seed=0, step=0)
         out.loss.backward()
     counts = out.masked.counts
-    expected = training_flops(model.config, batch.seqlens, batch.seqlens - counts.removed, counts.predicted)
-    assert abs(counter.get_total_flops() - expected) <= 0.02 * expected, (counter.get_total_flops(), expected)
+    assert counter.get_total_flops() == training_flops(model.config, batch.seqlens, batch.seqlens - counts.removed,
+                                                       counts.predicted)
+    assert counter.get_total_flops() == batch_training_flops(model.config, batch)  # the plan's count, before the step

@@ -55,19 +55,6 @@ def test_plan_extrapolates_past_its_exact_window():
     assert plan_budget(iter(lambda: batch, None), config, 1, 0.5 * step).steps == 0
 
 
-def test_trainer_flops_are_the_models_own_count():
-    """batch_training_flops (the plan's and the trainer's count) is the masking's own counts put into flops.py."""
-    config = tiny_config("3ml")
-    model_batch = tiny_batch(6, seed=2)
-    from fastmae.flops import training_flops
-    from fastmae.model import MaskedLM
-
-    out = MaskedLM(config)(model_batch, seed=0, step=0)
-    counts = out.masked.counts
-    assert batch_training_flops(config, model_batch) == training_flops(
-        config, model_batch.seqlens, model_batch.seqlens - counts.removed, counts.predicted)
-
-
 # ------------------------------------------------------------------------------------------------ the numbers
 def test_objectives_parse_and_bad_ones_are_named():
     objectives = parse_objectives("mlm, mae-lm:decoder_layers=2,k=1,3ml:decoder_kind=cross")
@@ -180,7 +167,11 @@ def test_bad_input_is_named(dataset, tmp_path, capsys):
         (["--data", str(data), "--quick", "--task", str(tmp_path)], "--task-name"),
         (["--data", str(data), "--budget", "1e3"], "less than one optimizer step"),
         (["--data", str(data), "--quick", "train.nonsense=1"], "unknown key train.nonsense"),
+        # the quick preset's encoder has 2 layers: k=2 and a decoder of 0 layers leave no layer after the insertion
+        (["--data", str(data), "--quick", "--objectives", "mlm,k=2"], "objective 'k=2': model.insert_layer=2"),
+        (["--data", str(data), "--quick", "--objectives", "mlm,mae-lm:decoder_layers=0"], "no layer runs after"),
     ]
     for args, message in cases:
         assert study_main([*args, "--out", str(tmp_path / "out")]) == 1
         assert message in capsys.readouterr().err, message
+        assert not (tmp_path / "out" / "runs").exists()  # refused before anything ran
