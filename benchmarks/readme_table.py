@@ -1,43 +1,234 @@
-"""Print the README's benchmark tables from the committed results (throughput.json, budget.json).
+"""README.md's measured figures, generated from the committed results under benchmarks/results/.
 
-    python benchmarks/readme_table.py
+    python benchmarks/readme_table.py            # print every block
+    python benchmarks/readme_table.py --write    # put them into README.md
+    python benchmarks/readme_table.py --check    # exit 1 naming each block of README.md that differs (tests run it)
+
+Every figure README.md states as fastmae's measurement sits between `<!-- results: NAME -->` and
+`<!-- /results -->`, and each NAME is produced here from one artifact that a committed script regenerates:
+
+    demo         benchmarks/results/demo/metrics.jsonl          bash benchmarks/readme_runs.sh demo
+    study        benchmarks/results/study_cpu_30min/study.json  bash benchmarks/readme_runs.sh study
+    throughput   benchmarks/results/throughput.json             python benchmarks/throughput.py --size small,base
+    budget       benchmarks/results/budget.json                 python benchmarks/budget.py
+    attention    benchmarks/results/attention.json              python benchmarks/attention.py
+    data_scale   benchmarks/results/data_scale.json             python benchmarks/data.py --only-scale
+    data         benchmarks/results/data.json                   python benchmarks/data.py
+    gpu          benchmarks/results/gpu/*/{throughput,kernels}.json    bash scripts/gpu_check.sh (on a GPU)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import sys
+from pathlib import Path
 
-from common import RESULTS_DIR
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+README = RESULTS_DIR.parent.parent / "README.md"
+BLOCK = re.compile(r"(<!-- results: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
 
 
-def throughput_table(result: dict) -> str:
-    rows = ["| size | system | tokens/s | × HF | step (s) | model GFLOP / step | MFU | peak memory (MiB) |",
-            "|---|---|---|---|---|---|---|---|"]
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _stamp(result: dict) -> str:
+    return f"{result['date'][:10]}, git {result['git_sha']}"
+
+
+def demo() -> str:
+    """The demo's held-out curve, its baselines and its speed, from its metrics.jsonl and config."""
+    records = [json.loads(line) for line in (RESULTS_DIR / "demo" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    train = [r for r in records if r["kind"] == "train"]
+    last = evals[-1]
+    speeds = sorted(r["tokens_per_s"] for r in train)
+    mfus = sorted(r["mfu"] for r in train)
+    rows = ["| step | " + " | ".join(f"{e['step']:,}" for e in evals) + " |",
+            "|---|" + "---|" * len(evals),
+            "| held-out loss (nats) | " + " | ".join(f"{e['loss']:.2f}" for e in evals) + " |",
+            "| accuracy | " + " | ".join(f"{e['accuracy']:.3f}" for e in evals) + " |"]
+    return ("\n".join(rows) + "\n\n"
+            f"Held-out: the same {last['predicted_tokens']:,} hidden tokens of {last['sequences']} sequences at every "
+            f"evaluation. Their unigram baselines: **{last['unigram_entropy']:.2f} nats** (entropy of these tokens' "
+            f"own frequencies) and **{last['unigram_accuracy']:.3f}** (always guessing the most frequent of them): "
+            f"the demo ends {last['unigram_entropy'] - last['loss']:.2f} nats below the first and at "
+            f"{last['accuracy'] / last['unigram_accuracy']:.1f}x the second. Training ran at "
+            f"{speeds[len(speeds) // 2]:,.0f} tokens/s (median of {len(train)} records; range {speeds[0]:,.0f}-"
+            f"{speeds[-1]:,.0f}), MFU {mfus[0]:.2f}-{mfus[-1]:.2f}. Artifact: `benchmarks/results/demo/` "
+            "(`metrics.jsonl`, `curves.png`, `config.yaml`, `run.md` says on what machine).\n")
+
+
+def study() -> str:
+    """The cpu-30min study's results table and the facts the README draws from it."""
+    result = _json(RESULTS_DIR / "study_cpu_30min" / "study.json")
+    setup, objectives = result["setup"], result["objectives"]
+    rows = ["| objective | steps | held-out loss (mean ± half range) | accuracy | % of mlm's compute to reach mlm's "
+            "final loss | word-order accuracy (median) | last-layer epsilon rank, no `<mask>`: uncentred / centred |",
+            "|---|---|---|---|---|---|---|"]
+    for label, entry in objectives.items():
+        spread = entry["final_eval_loss_spread"]
+        loss = f"{entry['final_eval_loss']:.3f}" + (f" ± {spread / 2:.3f}" if spread is not None else "")
+        percent = entry["percent_of_mlm_compute_to_match"]
+        tuned = entry.get("finetune", {}).get("median")
+        ranks = entry["effective_rank"]["real_unmasked_input"][-1]
+        centred = entry["centred_effective_rank"]["real_unmasked_input"][-1]
+        rows.append(f"| `{label}` | {', '.join(f'{s:,}' for s in entry['steps'])} | {loss} | "
+                    f"{entry['final_eval_accuracy']:.3f} | "
+                    f"{'not reached' if percent is None else f'{percent:.1f}%'} | "
+                    f"{'-' if tuned is None else f'{tuned:.3f}'} | {ranks:.1f} / {centred:.1f} |")
+    first = next(iter(objectives.values()))["per_seed"][0]
+    seconds = [s["seconds"] for e in objectives.values() for s in e["per_seed"] if s["seconds"] is not None]
+    return ("\n".join(rows) + "\n\n"
+            f"{setup['seeds']} seeds per objective, {setup['budget']:.3g} training FLOPs per run, width "
+            f"{setup['hidden_size']}, {setup['encoder_layers']} encoder layers; held-out unigram baselines "
+            f"{first['unigram_entropy']:.3f} nats / accuracy {first['unigram_accuracy']:.3f}; "
+            f"{len(seconds)} runs of {min(seconds) / 60:.1f}-{max(seconds) / 60:.1f} minutes; device: "
+            f"{setup['device']}. What the report concludes, each claim held to the seed spread:\n\n"
+            + "\n".join(f"- {line}" for line in result["findings"]) + "\n\n"
+            "Artifact: `benchmarks/results/study_cpu_30min/` (`report.md`, `study.json`, `loss_vs_flops.png`, "
+            "`ranks.png`).\n")
+
+
+def throughput() -> str:
+    """The CPU throughput table."""
+    result = _json(RESULTS_DIR / "throughput.json")
+    rows = ["| size | system | attention | tokens/s | × HF | step (s) | model GFLOP / step | MFU | peak memory (MiB) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in result["results"]:
         x_hf = f"{r['x_hf']:.2f}" if r.get("x_hf") else "—"
-        rows.append(f"| {r['size']} | {r['system']} | {r['tokens_per_s']:,.0f} | {x_hf} | {r['step_s']:.2f} | "
-                    f"{r['flops_per_step'] / 1e9:,.0f} | {r['mfu']:.2f} | {r['peak_memory_mib']:,.0f} |")
-    head = (f"sizes {', '.join(result['sizes'])}, {result['sequences']} × {result['seq_len']} tokens, vocab "
+        rows.append(f"| {r['size']} | {r['system']} | {r.get('attention', '—')} | {r['tokens_per_s']:,.0f} | {x_hf} "
+                    f"| {r['step_s']:.2f} | {r['flops_per_step'] / 1e9:,.0f} | {r['mfu']:.2f} | "
+                    f"{r['peak_memory_mib']:,.0f} |")
+    head = (f"Sizes {', '.join(result['sizes'])}, {result['sequences']} × {result['seq_len']} tokens, vocab "
             f"{result['vocab_size']:,}, {result['dtype']}, on {result['device']} (CPU capability "
-            f"{result['cpu_capability']}), GEMM peak {result['peak_flops'] / 1e9:,.0f} GFLOP/s, git "
-            f"{result['git_sha']}:")
-    return head + "\n\n" + "\n".join(rows)
+            f"{result['cpu_capability']}), GEMM peak {result['peak_flops'] / 1e9:,.0f} GFLOP/s, {_stamp(result)}:")
+    return head + "\n\n" + "\n".join(rows) + "\n"
 
 
-def budget_table(result: dict) -> str:
+def budget() -> str:
+    """FLOPs per step of each recipe against RoBERTa's."""
     rows = ["| size | objective | decoder layers | mask rate | PFLOP / step | × RoBERTa |", "|---|---|---|---|---|---|"]
-    for r in result["results"]:
+    for r in _json(RESULTS_DIR / "budget.json")["results"]:
         rows.append(f"| {r['size']} | {r['objective']} | {r['decoder_layers']} | {r['mask_rate']:.0%} | "
                     f"{r['pflops_per_step']:.2f} | {r['x_roberta']:.2f} |")
-    return "\n".join(rows)
+    return "\n".join(rows) + "\n"
 
 
-def main() -> None:
-    for name, table in (("throughput", throughput_table), ("budget", budget_table)):
-        path = RESULTS_DIR / f"{name}.json"
-        print(table(json.loads(path.read_text())) if path.exists() else f"({path} not found: run {name}.py)")
-        print()
+def attention() -> str:
+    """The CPU attention backends' ratios."""
+    result = _json(RESULTS_DIR / "attention.json")
+    nested = [r["nested / padded"] for r in result["results"]]
+    math = [r["padded / math, dropout"] for r in result["results"]]
+    text = (f"On CPU ({result['cpu_capability']}, {_stamp(result)}, `benchmarks/results/attention.md`), padded SDPA "
+            f"beat nested-jagged SDPA by {min(nested):.1f}x-{max(nested):.1f}x for forward + backward at every "
+            f"shape, and with attention dropout the `math` backend ran {min(math):.1f}x-{max(math):.1f}x faster "
+            "than padded SDPA with dropout.")
+    for path in sorted((RESULTS_DIR / "gpu").glob("*/attention.json")):
+        gpu = _json(path)
+        rows = gpu["results"]
+        padded = [r["padded ms (dropout 0.1)"] for r in rows]
+        nested_gpu = [r["nested ms (dropout 0.1)"] for r in rows]
+        tokens = [r["tokens"] for r in rows]
+        text += (f" On {gpu['device']} ({_stamp(gpu)}, torch {gpu['torch']}, "
+                 f"`benchmarks/results/gpu/{path.parent.name}/attention.md`), with dropout, for "
+                 f"{min(tokens):,}-{max(tokens):,} tokens: padded SDPA {min(padded):.1f}-{max(padded):.1f} ms "
+                 f"forward + backward, nested-jagged {min(nested_gpu):.0f}-{max(nested_gpu):.0f} ms.")
+    return text + "\n"
+
+
+def data_scale() -> str:
+    """The largest corpus the loader was measured on."""
+    result = _json(RESULTS_DIR / "data_scale.json")
+    rows = ["| packing | sequences | tokens | index (MB) | peak RSS (MB) | first step (ms) | resume (ms) | "
+            "per step (ms) | whole epoch (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["results"]:
+        rows.append(f"| {r['packing']} | {r['sequences'] / 1e6:.0f} M | {r['tokens'] / 1e9:.0f} G | "
+                    f"{r['index_mb']:.0f} | {r['peak_rss_mb']:.0f} | {1e3 * r['first_step_s']:.1f} | "
+                    f"{1e3 * r['resume_s']:.1f} | {r['per_step_ms']:.2f} | {r['epoch_s']:.1f} |")
+    return f"{result['device']} ({result['cpu_capability']}), {_stamp(result)}:\n\n" + "\n".join(rows) + "\n"
+
+
+def data() -> str:
+    """Tokenising and loading rates against what a model step consumes."""
+    result = _json(RESULTS_DIR / "data.json")
+    tokenise = next(r for r in result["results"] if r["stage"].startswith("prepare JSONL"))
+    loaders = [r for r in result["results"] if r["stage"].startswith("loader")]
+    return (f"Measured on {result['device']} ({result['cpu_capability']}), {_stamp(result)} "
+            f"(`benchmarks/results/data.md`): tokenising with a given tokenizer {tokenise['rate']:.0f} MB/s of text "
+            f"({tokenise['detail']}); the loader {min(r['rate'] for r in loaders) / 1e6:.1f}-"
+            f"{max(r['rate'] for r in loaders) / 1e6:.1f} M tokens/s, {min(r['x model'] for r in loaders):,.0f}-"
+            f"{max(r['x model'] for r in loaders):,.0f}x what a small model's CPU training step consumes.\n")
+
+
+def gpu() -> str:
+    """The one GPU run so far: throughput and the fused cross-entropy, with the commit and date they measured."""
+    blocks = []
+    for directory in sorted((RESULTS_DIR / "gpu").iterdir()):
+        result = _json(directory / "throughput.json")
+        rows = ["| system | tokens/s | MFU | GPU busy | peak memory |", "|---|---|---|---|---|"]
+        for r in result["results"]:
+            name = "Hugging Face RoBERTa" if r["system"] == "hf-roberta" else f"fastmae {r['system']}"
+            rows.append(f"| {name} | {r['tokens_per_s'] / 1e3:,.0f}K | {r['mfu']:.2f} | {r['gpu_busy']:.2f} | "
+                        f"{r['peak_memory_mib'] / 1024:.1f} GiB |")
+        kernels = {r["op (fwd+bwd)"]: r for r in _json(directory / "kernels.json")["results"]}
+        ce = kernels["linear cross-entropy"]
+        blocks.append(
+            f"{result['device']}, {_stamp(result)} (`benchmarks/results/gpu/{directory.name}/`), torch "
+            f"{result['torch']}, base size, {result['sequences']} x {result['seq_len']} tokens, vocab "
+            f"{result['vocab_size']:,}, {result['dtype']}, MFU against the {result['peak_flops'] / 1e12:,.0f} TFLOP/s "
+            "GEMM peak measured in the run:\n\n" + "\n".join(rows) + "\n\n"
+            f"The fused cross-entropy (`linear cross-entropy` in `kernels.md`): {ce['triton GPU ms']:.1f} ms of GPU "
+            f"time, {ce['% of peak FLOP/s']:.0f}% of the data-sheet FLOP/s, {ce['speedup']:.1f}x torch's reference "
+            f"in wall time and {ce['torch MiB'] / ce['triton MiB']:.0f}x less memory.\n")
+    return "\n".join(blocks)
+
+
+GENERATORS = {"demo": demo, "study": study, "throughput": throughput, "budget": budget, "attention": attention,
+              "data_scale": data_scale, "data": data, "gpu": gpu}
+
+
+def render(text: str) -> tuple[str, list[str]]:
+    """`text` (README.md) with every results block regenerated, and the names of the blocks that changed. Raises
+    ValueError for a block with an unknown name."""
+    changed = []
+
+    def fill(match: re.Match) -> str:
+        name = match["name"]
+        if name not in GENERATORS:
+            raise ValueError(f"README.md: unknown results block {name!r}; known: {sorted(GENERATORS)}")
+        body = GENERATORS[name]()
+        if body != match["body"]:
+            changed.append(name)
+        return match[1] + body + match[4]
+
+    return BLOCK.sub(fill, text), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--write", action="store_true", help="regenerate the blocks in README.md")
+    action.add_argument("--check", action="store_true", help="exit 1 if a block of README.md differs")
+    args = parser.parse_args(argv)
+    text = README.read_text()
+    rendered, changed = render(text)
+    if args.write:
+        README.write_text(rendered)
+        print(f"readme_table: {len(changed)} block(s) rewritten: {', '.join(changed) or 'none'}")
+    elif args.check:
+        missing = sorted(set(GENERATORS) - set(m["name"] for m in BLOCK.finditer(text)))
+        if changed or missing:
+            print(f"readme_table: README.md differs from its artifacts in block(s) {changed}; blocks missing: "
+                  f"{missing} (python benchmarks/readme_table.py --write)", file=sys.stderr)
+            return 1
+    else:
+        for name, generate in GENERATORS.items():
+            print(f"<!-- results: {name} -->\n{generate()}<!-- /results -->\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -43,10 +43,10 @@ FASTMAE_SYSTEMS = {  # system -> (preset, overrides)
     "mae-lm": ("mae-lm", {}),
     "3ml": ("3ml", {}),
     "3ml-cross": ("3ml", {"decoder_kind": "cross"}),
-    # the reference encoder's relative position bias: with attention dropout (padded SDPA + a float mask), and
-    # without (FlexAttention on CUDA; padded SDPA without dropout on CPU)
+    # the reference encoder's relative position bias, with attention dropout and without (on CUDA FlexAttention
+    # then; on CPU padded SDPA): the `attention` column says which backend each row ran
     "mae-lm-relbias": ("mae-lm", {"relative_attention_bias": True}),
-    "mae-lm-relbias-flex": ("mae-lm", {"relative_attention_bias": True, "attention_dropout": 0.0}),
+    "mae-lm-relbias-no-dropout": ("mae-lm", {"relative_attention_bias": True, "attention_dropout": 0.0}),
 }
 SYSTEMS = ("hf-roberta", *FASTMAE_SYSTEMS)
 
@@ -136,6 +136,17 @@ def _fastmae_step(config: ModelConfig, tokens: torch.Tensor, device: torch.devic
     return step, flops
 
 
+def attention_backend(system: str, config: ModelConfig, device: torch.device, precision: str,
+                      variant: str | None) -> str:
+    """The attention backend a system's encoder runs (Hugging Face: its SDPA)."""
+    from fastmae.attention import resolve_backend
+
+    if system == "hf-roberta":
+        return "hf sdpa"
+    return resolve_backend(None if variant in (None, "compiled") else variant, device, config.attention_dropout,
+                           DTYPES[precision], biased=config.relative_attention_bias)
+
+
 def _resident_mib() -> tuple[float, float]:
     """(current, peak) resident set size of this process in MiB (Linux)."""
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
@@ -161,7 +172,8 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
     else:
         step, flops = _fastmae_step(config, tokens, device, precision, variant)
     seconds = median_time(step, warmup=warmup, repeats=repeats)
-    result = {"step_s": seconds, "tokens_per_s": tokens.numel() / seconds, "flops_per_step": flops}
+    result = {"step_s": seconds, "tokens_per_s": tokens.numel() / seconds, "flops_per_step": flops,
+              "attention": attention_backend(system, config, device, precision, variant)}
     if device.type == "cuda":
         result["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
         result["gpu_busy"] = gpu_kernel_time(step, f"{system} [{variant or 'eager'}]", top=12) / seconds
@@ -260,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = (f"{title}. Full training steps (DeepSpeed + AdamW), median of {repeats} after {warmup} warm-up. "
              "MFU = model FLOPs / (step time x GEMM peak measured in this run); Hugging Face's FLOPs include its LM "
              "head on every row. Peak memory: CUDA allocator peak, or resident-set growth of the system's process.")
-    columns = ["size", "system", "tokens_per_s", "x_hf", "step_s", "gflops_per_step", "mfu", "peak_memory_mib"]
+    columns = ["size", "system", "attention", "tokens_per_s", "x_hf", "step_s", "gflops_per_step", "mfu",
+               "peak_memory_mib"]
     if device.type == "cuda":
         columns.append("gpu_busy")
     header = {"dtype": precision, "peak_flops": peak, "sizes": sizes, "sequences": sequences, "seq_len": SEQ_LEN,

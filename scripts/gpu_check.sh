@@ -95,7 +95,7 @@ keep kernels
 step attention_benchmark "$python" benchmarks/attention.py
 keep attention
 step throughput_benchmark "$python" benchmarks/throughput.py --size base --sequences 32 \
-    --systems hf-roberta,mlm,3ml,mae-lm,mae-lm-relbias,mae-lm-relbias-flex --compile
+    --systems hf-roberta,mlm,3ml,mae-lm,mae-lm-relbias,mae-lm-relbias-no-dropout --compile
 keep throughput
 step train_3ml_base deepspeed --num_gpus 1 fastmae/train.py --config configs/3ml-base.yaml --resume none \
     data.path=builtin data.builtin_vocab_size=8000 \

@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install fastmae with its dev tools. torch goes first, pinned to the CPU wheel this machine
 # carries, so that no requirement can pull a multi-GB CUDA build. Override the venv path with FASTMAE_VENV.
+# pip's own output (its location warnings, setuptools' editable-install banner) goes to $venv/setup.log and is shown
+# only when a step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${FASTMAE_VENV:-.venv}"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
-python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${FASTMAE_TORCH_VERSION:-2.13.0}"
-DS_BUILD_OPS=0 python -m pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+log="$venv/setup.log"
+: > "$log"
+quietly() {  # run a step with its output in the log; on failure show the log and fail
+  if ! "$@" >> "$log" 2>&1; then
+    cat "$log" >&2
+    echo "setup.sh: '$*' failed (its output is above and in $log)" >&2
+    exit 1
+  fi
+}
+quietly python -m pip install --upgrade pip
+python -c "import torch" 2>/dev/null || quietly python -m pip install "torch==${FASTMAE_TORCH_VERSION:-2.13.0}"
+DS_BUILD_OPS=0 quietly python -m pip install -e ".[dev]"
 python -c "import fastmae, fastmae.kernels" # fail here, not in the tests, if the install is broken

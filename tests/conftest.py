@@ -14,6 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest -n N (scripts/test.sh): the workers share the cores instead of each spinning threads on all of them; the
+# setting reaches the training processes the tests start (ranks and single processes alike)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 from synthetic import markov_documents  # noqa: E402
 
 from fastmae import MaskedLM, ModelConfig, PackedBatch  # noqa: E402

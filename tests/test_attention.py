@@ -27,18 +27,22 @@ def make_meta(lengths, device, positions=None):
     return VarlenMeta.build(cu.to(device), max(max(lengths), 1), seq_ids.to(device), positions.to(device))
 
 
-def backend_params(names=BACKENDS[1:-1]):  # all but auto and the reference itself
-    """Every backend of `names` on every device it is meant for; absent ones skip with the reason."""
+def backend_params(names=BACKENDS[1:-1], dtypes=None):  # all but auto and the reference itself
+    """Every backend of `names` on every device it is meant for and present here (the CUDA ones where CUDA is,
+    flash-attn's where it is installed), with each dtype of `dtypes` that backend and device train in."""
     for backend in names:
         for device in ("cpu", "cuda") if backend in ("padded", "nested", "math") else ("cuda",):
-            if device == "cuda" and not torch.cuda.is_available():
-                reason = "no CUDA device"
-            elif backend not in available_backends(device):
-                reason = f"{backend} is not installed"
-            else:
-                reason = None
-            marks = [pytest.mark.skipif(reason is not None, reason=reason or "")]
-            yield pytest.param(backend, device, marks=marks, id=f"{backend}-{device}")
+            if device == "cuda" and not torch.cuda.is_available() or backend not in available_backends(device):
+                continue
+            if dtypes is None:
+                yield pytest.param(backend, device, id=f"{backend}-{device}")
+                continue
+            for dtype in dtypes:
+                if backend in ("flash", "torch_varlen") and dtype == torch.float32:
+                    continue  # they take fp16/bf16 only
+                if device == "cpu" and dtype == torch.float16:
+                    continue  # not a CPU training dtype
+                yield pytest.param(backend, device, dtype, id=f"{backend}-{device}-{str(dtype)[6:]}")
 
 
 SHAPES = [
@@ -51,15 +55,11 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("backend, device", list(backend_params()))
+@pytest.mark.parametrize("backend, device, dtype",
+                         list(backend_params(dtypes=(torch.float32, torch.bfloat16, torch.float16))))
 @pytest.mark.parametrize("q_lengths, k_lengths", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_backend_matches_reference_forward_and_backward(backend, device, q_lengths, k_lengths, dtype, seed):
-    if backend in ("flash", "torch_varlen") and dtype == torch.float32:
-        pytest.skip(f"{backend} takes fp16/bf16 only")
-    if device == "cpu" and dtype == torch.float16:
-        pytest.skip("fp16 is not a CPU training dtype")
+def test_backend_matches_reference_forward_and_backward(backend, device, dtype, q_lengths, k_lengths, seed):
     heads, head_dim = 3, 16
     mq = make_meta(q_lengths, device)
     mk = mq if k_lengths is None else make_meta(k_lengths, device)
@@ -153,9 +153,8 @@ def test_flash_head_dim_limits_name_the_config_fields():
 
 DROPOUT_BACKENDS = [pytest.param("math", "cpu", torch.float32, id="math-cpu-fp32"),
                     pytest.param("math", "cpu", torch.bfloat16, id="math-cpu-bf16"),
-                    *(pytest.param(backend, "cuda", torch.bfloat16, id=f"{backend}-cuda-bf16",
-                                   marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
-                      for backend in ("padded", "nested"))]
+                    *(pytest.param(backend, "cuda", torch.bfloat16, id=f"{backend}-cuda-bf16")
+                      for backend in ("padded", "nested") if torch.cuda.is_available())]
 
 
 @pytest.mark.parametrize("backend, device, dtype", DROPOUT_BACKENDS)
@@ -244,7 +243,8 @@ def test_flex_score_mod_and_document_mask_match_the_reference_on_cpu(q_lengths, 
 @pytest.mark.parametrize("backend, device", list(backend_params(BIAS_BACKENDS[:-1])))
 def test_bias_table_gradient_survives_bf16(backend, device):
     """A bucket's gradient sums one term per query-key pair and head (here ~290K per bucket and head): accumulated in
-    bf16 it came out 24-31% off; the lookups run in fp32, so it stays within 1% (the per-term bf16 rounding)."""
+    bf16 it came out 24-31% off; the lookups run in fp32, so every bucket's gradient stays within 1% of the largest
+    bucket's gradient of its fp64 value (README's claim; the per-term bf16 rounding)."""
     meta = make_meta([512, 512, 300], device)
     gen = torch.Generator().manual_seed(0)
     q, k, v, grad_out = (torch.randn(1324, 2, 16, generator=gen) for _ in range(4))
@@ -259,7 +259,7 @@ def test_bias_table_gradient_survives_bf16(backend, device):
 
     exact = table_grad(torch.float64, "reference")
     got = table_grad(torch.bfloat16, backend)
-    assert (got - exact).abs().max() / exact.abs().max() < 0.03
+    assert (got - exact).abs().max() / exact.abs().max() < 0.01
 
 
 def test_flex_refuses_to_train_on_cpu():

@@ -14,6 +14,9 @@ from fastmae.flops import batch_training_flops, training_flops
     pytest.param("3ml", {}, id="3ml"),
     pytest.param("3ml", {"decoder_kind": "cross", "decoder_layers": 2}, id="3ml-cross"),
     pytest.param("mae-lm", {"encoder_layers": 4, "insert_layer": 2, "decoder_layers": 0}, id="k=2-of-4"),
+    # kept and random tokens are predicted but stay visible: the visible count is not tokens - predicted
+    pytest.param("3ml", {"encoder_layers": 4, "insert_layer": 2, "decoder_layers": 0, "mask_token_prob": 0.8,
+                         "random_token_prob": 0.1}, id="k=2-of-4-80-10-10"),
 ])
 def test_training_flops_match_the_flop_counter(preset, extra):
     model = tiny_model(preset, **extra).train()

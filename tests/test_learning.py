@@ -9,8 +9,9 @@ from simple_training import LoopConfig, demo_config, demo_documents, train_on_do
 from fastmae import MaskedLM
 
 
-@pytest.mark.parametrize("objective, extra", [("mlm", {}), ("mae-lm", {}), ("3ml", {}),
-                                              ("3ml", {"decoder_kind": "cross"})])
+# (3ml's `cross` decoder is left out: with one decoder layer it computes exactly what the `self` decoder computes at
+# the predicted rows, so it would repeat the 3ml case)
+@pytest.mark.parametrize("objective, extra", [("mlm", {}), ("mae-lm", {}), ("3ml", {})])
 def test_objective_learns(objective, extra):
     config = demo_config(objective).replace(**extra)
     torch.manual_seed(0)

@@ -63,60 +63,100 @@ def train_losses(run_dir):
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
-def train_flops(run_dir):
+def records_of(run_dir, kind="train"):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["flops"] for r in records if r["kind"] == "train"}
+    return {r["step"]: r for r in records if r["kind"] == kind}
 
 
-def test_killed_and_resumed_run_equals_an_uninterrupted_one(dataset, tmp_path):
-    straight = launch(overrides(dataset, tmp_path / "straight"))
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
-    killed = launch(overrides(dataset, tmp_path / "resumed"), env_extra={"FASTMAE_FAULT_AT_STEP": "3"})
-    assert killed.returncode != 0  # died hard right after the step-3 checkpoint
-    assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").glob("step*")) == ["step00000003"]
-    resumed = launch(overrides(dataset, tmp_path / "resumed"))
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr
-
-    expected, got = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
-    assert sorted(expected) == list(range(1, 7)) and got == expected
-    # the cumulative FLOP count survives the restart too
-    assert train_flops(tmp_path / "straight") == train_flops(tmp_path / "resumed")
-    a = load_file(tmp_path / "straight" / "model.safetensors")
-    b = load_file(tmp_path / "resumed" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    # keep the newest 2; a half-written checkpoint never counts
-    assert sorted(p.name for p in (tmp_path / "straight" / "checkpoints").glob("step*")) == \
-        ["step00000003", "step00000006"]
-    evals = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
-             if '"eval"' in line]
-    assert [e["step"] for e in evals] == [3, 6] and all(0 <= e["accuracy"] <= 1 for e in evals)
-    records = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r["kind"] == "train"]
-    assert all(0 <= r["accuracy"] <= 1 and r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in train)
-    assert all(e["mask_rate"] == 0.15 for e in evals)
+def as_if_killed_after(source, step, dest):
+    """A copy of finished run `source` as a run killed right after step `step` leaves it: its checkpoints up to that
+    step and its records up to that step (the hard kill itself is tested with FASTMAE_FAULT_AT_STEP)."""
+    shutil.copytree(source, dest)
+    for directory in (dest / "checkpoints").glob("step*"):
+        if int(directory.name.removeprefix("step")) > step:
+            shutil.rmtree(directory)
+    for name in ("model.safetensors", "curves.png"):
+        (dest / name).unlink(missing_ok=True)
+    lines = (dest / "metrics.jsonl").read_text().splitlines()
+    (dest / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= step))
+    return dest
 
 
-def test_flop_budget_on_two_ranks_ends_and_evaluates_where_the_plan_says(dataset, tmp_path):
-    """train.flops_budget: the step count and evaluation points planned from both ranks' batches, and the FLOPs the
-    ranks then count (summed) equal the plan's to the FLOP."""
+# ------------------------------------ a FLOP budget, a hard kill and damaged checkpoints (2 ranks, dropout on)
+@pytest.fixture(scope="module")
+def budget_plan(dataset):
+    """About 8.5 steps' FLOPs, planned from both ranks' batches, evaluated after each third."""
     config = ModelConfig.preset("mae-lm", hidden_size=32, num_heads=2, encoder_layers=2, decoder_layers=1,
                                 intermediate_size=64, max_seq_len=64, vocab_size=PackedLoader(dataset).vocab_size)
     stream = PackedLoader(dataset, max_seq_len=64, tokens_per_batch=256, world_size=2)  # both ranks' micro-batches
-    step = plan_budget(stream.every_rank(), config, 2, 1e30, exact_micro_batches=2).flops_per_step
-    budget = 7.5 * step
-    plan = plan_budget(stream.every_rank(), config, 2, budget, eval_every_flops=budget / 3)
-    run = launch(overrides(dataset, tmp_path / "budget", steps=1000, **{
-        "train.flops_budget": budget, "eval.every_flops": budget / 3, "eval.every": 0}))
+    budget = 8.5 * plan_budget(stream.every_rank(), config, 2, 1e30, exact_micro_batches=2).flops_per_step
+    return budget, plan_budget(stream.every_rank(), config, 2, budget, eval_every_flops=budget / 3)
+
+
+def budget_args(dataset, run_dir, budget):
+    return overrides(dataset, run_dir, steps=1000, **{"train.flops_budget": budget, "eval.every_flops": budget / 3,
+                                                      "eval.every": 0, "checkpoint.every": 1, "checkpoint.keep": 4})
+
+
+@pytest.fixture(scope="module")
+def straight_with_dropout(dataset, budget_plan, tmp_path_factory):
+    """The budget's steps on 2 ranks with dropout on, so a bit-identical resume needs every rank's RNG state back."""
+    run_dir = tmp_path_factory.mktemp("fault") / "straight"
+    run = launch(budget_args(dataset, run_dir, budget_plan[0]))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "budget" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r["kind"] == "train"]
-    evals = [r for r in records if r["kind"] == "eval"]
-    assert plan.exact and train[-1]["step"] == plan.steps and 6 <= plan.steps <= 8
-    assert train[-1]["flops"] == plan.planned_flops <= budget
-    assert [e["step"] for e in evals] == list(plan.eval_steps)
-    assert [r["flops"] for r in train] == sorted(r["flops"] for r in train)
-    assert f"FLOP budget {budget:.4g}: {plan.steps} steps" in run.stderr
+    return run_dir, run.stderr
+
+
+@pytest.mark.xdist_group("fault")
+def test_a_flop_budget_ends_and_evaluates_where_the_plan_says(straight_with_dropout, budget_plan):
+    """train.flops_budget: the step count and evaluation points planned from both ranks' batches, and the FLOPs the
+    ranks then count (summed) equal the plan's to the FLOP; the run logs, evaluates and keeps its newest 4
+    checkpoints."""
+    (run_dir, stderr), (budget, plan) = straight_with_dropout, budget_plan
+    train, evals = records_of(run_dir), records_of(run_dir, "eval")
+    assert plan.exact and sorted(train) == list(range(1, plan.steps + 1)) and 7 <= plan.steps <= 9
+    assert train[plan.steps]["flops"] == plan.planned_flops <= budget
+    assert sorted(evals) == list(plan.eval_steps)
+    assert [train[s]["flops"] for s in sorted(train)] == sorted(r["flops"] for r in train.values())
+    assert f"FLOP budget {budget:.4g}: {plan.steps} steps" in stderr
+    assert all(0 <= r["accuracy"] <= 1 and r["tokens_per_s"] > 0 and 0 < r["mfu"] <= 1 for r in train.values())
+    assert all(0 <= e["accuracy"] <= 1 and e["mask_rate"] == 0.15 for e in evals.values())
+    # keep the newest 4; a half-written checkpoint never counts
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == \
+        [f"step{s:08d}" for s in range(plan.steps - 3, plan.steps + 1)]
+
+
+@pytest.mark.xdist_group("fault")
+def test_killed_run_with_damaged_checkpoints_resumes_from_the_newest_intact_one(dataset, straight_with_dropout,
+                                                                                budget_plan, tmp_path):
+    """Killed hard right after step 6 (checkpoints 3-6 kept); the three newest then damaged three ways (a flipped
+    byte in the weights, a truncated optimizer shard, a garbage marker): `--resume auto` says what it skips and why,
+    resumes from step 3 and ends bit-identical to the uninterrupted run (losses, FLOP count, weights)."""
+    straight, budget = straight_with_dropout[0], budget_plan[0]
+    run_dir = tmp_path / "damaged"
+    killed = launch(budget_args(dataset, run_dir, budget), env_extra={"FASTMAE_FAULT_AT_STEP": "6"})
+    assert killed.returncode != 0  # died hard right after the step-6 checkpoint
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step*")) == [f"step0000000{s}" for s in (3, 4, 5, 6)]
+    weights = checkpoints / "step00000006" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-100] ^= 0x01
+    weights.write_bytes(bytes(raw))
+    shard = next((checkpoints / "step00000005").glob("zero_pp_rank_1_*optim_states.pt"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    (checkpoints / "step00000004" / "COMPLETE").write_text("garbage{")
+    resumed = launch(budget_args(dataset, run_dir, budget))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"skipping checkpoint {checkpoints / 'step00000006'}: model.safetensors differs from its sha256" \
+        in resumed.stderr
+    assert f"skipping checkpoint {checkpoints / 'step00000005'}: {shard.name} has" in resumed.stderr
+    assert f"skipping checkpoint {checkpoints / 'step00000004'}: unreadable COMPLETE marker" in resumed.stderr
+    assert f"resumed from {checkpoints / 'step00000003'} at step 3" in resumed.stderr
+    expected, got = records_of(straight), records_of(run_dir)
+    assert {s: r["loss"] for s, r in got.items()} == {s: r["loss"] for s, r in expected.items()}
+    assert {s: r["flops"] for s, r in got.items()} == {s: r["flops"] for s, r in expected.items()}
+    a, b = load_file(straight / "model.safetensors"), load_file(run_dir / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_zero3_bf16_matches_zero2_and_mfu_is_a_fraction(dataset, tmp_path):
@@ -236,21 +276,6 @@ def test_two_nodes_on_loopback(dataset, tmp_path):
     assert marker["world_size"] == 2
 
 
-def test_single_process_entry_point_and_bad_config(dataset, tmp_path):
-    run = single_process(overrides(dataset, tmp_path / "one", steps=2, **{"eval.every": 0}))
-    _, stderr = run.communicate(timeout=300)
-    assert run.returncode == 0, stderr[-3000:]
-    assert (tmp_path / "one" / "model.safetensors").is_file() and (tmp_path / "one" / "curves.png").is_file()
-    # the same run directory with another model is refused, not silently mixed
-    other = single_process(overrides(dataset, tmp_path / "one", steps=3, **{"eval.every": 0, "model.preset": "mlm",
-                                                                            "model.decoder_layers": 0}))
-    _, stderr = other.communicate(timeout=300)
-    assert other.returncode == 1 and "saved for another model" in stderr.strip().splitlines()[-1]
-    bad = single_process(["train.stepz=3"])
-    _, stderr = bad.communicate(timeout=120)
-    assert bad.returncode == 2 and "unknown key train.stepz" in stderr and len(stderr.splitlines()) == 1
-
-
 @pytest.mark.parametrize("override, message", [
     ("train.lr=fast", "train.lr: expected float"),
     ("model.hidden_size=129", "model.hidden_size=129: must be divisible by num_heads"),
@@ -310,49 +335,52 @@ def test_tokens_per_step_that_does_not_divide_names_the_values():
     assert plain.for_world(2) is plain  # no tokens_per_step: grad_accum as written
 
 
-def test_a_run_derives_grad_accum_from_tokens_per_step(dataset, tmp_path):
-    run_dir = tmp_path / "tps"
-    proc = single_process(overrides(dataset, run_dir, steps=2, **{"train.tokens_per_step": 3 * 256, "eval.every": 0,
-                                                                  "checkpoint.every": 100}))
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
-    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert resolved["train"]["grad_accum"] == 3 and resolved["train"]["tokens_per_step"] == 768
-    proc = single_process(overrides(dataset, tmp_path / "bad", steps=2, **{"train.tokens_per_step": 1000}))
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 1 and "train.tokens_per_step=1000 is not a multiple of 1 rank(s)" in stderr
-
-
-def train_records(run_dir):
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in records if r["kind"] == "train"}
+# ---------------------------------------- one run on 2 ranks, one in one process: elastic resume, compile, CLI
+ELASTIC = {"train.tokens_per_step": 512, "model.dropout": 0.0, "model.attention_dropout": 0.0, "eval.every": 0}
 
 
 @pytest.fixture(scope="module")
-def straight_two_ranks(dataset, tmp_path_factory):
+def two_ranks(dataset, tmp_path_factory):
     """The uninterrupted run the elastic ones are compared with: 2 ranks, 2 micro-batches of 256 tokens a step."""
-    run_dir = tmp_path_factory.mktemp("elastic") / "straight"
+    run_dir = tmp_path_factory.mktemp("elastic") / "two-ranks"
     run = launch(overrides(dataset, run_dir, **ELASTIC))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run_dir
 
 
-ELASTIC = {"train.tokens_per_step": 512, "model.dropout": 0.0, "model.attention_dropout": 0.0, "eval.every": 0}
+@pytest.fixture(scope="module")
+def one_process(dataset, tmp_path_factory):
+    """The same run through `python -m fastmae.train`: one process, grad_accum 2 derived from tokens_per_step."""
+    run_dir = tmp_path_factory.mktemp("elastic") / "one-process"
+    proc = single_process(overrides(dataset, run_dir, **ELASTIC))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    return run_dir
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_a_run_resumes_on_another_number_of_ranks(dataset, tmp_path, straight_two_ranks, before, after):
-    """Checkpointed on `before` ranks at step 3, resumed on `after`: every step draws the same sequences as the
-    uninterrupted run (the logged digest of each step's sequence ids), and with dropout off the losses and final
-    weights agree up to the order of fp32 sums (gradients reduced over ranks or accumulated)."""
-    run_dir = tmp_path / "elastic"
-    killed = launch(overrides(dataset, run_dir, **ELASTIC), env_extra={"FASTMAE_FAULT_AT_STEP": "3"}, ranks=before)
-    assert killed.returncode != 0 and (run_dir / "checkpoints" / "step00000003" / "COMPLETE").is_file()
-    resumed = launch(overrides(dataset, run_dir, **ELASTIC), ranks=after)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert f"saved by {before} rank(s): converting it to DeepSpeed's universal checkpoint for {after}" \
-        in resumed.stderr
-    expected, got = train_records(straight_two_ranks), train_records(run_dir)
+@pytest.mark.xdist_group("elastic")
+def test_single_process_entry_point_and_bad_config(dataset, one_process, tmp_path):
+    assert (one_process / "model.safetensors").is_file() and (one_process / "curves.png").is_file()
+    resolved = yaml.safe_load((one_process / "config.yaml").read_text())
+    assert resolved["train"]["grad_accum"] == 2 and resolved["train"]["tokens_per_step"] == 512
+    # the same run directory with another model is refused, not silently mixed
+    shutil.copytree(one_process, tmp_path / "one")
+    other = single_process(overrides(dataset, tmp_path / "one", **{**ELASTIC, "model.preset": "mlm",
+                                                                    "model.decoder_layers": 0}))
+    _, stderr = other.communicate(timeout=300)
+    assert other.returncode == 1 and "saved for another model" in stderr.strip().splitlines()[-1]
+    bad = single_process(overrides(dataset, tmp_path / "bad", steps=2, **{"train.tokens_per_step": 1000}))
+    _, stderr = bad.communicate(timeout=300)
+    assert bad.returncode == 1 and "train.tokens_per_step=1000 is not a multiple of 1 rank(s)" in stderr
+    bad = single_process(["train.stepz=3"])
+    _, stderr = bad.communicate(timeout=120)
+    assert bad.returncode == 2 and "unknown key train.stepz" in stderr and len(stderr.splitlines()) == 1
+
+
+def assert_same_run(expected_dir, got_dir):
+    """Every step drew the same sequences (the logged digest of each step's sequence ids); with dropout off the
+    losses and final weights agree up to the order of fp32 sums (gradients reduced over ranks or accumulated)."""
+    expected, got = records_of(expected_dir), records_of(got_dir)
     assert sorted(got) == sorted(expected) == list(range(1, 7))
     assert [got[s]["data_digest"] for s in got] == [expected[s]["data_digest"] for s in got]
     assert len({expected[s]["data_digest"] for s in expected}) == 6  # the digests tell steps apart
@@ -360,9 +388,44 @@ def test_a_run_resumes_on_another_number_of_ranks(dataset, tmp_path, straight_tw
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-4), step
         assert got[step]["tokens_seen"] == expected[step]["tokens_seen"]
         assert got[step]["flops"] == expected[step]["flops"]
-    a, b = load_file(straight_two_ranks / "model.safetensors"), load_file(run_dir / "model.safetensors")
+    a, b = load_file(expected_dir / "model.safetensors"), load_file(got_dir / "model.safetensors")
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.xdist_group("elastic")
+def test_one_process_and_two_ranks_train_the_same_steps(two_ranks, one_process):
+    assert_same_run(two_ranks, one_process)
+
+
+@pytest.mark.xdist_group("elastic")
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_a_run_resumes_on_another_number_of_ranks(dataset, tmp_path, two_ranks, one_process, before, after):
+    """Checkpointed on `before` ranks at step 3, resumed on `after`: the same steps as the uninterrupted 2-rank run."""
+    run_dir = as_if_killed_after(two_ranks if before == 2 else one_process, 3, tmp_path / "elastic")
+    args = overrides(dataset, run_dir, **ELASTIC)
+    if after == 1:
+        resumed = single_process(args)
+        _, stderr = resumed.communicate(timeout=300)
+    else:
+        resumed = launch(args, ranks=after)
+        stderr = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert f"saved by {before} rank(s): converting it to DeepSpeed's universal checkpoint for {after}" in stderr
+    assert_same_run(two_ranks, run_dir)
+
+
+@pytest.mark.xdist_group("elastic")
+def test_compiled_run_matches_the_eager_run(dataset, one_process, tmp_path):
+    """train.compile through DeepSpeed: the same losses as the eager run (dropout off, so both draw nothing)."""
+    run_dir = tmp_path / "compiled"
+    proc = single_process(overrides(dataset, run_dir, **ELASTIC, **{"train.compile": True}))
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    eager, compiled = records_of(one_process), records_of(run_dir)
+    assert sorted(compiled) == sorted(eager) == list(range(1, 7))
+    torch.testing.assert_close(torch.tensor([compiled[s]["loss"] for s in eager]),
+                               torch.tensor([eager[s]["loss"] for s in eager]), rtol=1e-4, atol=1e-4)
 
 
 def single_process(args, timeout=300, env_extra=None, **popen):
@@ -397,7 +460,7 @@ def test_train_records_say_how_many_steps_they_average(dataset, tmp_path):
     resumed = single_process(args)
     _, stderr = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, stderr[-3000:]
-    averaged = {s: r["averaged_steps"] for s, r in train_records(tmp_path / "avg").items()}
+    averaged = {s: r["averaged_steps"] for s, r in records_of(tmp_path / "avg").items()}
     assert averaged == {2: 2, 4: 1, 5: 1}
 
 
@@ -410,22 +473,6 @@ def test_non_finite_losses_are_skipped_then_stop_the_run(dataset, tmp_path):
     assert "step(s) skipped" in stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("fastmae train: error: ") and "optimizer steps in a row with a non-finite loss" in last
-
-
-def test_compiled_run_matches_the_eager_run(dataset, tmp_path):
-    """train.compile through DeepSpeed: the same losses as the eager run (dropout off, so both draw nothing)."""
-    losses = {}
-    for compiled in (False, True):
-        run_dir = tmp_path / f"compile-{compiled}"
-        proc = single_process(overrides(dataset, run_dir, steps=4, **{
-            "train.compile": compiled, "model.dropout": 0.0, "model.attention_dropout": 0.0, "eval.every": 0,
-            "checkpoint.every": 100}))
-        _, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        losses[compiled] = [r["loss"] for r in records if r["kind"] == "train"]
-    assert len(losses[True]) == 4
-    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device synchronisation is a CUDA matter")

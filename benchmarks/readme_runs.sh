@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Regenerate the training runs behind README.md's demo and study figures, and copy what the README quotes into
+# benchmarks/results/ (then `python benchmarks/readme_table.py --write` puts the numbers into README.md):
+#   benchmarks/results/demo/          metrics.jsonl, curves.png, config.yaml of `bash scripts/demo.sh`
+#   benchmarks/results/study_cpu_30min/   report.md, study.json, loss_vs_flops.png, ranks.png of the cpu-30min study
+# Usage: bash benchmarks/readme_runs.sh [demo] [study]      (both by default; the study takes 30-60 minutes on 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. "${FASTMAE_VENV:-.venv}/bin/activate"
+results=benchmarks/results
+parts=("${@:-demo study}")
+
+describe_run() {  # RUN_DIR SECONDS: where and how a run was measured, as Markdown
+  python - "$1" "$2" <<'PY'
+import json, os, subprocess, sys, torch
+from datetime import datetime, timezone
+run, seconds = sys.argv[1], int(sys.argv[2])
+bf16 = json.load(open(os.path.join(run, "deepspeed_config.json")))["bf16"]["enabled"]
+sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+print(f"# {run}\n\n{datetime.now(timezone.utc):%Y-%m-%d}, git {sha}, {os.cpu_count()} CPU cores "
+      f"(capability {torch.backends.cpu.get_cpu_capability()}), trained in {'bf16' if bf16 else 'fp32'}; "
+      f"{seconds // 60} min {seconds % 60} s from the command to its end, the corpus's preparation included.")
+PY
+}
+for part in ${parts[*]}; do
+  case "$part" in
+    demo)
+      rm -rf runs/tiny-cpu
+      started=$SECONDS
+      deepspeed --num_gpus "${FASTMAE_DEMO_RANKS:-2}" fastmae/train.py --config configs/tiny-cpu.yaml
+      mkdir -p "$results/demo"
+      cp runs/tiny-cpu/metrics.jsonl runs/tiny-cpu/curves.png runs/tiny-cpu/config.yaml "$results/demo/"
+      describe_run runs/tiny-cpu $((SECONDS - started)) > "$results/demo/run.md"
+      ;;
+    study)
+      data=runs/data/builtin-v1000   # what the demo's config prepares on its first run
+      [ -f "$data/meta.json" ] || fastmae prepare --format builtin --output "$data" --vocab-size 1000 \
+        --valid-fraction 0.1
+      rm -rf runs/study-cpu-30min
+      fastmae study --data "$data" --budget cpu-30min --task generated --out runs/study-cpu-30min
+      mkdir -p "$results/study_cpu_30min"
+      cp runs/study-cpu-30min/{report.md,study.json,loss_vs_flops.png,ranks.png} "$results/study_cpu_30min/"
+      ;;
+    *) echo "readme_runs.sh: unknown part $part (demo, study)" >&2; exit 2 ;;
+  esac
+done
