@@ -297,7 +297,7 @@ def _versions() -> dict:
 
 
 if __name__ == "__main__":
-    from fastmae.hardware import restart_with_malloc_tunables
+    from fastmae.malloc import restart_with_malloc_tunables
 
     restart_with_malloc_tunables()  # as fastmae's entry points do; the systems' processes inherit it
     sys.exit(main())

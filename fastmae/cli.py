@@ -17,8 +17,8 @@ SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the console script: keep freed memory in the process (fastmae.hardware.MALLOC_TUNABLES)
-        from fastmae.hardware import restart_with_malloc_tunables
+    if argv is None:  # the console script: keep freed memory in the process (fastmae.malloc)
+        from fastmae.malloc import restart_with_malloc_tunables
 
         restart_with_malloc_tunables()
     argv = sys.argv[1:] if argv is None else argv

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from fastmae.hardware import restart_with_malloc_tunables
+    from fastmae.malloc import restart_with_malloc_tunables
 
     restart_with_malloc_tunables()
     sys.exit(main())

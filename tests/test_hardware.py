@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from fastmae import hardware
+from fastmae import hardware, malloc
 from fastmae.config import load_run_config
 from fastmae.errors import FastmaeError
 
@@ -48,7 +48,7 @@ def test_gradients_accumulate_in_fp32():
 
 
 def test_malloc_tunables_are_added_once_and_keep_the_users():
-    from fastmae.hardware import MALLOC_TUNABLES, malloc_env
+    from fastmae.malloc import MALLOC_TUNABLES, malloc_env
 
     assert malloc_env({})["GLIBC_TUNABLES"] == MALLOC_TUNABLES
     assert malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
@@ -60,7 +60,7 @@ def test_malloc_tunables_are_added_once_and_keep_the_users():
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc tunables")
 def test_entry_points_restart_with_the_malloc_tunables():
     """The process re-executes itself once with the tunables, keeping its PID and command line."""
-    code = ("import os, sys; from fastmae.hardware import restart_with_malloc_tunables; "
+    code = ("import os, sys; from fastmae.malloc import restart_with_malloc_tunables; "
             "print('start', os.getpid(), flush=True); restart_with_malloc_tunables(); "
             "print('env', os.getpid(), os.environ['GLIBC_TUNABLES'], sys.argv[1:])")
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
@@ -69,4 +69,4 @@ def test_entry_points_restart_with_the_malloc_tunables():
     starts = [line.split()[1] for line in lines if line.startswith("start")]
     pid, tunables, args = lines[-2].split(" ", 3)[1:]
     assert len(starts) == 2 and starts[0] == starts[1] == pid, out.stdout  # re-executed once, same process
-    assert tunables == hardware.MALLOC_TUNABLES and args == "['arg']"
+    assert tunables == malloc.MALLOC_TUNABLES and args == "['arg']"
