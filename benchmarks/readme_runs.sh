@@ -19,7 +19,7 @@ bf16 = json.load(open(os.path.join(run, "deepspeed_config.json")))["bf16"]["enab
 sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 print(f"# {run}\n\n{datetime.now(timezone.utc):%Y-%m-%d}, git {sha}, {os.cpu_count()} CPU cores "
       f"(capability {torch.backends.cpu.get_cpu_capability()}), trained in {'bf16' if bf16 else 'fp32'}; "
-      f"{seconds // 60} min {seconds % 60} s from the command to its end, the corpus's preparation included.")
+      f"{seconds // 60} min {seconds % 60} s from the command to its end.")
 PY
 }
 for part in ${parts[*]}; do
@@ -37,9 +37,11 @@ for part in ${parts[*]}; do
       [ -f "$data/meta.json" ] || fastmae prepare --format builtin --output "$data" --vocab-size 1000 \
         --valid-fraction 0.1
       rm -rf runs/study-cpu-30min
+      started=$SECONDS
       fastmae study --data "$data" --budget cpu-30min --task generated --out runs/study-cpu-30min
       mkdir -p "$results/study_cpu_30min"
       cp runs/study-cpu-30min/{report.md,study.json,loss_vs_flops.png,ranks.png} "$results/study_cpu_30min/"
+      describe_run runs/study-cpu-30min/runs/mlm-seed0 $((SECONDS - started)) > "$results/study_cpu_30min/run.md"
       ;;
     *) echo "readme_runs.sh: unknown part $part (demo, study)" >&2; exit 2 ;;
   esac

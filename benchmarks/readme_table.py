@@ -80,13 +80,11 @@ def study() -> str:
                     f"{'not reached' if percent is None else f'{percent:.1f}%'} | "
                     f"{'-' if tuned is None else f'{tuned:.3f}'} | {ranks:.1f} / {centred:.1f} |")
     first = next(iter(objectives.values()))["per_seed"][0]
-    seconds = [s["seconds"] for e in objectives.values() for s in e["per_seed"] if s["seconds"] is not None]
     return ("\n".join(rows) + "\n\n"
             f"{setup['seeds']} seeds per objective, {setup['budget']:.3g} training FLOPs per run, width "
-            f"{setup['hidden_size']}, {setup['encoder_layers']} encoder layers; held-out unigram baselines "
-            f"{first['unigram_entropy']:.3f} nats / accuracy {first['unigram_accuracy']:.3f}; "
-            f"{len(seconds)} runs of {min(seconds) / 60:.1f}-{max(seconds) / 60:.1f} minutes; device: "
-            f"{setup['device']}. What the report concludes, each claim held to the seed spread:\n\n"
+            f"{setup['hidden_size']}, {setup['encoder_layers']} encoder layers; held-out unigram baselines (on the "
+            f"predicted tokens) {first['unigram_entropy']:.3f} nats / accuracy {first['unigram_accuracy']:.3f}; "
+            f"device: {setup['device']}. What the report concludes, each claim held to the seed spread:\n\n"
             + "\n".join(f"- {line}" for line in result["findings"]) + "\n\n"
             "Artifact: `benchmarks/results/study_cpu_30min/` (`report.md`, `study.json`, `loss_vs_flops.png`, "
             "`ranks.png`).\n")
