@@ -9,7 +9,7 @@ Every figure README.md states as fastmae's measurement sits between `<!-- result
 
     demo         benchmarks/results/demo/metrics.jsonl          bash benchmarks/readme_runs.sh demo
     study        benchmarks/results/study_cpu_30min/study.json  bash benchmarks/readme_runs.sh study
-    throughput   benchmarks/results/throughput.json             python benchmarks/throughput.py --size small,base
+    throughput   benchmarks/results/throughput.json             python benchmarks/throughput.py [--size S] [--quick]
     budget       benchmarks/results/budget.json                 python benchmarks/budget.py
     attention    benchmarks/results/attention.json              python benchmarks/attention.py
     data_scale   benchmarks/results/data_scale.json             python benchmarks/data.py --only-scale
