@@ -109,12 +109,13 @@ def test_generated_word_order_task(dataset, tmp_path):
 def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys):
     data = dataset
     out = tmp_path / "study"
-    args = ["--data", str(data), "--quick", "--objectives", "mlm,mae-lm,3ml", "--task", "generated", "--out", str(out)]
+    # mlm (the reference) and one objective that removes its masked tokens: mae-lm takes the same path as 3ml here
+    args = ["--data", str(data), "--quick", "--objectives", "mlm,3ml", "--task", "generated", "--out", str(out)]
     assert study_main(args) == 0
     study = json.loads((out / "study.json").read_text())
     budget = study["setup"]["budget"]
     every = budget / study["setup"]["eval_points"]
-    for label in ("mlm", "mae-lm", "3ml"):
+    for label in ("mlm", "3ml"):
         entry = study["objectives"][label]
         assert set(entry) >= {"flops", "final_eval_loss", "percent_of_mlm_compute_to_match", "finetune",
                               "effective_rank"}
