@@ -41,8 +41,8 @@ GEMMS = (torch.matmul, torch.nn.functional.linear)
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype, max_size: int | None = None, repeats: int = 5) -> float:
-    """Median FLOP/s of a square matmul on `device` in `dtype`, each product timed through both of the GEMM entry
-    points a model uses (`a @ b` and `F.linear`) and the faster kept.
+    """Median FLOP/s of a square matmul on `device` in `dtype`, through the faster of the two GEMM entry points a
+    model uses (`a @ b` and `F.linear`, picked at the first size).
 
     Both, because they reach different kernels: on an AVX2-only CPU (bf16 emulated) `F.linear` in bf16 ran 8-12x
     faster than `a @ b` (10-16 against 1.3 GFLOP/s at 256-512), so a peak from `a @ b` alone let a bf16 model's
@@ -51,26 +51,25 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, max_size: int | None 
     """
     max_size = max_size or (8192 if device.type == "cuda" else 2048)
     generator = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG (dropout) untouched
-    size = 256
+    size, product = 256, None
     while True:
         a = torch.randn(size, size, device=device, generator=generator).to(dtype)
         b = torch.randn(size, size, device=device, generator=generator).to(dtype)
-        for product in GEMMS:  # warm-up (kernel selection, page faults)
-            product(a, b)
-        times = [_time_matmul(a, b) for _ in range(repeats if size >= max_size else 1)]
+        if product is None:  # warm both up (kernel selection, page faults), keep the faster
+            for candidate in GEMMS:
+                candidate(a, b)
+            product = min(GEMMS, key=lambda candidate: _time_product(candidate, a, b))
+        product(a, b)  # warm-up at this size
+        times = [_time_product(product, a, b) for _ in range(repeats if size >= max_size else 1)]
         if size >= max_size or times[0] >= 0.02:
             if len(times) < repeats:
-                times += [_time_matmul(a, b) for _ in range(repeats - 1)]
+                times += [_time_product(product, a, b) for _ in range(repeats - 1)]
             return 2 * size**3 / statistics.median(times)
         size *= 2
 
 
-def _time_matmul(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Seconds of one square product: the faster of GEMMS."""
-    return min(_time_product(product, a, b) for product in GEMMS)
-
-
 def _time_product(product, a: torch.Tensor, b: torch.Tensor) -> float:
+    """Seconds of one product(a, b)."""
     if a.is_cuda:
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
