@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from pinned import check_pinned
 from safetensors.torch import load_file
 from synthetic import prepare_word_dataset
 
@@ -22,6 +23,7 @@ from fastmae.data import PackedLoader
 from fastmae.flops import plan_budget
 
 ROOT = Path(__file__).resolve().parent.parent
+MLM = {"model.preset": "mlm", "model.decoder_layers": 0}
 WORDS = "the cat dog bird sat ran flew on under over a big small red green blue mat tree sky".split()
 
 
@@ -169,6 +171,7 @@ def test_zero3_bf16_matches_zero2_and_mfu_is_a_fraction(dataset, tmp_path):
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         runs[stage] = train_losses(tmp_path / f"z{stage}")
     assert sorted(runs[3]) == [1, 2, 3, 4]
+    check_pinned("3ml-2-ranks-bf16", runs[2], other_machine_rel=1e-2)  # bf16: emulated on some CPUs
     for step, loss in runs[2].items():  # bf16 keeps 8 mantissa bits: the losses agree to well within 1%
         assert abs(runs[3][step] - loss) <= 5e-3 * abs(loss), (step, runs[2], runs[3])
     records = [json.loads(line) for line in (tmp_path / "z2" / "metrics.jsonl").read_text().splitlines()]
@@ -265,7 +268,7 @@ def test_two_nodes_on_loopback(dataset, tmp_path):
     def node(rank):
         cmd = [deepspeed, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank), "--master_addr",
                "127.0.0.1", "--master_port", port, str(ROOT / "fastmae" / "train.py"),
-               *overrides(dataset, tmp_path / "two-nodes", steps=2, **{"eval.every": 0})]
+               *overrides(dataset, tmp_path / "two-nodes", steps=2, **MLM, **{"eval.every": 0})]
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     second, first = node(1), node(0)
@@ -274,6 +277,7 @@ def test_two_nodes_on_loopback(dataset, tmp_path):
     assert first.returncode == 0 and second.returncode == 0, out0[-3000:] + out1[-3000:]
     marker = json.loads((tmp_path / "two-nodes" / "checkpoints" / "step00000002" / "COMPLETE").read_text())
     assert marker["world_size"] == 2
+    check_pinned("mlm-2-ranks", train_losses(tmp_path / "two-nodes"))
 
 
 @pytest.mark.parametrize("override, message", [
@@ -396,6 +400,8 @@ def assert_same_run(expected_dir, got_dir):
 @pytest.mark.xdist_group("elastic")
 def test_one_process_and_two_ranks_train_the_same_steps(two_ranks, one_process):
     assert_same_run(two_ranks, one_process)
+    check_pinned("mae-lm-2-ranks", train_losses(two_ranks))
+    check_pinned("mae-lm-1-process", train_losses(one_process))
 
 
 @pytest.mark.xdist_group("elastic")
@@ -453,7 +459,7 @@ def test_a_mistyped_data_path_is_an_error_not_the_embedded_corpus(tmp_path):
 
 def test_train_records_say_how_many_steps_they_average(dataset, tmp_path):
     """log.every=2: records average two steps, but the first after a resume (at step 3) only one, and says so."""
-    args = overrides(dataset, tmp_path / "avg", steps=5, **{"log.every": 2, "eval.every": 0})
+    args = overrides(dataset, tmp_path / "avg", steps=5, **MLM, **{"log.every": 2, "eval.every": 0})
     killed = single_process(args, env_extra={"FASTMAE_FAULT_AT_STEP": "3"})
     killed.communicate(timeout=300)
     assert killed.returncode == 17
@@ -462,6 +468,7 @@ def test_train_records_say_how_many_steps_they_average(dataset, tmp_path):
     assert resumed.returncode == 0, stderr[-3000:]
     averaged = {s: r["averaged_steps"] for s, r in records_of(tmp_path / "avg").items()}
     assert averaged == {2: 2, 4: 1, 5: 1}
+    check_pinned("mlm-1-process-resumed", train_losses(tmp_path / "avg"))
 
 
 def test_non_finite_losses_are_skipped_then_stop_the_run(dataset, tmp_path):
@@ -493,7 +500,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):
     import time
 
     run_dir = tmp_path / "term"
-    proc = single_process(overrides(dataset, run_dir, steps=100000, **{"eval.every": 0, "checkpoint.every": 100000}))
+    proc = single_process(overrides(dataset, run_dir, steps=100000, **{
+        "model.preset": "3ml", "eval.every": 0, "checkpoint.every": 100000}))
     deadline = time.time() + 240
     while not (run_dir / "metrics.jsonl").is_file() and time.time() < deadline:
         time.sleep(0.5)
@@ -503,6 +511,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):
     assert "stop requested" in stderr
     saved = sorted((run_dir / "checkpoints").glob("step*"))
     assert len(saved) == 1 and (saved[0] / "COMPLETE").is_file()
+    check_pinned("3ml-1-process-first-step", {1: train_losses(run_dir)[1]})
 
 
 WORLD_OF_ONE = """
