@@ -3,8 +3,10 @@
     python benchmarks/throughput.py [--size small|base|small,base] [--quick] [--dtype auto|fp32|bf16]
 
 Every system trains on the same random tokens (sequences of 512 with <s> ... </s>, vocabulary 32,000) for full
-steps through the engine fastmae trains with (fastmae.trainer.build_engine: DeepSpeed ZeRO-1 in bf16 or ZeRO-0 in
-fp32, fp32 master weights and gradient accumulation, fused AdamW, clipping at 2.0): forward, backward, optimizer step.
+steps through the engine fastmae trains with (fastmae.engine.build_engine: DeepSpeed ZeRO-1 in bf16 or ZeRO-0 in
+fp32, fp32 master weights and gradient accumulation, fused AdamW, clipping at 2.0). fastmae's systems run the
+trainer's own step (fastmae.step.train_step: masking, forward, the per-token weighted backward, the optimizer step);
+Hugging Face's runs forward, backward and the optimizer step.
 Each system runs in a fresh process (its peak memory is its own); the GEMM peak that MFU divides by is measured once,
 in the same run, in the training dtype (DESIGN.md sections 5 and 8). Model FLOPs are fastmae/flops.py's count of what
 each system computes: Hugging Face runs its LM head on every row, fastmae on the predicted rows only. With
@@ -67,22 +69,21 @@ def make_tokens(sequences: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------- one system, one process
 def _init_world_of_one() -> None:
-    from fastmae.train import set_world_of_one_env
-    from fastmae.trainer import init_distributed
+    from fastmae.distributed import init_distributed, set_world_of_one_env
 
     set_world_of_one_env()
     init_distributed()
 
 
-def _engine(model: torch.nn.Module, precision: str, device: torch.device):
-    """The DeepSpeed engine fastmae.trainer builds, for a world of one with the default train settings (AdamW with
-    RoBERTa's betas and eps, clipping at 2.0)."""
+def _engine(model: torch.nn.Module, precision: str, device: torch.device, non_finite: torch.Tensor | None = None):
+    """The DeepSpeed engine fastmae.engine builds, for a world of one with the default train settings (AdamW with
+    RoBERTa's betas and eps, clipping at 2.0); `non_finite`: the skip flag the trainer's step keeps."""
     from fastmae.config import RunConfig
-    from fastmae.trainer import build_engine
+    from fastmae.engine import build_engine
 
     run = RunConfig()
     run.train.zero_stage = 0 if precision == "fp32" else 1
-    return build_engine(model, run, precision, device)[0]
+    return build_engine(model, run, precision, device, non_finite)[0]
 
 
 def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, precision: str):
@@ -113,24 +114,24 @@ def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, pr
 
 def _fastmae_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, precision: str,
                   variant: str | None):
-    """A training-step closure for fastmae's MaskedLM, and its model FLOPs per step."""
+    """A training-step closure for fastmae's MaskedLM (the trainer's `train_step`), and its model FLOPs per step."""
     from fastmae import MaskedLM, PackedBatch
     from fastmae.masking import mask_batch
+    from fastmae.step import train_step
 
     model = MaskedLM(config)
     if variant == "compiled":
         model.compile_layers()
     else:
         model.set_attention_backend(variant)
-    engine = _engine(model, precision, device)
+    non_finite = torch.zeros((), dtype=torch.float32, device=device)
+    engine = _engine(model, precision, device, non_finite)
     batch = PackedBatch.from_sequences(tokens.tolist(), device=device)
     counts = mask_batch(batch, config, seed=0, step=0).counts  # exact per-sequence counts: the same every step
     step_index = iter(range(1 << 30))
 
-    def step():
-        out = engine(batch, seed=0, step=next(step_index))
-        engine.backward(out.loss)
-        engine.step()
+    def step():  # each step masks anew, as training does (another micro-batch index)
+        train_step(engine, [dataclasses.replace(batch, index=next(step_index))], seed=0, non_finite=non_finite)
 
     flops = training_flops(config, batch.seqlens, batch.seqlens - counts.removed, counts.predicted)
     return step, flops

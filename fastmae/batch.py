@@ -19,7 +19,9 @@ class PackedBatch:
     (index of each token within its sequence), `seq_ids` [T] int32 (sequence of each token).
     Host values (stay on the CPU, so no step reads device memory back): `max_seqlen`, `seqlens` [B] int64,
     `num_maskable` [B] int64 (tokens that may be predicted: everything but pad, bos, eos and mask), and for a batch
-    from the data loader `dataset_ids` [B] int64 (which sequences of the split these are).
+    from the data loader `dataset_ids` [B] int64 (which sequences of the split these are) and `index`, the
+    micro-batch's place in the run (step x micro-batches per step + its place in the step, whatever the rank
+    count), which keys its masks.
     """
 
     tokens: torch.Tensor
@@ -30,6 +32,7 @@ class PackedBatch:
     seqlens: torch.Tensor
     num_maskable: torch.Tensor
     dataset_ids: np.ndarray | None = None
+    index: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -77,7 +80,7 @@ class PackedBatch:
 
     @classmethod
     def from_packed(cls, tokens: np.ndarray, seqlens: np.ndarray, device=None,
-                    dataset_ids: np.ndarray | None = None) -> PackedBatch:
+                    dataset_ids: np.ndarray | None = None, index: int | None = None) -> PackedBatch:
         """Build from an already concatenated id array and its per-sequence lengths (the data loader's path)."""
         seqlens = np.asarray(seqlens, dtype=np.int64)
         tokens = np.asarray(tokens)
@@ -93,7 +96,7 @@ class PackedBatch:
         as32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device)  # noqa: E731
         return cls(tokens=as32(tokens), cu_seqlens=as32(cu), positions=as32(positions), seq_ids=as32(seq_ids),
                    max_seqlen=int(seqlens.max()), seqlens=torch.from_numpy(seqlens),
-                   num_maskable=torch.from_numpy(num_maskable), dataset_ids=dataset_ids)
+                   num_maskable=torch.from_numpy(num_maskable), dataset_ids=dataset_ids, index=index)
 
 
 def to_device_ahead(batches: Iterator[PackedBatch], device: torch.device) -> Iterator[PackedBatch]:

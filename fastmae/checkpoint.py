@@ -224,3 +224,18 @@ def load(engine, directory: Path, model_config: dict) -> list[dict]:
             raise FastmaeError(f"{state_file}: missing")
         states.append(torch.load(state_file, map_location="cpu", weights_only=True))
     return states
+
+
+class Checkpointer:
+    """When and where a run checkpoints: every `every` steps, at the last step, and when the run stops early."""
+
+    def __init__(self, root: Path, every: int, keep: int, last_step: int, model_config: dict):
+        self.root, self.every, self.keep, self.last_step = Path(root), every, keep, last_step
+        self.model_config = model_config
+
+    def due(self, step: int, stopping: bool) -> bool:
+        return step % self.every == 0 or step == self.last_step or stopping
+
+    def save(self, engine, step: int, trainer_state: dict, weights: dict[str, torch.Tensor] | None) -> Path:
+        """Collective: `save` with this run's settings (`weights`: the gathered fp32 masters on rank 0)."""
+        return save(engine, self.root, step, trainer_state, self.keep, {"model_config": self.model_config}, weights)

@@ -19,13 +19,14 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .batch import PackedBatch
-from .config import UNMASKABLE_IDS
+from .config import UNMASKABLE_IDS, ModelConfig
 from .data.loader import PackedLoader
 from .data.order import cut_by_budget
 from .kernels import mask_key, rank_within_sequences, uniform_bits
-from .masking import MaskCounts
+from .masking import MaskCounts, mask_rows
 
 EVAL_STREAM = 2  # training draws streams 0 (selection) and 1 (random replacements)
 
@@ -99,3 +100,42 @@ class HeldOutSet:
         batch = PackedBatch.from_packed(tokens, lengths)
         predicted = held_out_mask(batch.tokens.long(), batch.seqlens, torch.from_numpy(ids).long(), rate, seed)
         return EvalBatch(batch, predicted, ids, weight)
+
+
+class Evaluator:
+    """A run's held-out evaluation and its schedule: every `every` steps (0: never), or at the steps a FLOP budget
+    planned (`steps`), and always at the last step."""
+
+    def __init__(self, held_out: HeldOutSet, model_config: ModelConfig, every: int, steps: set[int] | None,
+                 last_step: int, device: torch.device):
+        self.held_out, self.model_config, self.device = held_out, model_config, device
+        self.every, self.steps, self.last_step = every, steps, last_step
+
+    def due(self, step: int) -> bool:
+        if step == self.last_step:
+            return True
+        if self.steps is not None:
+            return step in self.steps
+        return self.every > 0 and step % self.every == 0
+
+    @torch.no_grad()
+    def run(self, engine, step: int, flops_done: int) -> dict:
+        """Collective: the held-out record at `step` (masked-token loss and accuracy under the fixed protocol, with
+        the unigram baselines of the same tokens); `flops_done` is this rank's share of the run's FLOPs."""
+        device = self.device
+        engine.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, correct
+        predicted = 0.0
+        for item in self.held_out.micro_batches:
+            batch = item.batch.to(device)
+            out = engine(mask_rows(batch, self.model_config, item.predicted), compute_accuracy=True)
+            sums += item.weight * torch.stack([out.loss.double() * out.num_predicted, out.num_correct.double()])
+            predicted += item.weight * out.num_predicted
+        totals = torch.cat([sums, torch.tensor([predicted, float(flops_done)], dtype=torch.float64, device=device)])
+        dist.all_reduce(totals)
+        loss_sum, correct, predicted, flops = totals.tolist()
+        engine.train()
+        return {"kind": "eval", "step": step, "flops": flops, "loss": loss_sum / max(predicted, 1),
+                "accuracy": correct / max(predicted, 1), "mask_rate": self.held_out.mask_rate,
+                "predicted_tokens": int(predicted), "sequences": self.held_out.num_sequences,
+                **self.held_out.baselines}

@@ -119,6 +119,17 @@ def mask_rows(batch: PackedBatch, config: ModelConfig, predicted: torch.Tensor) 
     return MaskedBatch(batch=batch, counts=counts, selection=selection, config=config)
 
 
+def unmasked(batch: PackedBatch, config: ModelConfig) -> MaskedBatch:
+    """`batch` with nothing masked (the encoder's view when fine-tuning): every row visible, no selection run."""
+    device = batch.device
+    none = torch.zeros(0, dtype=torch.int32, device=device)
+    zeros = torch.zeros_like(batch.seqlens)
+    selection = MaskSelection(input_tokens=batch.tokens, masked_index=none, labels=none,
+                              visible_index=torch.arange(batch.num_tokens, dtype=torch.int32, device=device),
+                              removed_index=none)
+    return MaskedBatch(batch=batch, counts=MaskCounts(zeros, zeros, zeros), selection=selection, config=config)
+
+
 def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, rank: int = 0,
                mask_rate: float | None = None) -> MaskedBatch:
     """Select the predicted tokens of `batch` for (seed, step, rank) and lay out the streams.

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
+
+from .data.order import DIGEST_MODULUS
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -55,3 +59,44 @@ def read_metrics(run_dir: Path) -> list[dict]:
             record = json.loads(line)
             records[(record.get("kind"), record["step"])] = record
     return sorted(records.values(), key=lambda r: (r["step"], r.get("kind", "")))
+
+
+class LogWindow:
+    """The optimizer steps since the last train record: a record is due every `every` steps and at the last step.
+
+    `sums` on the device (loss sum, predicted, correct, scored; steps skipped for a non-finite loss add nothing), the
+    rest on the host; time spent evaluating and checkpointing (`paused`) is not training time.
+    """
+
+    def __init__(self, every: int, last_step: int, device: torch.device):
+        self.every, self.last_step, self.device = every, last_step, device
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        self.tokens = self.flops = self.steps = self.digest = 0
+        self.paused_s, self.start = 0.0, time.perf_counter()
+
+    def due(self, step: int) -> bool:
+        """Whether step `step` (counted from 1) ends with a train record."""
+        return step % self.every == 0 or step == self.last_step
+
+    def add(self, stats) -> None:
+        """Count one optimizer step's `StepStats` in."""
+        self.sums += torch.where(stats.non_finite > 0, 0.0, stats.sums)
+        self.tokens += stats.tokens
+        self.flops += stats.flops
+        self.digest = (self.digest + stats.digest) % DIGEST_MODULUS
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time inside does not count as training time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - start
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.start - self.paused_s

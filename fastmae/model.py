@@ -27,7 +27,7 @@ from .attention import (
 from .batch import PackedBatch
 from .config import ModelConfig
 from .dropout import Dropout
-from .masking import MaskedBatch, mask_batch
+from .masking import MaskedBatch, mask_batch, unmasked
 
 
 class PositionEmbedding(nn.Module):
@@ -305,21 +305,17 @@ class MaskedLM(nn.Module):
         """
         self._check(batch)
         states = [] if all_layers else None
-        x = self._encoder(mask_batch(batch, self.config, seed=0, step=0, mask_rate=0.0), states)
+        x = self._encoder(unmasked(batch, self.config), states)
         return states if all_layers else x
 
-    def forward(self, batch: PackedBatch, seed: int = 0, step: int = 0, rank: int = 0,
-                compute_accuracy: bool = False, masked: MaskedBatch | None = None) -> MaskedLMOutput:
-        """Mask `batch` for (seed, step, rank), run the model and return the masked-token loss.
-
-        masked: a masking of `batch` made elsewhere (evaluation's fixed held-out masks, `masking.mask_rows`); seed,
-        step and rank are then unused. compute_accuracy also counts the predicted rows whose most likely token is
-        the label.
-        """
-        self._check(batch)
+    def forward(self, batch: PackedBatch | MaskedBatch, seed: int = 0, step: int = 0, rank: int = 0,
+                compute_accuracy: bool = False) -> MaskedLMOutput:
+        """The masked-token loss of a masked batch (`masking.mask_batch`, `masking.mask_rows`); a plain PackedBatch
+        is masked here first, for (seed, step, rank). compute_accuracy also counts the predicted rows whose most
+        likely token is the label."""
         cfg = self.config
-        if masked is None:
-            masked = mask_batch(batch, cfg, seed, step, rank)
+        masked = batch if isinstance(batch, MaskedBatch) else mask_batch(batch, cfg, seed, step, rank)
+        self._check(masked.batch)
         encoder_states = self._encoder(masked)
         x = encoder_states
         if 0 < cfg.insert_layer == cfg.encoder_layers:  # k = L: the insertion feeds the decoder
@@ -351,13 +347,17 @@ class MaskedLM(nn.Module):
         hidden = self.head.transform(predicted)
         weight, labels = self.embeddings.tokens.weight, masked.selection.labels
         loss = ops.linear_cross_entropy(hidden, weight, self.head.bias, labels)
-        num_correct = None
-        if compute_accuracy:
-            with torch.no_grad():  # argmax in row chunks: never a [T_m, V] fp32 tensor
-                rows = max(1, 2**24 // weight.shape[0])
-                num_correct = sum(
-                    (F.linear(h, weight.to(h.dtype), self.head.bias.to(h.dtype)).argmax(-1) == y.long()).sum()
-                    for h, y in zip(hidden.split(rows), labels.split(rows)))
-                num_correct = torch.as_tensor(num_correct, device=hidden.device)
+        num_correct = count_correct(hidden, weight, self.head.bias, labels) if compute_accuracy else None
         return MaskedLMOutput(loss=loss, num_predicted=masked.num_predicted, masked=masked,
                               encoder_states=encoder_states, num_correct=num_correct)
+
+
+@torch.no_grad()
+def count_correct(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Scalar int64 tensor: rows of `hidden` [T_m, H] whose most likely token under the tied projection (`weight`
+    [V, H], `bias` [V]) is the label ([T_m]). Computed in row chunks: never a [T_m, V] fp32 tensor."""
+    rows = max(1, 2**24 // weight.shape[0])
+    num_correct = sum(
+        (F.linear(h, weight.to(h.dtype), bias.to(h.dtype)).argmax(-1) == y.long()).sum()
+        for h, y in zip(hidden.split(rows), labels.split(rows)))
+    return torch.as_tensor(num_correct, device=hidden.device)

@@ -18,21 +18,9 @@ if __name__ == "__main__" and not __package__:
 import argparse  # noqa: E402
 import faulthandler  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 
 from fastmae.config import load_run_config  # noqa: E402
 from fastmae.errors import run_command  # noqa: E402
-
-
-def set_world_of_one_env() -> None:
-    """Unless a launcher set RANK, make this process a distributed world of one on a free loopback port (for plain
-    `python -m fastmae.train` and the benchmarks)."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,10 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"fastmae train: error: {err}", file=sys.stderr)
         return 2
+    from fastmae.distributed import set_world_of_one_env
+
     set_world_of_one_env()
     import torch.distributed
 
-    from fastmae.trainer import Trainer, init_distributed
+    from fastmae.distributed import init_distributed
+    from fastmae.trainer import Trainer
 
     init_distributed(config.train.collective_timeout_s)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

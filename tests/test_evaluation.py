@@ -61,7 +61,7 @@ def test_every_objective_predicts_the_same_hidden_tokens(dataset, preset):
                           mask_rate=0.15, seed=0)
     model = tiny_model(preset, vocab_size=40, max_seq_len=32)
     for item in held_out.micro_batches:
-        out = model(item.batch, masked=mask_rows(item.batch, model.config, item.predicted))
+        out = model(mask_rows(item.batch, model.config, item.predicted))
         sel = out.masked.selection
         rows = item.predicted.nonzero()[:, 0]
         assert torch.equal(sel.masked_index.long(), rows) and out.num_predicted == len(rows)

@@ -36,7 +36,7 @@ def test_matmul_peak_is_measured_and_plausible():
 
 
 def test_gradients_accumulate_in_fp32():
-    from fastmae.trainer import deepspeed_config
+    from fastmae.engine import deepspeed_config
 
     config = load_run_config(None, ["train.zero_stage=2"])
     for precision in ("fp32", "bf16", "fp16"):

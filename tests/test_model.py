@@ -27,7 +27,7 @@ VARIANTS = [
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_no_masking_and_no_decoder_is_a_plain_encoder(preset, variant, batch):
     model = tiny_model(preset, decoder_layers=0, mask_rate=0.0, **variant)
-    out = model(batch, masked=mask_batch(batch, model.config, seed=0, step=0))
+    out = model(mask_batch(batch, model.config, seed=0, step=0))
     assert out.num_predicted == 0
     expected = torch.cat([encoder_forward(model, ids, pos)
                           for ids, pos in zip(per_sequence(batch, batch.tokens), per_sequence(batch, batch.positions))])

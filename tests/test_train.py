@@ -515,43 +515,60 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):
 
 
 WORLD_OF_ONE = """
+import dataclasses
+import sys
+
 import torch
-from fastmae.train import set_world_of_one_env
+from fastmae.distributed import init_distributed, set_world_of_one_env
 set_world_of_one_env()
-from fastmae.trainer import build_engine, init_distributed
+from fastmae.engine import build_engine
 init_distributed()
+import fastmae.step
 from fastmae import MaskedLM, ModelConfig, PackedBatch
 from fastmae.config import RunConfig
+from fastmae.step import train_step
 
-batches = [PackedBatch.from_sequences(torch.randint(5, 50, (3, 20), generator=torch.Generator().manual_seed(i))
-                                      .tolist()) for i in range(3)]
+config = ModelConfig.preset("3ml", vocab_size=50, hidden_size=32, num_heads=2, encoder_layers=2, max_seq_len=32)
+batches = [dataclasses.replace(PackedBatch.from_sequences(
+    torch.randint(5, 50, (3, 20), generator=torch.Generator().manual_seed(i)).tolist()), index=i) for i in range(3)]
 for precision, stage in (("fp32", 0), ("bf16", 1)):
     weights = []
     for allreduce in (True, False):
         torch.manual_seed(0)
-        model = MaskedLM(ModelConfig.preset("3ml", vocab_size=50, hidden_size=32, num_heads=2, encoder_layers=2,
-                                            max_seq_len=32))
+        model = MaskedLM(config)
         run = RunConfig()
         run.train.zero_stage, run.train.lr, run.train.warmup_steps = stage, 1e-2, 1
         initial = [p.detach().float().clone() for p in model.parameters()]
-        engine, _ = build_engine(model, run, precision, torch.device("cpu"))
+        non_finite = torch.zeros(())
+        engine, _ = build_engine(model, run, precision, torch.device("cpu"), non_finite)
         assert engine.enable_backward_allreduce is False, (precision, stage)  # nothing to average in a world of one
         engine.enable_backward_allreduce = allreduce
-        for step, batch in enumerate(batches):
-            out = engine(batch, seed=0, step=step)
-            engine.backward(out.loss)
-            engine.step()
+        for batch in batches:
+            stats = train_step(engine, [batch], seed=0, non_finite=non_finite, compute_accuracy=True)
+            assert stats.sums[1] == stats.sums[3] > 0 and stats.non_finite == 0 and stats.tokens == 60
         weights.append([p.detach().float().clone() for p in model.parameters()])
         assert not any(torch.equal(a, b) for a, b in zip(initial, weights[-1])), "a parameter did not train"
     moved = max((a - b).abs().max().item() for a, b in zip(weights[0], weights[1]))
     assert all(torch.equal(a, b) for a, b in zip(*weights)), (precision, moved)
+
+# the throughput benchmark times exactly the trainer's step
+sys.path.insert(0, "benchmarks")
+import throughput
+
+calls = []
+fastmae.step.train_step = lambda *args, **kwargs: calls.append(1) or train_step(*args, **kwargs)
+step, _ = throughput._fastmae_step(config, torch.randint(5, 50, (2, 32)), torch.device("cpu"), "fp32", None)
+step()
+step()
+assert len(calls) == 2, calls
 print("OK")
 """
 
 
 def test_world_of_one_skips_the_all_reduce_with_identical_updates():
     """build_engine turns DeepSpeed's gradient all-reduce off in a world of one (it only copies gradients there);
-    the weights after three steps are bit-identical to a run with it on, in fp32 (ZeRO-0) and bf16 (ZeRO-1)."""
+    the weights after three `train_step`s are bit-identical to a run with it on, in fp32 (ZeRO-0) and bf16 (ZeRO-1).
+    And benchmarks/throughput.py's step is `train_step`."""
     env = {**os.environ}
     env.pop("TRITON_INTERPRET", None)
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")}

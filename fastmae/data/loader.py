@@ -98,10 +98,11 @@ class PackedLoader:
                 "max_seq_len": self.max_seq_len, "packing": self.packing, "seed": self.seed, "order": ORDER_VERSION}
 
     # ----------------------------------------------------------------------------------------------- steps
-    def step_sequences(self, epoch: int, bounds: np.ndarray) -> list[np.ndarray]:
-        """This rank's micro-batches (sequence ids) of the step bounded by `bounds` in epoch `epoch`."""
+    def step_sequences(self, epoch: int, bounds: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """This rank's micro-batches of the step bounded by `bounds` in epoch `epoch`: (place in the step, sequence
+        ids). Rank r runs places r, r + world_size, ...: the one place where the interleave is written down."""
         order = self.planner.order(epoch)
-        return [order[np.arange(bounds[j], bounds[j + 1])]
+        return [(j, order[np.arange(bounds[j], bounds[j + 1])])
                 for j in range(self.rank, self.micro_batches_per_step, self.world_size)]
 
     def __iter__(self) -> Iterator[PackedBatch]:
@@ -120,11 +121,12 @@ class PackedLoader:
             self._cursors[self._step] = (epoch, int(bounds[-1]))
             for old in [s for s in self._cursors if s <= self._step - CURSORS_KEPT]:
                 del self._cursors[old]
-            for sequences in self.step_sequences(epoch, bounds):
+            first_index = (self._step - 1) * self.micro_batches_per_step
+            for place, sequences in self.step_sequences(epoch, bounds):
                 tokens, lengths = self.tokens_of(sequences)
                 if tokens.max() >= self.vocab_size:  # a damaged shard: stop here, not in an embedding lookup
                     self._out_of_vocabulary(tokens, lengths, sequences)
-                yield PackedBatch.from_packed(tokens, lengths, dataset_ids=sequences)
+                yield PackedBatch.from_packed(tokens, lengths, dataset_ids=sequences, index=first_index + place)
 
     def _out_of_vocabulary(self, tokens: np.ndarray, lengths: np.ndarray, sequences: np.ndarray) -> NoReturn:
         """Raise the error naming the shard of the first sequence of a batch that holds an id >= vocab_size."""

@@ -1,0 +1,122 @@
+"""Process and distributed concerns of a training run: the world's start, the launcher watch, stop signals, and the
+agreements between ranks that the loop needs (one place; the model and the step know nothing of processes).
+
+Stop requests (SIGTERM/SIGINT, or a launcher that died) and the non-finite flag are agreed every step without the
+host waiting for the GPU: stop requests over the CPU (gloo), the flag on the device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+from collections.abc import Callable
+
+import deepspeed
+import psutil
+import torch
+import torch.distributed as dist
+
+
+def set_world_of_one_env() -> None:
+    """Unless a launcher set RANK, make this process a distributed world of one on a free loopback port (for plain
+    `python -m fastmae.train` and the benchmarks)."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def init_distributed(timeout_s: float = 1800.0) -> None:
+    """deepspeed.init_distributed, without DeepSpeed's shared-memory op on CPU ranks. That op serves only its
+    inference all-reduce, yet DeepSpeed compiles it with the C++ compiler in every new environment (~40 s on 2 cores,
+    before the first step of the first run) and maps a 69 MB /dev/shm file per rank that it never removes. Marked
+    incompatible, it is neither built nor loaded; training's collectives are gloo's either way."""
+    if deepspeed.get_accelerator().device_name() == "cpu":
+        from deepspeed import ops
+        from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+        ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
+
+
+def rank_device() -> torch.device:
+    """This rank's device: its local GPU, or the CPU."""
+    return torch.device(deepspeed.get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", 0))))
+
+
+def local_rank() -> int:
+    """This rank's index on its node (LOCAL_RANK, set by the launcher)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def ranks_on_node() -> int:
+    """How many ranks share this node (LOCAL_SIZE, set by DeepSpeed's launcher; 1 otherwise)."""
+    return int(os.environ.get("LOCAL_SIZE", 1))
+
+
+def launch_processes() -> list[psutil.Process]:
+    """This process's ancestors that belong to its DeepSpeed launch (the `deepspeed` command and
+    `deepspeed.launcher.launch`), nearest first; none for a plain `python -m fastmae.train`."""
+    chain, process = [], psutil.Process().parent()
+    while process is not None and process.pid > 1:
+        try:
+            if "deepspeed" not in " ".join(process.cmdline()):
+                break
+        except psutil.Error:
+            break
+        chain.append(process)
+        process = process.parent()
+    return chain
+
+
+def agree_on_flag(flag: torch.Tensor) -> None:
+    """Set the device scalar `flag` to its maximum over ranks, on the device (the host does not wait)."""
+    if dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+
+
+class StopAgreement:
+    """Whether the run should stop after this step: a SIGTERM/SIGINT on any rank, or a rank's launcher gone (SIGTERM
+    to the `deepspeed` command kills it alone, and its ranks would otherwise train on unattended). Agreed once per
+    step by one all-reduce on the CPU, so every rank stops after the same step."""
+
+    def __init__(self, device: torch.device, log: Callable[[str], None]):
+        self.requested = False
+        self.log = log
+        self.launchers = launch_processes()
+        self.world = dist.get_world_size()
+        # on CUDA the agreement goes over gloo so that the host never waits for the GPU stream
+        self.host_group = dist.new_group(backend="gloo") if device.type == "cuda" and self.world > 1 else None
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT request a stop (a checkpoint, then a clean exit) instead of killing the rank."""
+        def request_stop(signum, frame):
+            self.requested = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, request_stop)
+
+    def _launcher_gone(self) -> bool:
+        for process in self.launchers:
+            try:
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            self.log(f"the launcher (pid {process.pid}) is gone: saving a checkpoint and exiting")
+            self.launchers = []
+            return True
+        return False
+
+    def agreed(self) -> bool:
+        """Collective: whether any rank has been asked to stop."""
+        self.requested = self.requested or self._launcher_gone()
+        if self.world == 1:
+            return self.requested
+        tensor = torch.tensor([float(self.requested)])
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.host_group)
+        return bool(tensor.item())

@@ -1,0 +1,96 @@
+"""One optimizer step: the function the trainer, benchmarks/throughput.py and (through the trainer) the study run.
+
+    for each micro-batch:  mask -> forward -> backward (loss x its predicted tokens x w) -> engine.step
+    (DeepSpeed steps the optimizer after the last micro-batch of the step; w makes the step's gradient the mean over
+    every predicted token of the step, on every rank and micro-batch)
+
+Nothing here reads a device value back: the statistics stay on the device until the trainer logs them, and every
+count that decides a shape or a weight is a host count of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .batch import PackedBatch
+from .config import ModelConfig
+from .data.order import DIGEST_MODULUS, sequences_digest
+from .distributed import agree_on_flag
+from .flops import batch_training_flops
+from .masking import mask_batch, predicted_count
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step did on this rank.
+
+    sums: [4] fp64 on the device: loss sum (each micro-batch's mean loss x its predicted tokens), predicted tokens,
+    correct predictions and scored predictions (the last two only when the step computed accuracy).
+    non_finite: fp32 device scalar, 1.0 when any rank saw a non-finite loss (the step was then skipped).
+    tokens, flops, digest: host counts of this rank's micro-batches (tokens, model FLOPs, a digest of the sequences).
+    """
+
+    sums: torch.Tensor
+    non_finite: torch.Tensor
+    tokens: int
+    flops: int
+    digest: int
+
+
+def per_token_weight(micro_batches: list[PackedBatch], config: ModelConfig, device: torch.device) -> torch.Tensor:
+    """Device scalar w such that the micro-batch losses (means over their own predicted tokens) times
+    num_predicted * w add up, after DeepSpeed's 1/grad_accum scaling and its mean over ranks, to the mean over
+    every predicted token of the step. The counts are host-side; their sum over ranks is one all-reduce that the
+    host does not wait for."""
+    local = sum(predicted_count(batch, config) for batch in micro_batches)
+    total = torch.full((), float(local), dtype=torch.float32, device=device)
+    dist.all_reduce(total)
+    return (len(micro_batches) * dist.get_world_size()) / total.clamp(min=1.0)
+
+
+def train_step(engine, micro_batches: list[PackedBatch], *, seed: int, non_finite: torch.Tensor,
+               compute_accuracy: bool = False, before_optimizer_step=None) -> StepStats:
+    """Run one optimizer step of `engine` (a DeepSpeed engine around a MaskedLM) on this rank's micro-batches.
+
+    Each micro-batch is masked for (seed, its index in the run), so masks do not depend on the rank count.
+    `non_finite` is the engine's skip flag (`build_engine(found_inf=...)`): it is set on the device when any rank's
+    loss is not finite, and the optimizer then leaves the weights as they were. `before_optimizer_step` is called
+    just before the step's last `engine.step` (a test hook: DeepSpeed's optimizer step reads the host).
+    """
+    model_config = engine.module.config
+    if len(micro_batches) != engine.gradient_accumulation_steps():
+        raise ValueError(f"train_step: {len(micro_batches)} micro-batches for an engine that accumulates "
+                         f"{engine.gradient_accumulation_steps()}")
+    if any(batch.index is None for batch in micro_batches):
+        raise ValueError("train_step: every micro-batch needs its index in the run (PackedBatch.index), which "
+                         "keys its masks; the data loader sets it")
+    device = non_finite.device
+    weight = per_token_weight(micro_batches, model_config, device)
+    non_finite.zero_()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, predicted, correct, scored
+    tokens = flops = digest = 0
+    for i, batch in enumerate(micro_batches):
+        last = i + 1 == len(micro_batches)
+        masked = mask_batch(batch, model_config, seed, batch.index)
+        out = engine(masked, compute_accuracy=compute_accuracy)
+        loss = out.loss.detach()
+        torch.maximum(non_finite, (~torch.isfinite(loss)).float(), out=non_finite)
+        if last:  # before the last backward: DeepSpeed's optimizer step follows it
+            agree_on_flag(non_finite)
+        engine.backward(out.loss * (out.num_predicted * weight))
+        if last and before_optimizer_step is not None:
+            before_optimizer_step()
+        engine.step()
+        sums[0] += loss.double() * out.num_predicted
+        sums[1] += out.num_predicted
+        if compute_accuracy:
+            sums[2] += out.num_correct
+            sums[3] += out.num_predicted
+        tokens += batch.num_tokens
+        if batch.dataset_ids is not None:
+            digest = (digest + sequences_digest(batch.dataset_ids)) % DIGEST_MODULUS
+        flops += batch_training_flops(model_config, batch, masked.counts)
+    return StepStats(sums=sums, non_finite=non_finite, tokens=tokens, flops=flops, digest=digest)
