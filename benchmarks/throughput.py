@@ -7,9 +7,9 @@ steps through the engine fastmae trains with (fastmae.engine.build_engine: DeepS
 fp32, fp32 master weights and gradient accumulation, fused AdamW, clipping at 2.0). fastmae's systems run the
 trainer's own step (fastmae.step.train_step: masking, forward, the per-token weighted backward, the optimizer step);
 Hugging Face's runs forward, backward and the optimizer step.
-Each system runs in a fresh process (its peak memory is its own); the GEMM peak that MFU divides by is measured once,
-in the same run, in the training dtype (DESIGN.md sections 5 and 8). Model FLOPs are fastmae/flops.py's count of what
-each system computes: Hugging Face runs its LM head on every row, fastmae on the predicted rows only. With
+Each system runs in a fresh process (its peak memory is its own); the GEMM peak that MFU divides by is measured
+once, in the same run, in the training dtype (ARCHITECTURE.md sections 5 and 8). Model FLOPs are fastmae/flops.py's
+count of what each system computes: Hugging Face runs its LM head on every row, fastmae on the predicted rows only. With
 --backends (CUDA), `mlm` also runs with each attention backend present; with --compile every fastmae system also runs
 with its layers compiled (train.compile).
 
@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="small", help=f"one of {sorted(SIZES)}, or several, comma-separated")
     parser.add_argument("--quick", action="store_true", help="4 sequences, 1 warm-up + 3 timed steps (< 2 minutes)")
     parser.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
-                        help="training dtype; auto: bf16 where the device multiplies it natively (DESIGN.md 5)")
+                        help="training dtype; auto: bf16 where the device multiplies it natively "
+                             "(ARCHITECTURE.md section 5)")
     parser.add_argument("--sequences", type=int, default=None, help="sequences of 512 per step (default 8; quick 4)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     parser.add_argument("--backends", action="store_true", help="CUDA: also mlm with each attention backend")

@@ -1,4 +1,4 @@
-"""Varlen attention over packed sequences, with its backends and rotary positions (DESIGN.md section 4).
+"""Varlen attention over packed sequences, with its backends and rotary positions (ARCHITECTURE.md section 4).
 
 Backends, in order of preference (`auto`):
 - `flash`: flash_attn.flash_attn_varlen_func (CUDA, the optional `gpu` extra).

@@ -1,4 +1,4 @@
-"""The packed varlen batch of DESIGN.md section 2, built on the host."""
+"""The packed varlen batch of ARCHITECTURE.md section 2, built on the host."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .atomic import atomic_path, atomic_write_bytes, atomic_write_text, named_disk_errors
+from .config import ModelConfig
 from .data.shards import file_sha256
 from .errors import FastmaeError
 
@@ -67,6 +68,14 @@ def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict, int]:
         return load_file(str(path)), model_config, step
     except (SafetensorError, OSError) as err:
         raise FastmaeError(f"{path}: unreadable safetensors file ({err})") from None
+
+
+def saved_model_config(values: dict, source: Path) -> ModelConfig:
+    """The ModelConfig saved in `source` (FastmaeError naming it when the values are bad)."""
+    try:
+        return ModelConfig.from_dict(values)
+    except (TypeError, ValueError) as err:
+        raise FastmaeError(f"{source}: bad model config ({err})") from None
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -1,4 +1,4 @@
-"""Model configuration: one dataclass for `mlm`, `mae-lm` and `3ml` (DESIGN.md section 1)."""
+"""Model configuration: one dataclass for `mlm`, `mae-lm` and `3ml` (ARCHITECTURE.md section 1)."""
 
 from __future__ import annotations
 
@@ -195,7 +195,7 @@ PRESETS: dict[str, dict] = {
     # MAE-LM (Meng et al., ICLR 2024): 4-layer decoder of encoder width, dropout 0, masked tokens all removed.
     "mae-lm": dict(objective="mae-lm", decoder_layers=4, mask_rate=0.15, mask_token_prob=1.0, random_token_prob=0.0,
                    decoder_dropout=0.0),
-    # 3ML (Liao et al., 2022): 50% removed; 2 (base) / 3 (large) decoder layers, see DESIGN.md section 1.
+    # 3ML (Liao et al., 2022): 50% removed; 2 (base) / 3 (large) decoder layers, see ARCHITECTURE.md section 1.
     "3ml": dict(objective="3ml", mask_rate=0.5, mask_token_prob=1.0, random_token_prob=0.0, decoder_dropout=0.0),
 }
 

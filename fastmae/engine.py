@@ -29,7 +29,7 @@ def deepspeed_config(config: RunConfig, precision: str) -> dict:
     `config.deepspeed` entries override it.
 
     One micro-batch is one token-budgeted PackedBatch, so DeepSpeed's micro-batch size is 1 "batch". Gradients
-    accumulate in fp32 whatever the training dtype (DESIGN.md section 5); DeepSpeed does that only under ZeRO.
+    accumulate in fp32 whatever the training dtype (ARCHITECTURE.md section 5); DeepSpeed does that only under ZeRO.
     """
     train = config.train
     if precision != "fp32" and train.zero_stage == 0:

@@ -1,4 +1,4 @@
-"""The held-out evaluation protocol (DESIGN.md section 5): one set of tokens and masks for every objective.
+"""The held-out evaluation protocol (ARCHITECTURE.md section 5): one set of tokens and masks for every objective.
 
 The held-out set is the first `eval.sequences` sequences of the validation split in file order. Each sequence
 predicts round(rate * maskable) of its tokens, chosen by a hash of (eval seed, the sequence's index in the split,

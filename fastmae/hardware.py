@@ -1,8 +1,8 @@
 """What the device can do: the training dtype that fits it, and the matmul peak that MFU is measured against.
 
-DESIGN.md section 5: bf16 only where the hardware multiplies it natively (CUDA sm_80+, CPUs with AMX or AVX512-BF16;
-on an AVX2-only CPU a bf16 matmul ran at 0.29 GFLOP/s against 160 in fp32), and MFU = model FLOPs / (time x peak),
-the peak measured with a compute-bound GEMM in the training dtype.
+ARCHITECTURE.md section 5: bf16 only where the hardware multiplies it natively (CUDA sm_80+, CPUs with AMX or
+AVX512-BF16; on an AVX2-only CPU a bf16 matmul ran at 0.29 GFLOP/s against 160 in fp32), and MFU = model FLOPs /
+(time x peak), the peak measured with a compute-bound GEMM in the training dtype.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One masked-LM model for `mlm`, `mae-lm` and `3ml` on packed varlen batches (DESIGN.md section 1).
+"""One masked-LM model for `mlm`, `mae-lm` and `3ml` on packed varlen batches (ARCHITECTURE.md section 1).
 
 A step reads top to bottom in `MaskedLM.forward`: mask selection -> embeddings of the encoder's rows -> layers
 [0, k) on visible rows -> insertion of the masked slots -> layers [k, L + d) on the full sequence (or, for the

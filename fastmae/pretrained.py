@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from .checkpoint import WEIGHTS, complete_checkpoints, read_weights, weights_metadata
+from .checkpoint import WEIGHTS, complete_checkpoints, read_weights, saved_model_config, weights_metadata
 from .config import ModelConfig
 from .data.tokenizer import TOKENIZER_FILE, Tokenizer
 from .errors import FastmaeError
+from .hf_format import read_hugging_face
 from .model import MaskedLM
 
 
@@ -60,8 +61,6 @@ def load_pretrained(path: str | Path) -> Pretrained:
     if not path.is_dir():
         raise FastmaeError(f"{path}: no such directory (expected a run, checkpoint or exported directory)")
     if (path / "config.json").is_file():
-        from .export import read_hugging_face
-
         config, weights, step = read_hugging_face(path)
         weights_file = path / WEIGHTS
         tokenizer = _tokenizer(path / TOKENIZER_FILE, "the export")
@@ -71,12 +70,12 @@ def load_pretrained(path: str | Path) -> Pretrained:
             raise FastmaeError(f"{path}: checkpoint without {WEIGHTS} (written by an older fastmae); resume the "
                                "run for a step and checkpoint again")
         weights, config_dict, step = read_weights(weights_file)
-        config = model_config(config_dict, weights_file)
+        config = saved_model_config(config_dict, weights_file)
         tokenizer = _run_tokenizer(path.parent.parent)
     elif (path / "config.yaml").is_file():
         weights_file, step = _newest_weights(path)
         weights, config_dict, _ = read_weights(weights_file)
-        config = model_config(config_dict, weights_file)
+        config = saved_model_config(config_dict, weights_file)
         tokenizer = _run_tokenizer(path)
     else:
         raise FastmaeError(f"{path}: not a fastmae run directory (no config.yaml), checkpoint directory (no "
@@ -89,14 +88,6 @@ def load_pretrained(path: str | Path) -> Pretrained:
         raise FastmaeError(f"{weights_file}: token embedding has {rows.shape[0]} rows, vocab_size is "
                            f"{config.vocab_size}")
     return Pretrained(config, weights, tokenizer, weights_file, step)
-
-
-def model_config(values: dict, source: Path) -> ModelConfig:
-    """The ModelConfig saved in `source` (FastmaeError naming it when the values are bad)."""
-    try:
-        return ModelConfig.from_dict(values)
-    except (TypeError, ValueError) as err:
-        raise FastmaeError(f"{source}: bad model config ({err})") from None
 
 
 def _newest_weights(run_dir: Path) -> tuple[Path, int]:

@@ -1,4 +1,4 @@
-"""`fastmae study`: the papers' claims, measured on your data under one compute budget (DESIGN.md section 10).
+"""`fastmae study`: the papers' claims, measured on your data under one compute budget (ARCHITECTURE.md section 10).
 
     fastmae study --data DIR --objectives mlm,mae-lm,3ml --budget cpu-30min --out DIR [--task GLUE_DIR] [--seeds N]
     fastmae study --data DIR --quick --out DIR          # the CI-sized variant (minutes, shapes only)

@@ -1,4 +1,4 @@
-"""Masked-row linear cross-entropy: the tied LM projection and the loss (DESIGN.md section 3.3).
+"""Masked-row linear cross-entropy: the tied LM projection and the loss (ARCHITECTURE.md section 3.3).
 
 The fused version never holds the [N, V] logits at once: rows go through in chunks; for each chunk the logits are
 one matmul, a Triton kernel computes the loss with an online log-sum-exp over vocabulary blocks and overwrites the

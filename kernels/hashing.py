@@ -1,4 +1,4 @@
-"""The counter-based 32-bit hash behind every masking decision (DESIGN.md section 3.1), in plain Python and torch.
+"""The counter-based 32-bit hash behind every masking decision (ARCHITECTURE.md section 3.1), in plain Python and torch.
 
 The random numbers of the masking come from hashing (row, key), not from a generator, so the torch reference, the
 Triton kernel and the data preparation (`fastmae prepare` keys its validation split with it) agree on any device.

@@ -1,4 +1,4 @@
-"""Seeded selection of the masked positions and compaction of the visible stream (DESIGN.md sections 2 and 3.1),
+"""Seeded selection of the masked positions and compaction of the visible stream (ARCHITECTURE.md sections 2 and 3.1),
 as Triton kernels.
 
 The random numbers come from the counter-based 32-bit hash of kernels/hashing.py, not from a generator, so the torch

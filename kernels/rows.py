@@ -1,6 +1,6 @@
 """Row gather / scatter with a fused position add and LayerNorm: the embedding gather and the insertion.
 
-One Triton kernel pair serves both (DESIGN.md sections 3.1 and 3.2). Output row r is
+One Triton kernel pair serves both (ARCHITECTURE.md section 3.2). Output row r is
 
     out[dst(r)] = LayerNorm(src_row(r) + pos_table[pos_ids[r]])     (position add and LayerNorm each optional)
 

@@ -1,4 +1,4 @@
-"""Data pipeline (DESIGN.md section 6): readers, sentencepiece tokenizer, memory-mapped shards, packed loader."""
+"""Data pipeline (ARCHITECTURE.md section 6): readers, sentencepiece tokenizer, memory-mapped shards, packed loader."""
 
 from .loader import PackedLoader
 from .shards import ShardSet

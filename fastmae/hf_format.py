@@ -1,0 +1,179 @@
+"""The Hugging Face RoBERTa format of a fastmae encoder, both ways: one module that `fastmae export` writes with and
+`fastmae.pretrained` reads with.
+
+    config.json             RobertaConfig (+ `fastmae_model_config`, so fastmae reads the export back exactly)
+    model.safetensors       fp32 weights under Hugging Face's names (the LM head too for `mlm`)
+    tokenizer.json ...      the sentencepiece tokenizer as a fast tokenizer: same ids, same specials
+
+The mapping is one table (`_name_pairs`) read both ways; fastmae's fused `qkv` projection is the row-wise
+concatenation of Hugging Face's query, key and value (kept fused: one GEMM instead of three in every layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from .checkpoint import WEIGHTS, saved_model_config
+from .config import BOS_ID, EOS_ID, ModelConfig
+from .data.tokenizer import Tokenizer
+from .errors import FastmaeError
+
+CONFIG_KEY = "fastmae_model_config"  # fastmae's ModelConfig inside config.json
+
+
+def check_exportable(config: ModelConfig) -> None:
+    """Raise FastmaeError naming the setting when the encoder has no Hugging Face RoBERTa equivalent."""
+    k, layers = config.insert_layer, config.encoder_layers
+    if config.position_embedding != "learned":
+        raise FastmaeError(f"position_embedding={config.position_embedding!r}: RoBERTa has learned absolute positions "
+                           "only; fine-tune this model with `fastmae finetune --model RUN_DIR` instead")
+    if config.relative_attention_bias:
+        raise FastmaeError("relative_attention_bias=true: RoBERTa's attention has no relative position bias; "
+                           "fine-tune this model with `fastmae finetune --model RUN_DIR` instead")
+    if config.norm_position != "post":
+        raise FastmaeError("norm_position='pre': RoBERTa's layers are post-LN; fine-tune this model with "
+                           "`fastmae finetune --model RUN_DIR` instead")
+    if 0 < k < layers:
+        raise FastmaeError(f"insert_layer={k} (of {layers}): the insertion re-embeds positions and normalises inside "
+                           "the encoder, which RoBERTa cannot express; export needs k = 0 or k = encoder_layers, "
+                           "`fastmae finetune --model RUN_DIR` runs this model as it is")
+
+
+def _name_pairs(config: ModelConfig, with_head: bool) -> list[tuple[str, str]]:
+    """(fastmae name, Hugging Face name) of every 1:1 tensor; the fused qkv is handled by the callers."""
+    pairs = [("embeddings.tokens.weight", "roberta.embeddings.word_embeddings.weight"),
+             ("embeddings.positions.weight", "roberta.embeddings.position_embeddings.weight"),
+             ("embeddings.norm.weight", "roberta.embeddings.LayerNorm.weight"),
+             ("embeddings.norm.bias", "roberta.embeddings.LayerNorm.bias")]
+    for i in range(config.encoder_layers):
+        for ours, theirs in (("attn_out", "attention.output.dense"), ("attn_norm", "attention.output.LayerNorm"),
+                             ("ffn_in", "intermediate.dense"), ("ffn_out", "output.dense"),
+                             ("ffn_norm", "output.LayerNorm")):
+            pairs += [(f"encoder.{i}.{ours}.{p}", f"roberta.encoder.layer.{i}.{theirs}.{p}")
+                      for p in ("weight", "bias")]
+    if with_head:
+        pairs += [("head.dense.weight", "lm_head.dense.weight"), ("head.dense.bias", "lm_head.dense.bias"),
+                  ("head.norm.weight", "lm_head.layer_norm.weight"), ("head.norm.bias", "lm_head.layer_norm.bias"),
+                  ("head.bias", "lm_head.bias")]
+    return pairs
+
+
+def _qkv_names(i: int) -> tuple[str, list[str]]:
+    return f"encoder.{i}.qkv", [f"roberta.encoder.layer.{i}.attention.self.{p}" for p in ("query", "key", "value")]
+
+
+def to_hugging_face(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fastmae weights -> Hugging Face RobertaForMaskedLM names (the head only for k = 0, see the module doc)."""
+    check_exportable(config)
+    out = {theirs: weights[ours] for ours, theirs in _name_pairs(config, with_head=config.insert_layer == 0)}
+    for i in range(config.encoder_layers):
+        ours, theirs = _qkv_names(i)
+        for p in ("weight", "bias"):
+            for name, part in zip(theirs, weights[f"{ours}.{p}"].chunk(3)):
+                out[f"{name}.{p}"] = part
+    out["roberta.embeddings.token_type_embeddings.weight"] = torch.zeros(1, config.hidden_size)
+    return {name: t.float().contiguous() for name, t in out.items()}
+
+
+def from_hugging_face(config: ModelConfig, hf: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
+    """Hugging Face names (with or without the `roberta.` prefix) -> fastmae weights; the inverse of
+    `to_hugging_face`. Raises FastmaeError naming the first missing tensor."""
+    hf = {(name if name.startswith(("roberta.", "lm_head.")) else f"roberta.{name}"): t for name, t in hf.items()}
+
+    def get(name):
+        if name not in hf:
+            raise FastmaeError(f"{source}: missing tensor {name}")
+        return hf[name]
+
+    with_head = "lm_head.dense.weight" in hf
+    weights = {ours: get(theirs) for ours, theirs in _name_pairs(config, with_head)}
+    for i in range(config.encoder_layers):
+        ours, theirs = _qkv_names(i)
+        for p in ("weight", "bias"):
+            weights[f"{ours}.{p}"] = torch.cat([get(f"{name}.{p}") for name in theirs])
+    return weights
+
+
+def hugging_face_config(config: ModelConfig):
+    """The RobertaConfig of the exported encoder, carrying fastmae's own config under `fastmae_model_config`."""
+    from transformers import RobertaConfig
+
+    return RobertaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.encoder_layers,
+        num_attention_heads=config.num_heads, intermediate_size=config.intermediate_size, hidden_act="gelu",
+        hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.attention_dropout,
+        max_position_embeddings=config.max_seq_len + config.position_offset, type_vocab_size=1,
+        initializer_range=config.initializer_range, layer_norm_eps=config.layer_norm_eps,
+        pad_token_id=config.pad_token_id, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+        architectures=["RobertaForMaskedLM" if config.insert_layer == 0 else "RobertaModel"],
+        **{CONFIG_KEY: dataclasses.asdict(config)})
+
+
+def hugging_face_tokenizer(tokenizer: Tokenizer, max_seq_len: int):
+    """A `PreTrainedTokenizerFast` that splits text exactly as the sentencepiece model does.
+
+    sentencepiece's pipeline, stage by stage: its compiled normaliser (NFKC and whitespace rules), runs of spaces
+    collapsed and the ends trimmed, a `▁` before every word, then its unigram or BPE model over each word.
+    `<s> A </s>` and `<s> A </s></s> B </s>` frame sequences and pairs, as fastmae's data loader and fine-tuning do.
+    """
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.models import BPE, Unigram
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import generate_merges
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(tokenizer.model_bytes)
+    pieces = [(p.piece, p.score) for p in proto.pieces]
+    special = [p.piece for p in proto.pieces if p.type != proto.SentencePiece.NORMAL]
+    if proto.trainer_spec.model_type == proto.trainer_spec.UNIGRAM:
+        model = Unigram(pieces, unk_id=proto.trainer_spec.unk_id, byte_fallback=False)
+    elif proto.trainer_spec.model_type == proto.trainer_spec.BPE:
+        vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+        model = BPE(vocab, generate_merges(vocab, pieces, skip_tokens=special),
+                    unk_token=proto.trainer_spec.unk_piece, fuse_unk=True, byte_fallback=False)
+    else:
+        raise FastmaeError(f"{tokenizer.source}: sentencepiece model type {proto.trainer_spec.model_type} is neither "
+                           "unigram nor BPE")
+    rust = RustTokenizer(model)
+    rust.normalizer = normalizers.Sequence([normalizers.Precompiled(proto.normalizer_spec.precompiled_charsmap),
+                                            normalizers.Replace(Regex(" {2,}"), " "), normalizers.Strip()])
+    rust.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    rust.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    rust.add_special_tokens([AddedToken(piece, special=True, normalized=False) for piece in special])
+    name = tokenizer.sp.id_to_piece
+    bos, eos = name(BOS_ID), name(EOS_ID)
+    rust.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} {eos} $B {eos}", special_tokens=[(bos, BOS_ID), (eos, EOS_ID)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=rust, bos_token=bos, eos_token=eos, cls_token=bos, sep_token=eos,
+        unk_token=name(tokenizer.sp.unk_id()), pad_token=name(tokenizer.sp.pad_id()), mask_token="<mask>",
+        model_max_length=max_seq_len, clean_up_tokenization_spaces=False)
+
+
+def read_hugging_face(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], int]:
+    """(model config, fastmae weights, step) of a directory written by `fastmae export`."""
+    from safetensors import SafetensorError, safe_open
+
+    config_file, weights_file = directory / "config.json", directory / WEIGHTS
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise FastmaeError(f"{config_file}: unreadable ({err})") from None
+    if CONFIG_KEY not in hf_config:
+        raise FastmaeError(f"{config_file}: no {CONFIG_KEY} (not a directory written by `fastmae export`)")
+    config = saved_model_config(hf_config[CONFIG_KEY], config_file)
+    if not weights_file.is_file():
+        raise FastmaeError(f"{weights_file}: missing")
+    try:
+        with safe_open(str(weights_file), framework="pt") as handle:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+            step = int((handle.metadata() or {}).get("fastmae_step", -1))
+    except (SafetensorError, OSError) as err:
+        raise FastmaeError(f"{weights_file}: unreadable safetensors file ({err})") from None
+    return config, from_hugging_face(config, tensors, weights_file), step
