@@ -1,5 +1,6 @@
-"""Process and distributed concerns of a training run: the world's start, the launcher watch, stop signals, and the
-agreements between ranks that the loop needs (one place; the model and the step know nothing of processes).
+"""Process and distributed concerns of a training run: the world's start, the launcher watch, stop signals, rank 0's
+log lines, and the agreements between ranks (the checkpoint to resume, the precision, the MFU peak, stop requests,
+the non-finite flag). One place: the model and the step know nothing of processes.
 
 Stop requests (SIGTERM/SIGINT, or a launcher that died) and the non-finite flag are agreed every step without the
 host waiting for the GPU: stop requests over the CPU (gloo), the flag on the device.
@@ -11,12 +12,20 @@ import datetime
 import os
 import signal
 import socket
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import deepspeed
 import psutil
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
+
+from . import checkpoint
+from .config import PRECISIONS
+from .errors import FastmaeError
+from .hardware import DTYPES, all_cpu_cores, choose_precision, matmul_flops, spec_peak_flops
 
 
 def set_world_of_one_env() -> None:
@@ -120,3 +129,61 @@ class StopAgreement:
         tensor = torch.tensor([float(self.requested)])
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.host_group)
         return bool(tensor.item())
+
+
+def log_line(text: str) -> None:
+    """A line on rank 0's stderr that leaves the progress bar intact."""
+    if dist.get_rank() == 0:
+        tqdm.write(f"fastmae: {text}", file=sys.stderr)
+
+
+def checkpoint_to_resume(root: Path, resume: str | None) -> Path | None:
+    """Collective: the verified checkpoint `--resume` names, chosen by rank 0 (which reads every file of the newest
+    once) and broadcast, so that a bad choice is the same one-line error on every rank."""
+    choice: list = [None, None]  # path, error
+    if dist.get_rank() == 0:
+        try:
+            found = checkpoint.resolve_resume(root, resume, log_line)
+            choice[0] = str(found) if found is not None else None
+        except FastmaeError as err:
+            choice[1] = str(err)
+    dist.broadcast_object_list(choice, src=0)
+    if choice[1] is not None:
+        raise FastmaeError(choice[1])
+    return Path(choice[0]) if choice[0] is not None else None
+
+
+def agreed_precision(requested: str, device: torch.device) -> str:
+    """Collective: train.precision resolved on rank 0 (with all of its node's CPU cores) and broadcast: every rank
+    must train in the same dtype."""
+    choice = torch.zeros(1, dtype=torch.int64, device=device)
+    if dist.get_rank() == 0:
+        with all_cpu_cores():
+            precision, note = choose_precision(requested, device)
+        if note:
+            log_line(note)
+        choice[0] = PRECISIONS.index(precision)
+    dist.broadcast(choice, src=0)
+    return PRECISIONS[int(choice.item())]
+
+
+def job_peak_flops(device: torch.device, precision: str) -> tuple[float, float | None]:
+    """Collective: (measured, data-sheet or None) peak FLOP/s of the whole job in the training dtype: the
+    denominators of MFU. A GPU belongs to one rank, so each rank measures its own. CPU ranks of a node share its
+    cores, so the node's first rank measures once with all of them while the others wait, and only it counts."""
+    dtype = DTYPES[precision]
+    measured, spec = 0.0, spec_peak_flops(device, dtype) or 0.0
+    if device.type == "cpu":
+        dist.barrier()
+        if local_rank() == 0:
+            with all_cpu_cores():
+                measured = matmul_flops(device, dtype)
+        dist.barrier()
+    else:
+        measured = matmul_flops(device, dtype)
+    totals = torch.tensor([measured, spec, float(spec == 0.0)], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    measured, spec, unknown = totals.tolist()
+    log_line(f"matmul peak in {precision}: {measured / 1e12:.3g} TFLOP/s over the job"
+             + (f" (data sheet: {spec / 1e12:.4g})" if spec and not unknown else ""))
+    return measured, (spec if spec and not unknown else None)

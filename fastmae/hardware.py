@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -80,6 +82,18 @@ def _time_product(product, a: torch.Tensor, b: torch.Tensor) -> float:
     begin = time.perf_counter()
     product(a, b)
     return time.perf_counter() - begin
+
+
+def device_name(device: torch.device) -> str:
+    """What the device is, in words: the GPU's name, or the CPU's model and vector capability."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                      if line.startswith("model name")), model)
+    return f"CPU {model} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def spec_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:

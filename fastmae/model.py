@@ -16,18 +16,12 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import ops
-from .attention import (
-    StreamBias,
-    VarlenMeta,
-    apply_rotary,
-    relative_bias_by_distance,
-    resolve_backend,
-    varlen_attention,
-)
+from .attention import StreamBias, VarlenMeta, resolve_backend, varlen_attention
 from .batch import PackedBatch
 from .config import ModelConfig
 from .dropout import Dropout
 from .masking import MaskedBatch, mask_batch, unmasked
+from .positions import apply_rotary, relative_bias_by_distance
 
 
 class PositionEmbedding(nn.Module):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from pathlib import Path
 
 import deepspeed
@@ -26,27 +25,29 @@ from tqdm import tqdm
 from . import checkpoint
 from .atomic import atomic_write_bytes
 from .batch import to_device_ahead
-from .config import PRECISIONS, RunConfig
+from .config import RunConfig
 from .data import PackedLoader
 from .data.order import DIGEST_MODULUS
 from .data.tokenizer import TOKENIZER_FILE
-from .distributed import StopAgreement, local_rank, rank_device, ranks_on_node
+from .distributed import (
+    StopAgreement,
+    agreed_precision,
+    checkpoint_to_resume,
+    job_peak_flops,
+    log_line,
+    rank_device,
+    ranks_on_node,
+)
 from .engine import build_engine, master_weights
 from .errors import FastmaeError
 from .evaluation import Evaluator, HeldOutSet
 from .faults import FaultHooks
 from .flops import plan_budget
-from .hardware import DTYPES, all_cpu_cores, choose_precision, cpu_cores, matmul_flops, spec_peak_flops
+from .hardware import cpu_cores, device_name
 from .metrics import LogWindow, MetricsWriter, peak_memory_mib
 from .model import MaskedLM
 from .plot import plot_run
 from .step import StepStats, train_step
-
-
-def log_line(text: str) -> None:
-    """A line on rank 0's stderr that leaves the progress bar intact."""
-    if dist.get_rank() == 0:
-        tqdm.write(f"fastmae: {text}", file=sys.stderr)
 
 
 # -------------------------------------------------------------------------------------------------------- setup
@@ -61,22 +62,6 @@ def prepare_builtin_data(config: RunConfig) -> None:
             prepare([], data.directory, fmt="builtin", vocab_size=data.builtin_vocab_size,
                     valid_fraction=data.builtin_valid_fraction, workers=1, progress=False)
         dist.barrier()
-
-
-def checkpoint_to_resume(root: Path, resume: str | None) -> Path | None:
-    """Collective: the verified checkpoint `--resume` names, chosen by rank 0 (which reads every file of the newest
-    once) and broadcast, so that a bad choice is the same one-line error on every rank."""
-    choice: list = [None, None]  # path, error
-    if dist.get_rank() == 0:
-        try:
-            found = checkpoint.resolve_resume(root, resume, log_line)
-            choice[0] = str(found) if found is not None else None
-        except FastmaeError as err:
-            choice[1] = str(err)
-    dist.broadcast_object_list(choice, src=0)
-    if choice[1] is not None:
-        raise FastmaeError(choice[1])
-    return Path(choice[0]) if choice[0] is not None else None
 
 
 def with_budget_planned(config: RunConfig, loader: PackedLoader, model_config) -> tuple[RunConfig, set[int] | None]:
@@ -97,40 +82,43 @@ def with_budget_planned(config: RunConfig, loader: PackedLoader, model_config) -
     return planned, (set(plan.eval_steps) if config.eval.every_flops else None)
 
 
-def agreed_precision(requested: str, device: torch.device) -> str:
-    """Collective: train.precision resolved on rank 0 (with all of its node's CPU cores) and broadcast: every rank
-    must train in the same dtype."""
-    choice = torch.zeros(1, dtype=torch.int64, device=device)
-    if dist.get_rank() == 0:
-        with all_cpu_cores():
-            precision, note = choose_precision(requested, device)
-        if note:
-            log_line(note)
-        choice[0] = PRECISIONS.index(precision)
-    dist.broadcast(choice, src=0)
-    return PRECISIONS[int(choice.item())]
+def model_engine(config: RunConfig, model_config, precision: str, device: torch.device, non_finite: torch.Tensor,
+                 resume: str | None):
+    """Collective: (engine, DeepSpeed config, checkpoint to resume or None). The model gets identical initial weights
+    on every rank; a checkpoint saved by another number of ranks is made universal first. `non_finite` is the skip
+    flag the engine's optimizer reads."""
+    train, rank, world = config.train, dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(train.seed)  # identical initial weights on every rank
+    model = MaskedLM(model_config)
+    model.activation_checkpointing = train.activation_checkpointing
+    if train.zero_stage == 3:
+        for param in model.functional_parameters():
+            deepspeed.zero.register_external_parameter(model, param)
+    torch.manual_seed(train.seed + rank)
+    checkpoint_dir = checkpoint_to_resume(Path(config.log.dir) / "checkpoints", resume)
+    elastic = checkpoint_dir is not None and checkpoint.saved_world_size(checkpoint_dir) != world
+    if elastic:  # saved by another number of ranks: DeepSpeed re-shards its universal form
+        if rank == 0:
+            log_line(f"{checkpoint_dir} was saved by {checkpoint.saved_world_size(checkpoint_dir)} rank(s): "
+                     f"converting it to DeepSpeed's universal checkpoint for {world}")
+            checkpoint.make_universal(checkpoint_dir)
+        dist.barrier()
+    engine, ds_config = build_engine(model, config, precision, device, non_finite, load_universal=elastic)
+    return engine, ds_config, checkpoint_dir
 
 
-def job_peak_flops(device: torch.device, precision: str) -> tuple[float, float | None]:
-    """Collective: (measured, data-sheet or None) peak FLOP/s of the whole job in the training dtype: the
-    denominators of MFU. A GPU belongs to one rank, so each rank measures its own. CPU ranks of a node share its
-    cores, so the node's first rank measures once with all of them while the others wait, and only it counts."""
-    dtype = DTYPES[precision]
-    measured, spec = 0.0, spec_peak_flops(device, dtype) or 0.0
-    if device.type == "cpu":
-        dist.barrier()
-        if local_rank() == 0:
-            with all_cpu_cores():
-                measured = matmul_flops(device, dtype)
-        dist.barrier()
-    else:
-        measured = matmul_flops(device, dtype)
-    totals = torch.tensor([measured, spec, float(spec == 0.0)], dtype=torch.float64, device=device)
-    dist.all_reduce(totals)
-    measured, spec, unknown = totals.tolist()
-    log_line(f"matmul peak in {precision}: {measured / 1e12:.3g} TFLOP/s over the job"
-             + (f" (data sheet: {spec / 1e12:.4g})" if spec and not unknown else ""))
-    return measured, (spec if spec and not unknown else None)
+def write_run_files(config: RunConfig, model_config, ds_config: dict, run_info: dict) -> None:
+    """Rank 0: the resolved configs, the tokenizer (so the run directory stands alone for export, finetune and
+    analyze, wherever the data goes later) and `run_info.json` (device, ranks, precision, MFU peaks)."""
+    run_dir = Path(config.log.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = dataclasses.asdict(config)
+    resolved["train"]["betas"] = list(resolved["train"]["betas"])
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    (run_dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(model_config), indent=1))
+    (run_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=1))
+    (run_dir / "run_info.json").write_text(json.dumps(run_info, indent=1))
+    atomic_write_bytes(run_dir / TOKENIZER_FILE, (config.data.directory / TOKENIZER_FILE).read_bytes())
 
 
 # -------------------------------------------------------------------------------------------------------- trainer
@@ -153,6 +141,17 @@ class RunCounters:
         self.step += 1
         self.tokens_seen += stats.tokens
         self.flops_done += stats.flops
+
+    def check_bad_streak(self, bad_streak: int, skipped: int, max_bad_steps: int) -> None:
+        """On logged steps, with the counts read back: report skipped steps, and stop after `max_bad_steps` of
+        them in a row."""
+        if skipped > self.skipped_logged:
+            log_line(f"non-finite loss: {skipped - self.skipped_logged} step(s) skipped up to step {self.step} "
+                     f"({skipped} so far)")
+        self.skipped_logged = skipped
+        if bad_streak >= max_bad_steps:
+            raise FastmaeError(f"{bad_streak} optimizer steps in a row with a non-finite loss, up to step "
+                               f"{self.step}: stopping (lower train.lr, check the data, or raise train.max_bad_steps)")
 
 
 class Trainer:
@@ -191,7 +190,10 @@ class Trainer:
             self.evaluator = Evaluator(held_out, self.model_config, config.eval.every, eval_steps, train.steps,
                                        device)
         self.precision = agreed_precision(train.precision, device)
-        self.engine, self.ds_config, resumed_from = self._build_engine(resume)
+        # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)
+        self.non_finite = torch.zeros((), dtype=torch.float32, device=device)
+        self.engine, ds_config, resumed_from = model_engine(config, self.model_config, self.precision, device,
+                                                            self.non_finite, resume)
         self.peak_flops, self.spec_peak_flops = job_peak_flops(device, self.precision)
         self.counters = RunCounters(torch.zeros((), dtype=torch.float32, device=device),
                                     torch.zeros((), dtype=torch.float32, device=device))
@@ -205,42 +207,9 @@ class Trainer:
             log_line(f"resumed from {resumed_from} at step {self.counters.step}")
         self.metrics = MetricsWriter(self.run_dir, config.log.tensorboard) if self.rank == 0 else None
         if self.rank == 0:
-            self._write_resolved_config()
-
-    def _build_engine(self, resume: str | None):
-        """(engine, DeepSpeed config, checkpoint to resume or None): the model with identical initial weights on every
-        rank, wrapped by DeepSpeed; a checkpoint saved by another number of ranks is made universal first."""
-        train = self.config.train
-        torch.manual_seed(train.seed)  # identical initial weights on every rank
-        model = MaskedLM(self.model_config)
-        model.activation_checkpointing = train.activation_checkpointing
-        if train.zero_stage == 3:
-            for param in model.functional_parameters():
-                deepspeed.zero.register_external_parameter(model, param)
-        torch.manual_seed(train.seed + self.rank)
-        # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)
-        self.non_finite = torch.zeros((), dtype=torch.float32, device=self.device)
-        checkpoint_dir = checkpoint_to_resume(self.run_dir / "checkpoints", resume)
-        elastic = checkpoint_dir is not None and checkpoint.saved_world_size(checkpoint_dir) != self.world
-        if elastic:  # saved by another number of ranks: DeepSpeed re-shards its universal form
-            if self.rank == 0:
-                log_line(f"{checkpoint_dir} was saved by {checkpoint.saved_world_size(checkpoint_dir)} "
-                         f"rank(s): converting it to DeepSpeed's universal checkpoint for {self.world}")
-                checkpoint.make_universal(checkpoint_dir)
-            dist.barrier()
-        engine, ds_config = build_engine(model, self.config, self.precision, self.device, self.non_finite,
-                                         load_universal=elastic)
-        return engine, ds_config, checkpoint_dir
-
-    def _write_resolved_config(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        resolved = dataclasses.asdict(self.config)
-        resolved["train"]["betas"] = list(resolved["train"]["betas"])
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-        (self.run_dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(self.model_config), indent=1))
-        (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=1))
-        # the run directory stands alone for export, finetune and analyze, wherever the data goes later
-        atomic_write_bytes(self.run_dir / TOKENIZER_FILE, (self.config.data.directory / TOKENIZER_FILE).read_bytes())
+            write_run_files(config, self.model_config, ds_config, {
+                "device": device_name(device), "ranks": self.world, "precision": self.precision,
+                "peak_flops": self.peak_flops, "spec_peak_flops": self.spec_peak_flops})
 
     # ------------------------------------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:
@@ -342,7 +311,7 @@ class Trainer:
         (loss_sum, predicted, correct, scored, tokens, flops, flops_done, tokens_seen, digest, bad_streak,
          skipped) = values.tolist()
         averaged = window.steps - (int(skipped) - counters.skipped_logged)  # less the window's skipped steps
-        self._check_bad_streak(int(bad_streak), int(skipped))
+        counters.check_bad_streak(int(bad_streak), int(skipped), self.config.train.max_bad_steps)
         grad_norm = self.engine.get_global_grad_norm()
         record = {"kind": "train", "step": counters.step, "loss": loss_sum / max(predicted, 1),
                   "averaged_steps": averaged,  # since the last record (or the resume), skipped ones left out
@@ -357,18 +326,6 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.write(record)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-
-    def _check_bad_streak(self, bad_streak: int, skipped: int) -> None:
-        """On logged steps: report skipped steps, and stop after train.max_bad_steps of them in a row."""
-        counters = self.counters
-        if skipped > counters.skipped_logged:
-            log_line(f"non-finite loss: {skipped - counters.skipped_logged} step(s) skipped up to step "
-                     f"{counters.step} ({skipped} so far)")
-        counters.skipped_logged = skipped
-        if bad_streak >= self.config.train.max_bad_steps:
-            raise FastmaeError(f"{bad_streak} optimizer steps in a row with a non-finite loss, up to step "
-                               f"{counters.step}: stopping (lower train.lr, check the data, or raise "
-                               "train.max_bad_steps)")
 
     def evaluate(self) -> dict:
         """Collective: the held-out record at this step, written and logged by rank 0."""

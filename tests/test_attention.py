@@ -7,14 +7,11 @@ from fastmae.attention import (
     BIAS_BACKENDS,
     StreamBias,
     VarlenMeta,
-    apply_rotary,
     available_backends,
-    relative_bias_by_distance,
-    relative_position_buckets,
-    rotary_tables,
     varlen_attention,
     varlen_attention_reference,
 )
+from fastmae.positions import apply_rotary, relative_bias_by_distance, relative_position_buckets, rotary_tables
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

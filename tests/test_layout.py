@@ -104,3 +104,11 @@ def test_design_references_resolve_inside_the_repository():
             bad += [f"{path.relative_to(ROOT)}: no section {n}" for n in re.findall(r"\d+", cited)
                     if n not in sections]
     assert sections and not bad, bad
+
+
+def test_setup_installs_every_package():
+    """A non-editable install ships only the packages setup.py names: every directory of the package is one."""
+    listed = set(re.search(r"packages=\[([^\]]*)\]", (ROOT / "setup.py").read_text()).group(1).replace('"', "")
+                 .replace(" ", "").split(","))
+    packages = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert packages == listed, (packages, listed)

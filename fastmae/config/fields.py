@@ -1,0 +1,64 @@
+"""Dataclass configs from YAML values and command-line options: one typed path, errors naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _as_float(value):
+    """`value` as a float when it is a number or a string that reads as one ("2e-3": YAML 1.1 leaves it a string)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(config, overrides: dict, name: str | None = None):
+    """Return a copy of dataclass `config` with `overrides` applied; unknown keys and wrong types name the key.
+
+    Values must have the type of the current value (an int is accepted for a float, a list for a tuple).
+    `name` is how errors call the dataclass (default: its class name).
+    """
+    name = name or type(config).__name__
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{name}: expected a mapping, got {overrides!r}")
+    fields = {f.name: f for f in dataclasses.fields(config) if f.init}
+    values = {key: getattr(config, key) for key in fields}
+    for key, value in overrides.items():
+        if key not in fields:
+            raise ValueError(f"unknown key {name}.{key}; known: {sorted(fields)}")
+        current = values[key]
+        if isinstance(current, bool) or isinstance(value, bool):
+            ok = isinstance(value, bool) and isinstance(current, bool)
+        elif isinstance(current, float):
+            value = _as_float(value)
+            ok = isinstance(value, float)
+        elif isinstance(current, tuple):
+            ok = isinstance(value, (list, tuple))
+            value = tuple(value) if ok else value
+        else:
+            ok = isinstance(value, type(current))
+        if not ok:
+            raise ValueError(f"{name}.{key}: expected {type(current).__name__}, got {value!r}")
+        values[key] = value
+    return type(config)(**values)
+
+
+def add_arguments(parser, defaults, meaning: dict[str, str]) -> None:
+    """One `--field-name` option per field of the dataclass instance `defaults`, typed and defaulted by it;
+    `meaning` gives each field's help text."""
+    for f in dataclasses.fields(defaults):
+        value = getattr(defaults, f.name)
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=value,
+                            help=f"{meaning[f.name]} (default {value})")
+
+
+def from_arguments(cls, args):
+    """The dataclass `cls` from the options `add_arguments` declared."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

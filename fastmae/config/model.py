@@ -1,0 +1,196 @@
+"""Model configuration: one dataclass for `mlm`, `mae-lm` and `3ml` (ARCHITECTURE.md section 1)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .fields import apply_overrides
+from .tokens import MASK_ID, NUM_SPECIAL_TOKENS, PAD_ID
+
+
+@dataclass
+class ModelConfig:
+    """Architecture and masking objective of a `MaskedLM`.
+
+    The unifying knob is `insert_layer` k: layers [0, k) run on visible tokens only, the insertion puts the
+    masked slots back, and layers [k, encoder_layers + decoder_layers) run on the full sequence.
+    """
+
+    objective: str = "mlm"
+    """Name of the preset this config came from (`mlm`, `mae-lm`, `3ml`); informational."""
+    vocab_size: int = 32000
+    """Rows of the token-embedding table, specials included (ids 0-4: pad, bos, eos, unk, mask)."""
+    hidden_size: int = 768
+    """Model width H."""
+    num_heads: int = 12
+    """Attention heads; `hidden_size` must be divisible by it."""
+    intermediate_size: int = 0
+    """Feed-forward width; 0 means 4 * hidden_size."""
+    encoder_layers: int = 12
+    """L: the layers kept for fine-tuning."""
+    decoder_layers: int = 0
+    """d: shallow decoder layers after the encoder, discarded after pretraining."""
+    insert_layer: int = 0
+    """k in [0, L]: where masked slots re-enter. 0 is RoBERTa MLM, L is MAE-LM / 3ML."""
+    decoder_kind: str = "self"
+    """`self`: decoder layers attend over the full sequence. `cross`: only masked rows are updated; their queries
+    attend to the whole sequence (encoder outputs at visible rows). Needs insert_layer == encoder_layers."""
+    max_seq_len: int = 512
+    """Longest sequence, in tokens (specials included)."""
+    position_embedding: str = "learned"
+    """`learned` (RoBERTa absolute, exportable to Hugging Face) or `rotary` (applied by original position id)."""
+    rotary_base: float = 10000.0
+    """Base of the rotary frequencies (only with position_embedding=rotary)."""
+    relative_attention_bias: bool = False
+    """T5-style relative position bias in the encoder's attention (MAE-LM's reference encoder): one table of
+    [buckets, heads] shared by all encoder layers, looked up by original positions; the decoder has none."""
+    relative_attention_buckets: int = 64
+    """Buckets of the relative bias (per direction: a quarter exact, then log-spaced; the reference's bucketing,
+    fastmae.positions.relative_position_buckets). The reference: 64 (base), 128 (large)."""
+    relative_attention_max_distance: int = 128
+    """Distances from max_distance - 1 on share the last bucket; the reference: 128 (base), 256 (large)."""
+    norm_position: str = "post"
+    """`post` (RoBERTa, BERT) or `pre` LayerNorm in each layer."""
+    layer_norm_eps: float = 1e-5
+    """LayerNorm epsilon everywhere."""
+    dropout: float = 0.1
+    """Hidden dropout in the encoder (and its embeddings)."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities in the encoder."""
+    decoder_dropout: float = 0.0
+    """Hidden and attention dropout in the decoder (MAE-LM uses 0)."""
+    mask_rate: float = 0.15
+    """Share of maskable tokens predicted per sequence (exact count: round(rate * maskable))."""
+    mask_token_prob: float = 0.8
+    """Share of the predicted tokens whose input is removed / replaced by <mask>."""
+    random_token_prob: float = 0.1
+    """Share of the predicted tokens replaced by a random ordinary token (the rest keep their token)."""
+    initializer_range: float = 0.02
+    """Std of the normal init of linear and embedding weights."""
+    pad_token_id: int = field(default=PAD_ID, init=False)
+    mask_token_id: int = field(default=MASK_ID, init=False)
+
+    def __post_init__(self):
+        if self.intermediate_size == 0:
+            self.intermediate_size = 4 * self.hidden_size
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Raise ValueError naming the first field with a bad value."""
+
+        def bad(key, msg):
+            raise ValueError(f"ModelConfig.{key}={getattr(self, key)!r}: {msg}")
+
+        for key in ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "encoder_layers", "max_seq_len"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
+                bad(key, "must be a positive integer")
+        if self.vocab_size <= NUM_SPECIAL_TOKENS:
+            bad("vocab_size", f"must exceed the {NUM_SPECIAL_TOKENS} special tokens")
+        if self.hidden_size % self.num_heads:
+            bad("hidden_size", f"must be divisible by num_heads={self.num_heads}")
+        if self.position_embedding == "rotary" and (self.hidden_size // self.num_heads) % 2:
+            bad("num_heads", "rotary positions need an even head dimension")
+        if not isinstance(self.decoder_layers, int) or self.decoder_layers < 0:
+            bad("decoder_layers", "must be an integer >= 0")
+        if not isinstance(self.insert_layer, int) or not 0 <= self.insert_layer <= self.encoder_layers:
+            bad("insert_layer", f"must be in [0, encoder_layers={self.encoder_layers}]")
+        if self.decoder_layers and self.insert_layer != self.encoder_layers:
+            bad("decoder_layers", f"a decoder needs insert_layer == encoder_layers ({self.encoder_layers})")
+        if self.decoder_kind not in ("self", "cross"):
+            bad("decoder_kind", "must be 'self' or 'cross'")
+        if self.decoder_kind == "cross" and self.decoder_layers == 0:
+            bad("decoder_kind", "'cross' needs decoder_layers > 0")
+        if self.removed_rows_see_no_context:
+            raise ValueError(
+                f"ModelConfig.insert_layer={self.insert_layer} with encoder_layers={self.encoder_layers} and "
+                f"decoder_layers={self.decoder_layers}: no layer runs after the insertion, so every removed token "
+                f"reaches the LM head as the same <mask> embedding and can learn only token frequencies; use "
+                f"decoder_layers >= 1 or insert_layer < encoder_layers (or mask_rate=0 for an encoder that "
+                f"predicts nothing)")
+        if self.relative_attention_buckets < 4 or self.relative_attention_buckets % 2:
+            bad("relative_attention_buckets", "must be an even number >= 4")
+        if self.relative_attention_max_distance <= self.relative_attention_buckets // 4 + 1:
+            bad("relative_attention_max_distance",
+                "must exceed relative_attention_buckets / 4 + 1 (past the exact distances)")
+        if self.position_embedding not in ("learned", "rotary"):
+            bad("position_embedding", "must be 'learned' or 'rotary'")
+        if self.norm_position not in ("post", "pre"):
+            bad("norm_position", "must be 'post' or 'pre'")
+        for key in ("dropout", "attention_dropout", "decoder_dropout", "mask_token_prob", "random_token_prob"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                bad(key, "must be in [0, 1]")
+        if not 0.0 <= self.mask_rate < 1.0:
+            bad("mask_rate", "must be in [0, 1)")
+        if self.mask_token_prob + self.random_token_prob > 1.0 + 1e-9:
+            bad("random_token_prob", f"mask_token_prob + random_token_prob must be <= 1 (got {self.mask_token_prob})")
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_layers(self) -> int:
+        """All layers, encoder and decoder."""
+        return self.encoder_layers + self.decoder_layers
+
+    @property
+    def removed_rows_see_no_context(self) -> bool:
+        """Whether tokens removed at the insertion are predicted without any layer after it (k > 0 and
+        k == L + d): their head inputs are then all the one `<mask>` embedding, whatever the sequence says."""
+        removes = self.mask_rate > 0 and self.mask_token_prob > 0
+        return removes and self.insert_layer > 0 and self.insert_layer == self.num_layers
+
+    @property
+    def position_offset(self) -> int:
+        """Learned position ids start at pad_token_id + 1, as in Hugging Face RoBERTa, so exported tables match."""
+        return self.pad_token_id + 1
+
+    def replace(self, **overrides) -> ModelConfig:
+        """A copy with `overrides` applied and validated (a default feed-forward width follows `hidden_size`)."""
+        if "hidden_size" in overrides and "intermediate_size" not in overrides and (
+            self.intermediate_size == 4 * self.hidden_size
+        ):
+            overrides = {**overrides, "intermediate_size": 0}
+        return apply_overrides(self, overrides)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        """The config saved as `dataclasses.asdict(config)` (derived fields such as mask_token_id are dropped)."""
+        return cls(**{k: v for k, v in values.items() if k in {f.name for f in dataclasses.fields(cls) if f.init}})
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> ModelConfig:
+        """The config of objective `name` (`mlm`, `mae-lm`, `3ml`) at base size, with `overrides` applied.
+
+        A `3ml` preset's decoder depth follows the encoder depth (2 layers under 24 encoder layers, else 3),
+        unless `decoder_layers` is overridden.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        base = dict(PRESETS[name])
+        layers = overrides.get("encoder_layers", ModelConfig.encoder_layers)
+        if name in ("mae-lm", "3ml"):
+            # The insertion sits at the top of the encoder unless the caller moves it.
+            base["insert_layer"] = layers
+        if name == "3ml":
+            base["decoder_layers"] = 3 if layers >= 24 else 2
+        base.update(overrides)
+        unknown = sorted(set(base) - {f.name for f in dataclasses.fields(cls) if f.init})
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {unknown}")
+        return cls(**base)
+
+
+PRESETS: dict[str, dict] = {
+    # RoBERTa: [MASK] at the input, 15%, 80/10/10.
+    "mlm": dict(objective="mlm", insert_layer=0, decoder_layers=0, mask_rate=0.15, mask_token_prob=0.8,
+                random_token_prob=0.1),
+    # MAE-LM (Meng et al., ICLR 2024): 4-layer decoder of encoder width, dropout 0, masked tokens all removed.
+    "mae-lm": dict(objective="mae-lm", decoder_layers=4, mask_rate=0.15, mask_token_prob=1.0, random_token_prob=0.0,
+                   decoder_dropout=0.0),
+    # 3ML (Liao et al., 2022): 50% removed; 2 (base) / 3 (large) decoder layers, see ARCHITECTURE.md section 1.
+    "3ml": dict(objective="3ml", mask_rate=0.5, mask_token_prob=1.0, random_token_prob=0.0, decoder_dropout=0.0),
+}

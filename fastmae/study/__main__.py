@@ -1,0 +1,7 @@
+"""`python -m fastmae.study`."""
+
+import sys
+
+from .command import main
+
+sys.exit(main())

@@ -1,0 +1,141 @@
+"""`fastmae study`: the command line and the order of its work (train, fine-tune, analyze, summarize, report)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import yaml
+
+from ..atomic import atomic_write_text
+from ..errors import FastmaeError, run_command
+from ..tasks import GLUE_TASKS, write_word_order_task
+from .objectives import STUDY_PRESETS, parse_objectives, resolve_budget
+from .report import plot_curves, plot_ranks, shared_settings, write_report
+from .runs import (
+    Run,
+    analyze_run,
+    default_ranks,
+    device_text,
+    finetune_run,
+    launch_command,
+    mlm_step_flops,
+    model_facts,
+    run_config_text,
+    task_name_of,
+    train,
+)
+from .summary import findings, summarize
+
+
+# ------------------------------------------------------------------------------------------------ the command
+def study(args) -> dict:
+    """Train, fine-tune and analyze every objective; write study.json, report.md and the plots."""
+    objectives = parse_objectives(args.objectives)
+    budget, preset = resolve_budget("quick" if args.quick else args.budget)
+    seeds = args.seeds or preset.seeds
+    data = Path(args.data)
+    if not (data / "meta.json").is_file():
+        raise FastmaeError(f"--data {data}: not a prepared dataset (no meta.json); run `fastmae prepare` first")
+    out = Path(args.out)
+    task_name = task_dir = task_label = None
+    if args.task == "generated":  # read as SST-2: one sentence, labels 0/1, accuracy
+        task_name, task_dir = "sst2", write_word_order_task(data, out / "task" / "word-order", *preset.generated_task)
+        task_label = "word-order"
+    elif args.task:
+        task_name, task_dir = task_name_of(Path(args.task), args.task_name), Path(args.task)
+        task_label = task_name
+    ranks = args.ranks or default_ranks()
+    if preset.mlm_steps:
+        budget = preset.mlm_steps * mlm_step_flops(args, preset, ranks)
+    runs = {o.label: [Run(o, seed, out) for seed in range(seeds)] for o in objectives}
+    configs = {run.name: run_config_text(run, args, budget, preset) for rs in runs.values() for run in rs}
+    for rs in runs.values():  # every config is checked before the first run starts
+        for run in rs:
+            if run.config_file.is_file() and run.config_file.read_text() != configs[run.name]:
+                raise FastmaeError(f"{run.config_file} holds another config for this run: use another --out, or "
+                                   f"delete {run.config_file} and {run.dir} to retrain it with these settings")
+    for rs in runs.values():
+        for run in rs:
+            train(run, configs[run.name], ranks)
+    finetuned = {}
+    ft_config = dataclasses.replace(preset.finetune, **({"seeds": args.finetune_seeds} if args.finetune_seeds else {}))
+    if task_name:
+        finetuned = {label: [finetune_run(run, task_dir, task_name, ft_config) for run in rs]
+                     for label, rs in runs.items()}
+    sequences = preset.analyze_sequences
+    analyses = {label: [analyze_run(run, data, sequences) for run in rs] for label, rs in runs.items()}
+    summary = summarize(objectives, runs, finetuned, analyses, task_label)
+    first = runs["mlm"][0]
+    facts = {label: model_facts(rs[0]) for label, rs in runs.items()}
+    resolved = yaml.safe_load(configs[first.name])
+    result = {
+        "objectives": summary,
+        "findings": findings(summary),
+        "models": facts,
+        "setup": {"data": str(data), "budget": budget, "preset": "quick" if args.quick else args.budget,
+                  "seeds": seeds, "eval_points": preset.eval_points, "eval_sequences": resolved["eval"]["sequences"],
+                  "analyze_sequences": sequences, "hidden_size": facts["mlm"]["hidden_size"],
+                  "encoder_layers": facts["mlm"]["encoder_layers"], "ranks": ranks, "device": device_text(first),
+                  "task": str(task_dir) if task_dir else None, "task_name": task_label,
+                  "finetune": dataclasses.asdict(ft_config),
+                  "shared": shared_settings(resolved)},
+        "command": shlex.join(["fastmae", "study", *args.argv]),
+        "commands": {label: [shlex.join(launch_command(run, ranks)) for run in rs] for label, rs in runs.items()},
+        "configs": [str(run.config_file.relative_to(out)) for rs in runs.values() for run in rs],
+    }
+    atomic_write_text(out / "study.json", json.dumps(result, indent=1) + "\n")
+    plot_curves(summary, out)
+    plot_ranks(summary, facts["mlm"]["hidden_size"], out)
+    write_report(result, out)
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastmae study", description="The papers' claims, measured on your data "
+                                     "under one compute budget: train, fine-tune and analyze each objective.")
+    parser.add_argument("--data", required=True, help="a dataset directory written by `fastmae prepare`")
+    parser.add_argument("--objectives", default="mlm,mae-lm,3ml",
+                        help="comma-separated: mlm, mae-lm, 3ml, k=N, each with optional :field=value (default "
+                             "mlm,mae-lm,3ml)")
+    presets = "; ".join(f"{name}: {preset.what}" for name, preset in STUDY_PRESETS.items())
+    parser.add_argument("--budget", default="cpu-30min",
+                        help=f"training FLOPs per run, or a preset ({presets}); default cpu-30min")
+    parser.add_argument("--quick", action="store_true", help="the CI-sized preset (same as --budget quick)")
+    parser.add_argument("--out", required=True, help="output directory (study.json, report.md, runs/, ...)")
+    parser.add_argument("--task", help="a GLUE task directory (train.tsv, dev.tsv) to fine-tune each encoder on, or "
+                        "`generated`: word order (10 words as written, or shuffled) from --data's own text")
+    parser.add_argument("--task-name", choices=sorted(GLUE_TASKS), help="the task, when the directory name does "
+                        "not say it")
+    parser.add_argument("--seeds", type=int, default=0, help="pretraining seeds per objective (default: the "
+                        "preset's)")
+    parser.add_argument("--finetune-seeds", type=int, default=0, help="fine-tuning seeds per encoder (default: the "
+                        "preset's)")
+    parser.add_argument("--ranks", type=int, default=0, help="processes per run (default: the GPUs, or 1 on CPU)")
+    parser.add_argument("--config", help="a run config YAML whose settings every run starts from")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value for every run, e.g. model.hidden_size=256")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+
+    def go():
+        if args.seeds < 0 or args.finetune_seeds < 0 or args.ranks < 0:
+            raise FastmaeError("--seeds, --finetune-seeds and --ranks must be positive")
+        result = study(args)
+        for line in result["findings"]:
+            print(f"fastmae study: {line}", file=sys.stderr)
+        print(f"fastmae study: wrote {Path(args.out) / 'report.md'} and study.json", file=sys.stderr)
+
+    return run_command("fastmae study", go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The study's objective grammar (`mlm`, `mae-lm`, `3ml`, `k=N`, each with `:field=value` overrides) and its
+budget presets."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import yaml
+
+from ..config import PRESETS as MODEL_PRESETS
+from ..errors import FastmaeError
+from ..finetune import FinetuneConfig
+
+
+# ------------------------------------------------------------------------------------------------ objectives
+@dataclass(frozen=True)
+class Objective:
+    """One objective of the study: a model preset plus ModelConfig overrides, named as on the command line."""
+
+    label: str
+    preset: str
+    overrides: dict = field(default_factory=dict)
+
+    @property
+    def slug(self) -> str:
+        """The label as a file name."""
+        return re.sub(r"[^A-Za-z0-9.-]+", "_", self.label)
+
+
+def parse_objectives(text: str) -> list[Objective]:
+    """`mlm,mae-lm,3ml,k=1,mae-lm:decoder_layers=2` -> Objectives (errors name the bad item)."""
+    objectives = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, *fields = item.split(":")
+        overrides = {}
+        for entry in fields:
+            key, sep, value = entry.partition("=")
+            if not sep or not key:
+                raise FastmaeError(f"--objectives {item!r}: expected NAME[:field=value...], got {entry!r}")
+            overrides[key] = yaml.safe_load(value)
+        layer = re.fullmatch(r"k=(\d+)", name)
+        if layer:
+            name, overrides = "3ml", {"insert_layer": int(layer.group(1)), "decoder_layers": 0, **overrides}
+        elif name not in MODEL_PRESETS:
+            raise FastmaeError(f"--objectives {item!r}: unknown objective {name!r}; choose from "
+                               f"{sorted(MODEL_PRESETS)} or k=N")
+        objectives.append(Objective(item, name, overrides))
+    labels = [o.label for o in objectives]
+    if len(set(labels)) != len(labels):
+        raise FastmaeError(f"--objectives {text!r}: an objective is named twice")
+    if "mlm" not in labels:
+        raise FastmaeError(f"--objectives {text!r}: must include mlm (the reference of the compute comparison)")
+    return objectives
+
+
+# --------------------------------------------------------------------------------------------------- presets
+@dataclass(frozen=True)
+class StudyPreset:
+    """A budget with the settings that make it meaningful: per-run FLOPs and the run config every objective shares."""
+
+    budget: float
+    """Training FLOPs of each run (fastmae/flops.py's count)."""
+    run: tuple[str, ...]
+    """dotted.key=value run-config overrides shared by every objective (model size, data, optimizer)."""
+    eval_points: int
+    """Held-out evaluations over the budget."""
+    seeds: int
+    """Pretraining seeds per objective (the spread between them is the noise every comparison is held to)."""
+    finetune: FinetuneConfig
+    analyze_sequences: int
+    what: str
+    generated_task: tuple[int, int]
+    """(train, dev) examples of `--task generated` (fastmae.tasks.write_word_order_task)."""
+    mlm_steps: int = 0
+    """If > 0, the budget is this many of mlm's optimizer steps on the study's data instead (any vocabulary fits)."""
+
+
+SMALL_CPU_RUN = (
+    # the tiny-cpu demo's recipe (configs/tiny-cpu.yaml says why each value), 6 layers deep: with 2 layers a 2-layer
+    # decoder costs as much as the encoder and no objective can save compute
+    "model.hidden_size=128", "model.num_heads=2", "model.encoder_layers=6", "model.max_seq_len=64",
+    "model.position_embedding=rotary", "model.norm_position=pre", "model.dropout=0.0", "model.attention_dropout=0.0",
+    "data.packing=full", "data.tokens_per_micro_batch=1024", "train.lr=1.0e-3", "train.warmup_steps=100",
+    "train.schedule=polynomial", "train.clip=2.0", "train.zero_stage=2", "train.precision=auto",
+    "eval.sequences=1024", "checkpoint.keep=1", "checkpoint.every=500", "log.every=50",
+)
+STUDY_PRESETS = {
+    "cpu-30min": StudyPreset(
+        budget=9.0e12, run=SMALL_CPU_RUN, eval_points=10, seeds=2,
+        finetune=FinetuneConfig(seeds=2, epochs=4, batch_size=32, lr=1e-3), analyze_sequences=256,
+        generated_task=(1500, 500),
+        what="6 x 128 encoder, 64-token sequences, 1,024 tokens per step, lr 1e-3; fits 2 CPU cores in 30 minutes "
+             "for mlm, mae-lm and 3ml with 2 seeds each and --task generated"),
+    "quick": StudyPreset(
+        budget=0.0, run=(
+            "model.hidden_size=64", "model.num_heads=2", "model.encoder_layers=2", "model.max_seq_len=64",
+            "model.position_embedding=rotary", "model.norm_position=pre", "model.dropout=0.0",
+            "model.attention_dropout=0.0", "data.packing=full", "data.tokens_per_micro_batch=512", "train.lr=3.0e-3",
+            "train.warmup_steps=5", "train.zero_stage=2", "train.precision=fp32", "eval.sequences=32",
+            "checkpoint.keep=1", "checkpoint.every=1000", "log.every=5", "log.tensorboard=false"),
+        eval_points=3, seeds=1, finetune=FinetuneConfig(seeds=2, epochs=1, batch_size=16, lr=1e-3),
+        analyze_sequences=16, generated_task=(64, 32), mlm_steps=40,
+        what="the CI-sized check of the pipeline: a 2 x 64 encoder for 40 mlm steps' FLOPs; its numbers mean "
+             "nothing"),
+}
+
+
+def resolve_budget(text: str) -> tuple[float, StudyPreset]:
+    """`--budget`: a preset name, or a FLOP count (then the cpu-30min preset's other settings). A preset that counts
+    in mlm steps returns 0 (`study` measures it on the data)."""
+    if text in STUDY_PRESETS:
+        return STUDY_PRESETS[text].budget, STUDY_PRESETS[text]
+    try:
+        budget = float(text)
+    except ValueError:
+        raise FastmaeError(f"--budget {text!r}: expected a FLOP count (e.g. 3e15) or a preset: "
+                           f"{sorted(STUDY_PRESETS)}") from None
+    if not budget > 0 or not math.isfinite(budget):
+        raise FastmaeError(f"--budget {text!r}: must be a positive FLOP count")
+    return budget, STUDY_PRESETS["cpu-30min"]

@@ -1,0 +1,142 @@
+"""The study's report: report.md and its two plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..atomic import atomic_write_text
+from ..plot import pyplot, save_figure
+
+
+# ------------------------------------------------------------------------------------------------ the report
+def plot_curves(summary: dict, out: Path) -> Path:
+    """loss_vs_flops.png: held-out loss and accuracy against cumulative training FLOPs (seed mean, min-max band)."""
+    fig, (ax_loss, ax_acc) = pyplot().subplots(1, 2, figsize=(12, 4.5))
+    for label, entry in summary.items():
+        curves = [s["curve"] for s in entry["per_seed"]]
+        points = min(len(c) for c in curves)
+        flops = np.mean([[r["flops"] for r in c[:points]] for c in curves], axis=0)
+        for ax, key in ((ax_loss, "loss"), (ax_acc, "accuracy")):
+            values = np.array([[r[key] for r in c[:points]] for c in curves])
+            line, = ax.plot(flops, values.mean(0), "o-", label=label)
+            if len(curves) > 1:
+                ax.fill_between(flops, values.min(0), values.max(0), color=line.get_color(), alpha=0.2)
+    first = next(iter(summary.values()))["per_seed"][0]
+    ax_loss.axhline(summary["mlm"]["final_eval_loss"], color="black", linestyle=":", label="mlm's final loss")
+    ax_loss.axhline(first["unigram_entropy"], color="gray", linestyle="--", label="unigram entropy")
+    ax_acc.axhline(first["unigram_accuracy"], color="gray", linestyle="--", label="most frequent token")
+    ax_loss.set(xlabel="cumulative training FLOPs", ylabel="held-out masked-token loss (nats)",
+                title="held-out loss vs compute (band: min-max over seeds)")
+    ax_acc.set(xlabel="cumulative training FLOPs", ylabel="held-out masked-token accuracy", title="accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return save_figure(fig, out / "loss_vs_flops.png")
+
+
+def plot_ranks(summary: dict, hidden: int, out: Path) -> Path:
+    """ranks.png: epsilon rank of real-token representations per layer, input with and without <mask>."""
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
+    for label, entry in summary.items():
+        without = entry["effective_rank"]["real_unmasked_input"]
+        line, = ax.plot(range(len(without)), without, "o-", label=f"{label}: input without <mask>")
+        ax.plot(range(len(without)), entry["effective_rank"]["real_masked_input"], "x--", color=line.get_color(),
+                label=f"{label}: input with <mask>")
+    ax.axhline(hidden, color="gray", linestyle=":", label="hidden size")
+    ax.set(xlabel="encoder layer (0 = embeddings)", ylabel="epsilon rank (seed mean)",
+           title="effective rank of real-token representations")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return save_figure(fig, out / "ranks.png")
+
+
+def _fmt(value, spec: str = ".4g", missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def write_report(study: dict, out: Path) -> Path:
+    """report.md from study.json's content."""
+    summary, setup = study["objectives"], study["setup"]
+    lines = ["# fastmae study", "",
+             f"Data `{setup['data']}`; budget **{setup['budget']:.4g} training FLOPs per run** "
+             f"(fastmae/flops.py: forward + backward of every layer and the head, embeddings and norms ignored); "
+             f"preset `{setup['preset']}`; {setup['seeds']} pretraining seed(s) per objective; held-out loss and "
+             f"accuracy on {setup['eval_sequences']} sequences, 15% of their tokens hidden the same way for every "
+             f"objective, every {setup['budget'] / setup['eval_points']:.4g} FLOPs. Device: {setup['device']}.", "",
+             f"Shared by every run: {setup['shared']}.", "",
+             "![held-out loss against compute](loss_vs_flops.png)", "",
+             "## Results", "",
+             "| objective | encoder / decoder layers | steps | FLOPs used | held-out loss | accuracy "
+             "| % of mlm's compute to reach mlm's final loss | fine-tuned | last-layer rank, without / with `<mask>` |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, e in summary.items():
+        model = study["models"][label]
+        loss = f"{e['final_eval_loss']:.3f}" + (f" ± {e['final_eval_loss_spread'] / 2:.3f}"
+                                                 if e["final_eval_loss_spread"] is not None else "")
+        percent = ("not reached" if e["percent_of_mlm_compute_to_match"] is None
+                   else f"{e['percent_of_mlm_compute_to_match']:.1f}%")
+        tuned = "-"
+        if "finetune" in e:
+            ft = e["finetune"]
+            tuned = f"{ft['task']} {ft['metric']} {ft['median']:.3f}" + (
+                f" (range {ft['spread']:.3f}, {ft['runs']} runs)" if ft["spread"] is not None else "")
+        ranks = e["effective_rank"]
+        layers = f"{model['encoder_layers']} / {model['decoder_layers']} (k={model['insert_layer']})"
+        lines.append(f"| `{label}` | {layers} | {', '.join(map(str, e['steps']))} | {e['flops']:.4g} | {loss} "
+                     f"| {e['final_eval_accuracy']:.3f} | {percent} | {tuned} "
+                     f"| {ranks['real_unmasked_input'][-1]:.1f} / {ranks['real_masked_input'][-1]:.1f} |")
+    first = next(iter(summary.values()))["per_seed"][0]
+    lines += ["", f"Loss: mean over seeds ± half the range between seeds. Held-out baselines: unigram entropy "
+              f"{first['unigram_entropy']:.3f} nats, most-frequent-token accuracy {first['unigram_accuracy']:.3f}. "
+              "Ranks: MAE-LM's epsilon rank (epsilon 0.1) of the real tokens' representations, mean over seeds, "
+              f"of {setup['analyze_sequences']} held-out sequences with 15% of their tokens replaced by `<mask>` "
+              f"and without; width {setup['hidden_size']}. Centred: the same rows minus their mean (a pre-LN "
+              "residual stream's shared mean direction alone can hold most of the uncentred energy).", "",
+              *([f"Fine-tuning: {setup['task_name']} from `{setup['task']}`, {setup['finetune']['seeds']} seed(s) per "
+                 f"encoder, {setup['finetune']['epochs']} epoch(s), lr {setup['finetune']['lr']:g}, batch "
+                 f"{setup['finetune']['batch_size']}; the score is the median over every (pretraining seed, "
+                 "fine-tuning seed) pair and the range is over the same runs.", ""] if setup["task"] else []),
+              "## What the numbers say", "",
+              "A difference is claimed only when it exceeds the spread between seeds.", ""]
+    lines += [f"- {line}" for line in study["findings"]]
+    lines += ["", "## Effective rank per layer", "", "![ranks](ranks.png)", "",
+              "| objective | input | " + " | ".join(f"layer {i}" for i in range(setup["encoder_layers"] + 1)) + " |",
+              "|---|---|" + "---|" * (setup["encoder_layers"] + 1)]
+    for label, e in summary.items():
+        for key, group, what in (("effective_rank", "real_unmasked_input", "without `<mask>`"),
+                                 ("effective_rank", "real_masked_input", "with `<mask>`"),
+                                 ("centred_effective_rank", "real_unmasked_input", "without `<mask>`, centred")):
+            lines.append(f"| `{label}` | {what} | " + " | ".join(f"{v:.1f}" for v in e[key][group]) + " |")
+    lines += ["", "## Sizes, steps and seeds", "",
+              "| objective | seed | steps | FLOPs | final loss | final accuracy | % of mlm's compute | seconds |",
+              "|---|---|---|---|---|---|---|---|"]
+    for label, e in summary.items():
+        for s in e["per_seed"]:
+            lines.append(f"| `{label}` | {s['seed']} | {s['steps']} | {s['flops']:.4g} | {s['final_eval_loss']:.4f} "
+                         f"| {s['final_eval_accuracy']:.4f} | {_fmt(s['percent_of_mlm_compute_to_match'], '.1f')} | "
+                         f"{_fmt(s['seconds'], '.0f')} |")
+    sizes = [f"`{k}` {v['encoder_parameters']:,} / {v['parameters']:,}" for k, v in study["models"].items()]
+    lines += ["", "Parameters (embeddings + encoder, what fine-tuning keeps / whole pretraining network): "
+              + "; ".join(sizes),
+              "", "## Exactly what ran", "", "    " + study["command"], ""]
+    for label, commands in study["commands"].items():
+        lines += [f"`{label}`:", ""] + [f"    {c}" for c in commands] + [""]
+    lines += ["Run configs (every objective shares all but `model.preset`, its overrides, `train.seed` and "
+              "`log.dir`): " + ", ".join(f"[`{Path(p).name}`]({p})" for p in study["configs"]), ""]
+    path = out / "report.md"
+    atomic_write_text(path, "\n".join(lines))
+    return path
+
+
+def shared_settings(resolved: dict) -> str:
+    """One line of the settings every run of the study shares, from a resolved run config."""
+    model, data, train = resolved["model"], resolved["data"], resolved["train"]
+    keys = ("hidden_size", "num_heads", "encoder_layers", "max_seq_len", "position_embedding", "norm_position",
+            "dropout")
+    return (", ".join(f"{k} {model[k]}" for k in keys if k in model)
+            + f"; {data['packing']} packing, {data['tokens_per_micro_batch']} tokens per micro-batch x "
+            f"{train['grad_accum']}; {train['optimizer']} lr {train['lr']:g}, {train['warmup_steps']} warm-up steps, "
+            f"{train['schedule']} decay, clip {train['clip']:g}, weight decay {train['weight_decay']:g}, "
+            f"precision {train['precision']}, ZeRO-{train['zero_stage']}")

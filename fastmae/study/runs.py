@@ -1,0 +1,196 @@
+"""The study's runs: their configs, the training, fine-tuning and analysis subprocesses, and what each left behind."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ..analyze import AnalyzeConfig
+from ..atomic import atomic_write_text
+from ..checkpoint import WEIGHTS, weights_metadata
+from ..config import ModelConfig, load_run_config
+from ..data import PackedLoader
+from ..errors import FastmaeError
+from ..finetune import FinetuneConfig
+from ..flops import plan_budget
+from ..metrics import read_metrics
+from ..tasks import GLUE_TASKS
+from .objectives import Objective, StudyPreset
+
+
+# ------------------------------------------------------------------------------------------------- the runs
+@dataclass(frozen=True)
+class Run:
+    """One pretraining run of the study: an objective at a seed."""
+
+    objective: Objective
+    seed: int
+    out: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.objective.slug}-seed{self.seed}"
+
+    @property
+    def config_file(self) -> Path:
+        return self.out / "configs" / f"{self.name}.yaml"
+
+    @property
+    def dir(self) -> Path:
+        return self.out / "runs" / self.name
+
+    @property
+    def finetune_dir(self) -> Path:
+        return self.out / "finetune" / self.name
+
+    @property
+    def analysis_dir(self) -> Path:
+        return self.out / "analysis" / self.name
+
+
+def run_config_text(run: Run, args, budget: float, preset: StudyPreset) -> str:
+    """The resolved YAML config of `run`, validated by the trainer's own loader and its model config (so an
+    objective that cannot learn from context is refused before any run starts)."""
+    overrides = [*preset.run, *args.overrides,
+                 f"model.preset={run.objective.preset}",
+                 *(f"model.{key}={json.dumps(value)}" for key, value in run.objective.overrides.items()),
+                 f"data.path={Path(args.data).resolve()}", f"log.dir={run.dir.resolve()}",
+                 f"train.seed={run.seed}", f"train.flops_budget={budget!r}", "eval.every=0",
+                 f"eval.every_flops={budget / preset.eval_points!r}"]
+    try:
+        config = load_run_config(args.config, overrides)
+        config.model_config(json.loads((Path(args.data) / "meta.json").read_text())["vocab_size"])
+    except ValueError as err:
+        raise FastmaeError(f"objective {run.objective.label!r}: {err}") from None
+    resolved = dataclasses.asdict(config)
+    resolved["train"]["betas"] = list(resolved["train"]["betas"])
+    return yaml.safe_dump(resolved, sort_keys=False)
+
+
+def mlm_step_flops(args, preset: StudyPreset, ranks: int) -> float:
+    """Training FLOPs of the first optimizer step of the study's mlm run on --data (all `ranks`)."""
+    try:
+        config = load_run_config(args.config, [*preset.run, *args.overrides, "model.preset=mlm",
+                                               f"data.path={args.data}"]).for_world(ranks)
+    except ValueError as err:
+        raise FastmaeError(str(err)) from None
+    loader = PackedLoader.for_run(config, 0, ranks)
+    model_config = config.model_config(loader.vocab_size)
+    return plan_budget(loader.every_rank(), model_config, loader.micro_batches_per_step, budget=0.0).flops_per_step
+
+
+def launch_command(run: Run, ranks: int) -> list[str]:
+    """How `run` is trained: one process, or the DeepSpeed launcher with `ranks` processes."""
+    if ranks == 1:
+        return [sys.executable, "-m", "fastmae.train", "--config", str(run.config_file)]
+    train_py = Path(__file__).with_name("train.py")
+    return [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(ranks), str(train_py),
+            "--config", str(run.config_file)]
+
+
+def train(run: Run, config_text: str, ranks: int) -> None:
+    """Train `run` unless it finished (study() checked its config is this one); an interrupted run resumes from its
+    newest checkpoint."""
+    if (run.dir / WEIGHTS).is_file():
+        return
+    atomic_write_text(run.config_file, config_text)
+    command = launch_command(run, ranks)
+    print(f"fastmae study: training {run.name}: {shlex.join(command)}", file=sys.stderr)
+    log = run.out / "logs" / f"{run.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with log.open("a") as handle:
+        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ,
+                              "PYTHONUNBUFFERED": "1"})
+    if done.returncode != 0 or not (run.dir / WEIGHTS).is_file():
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+        raise FastmaeError(f"training {run.name} failed (exit {done.returncode}); last lines of {log}:\n"
+                           + "\n".join(tail))
+    atomic_write_text(run.dir / "study_run.json", json.dumps({"seconds": round(time.time() - started, 1),
+                                                               "command": shlex.join(command)}) + "\n")
+
+
+def finetune_run(run: Run, task_dir: Path, task_name: str, config: FinetuneConfig) -> dict:
+    """Fine-tune `run`'s encoder (reusing results of the same weights and config)."""
+    from ..finetune import finetune, resolve_task
+
+    results_file = run.finetune_dir / "results.json"
+    if results_file.is_file():
+        results = json.loads(results_file.read_text())
+        if results.get("config") == dataclasses.asdict(config) and results.get("weights") == str(run.dir / WEIGHTS):
+            return results
+    task, train_file, dev_file = resolve_task(argparse.Namespace(task=task_name, data=str(task_dir)))
+    return finetune(run.dir, task, train_file, dev_file, run.finetune_dir, config)
+
+
+def analyze_run(run: Run, data: Path, sequences: int) -> dict:
+    """analyze's record of `run`'s encoder (reusing one of the same weights)."""
+    from ..analyze import run as analyze
+
+    record_file = run.analysis_dir / "analysis.json"
+    _, step = weights_metadata(run.dir / WEIGHTS)
+    if record_file.is_file():
+        record = json.loads(record_file.read_text())
+        if record.get("step") == step and record.get("sequences") == sequences:
+            return record
+    return analyze(run.dir, data, run.analysis_dir, AnalyzeConfig(sequences=sequences))
+
+
+def task_name_of(task_dir: Path, explicit: str | None) -> str:
+    """The GLUE task of a directory (its name: RTE, SST-2, STS-B, ...) unless --task-name says."""
+    name = explicit or re.sub(r"[^a-z0-9]", "", task_dir.name.lower())
+    if name not in GLUE_TASKS:
+        raise FastmaeError(f"--task {task_dir}: cannot tell the GLUE task from the directory name; pass --task-name "
+                           f"(one of {sorted(GLUE_TASKS)})")
+    return name
+
+
+def eval_curve(run: Run) -> list[dict]:
+    """The held-out evaluation records of a finished run, one per step in step order (a resumed run logs again the
+    evaluations after its checkpoint; the last record of a step is the one the finished run continued from)."""
+    by_step = {r["step"]: r for r in read_metrics(run.dir) if r.get("kind") == "eval"}
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def model_facts(run: Run) -> dict:
+    """Size facts of a run's network from its saved model config."""
+    import torch
+
+    from ..model import MaskedLM
+
+    config = ModelConfig.from_dict(json.loads((run.dir / "model_config.json").read_text()))
+    with torch.device("meta"):
+        sizes = {name: p.numel() for name, p in MaskedLM(config).named_parameters()}
+    return {"encoder_layers": config.encoder_layers, "decoder_layers": config.decoder_layers,
+            "insert_layer": config.insert_layer, "hidden_size": config.hidden_size, "mask_rate": config.mask_rate,
+            "parameters": sum(sizes.values()),
+            "encoder_parameters": sum(n for name, n in sizes.items() if name.startswith(("embeddings.", "encoder.")))}
+
+
+def default_ranks() -> int:
+    """GPUs when there are any; else one process (on 2 CPU cores, one process with both beat two ranks by 1.5x)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def device_text(run: Run) -> str:
+    """Where and how a run trained, from the `run_info.json` its trainer wrote."""
+    info_file = run.dir / "run_info.json"
+    if not info_file.is_file():
+        return "unknown (the run wrote no run_info.json)"
+    info = json.loads(info_file.read_text())
+    return (f"{info['ranks']} x {info['device']}, {info['precision']}, matmul peak "
+            f"{info['peak_flops'] / 1e12:.3g} TFLOP/s")

@@ -1,0 +1,143 @@
+"""The study's numbers: compute to reach mlm's loss, spreads over seeds, the summary per objective and the findings
+that survive the seed spread."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from .objectives import Objective
+from .runs import Run, eval_curve
+
+
+# ------------------------------------------------------------------------------------------------ the numbers
+def flops_to_reach(curve: list[dict], target: float) -> float | None:
+    """Training FLOPs at which the held-out loss first falls to `target`, linearly interpolated between
+    evaluations (None if it never does)."""
+    previous = None
+    for record in curve:
+        if record["loss"] <= target:
+            if previous is None:
+                return record["flops"]  # reached by the first evaluation: no earlier point to interpolate from
+            share = (previous["loss"] - target) / (previous["loss"] - record["loss"])
+            return previous["flops"] + share * (record["flops"] - previous["flops"])
+        previous = record
+    return None
+
+
+def spread(values: list[float]) -> float | None:
+    """max - min over seeds (None with one seed: the noise was not measured)."""
+    return float(max(values) - min(values)) if len(values) > 1 else None
+
+
+def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned: dict, analyses: dict,
+              task_label: str | None) -> dict:
+    """study.json's per-objective numbers (mean over seeds, per-seed values, spreads)."""
+    curves = {o.label: [eval_curve(r) for r in runs[o.label]] for o in objectives}
+    mlm_final = [curve[-1] for curve in curves["mlm"]]
+    out = {}
+    for objective in objectives:
+        per_seed = []
+        for run, curve, reference in zip(runs[objective.label], curves[objective.label], mlm_final):
+            final = curve[-1]
+            info = run.dir / "study_run.json"  # absent when the run was trained before the study was pointed at it
+            reached = flops_to_reach(curve, reference["loss"])
+            per_seed.append({
+                "seed": run.seed, "steps": final["step"], "flops": final["flops"], "final_eval_loss": final["loss"],
+                "final_eval_accuracy": final["accuracy"],
+                "percent_of_mlm_compute_to_match": None if reached is None else 100.0 * reached / reference["flops"],
+                "curve": [{k: r[k] for k in ("step", "flops", "loss", "accuracy")} for r in curve],
+                "unigram_entropy": final["unigram_entropy"], "unigram_accuracy": final["unigram_accuracy"],
+                "seconds": json.loads(info.read_text())["seconds"] if info.is_file() else None,
+            })
+        losses = [s["final_eval_loss"] for s in per_seed]
+        percents = [s["percent_of_mlm_compute_to_match"] for s in per_seed]
+        entry = {
+            "flops": float(np.mean([s["flops"] for s in per_seed])),
+            "final_eval_loss": float(np.mean(losses)),
+            "final_eval_accuracy": float(np.mean([s["final_eval_accuracy"] for s in per_seed])),
+            "percent_of_mlm_compute_to_match": None if None in percents else float(np.mean(percents)),
+            "seeds_reaching_mlm_loss": sum(p is not None for p in percents),
+            "final_eval_loss_spread": spread(losses),
+            "steps": [s["steps"] for s in per_seed],
+            "model": {"preset": objective.preset, **objective.overrides},
+            "per_seed": per_seed,
+        }
+        if finetuned.get(objective.label):
+            results = finetuned[objective.label]
+            metric = results[0]["metric"]
+            scores = [s["scores"][metric] for r in results for s in r["per_seed"]]
+            entry["finetune"] = {"task": task_label, "metric": metric, "median": float(np.median(scores)),
+                                 "spread": spread(scores), "runs": len(scores), "scores": scores}
+        records = analyses[objective.label]
+        entry["effective_rank"] = {
+            group: [float(np.mean([rec["layers"][i]["epsilon_rank"][group] for rec in records]))
+                    for i in range(len(records[0]["layers"]))]
+            for group in ("real_masked_input", "real_unmasked_input", "all_unmasked_input")}
+        entry["centred_effective_rank"] = {
+            group: [float(np.mean([rec["layers"][i]["centred_epsilon_rank"][group] for rec in records]))
+                    for i in range(len(records[0]["layers"]))]
+            for group in ("real_masked_input", "real_unmasked_input")}
+        entry["effective_rank_last_layer_per_seed"] = {
+            group: [rec["layers"][-1]["epsilon_rank"][group] for rec in records]
+            for group in ("real_masked_input", "real_unmasked_input")}
+        out[objective.label] = entry
+    return out
+
+
+def compare(name: str, a: list[float], b: list[float], unit: str, higher_is: str) -> str:
+    """One sentence comparing per-seed values `a` (objective) and `b` (mlm) that never claims a difference smaller
+    than the seed spread (the larger of the two ranges)."""
+    diff = float(np.mean(a) - np.mean(b))
+    values = f"{np.mean(a):.4g} vs mlm's {np.mean(b):.4g}" + (f" {unit}" if unit else "")
+    noise = [s for s in (spread(a), spread(b)) if s is not None]
+    if not noise:
+        return f"{name}: {values}; one seed each, so the seed noise is unmeasured and no difference is claimed"
+    noise_level = max(noise)
+    if abs(diff) <= noise_level:
+        return (f"{name}: {values}: the difference ({diff:+.3g}) is within the seed spread ({noise_level:.3g}); no "
+                "difference is claimed")
+    direction = "higher" if diff > 0 else "lower"
+    verdict = "better" if (direction == higher_is) else "worse"
+    return f"{name}: {values}: {direction} by {abs(diff):.3g}, beyond the seed spread ({noise_level:.3g}) - {verdict}"
+
+
+def findings(summary: dict) -> list[str]:
+    """The report's claims, each held to the seed spread."""
+    lines = []
+    mlm = summary["mlm"]
+    for label, entry in summary.items():
+        if entry["final_eval_loss"] >= entry["per_seed"][0]["unigram_entropy"]:
+            lines.append(f"`{label}` ended at or above the held-out unigram entropy "
+                         f"({entry['per_seed'][0]['unigram_entropy']:.3f} nats): it had not learned from context "
+                         "within the budget, so its other numbers (ranks, fine-tuning) say little.")
+    for label, entry in summary.items():
+        if label == "mlm":
+            continue
+        seeds = entry["per_seed"]
+        lines.append(compare(f"`{label}` final held-out loss", [s["final_eval_loss"] for s in seeds],
+                             [s["final_eval_loss"] for s in mlm["per_seed"]], "nats", "lower"))
+        percents = [s["percent_of_mlm_compute_to_match"] for s in seeds]
+        if None in percents:
+            lines.append(f"`{label}` did not reach mlm's final held-out loss within the budget in "
+                         f"{percents.count(None)} of {len(percents)} seed(s).")
+        else:
+            text = ", ".join(f"{p:.1f}%" for p in percents)
+            width = spread(percents)
+            claim = ""
+            if width is not None and max(percents) < 100.0 and 100.0 - np.mean(percents) > width:
+                claim = f": less compute than mlm, beyond the spread between seeds ({width:.1f} points)"
+            elif width is not None:
+                claim = f"; the seed spread ({width:.1f} points) does not separate it from 100%"
+            else:
+                claim = "; one seed, so this is not separated from seed noise"
+            lines.append(f"`{label}` reached mlm's final held-out loss with {text} of mlm's compute{claim}.")
+        ranks, reference = entry["effective_rank_last_layer_per_seed"], mlm["effective_rank_last_layer_per_seed"]
+        lines.append(compare(f"`{label}` last-layer epsilon rank of real tokens, input without <mask>",
+                             ranks["real_unmasked_input"], reference["real_unmasked_input"], "dimensions", "higher"))
+        if "finetune" in entry and "finetune" in mlm:
+            ft, ref = entry["finetune"], mlm["finetune"]
+            lines.append(compare(f"`{label}` fine-tuned {ft['task']} {ft['metric']} (mean of every pretraining x "
+                                 "fine-tuning seed)", ft["scores"], ref["scores"], "", "higher"))
+    return lines
