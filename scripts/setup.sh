@@ -18,8 +18,6 @@ quietly() {  # run a step with its output in the log; on failure show the log an
     exit 1
   fi
 }
-# --no-compile: Python compiles each module when it is first imported; byte-compiling every file of torch,
-# transformers and DeepSpeed up front (most never imported) cost the setup tens of seconds
-python -c "import torch" 2>/dev/null || quietly python -m pip install --no-compile "torch==${FASTMAE_TORCH_VERSION:-2.13.0}"
-DS_BUILD_OPS=0 quietly python -m pip install --no-compile -e ".[dev]"
+python -c "import torch" 2>/dev/null || quietly python -m pip install "torch==${FASTMAE_TORCH_VERSION:-2.13.0}"
+DS_BUILD_OPS=0 quietly python -m pip install -e ".[dev]"
 python -c "import fastmae, fastmae.kernels" # fail here, not in the tests, if the install is broken
