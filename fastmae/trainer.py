@@ -159,10 +159,7 @@ class Trainer:
 
     def __init__(self, config: RunConfig, resume: str | None = "auto"):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        try:
-            config = config.for_world(self.world)  # train.tokens_per_step -> grad_accum
-        except ValueError as err:
-            raise FastmaeError(str(err)) from None
+        config = config.for_world(self.world)  # train.tokens_per_step -> grad_accum
         self.run_dir = Path(config.log.dir)
         self.device = device = rank_device()
         torch.manual_seed(config.train.seed + self.rank)  # dropout differs per rank; restored on resume
@@ -174,10 +171,7 @@ class Trainer:
         data = config.data
         # the model config needs the dataset's vocab size, the loader the model's sequence length
         self.loader = PackedLoader.for_run(config, self.rank, self.world, data.verify_checksums)
-        try:
-            self.model_config = config.model_config(self.loader.vocab_size)
-        except ValueError as err:
-            raise FastmaeError(f"{data.directory}: {err}") from None
+        self.model_config = config.model_config(self.loader.vocab_size)
         config, eval_steps = with_budget_planned(config, self.loader, self.model_config)
         self.config = config
         train = config.train

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..errors import ConfigError
+
 
 def _as_float(value):
     """`value` as a float when it is a number or a string that reads as one ("2e-3": YAML 1.1 leaves it a string)."""
@@ -27,12 +29,12 @@ def apply_overrides(config, overrides: dict, name: str | None = None):
     """
     name = name or type(config).__name__
     if not isinstance(overrides, dict):
-        raise ValueError(f"{name}: expected a mapping, got {overrides!r}")
+        raise ConfigError(f"{name}: expected a mapping, got {overrides!r}")
     fields = {f.name: f for f in dataclasses.fields(config) if f.init}
     values = {key: getattr(config, key) for key in fields}
     for key, value in overrides.items():
         if key not in fields:
-            raise ValueError(f"unknown key {name}.{key}; known: {sorted(fields)}")
+            raise ConfigError(f"unknown key {name}.{key}; known: {sorted(fields)}")
         current = values[key]
         if isinstance(current, bool) or isinstance(value, bool):
             ok = isinstance(value, bool) and isinstance(current, bool)
@@ -45,7 +47,7 @@ def apply_overrides(config, overrides: dict, name: str | None = None):
         else:
             ok = isinstance(value, type(current))
         if not ok:
-            raise ValueError(f"{name}.{key}: expected {type(current).__name__}, got {value!r}")
+            raise ConfigError(f"{name}.{key}: expected {type(current).__name__}, got {value!r}")
         values[key] = value
     return type(config)(**values)
 

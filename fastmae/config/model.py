@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..errors import ConfigError
 from .fields import apply_overrides
 from .tokens import MASK_ID, NUM_SPECIAL_TOKENS, PAD_ID
 
@@ -81,7 +82,7 @@ class ModelConfig:
         """Raise ValueError naming the first field with a bad value."""
 
         def bad(key, msg):
-            raise ValueError(f"ModelConfig.{key}={getattr(self, key)!r}: {msg}")
+            raise ConfigError(f"ModelConfig.{key}={getattr(self, key)!r}: {msg}")
 
         for key in ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "encoder_layers", "max_seq_len"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
@@ -103,7 +104,7 @@ class ModelConfig:
         if self.decoder_kind == "cross" and self.decoder_layers == 0:
             bad("decoder_kind", "'cross' needs decoder_layers > 0")
         if self.removed_rows_see_no_context:
-            raise ValueError(
+            raise ConfigError(
                 f"ModelConfig.insert_layer={self.insert_layer} with encoder_layers={self.encoder_layers} and "
                 f"decoder_layers={self.decoder_layers}: no layer runs after the insertion, so every removed token "
                 f"reaches the LM head as the same <mask> embedding and can learn only token frequencies; use "
@@ -169,7 +170,7 @@ class ModelConfig:
         unless `decoder_layers` is overridden.
         """
         if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         base = dict(PRESETS[name])
         layers = overrides.get("encoder_layers", ModelConfig.encoder_layers)
         if name in ("mae-lm", "3ml"):
@@ -180,7 +181,7 @@ class ModelConfig:
         base.update(overrides)
         unknown = sorted(set(base) - {f.name for f in dataclasses.fields(cls) if f.init})
         if unknown:
-            raise ValueError(f"unknown ModelConfig field(s) {unknown}")
+            raise ConfigError(f"unknown ModelConfig field(s) {unknown}")
         return cls(**base)
 
 

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import ConfigError
 from .fields import apply_overrides
 from .model import ModelConfig
 
@@ -45,13 +46,13 @@ class DataConfig:
 
     def validate(self) -> None:
         if self.packing not in ("full", "doc"):
-            raise ValueError(f"data.packing={self.packing!r}: must be 'full' or 'doc'")
+            raise ConfigError(f"data.packing={self.packing!r}: must be 'full' or 'doc'")
         if self.tokens_per_micro_batch <= 0:
-            raise ValueError(f"data.tokens_per_micro_batch={self.tokens_per_micro_batch}: must be positive")
+            raise ConfigError(f"data.tokens_per_micro_batch={self.tokens_per_micro_batch}: must be positive")
         if self.builtin_vocab_size <= 5:
-            raise ValueError(f"data.builtin_vocab_size={self.builtin_vocab_size}: must exceed the 5 special tokens")
+            raise ConfigError(f"data.builtin_vocab_size={self.builtin_vocab_size}: must exceed the 5 special tokens")
         if not 0.0 < self.builtin_valid_fraction < 1.0:
-            raise ValueError(f"data.builtin_valid_fraction={self.builtin_valid_fraction}: must be in (0, 1)")
+            raise ConfigError(f"data.builtin_valid_fraction={self.builtin_valid_fraction}: must be in (0, 1)")
 
 
 @dataclass
@@ -104,7 +105,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         def bad(key, msg):
-            raise ValueError(f"train.{key}={getattr(self, key)!r}: {msg}")
+            raise ConfigError(f"train.{key}={getattr(self, key)!r}: {msg}")
 
         for key in ("steps", "grad_accum", "max_bad_steps", "collective_timeout_s"):
             if getattr(self, key) <= 0:
@@ -151,13 +152,13 @@ class EvalConfig:
 
     def validate(self) -> None:
         if self.every < 0:
-            raise ValueError(f"eval.every={self.every}: must be >= 0 (0 disables evaluation)")
+            raise ConfigError(f"eval.every={self.every}: must be >= 0 (0 disables evaluation)")
         if self.every_flops < 0:
-            raise ValueError(f"eval.every_flops={self.every_flops}: must be >= 0")
+            raise ConfigError(f"eval.every_flops={self.every_flops}: must be >= 0")
         if self.sequences <= 0:
-            raise ValueError(f"eval.sequences={self.sequences}: must be positive")
+            raise ConfigError(f"eval.sequences={self.sequences}: must be positive")
         if not 0.0 < self.mask_rate < 1.0:
-            raise ValueError(f"eval.mask_rate={self.mask_rate}: must be in (0, 1)")
+            raise ConfigError(f"eval.mask_rate={self.mask_rate}: must be in (0, 1)")
 
 
 @dataclass
@@ -170,7 +171,7 @@ class CheckpointConfig:
     def validate(self) -> None:
         for key in ("every", "keep"):
             if getattr(self, key) <= 0:
-                raise ValueError(f"checkpoint.{key}={getattr(self, key)}: must be positive")
+                raise ConfigError(f"checkpoint.{key}={getattr(self, key)}: must be positive")
 
 
 @dataclass
@@ -184,9 +185,9 @@ class LogConfig:
 
     def validate(self) -> None:
         if self.every <= 0:
-            raise ValueError(f"log.every={self.every}: must be positive")
+            raise ConfigError(f"log.every={self.every}: must be positive")
         if not self.dir:
-            raise ValueError("log.dir is empty: name a run directory")
+            raise ConfigError("log.dir is empty: name a run directory")
 
 
 @dataclass
@@ -213,13 +214,14 @@ class RunConfig:
         values = dict(self.model)
         preset = values.pop("preset", None)
         if preset is None:
-            raise ValueError("model.preset is missing (mlm, mae-lm or 3ml)")
+            raise ConfigError("model.preset is missing (mlm, mae-lm or 3ml)")
         if values.setdefault("vocab_size", vocab_size) != vocab_size:
-            raise ValueError(f"model.vocab_size={values['vocab_size']} but the dataset's tokenizer has {vocab_size}")
+            raise ConfigError(f"model.vocab_size={values['vocab_size']} but the tokenizer of {self.data.directory} "
+                              f"has {vocab_size}")
         try:
             return ModelConfig.preset(preset, **values)
         except ValueError as err:
-            raise ValueError(str(err).replace("ModelConfig.", "model.")) from None
+            raise ConfigError(str(err).replace("ModelConfig.", "model.")) from None
 
     def for_world(self, world: int) -> RunConfig:
         """This config for `world` ranks: train.grad_accum derived from train.tokens_per_step when that is set.
@@ -229,10 +231,10 @@ class RunConfig:
             return self
         accum, rest = divmod(train.tokens_per_step, world * micro)
         if rest or not accum:
-            raise ValueError(f"train.tokens_per_step={train.tokens_per_step} is not a multiple of {world} rank(s) x "
+            raise ConfigError(f"train.tokens_per_step={train.tokens_per_step} is not a multiple of {world} rank(s) x "
                              f"data.tokens_per_micro_batch={micro} = {world * micro}: change one of them")
         if train.grad_accum not in (1, accum):  # 1 is the default: any other value was meant
-            raise ValueError(f"train.grad_accum={train.grad_accum} disagrees with train.tokens_per_step="
+            raise ConfigError(f"train.grad_accum={train.grad_accum} disagrees with train.tokens_per_step="
                              f"{train.tokens_per_step} on {world} rank(s) of data.tokens_per_micro_batch={micro} "
                              f"(which gives {accum}); set only one of them")
         return dataclasses.replace(self, train=dataclasses.replace(train, grad_accum=accum))
@@ -241,7 +243,7 @@ class RunConfig:
         for section in (self.data, self.train, self.eval, self.checkpoint, self.log):
             section.validate()
         if self.eval.every_flops and not self.train.flops_budget:
-            raise ValueError(f"eval.every_flops={self.eval.every_flops} needs train.flops_budget > 0")
+            raise ConfigError(f"eval.every_flops={self.eval.every_flops} needs train.flops_budget > 0")
 
 
 SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
@@ -253,7 +255,7 @@ def parse_override(text: str) -> tuple[list[str], object]:
     import yaml
 
     if "=" not in text:
-        raise ValueError(f"override {text!r}: expected dotted.key=value")
+        raise ConfigError(f"override {text!r}: expected dotted.key=value")
     key, raw = text.split("=", 1)
     return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
 
@@ -268,27 +270,27 @@ def load_run_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
             with open(path, encoding="utf-8") as handle:
                 raw = yaml.safe_load(handle) or {}
         except FileNotFoundError:
-            raise ValueError(f"{path}: config file not found") from None
+            raise ConfigError(f"{path}: config file not found") from None
         except yaml.YAMLError as err:
-            raise ValueError(f"{path}: not valid YAML ({err})") from None
+            raise ConfigError(f"{path}: not valid YAML ({err})") from None
         if not isinstance(raw, dict):
-            raise ValueError(f"{path}: the top level must be a mapping")
+            raise ConfigError(f"{path}: the top level must be a mapping")
     for text in overrides:
         keys, value = parse_override(text)
         node = raw
         for key in keys[:-1]:
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
-                raise ValueError(f"override {text!r}: {key} is not a section")
+                raise ConfigError(f"override {text!r}: {key} is not a section")
         node[keys[-1]] = value
     unknown = sorted(set(raw) - {"model", "deepspeed", *SECTIONS})
     if unknown:
-        raise ValueError(f"{path or 'config'}: unknown section(s) {unknown}")
+        raise ConfigError(f"{path or 'config'}: unknown section(s) {unknown}")
     try:
         sections = {name: apply_overrides(cls(), raw.get(name) or {}, name) for name, cls in SECTIONS.items()}
         config = RunConfig(model=dict(raw.get("model") or {"preset": "mae-lm"}),
                            deepspeed=dict(raw.get("deepspeed") or {}), **sections)
         config.validate()
     except ValueError as err:
-        raise ValueError(f"{path or 'config'}: {err}") from None
+        raise ConfigError(f"{path or 'config'}: {err}") from None
     return config

@@ -81,11 +81,8 @@ def run_config_text(run: Run, args, budget: float, preset: StudyPreset) -> str:
 
 def mlm_step_flops(args, preset: StudyPreset, ranks: int) -> float:
     """Training FLOPs of the first optimizer step of the study's mlm run on --data (all `ranks`)."""
-    try:
-        config = load_run_config(args.config, [*preset.run, *args.overrides, "model.preset=mlm",
-                                               f"data.path={args.data}"]).for_world(ranks)
-    except ValueError as err:
-        raise FastmaeError(str(err)) from None
+    config = load_run_config(args.config, [*preset.run, *args.overrides, "model.preset=mlm",
+                                           f"data.path={args.data}"]).for_world(ranks)
     loader = PackedLoader.for_run(config, 0, ranks)
     model_config = config.model_config(loader.vocab_size)
     return plan_budget(loader.every_rank(), model_config, loader.micro_batches_per_step, budget=0.0).flops_per_step
