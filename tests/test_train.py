@@ -164,7 +164,7 @@ def test_killed_run_with_damaged_checkpoints_resumes_from_the_newest_intact_one(
 def test_zero3_bf16_matches_zero2_and_mfu_is_a_fraction(dataset, tmp_path):
     # the same bf16 run sharded two ways (on an AVX2-only CPU bf16 is emulated: a narrow model keeps it short)
     size = {"model.preset": "3ml", "model.hidden_size": 64, "model.num_heads": 4, "model.intermediate_size": 256,
-            "data.tokens_per_micro_batch": 512, "train.precision": "bf16", "eval.every": 0}
+            "train.precision": "bf16", "eval.every": 0}
     runs = {}
     for stage in (2, 3):
         run = launch(overrides(dataset, tmp_path / f"z{stage}", steps=4, **size, **{"train.zero_stage": stage}))
