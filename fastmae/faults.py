@@ -1,8 +1,8 @@
 """Test-only hooks, read from the environment once: the trainer builds `FaultHooks.from_environment` and is the only
 production code that names this module.
 
-- FASTMAE_FAULT_AT_STEP=N: the process dies hard (exit 17, no checkpoint, no cleanup) right after optimizer step N,
-  as a killed node would.
+- FASTMAE_FAULT_AT_STEP=N: the process dies hard (exit 17, no cleanup) right after optimizer step N and its
+  checkpoint when one is due, as a killed node would.
 - FASTMAE_SYNC_DEBUG=1 (CUDA): `torch.cuda.set_sync_debug_mode("error")` around every steady-state step, so any
   host-device synchronisation raises.
 """
