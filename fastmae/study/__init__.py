@@ -27,7 +27,9 @@ run from its newest checkpoint.
 from .command import build_parser, main, study
 from .objectives import STUDY_PRESETS, Objective, StudyPreset, parse_objectives, resolve_budget
 from .runs import Run, task_name_of
+from .schema import EvalPoint, FinetuneResult, ObjectiveResult, SeedResult
 from .summary import compare, findings, flops_to_reach, summarize
 
-__all__ = ["STUDY_PRESETS", "Objective", "Run", "StudyPreset", "build_parser", "compare", "findings",
-           "flops_to_reach", "main", "parse_objectives", "resolve_budget", "study", "summarize", "task_name_of"]
+__all__ = ["STUDY_PRESETS", "EvalPoint", "FinetuneResult", "Objective", "ObjectiveResult", "Run", "SeedResult",
+           "StudyPreset", "build_parser", "compare", "findings", "flops_to_reach", "main", "parse_objectives",
+           "resolve_budget", "study", "summarize", "task_name_of"]

@@ -88,7 +88,8 @@ def study(args) -> dict:
         "commands": {label: [shlex.join(launch_command(run, ranks)) for run in rs] for label, rs in runs.items()},
         "configs": [str(run.config_file.relative_to(out)) for rs in runs.values() for run in rs],
     }
-    atomic_write_text(out / "study.json", json.dumps(result, indent=1) + "\n")
+    as_json = {**result, "objectives": {label: entry.to_json() for label, entry in summary.items()}}
+    atomic_write_text(out / "study.json", json.dumps(as_json, indent=1) + "\n")
     plot_curves(summary, out)
     plot_ranks(summary, facts["mlm"]["hidden_size"], out)
     write_report(result, out)

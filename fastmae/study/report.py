@@ -8,25 +8,26 @@ import numpy as np
 
 from ..atomic import atomic_write_text
 from ..plot import pyplot, save_figure
+from .schema import ObjectiveResult
 
 
 # ------------------------------------------------------------------------------------------------ the report
-def plot_curves(summary: dict, out: Path) -> Path:
+def plot_curves(summary: dict[str, ObjectiveResult], out: Path) -> Path:
     """loss_vs_flops.png: held-out loss and accuracy against cumulative training FLOPs (seed mean, min-max band)."""
     fig, (ax_loss, ax_acc) = pyplot().subplots(1, 2, figsize=(12, 4.5))
     for label, entry in summary.items():
-        curves = [s["curve"] for s in entry["per_seed"]]
+        curves = [s.curve for s in entry.per_seed]
         points = min(len(c) for c in curves)
-        flops = np.mean([[r["flops"] for r in c[:points]] for c in curves], axis=0)
+        flops = np.mean([[r.flops for r in c[:points]] for c in curves], axis=0)
         for ax, key in ((ax_loss, "loss"), (ax_acc, "accuracy")):
-            values = np.array([[r[key] for r in c[:points]] for c in curves])
+            values = np.array([[getattr(r, key) for r in c[:points]] for c in curves])
             line, = ax.plot(flops, values.mean(0), "o-", label=label)
             if len(curves) > 1:
                 ax.fill_between(flops, values.min(0), values.max(0), color=line.get_color(), alpha=0.2)
-    first = next(iter(summary.values()))["per_seed"][0]
-    ax_loss.axhline(summary["mlm"]["final_eval_loss"], color="black", linestyle=":", label="mlm's final loss")
-    ax_loss.axhline(first["unigram_entropy"], color="gray", linestyle="--", label="unigram entropy")
-    ax_acc.axhline(first["unigram_accuracy"], color="gray", linestyle="--", label="most frequent token")
+    first = next(iter(summary.values())).per_seed[0]
+    ax_loss.axhline(summary["mlm"].final_eval_loss, color="black", linestyle=":", label="mlm's final loss")
+    ax_loss.axhline(first.unigram_entropy, color="gray", linestyle="--", label="unigram entropy")
+    ax_acc.axhline(first.unigram_accuracy, color="gray", linestyle="--", label="most frequent token")
     ax_loss.set(xlabel="cumulative training FLOPs", ylabel="held-out masked-token loss (nats)",
                 title="held-out loss vs compute (band: min-max over seeds)")
     ax_acc.set(xlabel="cumulative training FLOPs", ylabel="held-out masked-token accuracy", title="accuracy")
@@ -36,13 +37,13 @@ def plot_curves(summary: dict, out: Path) -> Path:
     return save_figure(fig, out / "loss_vs_flops.png")
 
 
-def plot_ranks(summary: dict, hidden: int, out: Path) -> Path:
+def plot_ranks(summary: dict[str, ObjectiveResult], hidden: int, out: Path) -> Path:
     """ranks.png: epsilon rank of real-token representations per layer, input with and without <mask>."""
     fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for label, entry in summary.items():
-        without = entry["effective_rank"]["real_unmasked_input"]
+        without = entry.effective_rank["real_unmasked_input"]
         line, = ax.plot(range(len(without)), without, "o-", label=f"{label}: input without <mask>")
-        ax.plot(range(len(without)), entry["effective_rank"]["real_masked_input"], "x--", color=line.get_color(),
+        ax.plot(range(len(without)), entry.effective_rank["real_masked_input"], "x--", color=line.get_color(),
                 label=f"{label}: input with <mask>")
     ax.axhline(hidden, color="gray", linestyle=":", label="hidden size")
     ax.set(xlabel="encoder layer (0 = embeddings)", ylabel="epsilon rank (seed mean)",
@@ -57,7 +58,7 @@ def _fmt(value, spec: str = ".4g", missing: str = "-") -> str:
 
 
 def write_report(study: dict, out: Path) -> Path:
-    """report.md from study.json's content."""
+    """report.md from what study.json holds (its `objectives` as `ObjectiveResult`s)."""
     summary, setup = study["objectives"], study["setup"]
     lines = ["# fastmae study", "",
              f"Data `{setup['data']}`; budget **{setup['budget']:.4g} training FLOPs per run** "
@@ -73,23 +74,23 @@ def write_report(study: dict, out: Path) -> Path:
              "|---|---|---|---|---|---|---|---|---|"]
     for label, e in summary.items():
         model = study["models"][label]
-        loss = f"{e['final_eval_loss']:.3f}" + (f" ± {e['final_eval_loss_spread'] / 2:.3f}"
-                                                 if e["final_eval_loss_spread"] is not None else "")
-        percent = ("not reached" if e["percent_of_mlm_compute_to_match"] is None
-                   else f"{e['percent_of_mlm_compute_to_match']:.1f}%")
+        loss = f"{e.final_eval_loss:.3f}" + (f" ± {e.final_eval_loss_spread / 2:.3f}"
+                                             if e.final_eval_loss_spread is not None else "")
+        percent = ("not reached" if e.percent_of_mlm_compute_to_match is None
+                   else f"{e.percent_of_mlm_compute_to_match:.1f}%")
         tuned = "-"
-        if "finetune" in e:
-            ft = e["finetune"]
-            tuned = f"{ft['task']} {ft['metric']} {ft['median']:.3f}" + (
-                f" (range {ft['spread']:.3f}, {ft['runs']} runs)" if ft["spread"] is not None else "")
-        ranks = e["effective_rank"]
+        if e.finetune is not None:
+            ft = e.finetune
+            tuned = f"{ft.task} {ft.metric} {ft.median:.3f}" + (
+                f" (range {ft.spread:.3f}, {ft.runs} runs)" if ft.spread is not None else "")
+        ranks = e.effective_rank
         layers = f"{model['encoder_layers']} / {model['decoder_layers']} (k={model['insert_layer']})"
-        lines.append(f"| `{label}` | {layers} | {', '.join(map(str, e['steps']))} | {e['flops']:.4g} | {loss} "
-                     f"| {e['final_eval_accuracy']:.3f} | {percent} | {tuned} "
+        lines.append(f"| `{label}` | {layers} | {', '.join(map(str, e.steps))} | {e.flops:.4g} | {loss} "
+                     f"| {e.final_eval_accuracy:.3f} | {percent} | {tuned} "
                      f"| {ranks['real_unmasked_input'][-1]:.1f} / {ranks['real_masked_input'][-1]:.1f} |")
-    first = next(iter(summary.values()))["per_seed"][0]
+    first = next(iter(summary.values())).per_seed[0]
     lines += ["", f"Loss: mean over seeds ± half the range between seeds. Held-out baselines: unigram entropy "
-              f"{first['unigram_entropy']:.3f} nats, most-frequent-token accuracy {first['unigram_accuracy']:.3f}. "
+              f"{first.unigram_entropy:.3f} nats, most-frequent-token accuracy {first.unigram_accuracy:.3f}. "
               "Ranks: MAE-LM's epsilon rank (epsilon 0.1) of the real tokens' representations, mean over seeds, "
               f"of {setup['analyze_sequences']} held-out sequences with 15% of their tokens replaced by `<mask>` "
               f"and without; width {setup['hidden_size']}. Centred: the same rows minus their mean (a pre-LN "
@@ -108,15 +109,15 @@ def write_report(study: dict, out: Path) -> Path:
         for key, group, what in (("effective_rank", "real_unmasked_input", "without `<mask>`"),
                                  ("effective_rank", "real_masked_input", "with `<mask>`"),
                                  ("centred_effective_rank", "real_unmasked_input", "without `<mask>`, centred")):
-            lines.append(f"| `{label}` | {what} | " + " | ".join(f"{v:.1f}" for v in e[key][group]) + " |")
+            lines.append(f"| `{label}` | {what} | " + " | ".join(f"{v:.1f}" for v in getattr(e, key)[group]) + " |")
     lines += ["", "## Sizes, steps and seeds", "",
               "| objective | seed | steps | FLOPs | final loss | final accuracy | % of mlm's compute | seconds |",
               "|---|---|---|---|---|---|---|---|"]
     for label, e in summary.items():
-        for s in e["per_seed"]:
-            lines.append(f"| `{label}` | {s['seed']} | {s['steps']} | {s['flops']:.4g} | {s['final_eval_loss']:.4f} "
-                         f"| {s['final_eval_accuracy']:.4f} | {_fmt(s['percent_of_mlm_compute_to_match'], '.1f')} | "
-                         f"{_fmt(s['seconds'], '.0f')} |")
+        for s in e.per_seed:
+            lines.append(f"| `{label}` | {s.seed} | {s.steps} | {s.flops:.4g} | {s.final_eval_loss:.4f} "
+                         f"| {s.final_eval_accuracy:.4f} | {_fmt(s.percent_of_mlm_compute_to_match, '.1f')} | "
+                         f"{_fmt(s.seconds, '.0f')} |")
     sizes = [f"`{k}` {v['encoder_parameters']:,} / {v['parameters']:,}" for k, v in study["models"].items()]
     lines += ["", "Parameters (embeddings + encoder, what fine-tuning keeps / whole pretraining network): "
               + "; ".join(sizes),

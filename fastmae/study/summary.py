@@ -9,6 +9,7 @@ import numpy as np
 
 from .objectives import Objective
 from .runs import Run, eval_curve
+from .schema import EvalPoint, FinetuneResult, ObjectiveResult, SeedResult
 
 
 # ------------------------------------------------------------------------------------------------ the numbers
@@ -32,8 +33,8 @@ def spread(values: list[float]) -> float | None:
 
 
 def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned: dict, analyses: dict,
-              task_label: str | None) -> dict:
-    """study.json's per-objective numbers (mean over seeds, per-seed values, spreads)."""
+              task_label: str | None) -> dict[str, ObjectiveResult]:
+    """Each objective's results over its seeds (means, per-seed values, spreads, ranks, fine-tuning)."""
     curves = {o.label: [eval_curve(r) for r in runs[o.label]] for o in objectives}
     mlm_final = [curve[-1] for curve in curves["mlm"]]
     out = {}
@@ -43,46 +44,44 @@ def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned
             final = curve[-1]
             info = run.dir / "study_run.json"  # absent when the run was trained before the study was pointed at it
             reached = flops_to_reach(curve, reference["loss"])
-            per_seed.append({
-                "seed": run.seed, "steps": final["step"], "flops": final["flops"], "final_eval_loss": final["loss"],
-                "final_eval_accuracy": final["accuracy"],
-                "percent_of_mlm_compute_to_match": None if reached is None else 100.0 * reached / reference["flops"],
-                "curve": [{k: r[k] for k in ("step", "flops", "loss", "accuracy")} for r in curve],
-                "unigram_entropy": final["unigram_entropy"], "unigram_accuracy": final["unigram_accuracy"],
-                "seconds": json.loads(info.read_text())["seconds"] if info.is_file() else None,
-            })
-        losses = [s["final_eval_loss"] for s in per_seed]
-        percents = [s["percent_of_mlm_compute_to_match"] for s in per_seed]
-        entry = {
-            "flops": float(np.mean([s["flops"] for s in per_seed])),
-            "final_eval_loss": float(np.mean(losses)),
-            "final_eval_accuracy": float(np.mean([s["final_eval_accuracy"] for s in per_seed])),
-            "percent_of_mlm_compute_to_match": None if None in percents else float(np.mean(percents)),
-            "seeds_reaching_mlm_loss": sum(p is not None for p in percents),
-            "final_eval_loss_spread": spread(losses),
-            "steps": [s["steps"] for s in per_seed],
-            "model": {"preset": objective.preset, **objective.overrides},
-            "per_seed": per_seed,
-        }
+            per_seed.append(SeedResult(
+                seed=run.seed, steps=final["step"], flops=final["flops"], final_eval_loss=final["loss"],
+                final_eval_accuracy=final["accuracy"],
+                percent_of_mlm_compute_to_match=None if reached is None else 100.0 * reached / reference["flops"],
+                curve=[EvalPoint(*(r[k] for k in ("step", "flops", "loss", "accuracy"))) for r in curve],
+                unigram_entropy=final["unigram_entropy"], unigram_accuracy=final["unigram_accuracy"],
+                seconds=json.loads(info.read_text())["seconds"] if info.is_file() else None))
+        losses = [s.final_eval_loss for s in per_seed]
+        percents = [s.percent_of_mlm_compute_to_match for s in per_seed]
+        records = analyses[objective.label]
+        layers = range(len(records[0]["layers"]))
+        finetune = None
         if finetuned.get(objective.label):
             results = finetuned[objective.label]
             metric = results[0]["metric"]
             scores = [s["scores"][metric] for r in results for s in r["per_seed"]]
-            entry["finetune"] = {"task": task_label, "metric": metric, "median": float(np.median(scores)),
-                                 "spread": spread(scores), "runs": len(scores), "scores": scores}
-        records = analyses[objective.label]
-        entry["effective_rank"] = {
-            group: [float(np.mean([rec["layers"][i]["epsilon_rank"][group] for rec in records]))
-                    for i in range(len(records[0]["layers"]))]
-            for group in ("real_masked_input", "real_unmasked_input", "all_unmasked_input")}
-        entry["centred_effective_rank"] = {
-            group: [float(np.mean([rec["layers"][i]["centred_epsilon_rank"][group] for rec in records]))
-                    for i in range(len(records[0]["layers"]))]
-            for group in ("real_masked_input", "real_unmasked_input")}
-        entry["effective_rank_last_layer_per_seed"] = {
-            group: [rec["layers"][-1]["epsilon_rank"][group] for rec in records]
-            for group in ("real_masked_input", "real_unmasked_input")}
-        out[objective.label] = entry
+            finetune = FinetuneResult(task=task_label, metric=metric, median=float(np.median(scores)),
+                                      spread=spread(scores), runs=len(scores), scores=scores)
+        out[objective.label] = ObjectiveResult(
+            flops=float(np.mean([s.flops for s in per_seed])),
+            final_eval_loss=float(np.mean(losses)),
+            final_eval_accuracy=float(np.mean([s.final_eval_accuracy for s in per_seed])),
+            percent_of_mlm_compute_to_match=None if None in percents else float(np.mean(percents)),
+            seeds_reaching_mlm_loss=sum(p is not None for p in percents),
+            final_eval_loss_spread=spread(losses),
+            steps=[s.steps for s in per_seed],
+            model={"preset": objective.preset, **objective.overrides},
+            per_seed=per_seed,
+            effective_rank={group: [float(np.mean([rec["layers"][i]["epsilon_rank"][group] for rec in records]))
+                                    for i in layers]
+                            for group in ("real_masked_input", "real_unmasked_input", "all_unmasked_input")},
+            centred_effective_rank={
+                group: [float(np.mean([rec["layers"][i]["centred_epsilon_rank"][group] for rec in records]))
+                        for i in layers]
+                for group in ("real_masked_input", "real_unmasked_input")},
+            effective_rank_last_layer_per_seed={group: [rec["layers"][-1]["epsilon_rank"][group] for rec in records]
+                                                for group in ("real_masked_input", "real_unmasked_input")},
+            finetune=finetune)
     return out
 
 
@@ -103,22 +102,22 @@ def compare(name: str, a: list[float], b: list[float], unit: str, higher_is: str
     return f"{name}: {values}: {direction} by {abs(diff):.3g}, beyond the seed spread ({noise_level:.3g}) - {verdict}"
 
 
-def findings(summary: dict) -> list[str]:
+def findings(summary: dict[str, ObjectiveResult]) -> list[str]:
     """The report's claims, each held to the seed spread."""
     lines = []
     mlm = summary["mlm"]
     for label, entry in summary.items():
-        if entry["final_eval_loss"] >= entry["per_seed"][0]["unigram_entropy"]:
-            lines.append(f"`{label}` ended at or above the held-out unigram entropy "
-                         f"({entry['per_seed'][0]['unigram_entropy']:.3f} nats): it had not learned from context "
-                         "within the budget, so its other numbers (ranks, fine-tuning) say little.")
+        entropy = entry.per_seed[0].unigram_entropy
+        if entry.final_eval_loss >= entropy:
+            lines.append(f"`{label}` ended at or above the held-out unigram entropy ({entropy:.3f} nats): it had not "
+                         "learned from context within the budget, so its other numbers (ranks, fine-tuning) say "
+                         "little.")
     for label, entry in summary.items():
         if label == "mlm":
             continue
-        seeds = entry["per_seed"]
-        lines.append(compare(f"`{label}` final held-out loss", [s["final_eval_loss"] for s in seeds],
-                             [s["final_eval_loss"] for s in mlm["per_seed"]], "nats", "lower"))
-        percents = [s["percent_of_mlm_compute_to_match"] for s in seeds]
+        lines.append(compare(f"`{label}` final held-out loss", [s.final_eval_loss for s in entry.per_seed],
+                             [s.final_eval_loss for s in mlm.per_seed], "nats", "lower"))
+        percents = [s.percent_of_mlm_compute_to_match for s in entry.per_seed]
         if None in percents:
             lines.append(f"`{label}` did not reach mlm's final held-out loss within the budget in "
                          f"{percents.count(None)} of {len(percents)} seed(s).")
@@ -133,11 +132,11 @@ def findings(summary: dict) -> list[str]:
             else:
                 claim = "; one seed, so this is not separated from seed noise"
             lines.append(f"`{label}` reached mlm's final held-out loss with {text} of mlm's compute{claim}.")
-        ranks, reference = entry["effective_rank_last_layer_per_seed"], mlm["effective_rank_last_layer_per_seed"]
+        ranks, reference = entry.effective_rank_last_layer_per_seed, mlm.effective_rank_last_layer_per_seed
         lines.append(compare(f"`{label}` last-layer epsilon rank of real tokens, input without <mask>",
                              ranks["real_unmasked_input"], reference["real_unmasked_input"], "dimensions", "higher"))
-        if "finetune" in entry and "finetune" in mlm:
-            ft, ref = entry["finetune"], mlm["finetune"]
-            lines.append(compare(f"`{label}` fine-tuned {ft['task']} {ft['metric']} (mean of every pretraining x "
-                                 "fine-tuning seed)", ft["scores"], ref["scores"], "", "higher"))
+        if entry.finetune is not None and mlm.finetune is not None:
+            ft = entry.finetune
+            lines.append(compare(f"`{label}` fine-tuned {ft.task} {ft.metric} (mean of every pretraining x "
+                                 "fine-tuning seed)", ft.scores, mlm.finetune.scores, "", "higher"))
     return lines
