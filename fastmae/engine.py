@@ -46,6 +46,9 @@ def deepspeed_config(config: RunConfig, precision: str) -> dict:
         "data_types": {"grad_accum_dtype": "fp32"},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer synchronizes the device at every micro-batch's start and end (4 waits per
+        # optimizer step of 2 micro-batches, counted); fastmae times steps itself, from the host
+        "timers": {"throughput": {"enabled": False}},
     }
     if train.optimizer == "lamb":
         derived["optimizer"] = {"type": "Lamb", "params": {"lr": train.lr, "betas": list(train.betas),
