@@ -84,13 +84,6 @@ def stream_meta(batch: PackedBatch, lengths: torch.Tensor, rows: torch.Tensor | 
                             rotary_dim, config.rotary_base)
 
 
-def predicted_count(batch: PackedBatch, config: ModelConfig) -> int:
-    """Tokens of `batch` that `mask_batch` will predict under `config` (host counts only, no device access)."""
-    counts = MaskCounts.compute(batch.num_maskable, config.mask_rate, config.mask_token_prob,
-                                config.random_token_prob)
-    return int(counts.predicted.sum())
-
-
 def mask_rows(batch: PackedBatch, config: ModelConfig, predicted: torch.Tensor) -> MaskedBatch:
     """Mask exactly the rows flagged in `predicted` ([T] bool, on the host), hiding every one of them the same way:
     removed from the encoder's stream (k > 0) or replaced by `<mask>` (k = 0); none kept, none randomised.

@@ -1,6 +1,7 @@
 """One optimizer step: the function the trainer, benchmarks/throughput.py and (through the trainer) the study run.
 
-    for each micro-batch:  mask -> forward -> backward (loss x its predicted tokens x w) -> engine.step
+    mask every micro-batch (host counts give w), then
+    for each micro-batch:  forward -> backward (loss x its predicted tokens x w) -> engine.step
     (DeepSpeed steps the optimizer after the last micro-batch of the step; w makes the step's gradient the mean over
     every predicted token of the step, on every rank and micro-batch)
 
@@ -16,11 +17,10 @@ import torch
 import torch.distributed as dist
 
 from .batch import PackedBatch
-from .config import ModelConfig
 from .data.order import DIGEST_MODULUS, sequences_digest
 from .distributed import agree_on_flag
 from .flops import batch_training_flops
-from .masking import mask_batch, predicted_count
+from .masking import MaskedBatch, mask_batch
 
 
 @dataclass
@@ -40,15 +40,15 @@ class StepStats:
     digest: int
 
 
-def per_token_weight(micro_batches: list[PackedBatch], config: ModelConfig, device: torch.device) -> torch.Tensor:
+def per_token_weight(masked: list[MaskedBatch], device: torch.device) -> torch.Tensor:
     """Device scalar w such that the micro-batch losses (means over their own predicted tokens) times
     num_predicted * w add up, after DeepSpeed's 1/grad_accum scaling and its mean over ranks, to the mean over
-    every predicted token of the step. The counts are host-side; their sum over ranks is one all-reduce that the
-    host does not wait for."""
-    local = sum(predicted_count(batch, config) for batch in micro_batches)
+    every predicted token of the step. The counts are the masks' host counts; their sum over ranks is one all-reduce
+    that the host does not wait for."""
+    local = sum(int(m.counts.predicted.sum()) for m in masked)
     total = torch.full((), float(local), dtype=torch.float32, device=device)
     dist.all_reduce(total)
-    return (len(micro_batches) * dist.get_world_size()) / total.clamp(min=1.0)
+    return (len(masked) * dist.get_world_size()) / total.clamp(min=1.0)
 
 
 def train_step(engine, micro_batches: list[PackedBatch], *, seed: int, non_finite: torch.Tensor,
@@ -68,13 +68,13 @@ def train_step(engine, micro_batches: list[PackedBatch], *, seed: int, non_finit
         raise ValueError("train_step: every micro-batch needs its index in the run (PackedBatch.index), which "
                          "keys its masks; the data loader sets it")
     device = non_finite.device
-    weight = per_token_weight(micro_batches, model_config, device)
+    masks = [mask_batch(batch, model_config, seed, batch.index) for batch in micro_batches]
+    weight = per_token_weight(masks, device)
     non_finite.zero_()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, predicted, correct, scored
     tokens = flops = digest = 0
-    for i, batch in enumerate(micro_batches):
+    for i, (batch, masked) in enumerate(zip(micro_batches, masks)):
         last = i + 1 == len(micro_batches)
-        masked = mask_batch(batch, model_config, seed, batch.index)
         out = engine(masked, compute_accuracy=compute_accuracy)
         loss = out.loss.detach()
         torch.maximum(non_finite, (~torch.isfinite(loss)).float(), out=non_finite)

@@ -11,29 +11,23 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from fastmae.hardware import device_name
+
 PINS = Path(__file__).resolve().parent / "pinned_losses.json"
 RECORDED = Path(__file__).resolve().parent / "pinned_losses.recorded"
 
 
 def machine_key() -> str:
-    """What decides the bits of a CPU run: torch's version, the CPU's vector capability and model, and the threads
-    a training process gets (OMP_NUM_THREADS, which the suite sets per xdist worker)."""
-    model = platform.processor() or "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+    """What decides the bits of a CPU run: torch's version, the CPU's model and vector capability, and the threads a
+    training process gets (OMP_NUM_THREADS, which the suite sets per xdist worker)."""
     threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
-    return f"torch {torch.__version__} | {torch.backends.cpu.get_cpu_capability()} | {model} | {threads} threads"
+    return f"torch {torch.__version__} | {device_name(torch.device('cpu'))} | {threads} threads"
 
 
 def check_pinned(name: str, losses: dict[int, float], other_machine_rel: float = 1e-4) -> None:
