@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from .atomic import atomic_write_text
 from .batch import PackedBatch
-from .config import BOS_ID, EOS_ID, MASK_ID, add_arguments, from_arguments
+from .config import BOS_ID, EOS_ID, MASK_ID, add_arguments, from_arguments, option
 from .data.loader import PackedLoader
 from .data.order import cut_by_budget
 from .data.shards import ShardSet
@@ -58,12 +58,12 @@ GROUPS = ("real_masked_input", "mask", "real_unmasked_input", "all_unmasked_inpu
 class AnalyzeConfig:
     """What to measure: how many sequences, the `<mask>` share and its seed, epsilon, the dominance threshold."""
 
-    sequences: int = 64
-    mask_rate: float = 0.15
-    seed: int = 0
-    epsilon: float = 0.1
-    dominance: float = 0.5
-    tokens_per_batch: int = 8192
+    sequences: int = option(64, "sequences of --data to run")
+    mask_rate: float = option(0.15, "share of maskable tokens replaced by <mask>")
+    seed: int = option(0, "seed of the <mask> positions")
+    epsilon: float = option(0.1, "epsilon of the epsilon rank")
+    dominance: float = option(0.5, "a dimension is mask-dominated from this share of its variance on")
+    tokens_per_batch: int = option(8192, "tokens per forward pass")
 
 
 def effective_ranks(gram: np.ndarray, epsilon: float) -> tuple[int, float]:
@@ -253,11 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="a run directory, checkpoint directory or fastmae export")
     parser.add_argument("--data", required=True, help="a UTF-8 text file (a document per line) or dataset directory")
     parser.add_argument("--out", required=True, help="output directory (analysis.json, ranks.png, mask_dims.png)")
-    add_arguments(parser, AnalyzeConfig(), {
-        "sequences": "sequences of --data to run", "mask_rate": "share of maskable tokens replaced by <mask>",
-        "seed": "seed of the <mask> positions", "epsilon": "epsilon of the epsilon rank",
-        "dominance": "a dimension is mask-dominated from this share of its variance on",
-        "tokens_per_batch": "tokens per forward pass"})
+    add_arguments(parser, AnalyzeConfig)
     return parser
 
 

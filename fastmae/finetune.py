@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from .atomic import atomic_path, atomic_write_text
 from .batch import PackedBatch
-from .config import BOS_ID, EOS_ID, add_arguments, from_arguments
+from .config import BOS_ID, EOS_ID, add_arguments, from_arguments, option
 from .data.tokenizer import Tokenizer
 from .dropout import Dropout
 from .errors import FastmaeError, run_command
@@ -47,16 +47,15 @@ from .tasks import GLUE_TASKS, Examples, Task, custom_task, load_split, read_row
 class FinetuneConfig:
     """Hyper-parameters of one fine-tuning sweep (the defaults are RoBERTa's GLUE recipe, median of 5 seeds)."""
 
-    seeds: int = 5
-    epochs: int = 10
-    lr: float = 2e-5
-    batch_size: int = 32
-    warmup_ratio: float = 0.06
-    weight_decay: float = 0.1
-    max_seq_len: int = 0
-    """Longest input in tokens (0: the model's max_seq_len); longer pairs lose tokens from the longer text."""
-    max_train_examples: int = 0
-    """Use only the first N training examples (0: all)."""
+    seeds: int = option(5, "fine-tuning runs, seeds 0..N-1")
+    epochs: int = option(10, "passes over the training split")
+    lr: float = option(2e-5, "peak learning rate")
+    batch_size: int = option(32, "sequences per step")
+    warmup_ratio: float = option(0.06, "share of the steps spent warming up")
+    weight_decay: float = option(0.1, "AdamW weight decay")
+    max_seq_len: int = option(0, "longest input in tokens (0: the model's max_seq_len); longer pairs lose tokens "
+                                 "from the longer text")
+    max_train_examples: int = option(0, "use only the first N training examples (0: all)")
 
 
 class SequenceClassifier(nn.Module):
@@ -236,12 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--text-fields", help="custom task: one field, or two separated by a comma (a pair)")
     parser.add_argument("--label-field", help="custom task: the label's field")
     parser.add_argument("--problem", choices=["classification", "regression"], help="custom task: kind of label")
-    meaning = {"seeds": "fine-tuning runs, seeds 0..N-1", "epochs": "passes over the training split",
-               "lr": "peak learning rate", "batch_size": "sequences per step",
-               "warmup_ratio": "share of the steps spent warming up", "weight_decay": "AdamW weight decay",
-               "max_seq_len": "longest input in tokens (0: the model's)",
-               "max_train_examples": "use only the first N training examples (0: all)"}
-    add_arguments(parser, FinetuneConfig(), meaning)
+    add_arguments(parser, FinetuneConfig)
     return parser
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -20,11 +21,13 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from .atomic import atomic_write_bytes, atomic_write_text
+from .config import add_arguments, from_arguments, option
 from .data.readers import FORMATS, ReadStats, expand_inputs, read_documents
 from .data.shards import FORMAT_VERSION, SPLITS, finished_shard_problem, read_shard_meta, token_dtype, write_shard
 from .data.tokenizer import TOKENIZER_FILE, Tokenizer, train_sentencepiece
@@ -70,41 +73,61 @@ def _chunks(documents: Iterator[str], size: int) -> Iterator[tuple[int, int, lis
         first += len(texts)
 
 
-def prepare(inputs: list[Path], output: Path, fmt: str = "text", text_field: str = "text", text_mode: str = "line",
-            vocab_size: int = 32000, tokenizer_path: Path | None = None, model_type: str = "unigram",
-            character_coverage: float = 0.9995, input_sentence_size: int = 2_000_000, valid_fraction: float = 0.01,
-            docs_per_shard: int = 20000, workers: int | None = None, on_decode_error: str = "fail", seed: int = 0,
-            progress: bool = True, glob: str = "*") -> dict:
-    """Run the whole preparation; return the dataset metadata (also written to OUTPUT/meta.json). Directories among
-    `inputs` stand for their files matching `glob` at any depth."""
-    if not 0.0 <= valid_fraction < 1.0:
-        raise FastmaeError(f"--valid-fraction {valid_fraction}: must be in [0, 1)")
-    if docs_per_shard <= 0:
-        raise FastmaeError(f"--docs-per-shard {docs_per_shard}: must be positive")
+@dataclass(frozen=True)
+class PrepareOptions:
+    """How `fastmae prepare` reads, tokenises and shards a corpus (`prepare`'s keyword options)."""
+
+    fmt: str = option("text", "text, jsonl, parquet, hf (save_to_disk) or builtin (the embedded Python docs corpus)",
+                      choices=FORMATS, flag="format")
+    text_field: str = option("text", "JSONL field / Parquet or dataset column holding the text", flag="field")
+    text_mode: str = option("line", "text format: one document per line, or per blank-line separated paragraph",
+                            choices=("line", "paragraph"))
+    glob: str = option("*", "which files of an input directory to read, at any depth (e.g. '*.jsonl.zst')")
+    vocab_size: int = option(32000, "pieces of a newly trained tokenizer")
+    tokenizer_path: str = option("", "reuse this sentencepiece model instead of training one", flag="tokenizer")
+    model_type: str = option("unigram", "sentencepiece model of a newly trained tokenizer", choices=("unigram", "bpe"))
+    character_coverage: float = option(0.9995, "sentencepiece character coverage")
+    input_sentence_size: int = option(2_000_000, "lines sampled for tokenizer training (large corpora)")
+    valid_fraction: float = option(0.01, "share of documents held out")
+    docs_per_shard: int = option(20000, "documents per shard")
+    workers: int = option(0, "tokenising processes (0: all cores)")
+    on_decode_error: str = option("fail", "undecodable UTF-8: stop with an error, or skip the document and count it",
+                                  choices=("fail", "skip"))
+    seed: int = option(0, "seed of the validation split")
+
+
+def prepare(inputs: list[Path], output: Path, progress: bool = True, **options) -> dict:
+    """Run the whole preparation with `options` (PrepareOptions' fields); return the dataset metadata (also written
+    to OUTPUT/meta.json). Directories among `inputs` stand for their files matching `glob` at any depth."""
+    o = PrepareOptions(**options)
+    if not 0.0 <= o.valid_fraction < 1.0:
+        raise FastmaeError(f"--valid-fraction {o.valid_fraction}: must be in [0, 1)")
+    if o.docs_per_shard <= 0:
+        raise FastmaeError(f"--docs-per-shard {o.docs_per_shard}: must be positive")
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise FastmaeError(f"--output {output}: exists and is not a directory")
-    if fmt != "builtin":
-        inputs = expand_inputs([Path(p) for p in inputs], glob, fmt)
+    if o.fmt != "builtin":
+        inputs = expand_inputs([Path(p) for p in inputs], o.glob, o.fmt)
     output.mkdir(parents=True, exist_ok=True)
-    read = lambda stats=None: read_documents(inputs, fmt, text_field, text_mode, on_decode_error, stats)  # noqa
+    read = lambda stats=None: read_documents(inputs, o.fmt, o.text_field, o.text_mode, o.on_decode_error, stats)  # noqa
 
     model_path = output / TOKENIZER_FILE
-    if tokenizer_path is not None:
-        tokenizer = Tokenizer.load(tokenizer_path)
+    if o.tokenizer_path:
+        tokenizer = Tokenizer.load(Path(o.tokenizer_path))
     elif model_path.is_file():
         tokenizer = Tokenizer.load(model_path)  # a re-run: keep the tokenizer the finished shards were made with
     else:
         first = next(iter(read()), None)
         if first is None:
-            raise FastmaeError(f"no documents in {[str(p) for p in inputs] or fmt}: nothing to prepare")
+            raise FastmaeError(f"no documents in {[str(p) for p in inputs] or o.fmt}: nothing to prepare")
         started = time.perf_counter()
-        tokenizer = Tokenizer(train_sentencepiece(read(), vocab_size, model_type, character_coverage,
-                                                  input_sentence_size, seed), "trained tokenizer")
+        tokenizer = Tokenizer(train_sentencepiece(read(), o.vocab_size, o.model_type, o.character_coverage,
+                                                  o.input_sentence_size, o.seed), "trained tokenizer")
         if progress:
-            print(f"trained a {model_type} tokenizer of {tokenizer.vocab_size} pieces in "
+            print(f"trained a {o.model_type} tokenizer of {tokenizer.vocab_size} pieces in "
                   f"{time.perf_counter() - started:.1f}s", file=sys.stderr)
-    if tokenizer_path is not None or not model_path.is_file():
+    if o.tokenizer_path or not model_path.is_file():
         atomic_write_bytes(model_path, tokenizer.model_bytes)
 
     stats = ReadStats()
@@ -119,11 +142,11 @@ def prepare(inputs: list[Path], output: Path, fmt: str = "text", text_field: str
         tokenised["bytes"] += nbytes
         bar.update(metas["train"]["documents"] + metas["valid"]["documents"])
 
-    workers = max(1, workers or os.cpu_count() or 1)
+    workers = max(1, o.workers or os.cpu_count() or 1)
     context = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
     with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer.model_bytes,)) as pool:
         in_flight: collections.deque = collections.deque()  # at most 2 chunks per worker held in memory
-        for index, first_doc, texts in _chunks(read(stats), docs_per_shard):
+        for index, first_doc, texts in _chunks(read(stats), o.docs_per_shard):
             name = f"shard_{index:05d}"
             problems = {split: finished_shard_problem(output, split, name, tokenizer.sha256) for split in SPLITS}
             if not any(problems.values()):  # finished by an earlier run, and intact
@@ -133,7 +156,7 @@ def prepare(inputs: list[Path], output: Path, fmt: str = "text", text_field: str
             damaged = [problem for problem in problems.values() if problem and problem != "not finished"]
             if damaged and progress:
                 tqdm.write(f"fastmae prepare: rebuilding {name}: {damaged[0]}", file=sys.stderr)
-            job = (index, first_doc, texts, str(output), valid_fraction, seed)
+            job = (index, first_doc, texts, str(output), o.valid_fraction, o.seed)
             in_flight.append(pool.apply_async(_tokenize_shard, (job,)))
             if len(in_flight) >= 2 * workers:
                 finish(*in_flight.popleft().get())
@@ -142,7 +165,7 @@ def prepare(inputs: list[Path], output: Path, fmt: str = "text", text_field: str
     bar.close()
     seconds = time.perf_counter() - started
     if not shard_metas:
-        raise FastmaeError(f"no documents in {[str(p) for p in inputs] or fmt}: nothing to prepare")
+        raise FastmaeError(f"no documents in {[str(p) for p in inputs] or o.fmt}: nothing to prepare")
     names = [f"shard_{i:05d}" for i in sorted(shard_metas)]
     splits = {split: {"shards": names,
                       "tokens": sum(shard_metas[i][split]["tokens"] for i in shard_metas),
@@ -152,8 +175,8 @@ def prepare(inputs: list[Path], output: Path, fmt: str = "text", text_field: str
         raise FastmaeError(f"{output}: the training split is empty (all documents held out or empty)")
     meta = {"format_version": FORMAT_VERSION, "tokenizer_sha256": tokenizer.sha256,
             "vocab_size": tokenizer.vocab_size, "dtype": token_dtype(tokenizer.vocab_size).name, "splits": splits,
-            "inputs": [str(p) for p in inputs] if fmt != "builtin" else ["builtin"], "format": fmt,
-            "valid_fraction": valid_fraction, "seed": seed,
+            "inputs": [str(p) for p in inputs] if o.fmt != "builtin" else ["builtin"], "format": o.fmt,
+            "valid_fraction": o.valid_fraction, "seed": o.seed,
             "skipped": {"undecodable": stats.undecodable, "empty": stats.empty}}
     atomic_write_text(output / "meta.json", json.dumps(meta, indent=1) + "\n")
     if progress:
@@ -169,35 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastmae prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", type=Path, nargs="*", default=[],
                         help="input files or directories (.gz, .bz2 and .zst text/JSONL read as a stream)")
-    parser.add_argument("--glob", default="*",
-                        help="which files of an input directory to read, at any depth (e.g. '*.jsonl.zst')")
     parser.add_argument("--output", type=Path, required=True, help="dataset directory to write")
-    parser.add_argument("--format", choices=FORMATS, default="text",
-                        help="text, jsonl, parquet, hf (save_to_disk) or builtin (the embedded Python docs corpus)")
-    parser.add_argument("--field", default="text", help="JSONL field / Parquet or dataset column holding the text")
-    parser.add_argument("--text-mode", choices=["line", "paragraph"], default="line",
-                        help="text format: one document per line, or per blank-line separated paragraph")
-    parser.add_argument("--vocab-size", type=int, default=32000, help="pieces of a newly trained tokenizer")
-    parser.add_argument("--tokenizer", type=Path, help="reuse this sentencepiece model instead of training one")
-    parser.add_argument("--model-type", choices=["unigram", "bpe"], default="unigram")
-    parser.add_argument("--character-coverage", type=float, default=0.9995)
-    parser.add_argument("--input-sentence-size", type=int, default=2_000_000,
-                        help="lines sampled for tokenizer training (large corpora)")
-    parser.add_argument("--valid-fraction", type=float, default=0.01, help="share of documents held out")
-    parser.add_argument("--docs-per-shard", type=int, default=20000)
-    parser.add_argument("--workers", type=int, default=None, help="tokenising processes (default: all cores)")
-    parser.add_argument("--on-decode-error", choices=["fail", "skip"], default="fail",
-                        help="undecodable UTF-8: stop with an error, or skip the document and count it")
-    parser.add_argument("--seed", type=int, default=0)
+    add_arguments(parser, PrepareOptions)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_command("fastmae prepare", prepare, args.input, args.output, args.format, args.field, args.text_mode,
-                       args.vocab_size, args.tokenizer, args.model_type, args.character_coverage,
-                       args.input_sentence_size, args.valid_fraction, args.docs_per_shard, args.workers,
-                       args.on_decode_error, args.seed, True, args.glob)
+    options = dataclasses.asdict(from_arguments(PrepareOptions, args))
+    return run_command("fastmae prepare", prepare, args.input, args.output, True, **options)
 
 
 if __name__ == "__main__":

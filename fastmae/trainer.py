@@ -19,7 +19,6 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
-import yaml
 from tqdm import tqdm
 
 from . import checkpoint
@@ -64,14 +63,14 @@ def prepare_builtin_data(config: RunConfig) -> None:
         dist.barrier()
 
 
-def with_budget_planned(config: RunConfig, loader: PackedLoader, model_config) -> tuple[RunConfig, set[int] | None]:
+def with_budget_planned(config: RunConfig, loader: PackedLoader) -> tuple[RunConfig, set[int] | None]:
     """`config` with train.flops_budget turned into train.steps, and the evaluation steps eval.every_flops asks for
     (None: evaluate every eval.every steps), planned from the batches every rank will draw; each rank plans the same,
     so no collective is needed."""
     train = config.train
     if train.flops_budget <= 0:
         return config, None
-    plan = plan_budget(loader.every_rank(), model_config, loader.micro_batches_per_step, train.flops_budget,
+    plan = plan_budget(loader.every_rank(), config.model, loader.micro_batches_per_step, train.flops_budget,
                        config.eval.every_flops)
     if plan.steps == 0:
         raise FastmaeError(f"train.flops_budget={train.flops_budget:.4g} is less than one optimizer step "
@@ -82,14 +81,14 @@ def with_budget_planned(config: RunConfig, loader: PackedLoader, model_config) -
     return planned, (set(plan.eval_steps) if config.eval.every_flops else None)
 
 
-def model_engine(config: RunConfig, model_config, precision: str, device: torch.device, non_finite: torch.Tensor,
+def model_engine(config: RunConfig, precision: str, device: torch.device, non_finite: torch.Tensor,
                  resume: str | None):
     """Collective: (engine, DeepSpeed config, checkpoint to resume or None). The model gets identical initial weights
     on every rank; a checkpoint saved by another number of ranks is made universal first. `non_finite` is the skip
     flag the engine's optimizer reads."""
     train, rank, world = config.train, dist.get_rank(), dist.get_world_size()
     torch.manual_seed(train.seed)  # identical initial weights on every rank
-    model = MaskedLM(model_config)
+    model = MaskedLM(config.model)
     model.activation_checkpointing = train.activation_checkpointing
     if train.zero_stage == 3:
         for param in model.functional_parameters():
@@ -107,15 +106,13 @@ def model_engine(config: RunConfig, model_config, precision: str, device: torch.
     return engine, ds_config, checkpoint_dir
 
 
-def write_run_files(config: RunConfig, model_config, ds_config: dict, run_info: dict) -> None:
+def write_run_files(config: RunConfig, ds_config: dict, run_info: dict) -> None:
     """Rank 0: the resolved configs, the tokenizer (so the run directory stands alone for export, finetune and
     analyze, wherever the data goes later) and `run_info.json` (device, ranks, precision, MFU peaks)."""
     run_dir = Path(config.log.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = dataclasses.asdict(config)
-    resolved["train"]["betas"] = list(resolved["train"]["betas"])
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    (run_dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(model_config), indent=1))
+    (run_dir / "config.yaml").write_text(config.to_yaml())
+    (run_dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(config.model), indent=1))
     (run_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=1))
     (run_dir / "run_info.json").write_text(json.dumps(run_info, indent=1))
     atomic_write_bytes(run_dir / TOKENIZER_FILE, (config.data.directory / TOKENIZER_FILE).read_bytes())
@@ -169,24 +166,23 @@ class Trainer:
                 torch.set_num_threads(max(1, cpu_cores() // ranks_on_node()))
         prepare_builtin_data(config)
         data = config.data
-        # the model config needs the dataset's vocab size, the loader the model's sequence length
         self.loader = PackedLoader.for_run(config, self.rank, self.world, data.verify_checksums)
-        self.model_config = config.model_config(self.loader.vocab_size)
-        config, eval_steps = with_budget_planned(config, self.loader, self.model_config)
+        self.loader.data.check_vocab(config.model.vocab_size, "model.vocab_size")
+        config, eval_steps = with_budget_planned(config, self.loader)
         self.config = config
         train = config.train
         self.evaluator = None
         if config.eval.every > 0 or eval_steps:  # the same held-out tokens and masks for every objective
-            held_out = HeldOutSet(data.directory, max_seq_len=self.model_config.max_seq_len, packing=data.packing,
+            held_out = HeldOutSet(data.directory, max_seq_len=config.model.max_seq_len, packing=data.packing,
                                   tokens_per_batch=data.tokens_per_micro_batch, sequences=config.eval.sequences,
                                   mask_rate=config.eval.mask_rate, seed=config.eval.seed, rank=self.rank,
                                   world_size=self.world, verify_checksum=data.verify_checksums)
-            self.evaluator = Evaluator(held_out, self.model_config, config.eval.every, eval_steps, train.steps,
+            self.evaluator = Evaluator(held_out, config.model, config.eval.every, eval_steps, train.steps,
                                        device)
         self.precision = agreed_precision(train.precision, device)
         # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)
         self.non_finite = torch.zeros((), dtype=torch.float32, device=device)
-        self.engine, ds_config, resumed_from = model_engine(config, self.model_config, self.precision, device,
+        self.engine, ds_config, resumed_from = model_engine(config, self.precision, device,
                                                             self.non_finite, resume)
         self.peak_flops, self.spec_peak_flops = job_peak_flops(device, self.precision)
         self.counters = RunCounters(torch.zeros((), dtype=torch.float32, device=device),
@@ -195,13 +191,13 @@ class Trainer:
         self.faults = FaultHooks.from_environment(device)
         self.checkpointer = checkpoint.Checkpointer(self.run_dir / "checkpoints", config.checkpoint.every,
                                                     config.checkpoint.keep, train.steps,
-                                                    dataclasses.asdict(self.model_config))
+                                                    dataclasses.asdict(self.config.model))
         if resumed_from is not None:  # last: nothing may draw from the restored RNG before the loop
-            self._restore(checkpoint.load(self.engine, resumed_from, dataclasses.asdict(self.model_config)))
+            self._restore(checkpoint.load(self.engine, resumed_from, dataclasses.asdict(self.config.model)))
             log_line(f"resumed from {resumed_from} at step {self.counters.step}")
         self.metrics = MetricsWriter(self.run_dir, config.log.tensorboard) if self.rank == 0 else None
         if self.rank == 0:
-            write_run_files(config, self.model_config, ds_config, {
+            write_run_files(config, ds_config, {
                 "device": device_name(device), "ranks": self.world, "precision": self.precision,
                 "peak_flops": self.peak_flops, "spec_peak_flops": self.spec_peak_flops})
 
@@ -335,6 +331,6 @@ class Trainer:
         """Collective: rank 0 writes the fp32 master weights as safetensors (model config and step as metadata)."""
         weights = master_weights(self.engine)
         if self.rank == 0:
-            checkpoint.write_weights(path, weights, dataclasses.asdict(self.model_config), self.counters.step)
+            checkpoint.write_weights(path, weights, dataclasses.asdict(self.config.model), self.counters.step)
             log_line(f"wrote {path}")
         dist.barrier()

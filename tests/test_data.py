@@ -84,6 +84,31 @@ def test_prepare_rebuilds_damaged_shards_instead_of_skipping_them(tmp_path, caps
     assert {name: shard_files(tmp_path / "ds", "train", name)[0].read_bytes() for name in intact} == intact
 
 
+def test_prepare_command_line_is_its_options_dataclass():
+    import argparse
+    import dataclasses
+
+    from fastmae.config import add_arguments, from_arguments, option
+    from fastmae.prepare import PrepareOptions, build_parser
+
+    args = build_parser().parse_args(["--output", "ds", "--format", "jsonl", "--field", "body", "--tokenizer",
+                                      "t.model", "--workers", "2", "--valid-fraction", "0.1", "--model-type", "bpe"])
+    assert from_arguments(PrepareOptions, args) == PrepareOptions(
+        fmt="jsonl", text_field="body", tokenizer_path="t.model", workers=2, valid_fraction=0.1, model_type="bpe")
+    assert from_arguments(PrepareOptions, build_parser().parse_args(["--output", "ds"])) == PrepareOptions()
+    with pytest.raises(SystemExit):  # a value outside the field's choices
+        build_parser().parse_args(["--output", "ds", "--on-decode-error", "ignore"])
+
+    @dataclasses.dataclass
+    class Toggle:
+        verbose: bool = option(False, "say more")
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, Toggle)
+    assert from_arguments(Toggle, parser.parse_args(["--verbose"])).verbose is True
+    assert from_arguments(Toggle, parser.parse_args(["--no-verbose"])).verbose is False
+
+
 @pytest.mark.parametrize("fmt, mode", [("text", "paragraph"), ("jsonl", None)])
 def test_other_input_formats(tmp_path, fmt, mode):
     if fmt == "jsonl":

@@ -33,7 +33,7 @@ def test_dry_run_names_every_step_and_its_inputs_are_valid():
     assert command[:3] == ["deepspeed", "--num_gpus", "1"] and (ROOT / command[3]).is_file()
     args = build_parser().parse_args(command[4:])
     config = load_run_config(str(ROOT / args.config), args.overrides)
-    model = config.model_config(8000)
+    model = config.model
     assert (model.objective, model.hidden_size, model.encoder_layers, model.max_seq_len) == ("3ml", 768, 12, 512)
     assert config.train.steps == 50 and config.data.path == "builtin" and args.resume == "none"
     assert config.for_world(1).train.grad_accum == 1  # one GPU, one micro-batch of 16,384 tokens per step

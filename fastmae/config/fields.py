@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from ..errors import ConfigError
@@ -52,13 +53,23 @@ def apply_overrides(config, overrides: dict, name: str | None = None):
     return type(config)(**values)
 
 
-def add_arguments(parser, defaults, meaning: dict[str, str]) -> None:
-    """One `--field-name` option per field of the dataclass instance `defaults`, typed and defaulted by it;
-    `meaning` gives each field's help text."""
-    for f in dataclasses.fields(defaults):
-        value = getattr(defaults, f.name)
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=value,
-                            help=f"{meaning[f.name]} (default {value})")
+def option(default, help: str, *, choices: tuple | None = None, flag: str | None = None):
+    """A dataclass field that is also a command-line option: its help text, allowed values and, where the option's
+    name is not the field's (`--format` for `fmt`), that name without the dashes."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+
+
+def add_arguments(parser, cls) -> None:
+    """One `--field-name` option per field of dataclass `cls` (declared with `option`), typed and defaulted by it."""
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        name = meta["flag"] or f.name
+        typed = ({"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else
+                 {"type": type(f.default), "choices": meta["choices"], "metavar": None if meta["choices"] else
+                  name.upper()})
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, dest=f.name, default=f.default, help=f"{meta['help']} (default {f.default!r})",
+                            **typed)
 
 
 def from_arguments(cls, args):

@@ -82,7 +82,7 @@ class ModelConfig:
         """Raise ValueError naming the first field with a bad value."""
 
         def bad(key, msg):
-            raise ConfigError(f"ModelConfig.{key}={getattr(self, key)!r}: {msg}")
+            raise ConfigError(f"model.{key}={getattr(self, key)!r}: {msg}")
 
         for key in ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "encoder_layers", "max_seq_len"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
@@ -105,7 +105,7 @@ class ModelConfig:
             bad("decoder_kind", "'cross' needs decoder_layers > 0")
         if self.removed_rows_see_no_context:
             raise ConfigError(
-                f"ModelConfig.insert_layer={self.insert_layer} with encoder_layers={self.encoder_layers} and "
+                f"model.insert_layer={self.insert_layer} with encoder_layers={self.encoder_layers} and "
                 f"decoder_layers={self.decoder_layers}: no layer runs after the insertion, so every removed token "
                 f"reaches the LM head as the same <mask> embedding and can learn only token frequencies; use "
                 f"decoder_layers >= 1 or insert_layer < encoder_layers (or mask_rate=0 for an encoder that "
@@ -179,9 +179,9 @@ class ModelConfig:
         if name == "3ml":
             base["decoder_layers"] = 3 if layers >= 24 else 2
         base.update(overrides)
-        unknown = sorted(set(base) - {f.name for f in dataclasses.fields(cls) if f.init})
-        if unknown:
-            raise ConfigError(f"unknown ModelConfig field(s) {unknown}")
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        if set(base) - known:
+            raise ConfigError(f"unknown model field(s) {sorted(set(base) - known)}; known: {sorted(known)}")
         return cls(**base)
 
 

@@ -4,6 +4,7 @@ YAML and dotted `key=value` overrides."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,12 +191,18 @@ class LogConfig:
             raise ConfigError("log.dir is empty: name a run directory")
 
 
+def default_model() -> ModelConfig:
+    """The model of a config that names none: `mae-lm` at base size, for the default (embedded) data's vocabulary."""
+    return ModelConfig.preset("mae-lm", vocab_size=DataConfig.builtin_vocab_size)
+
+
 @dataclass
 class RunConfig:
     """Everything a training run needs; loaded from YAML plus dotted `key=value` overrides."""
 
-    model: dict = field(default_factory=lambda: {"preset": "mae-lm"})
-    """`preset` (mlm, mae-lm, 3ml) and ModelConfig overrides; vocab_size defaults to the dataset's."""
+    model: ModelConfig = field(default_factory=default_model)
+    """The model; YAML gives `preset` (mlm, mae-lm, 3ml) and ModelConfig overrides, vocab_size defaulting to the
+    dataset's (resolved_model)."""
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -204,24 +211,16 @@ class RunConfig:
     deepspeed: dict = field(default_factory=dict)
     """Raw DeepSpeed config entries merged over the derived config (they win)."""
 
-    @property
-    def max_seq_len(self) -> int:
-        """The model's sequence length, known before the dataset's vocabulary (the loader needs it first)."""
-        return int(self.model.get("max_seq_len", ModelConfig.max_seq_len))
+    def to_yaml(self) -> str:
+        """This config as YAML that `load_run_config` reads back to an equal config (the model as its preset name
+        and every field)."""
+        import yaml
 
-    def model_config(self, vocab_size: int) -> ModelConfig:
-        """The ModelConfig of this run; `vocab_size` (the dataset's) unless the YAML sets one, which must agree."""
-        values = dict(self.model)
-        preset = values.pop("preset", None)
-        if preset is None:
-            raise ConfigError("model.preset is missing (mlm, mae-lm or 3ml)")
-        if values.setdefault("vocab_size", vocab_size) != vocab_size:
-            raise ConfigError(f"model.vocab_size={values['vocab_size']} but the tokenizer of {self.data.directory} "
-                              f"has {vocab_size}")
-        try:
-            return ModelConfig.preset(preset, **values)
-        except ValueError as err:
-            raise ConfigError(str(err).replace("ModelConfig.", "model.")) from None
+        resolved = dataclasses.asdict(self)
+        model = {f.name: getattr(self.model, f.name) for f in dataclasses.fields(self.model) if f.init}
+        resolved["model"] = {"preset": self.model.objective, **model}
+        resolved["train"]["betas"] = list(resolved["train"]["betas"])
+        return yaml.safe_dump(resolved, sort_keys=False)
 
     def for_world(self, world: int) -> RunConfig:
         """This config for `world` ranks: train.grad_accum derived from train.tokens_per_step when that is set.
@@ -250,6 +249,37 @@ SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "check
             "log": LogConfig}
 
 
+def dataset_vocab_size(data: DataConfig) -> int | None:
+    """The vocabulary of the run's dataset: data.builtin_vocab_size for the embedded corpus, else what the dataset's
+    meta.json records (None when data.path holds no dataset yet)."""
+    if data.path == "builtin":
+        return data.builtin_vocab_size
+    meta = data.directory / "meta.json"
+    try:
+        return int(json.loads(meta.read_text(encoding="utf-8"))["vocab_size"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{meta}: unreadable dataset metadata ({type(err).__name__}: {err})") from None
+
+
+def resolved_model(values: dict, data: DataConfig) -> ModelConfig:
+    """The `model:` section as a ModelConfig: `preset` plus field overrides. vocab_size is the dataset's (which a
+    value written here must equal); a dataset not prepared yet needs model.vocab_size written."""
+    values = dict(values)
+    preset = values.pop("preset", None)
+    if preset is None:
+        raise ConfigError("model.preset is missing (mlm, mae-lm or 3ml)")
+    dataset_vocab = dataset_vocab_size(data)
+    if dataset_vocab is None and "vocab_size" not in values:
+        raise ConfigError(f"data.path: {data.directory / 'meta.json'}: missing; run `fastmae prepare --output "
+                          f"{data.directory}` first (or set model.vocab_size to load this config without its data)")
+    if dataset_vocab is not None and values.setdefault("vocab_size", dataset_vocab) != dataset_vocab:
+        raise ConfigError(f"model.vocab_size={values['vocab_size']} but the dataset of data.path={data.path} has a "
+                          f"vocabulary of {dataset_vocab}")
+    return ModelConfig.preset(preset, **values)
+
+
 def parse_override(text: str) -> tuple[list[str], object]:
     """`a.b=value` -> (['a', 'b'], value parsed as YAML, so numbers and booleans get their types)."""
     import yaml
@@ -261,7 +291,8 @@ def parse_override(text: str) -> tuple[list[str], object]:
 
 
 def load_run_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
-    """Read a YAML run config, apply `key=value` overrides, and validate; errors name the file and key."""
+    """Read a YAML run config, apply `key=value` overrides, and validate. Errors are ConfigErrors naming the file
+    (unreadable, not a mapping, unknown section) or the key and value (everything else)."""
     import yaml
 
     raw: dict = {}
@@ -286,11 +317,8 @@ def load_run_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
     unknown = sorted(set(raw) - {"model", "deepspeed", *SECTIONS})
     if unknown:
         raise ConfigError(f"{path or 'config'}: unknown section(s) {unknown}")
-    try:
-        sections = {name: apply_overrides(cls(), raw.get(name) or {}, name) for name, cls in SECTIONS.items()}
-        config = RunConfig(model=dict(raw.get("model") or {"preset": "mae-lm"}),
-                           deepspeed=dict(raw.get("deepspeed") or {}), **sections)
-        config.validate()
-    except ValueError as err:
-        raise ConfigError(f"{path or 'config'}: {err}") from None
+    sections = {name: apply_overrides(cls(), raw.get(name) or {}, name) for name, cls in SECTIONS.items()}
+    model = resolved_model(raw.get("model") or {"preset": "mae-lm"}, sections["data"])
+    config = RunConfig(model=model, deepspeed=dict(raw.get("deepspeed") or {}), **sections)
+    config.validate()
     return config

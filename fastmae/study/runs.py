@@ -15,8 +15,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from ..analyze import AnalyzeConfig
 from ..atomic import atomic_write_text
 from ..checkpoint import WEIGHTS, weights_metadata
@@ -70,13 +68,9 @@ def run_config_text(run: Run, args, budget: float, preset: StudyPreset) -> str:
                  f"train.seed={run.seed}", f"train.flops_budget={budget!r}", "eval.every=0",
                  f"eval.every_flops={budget / preset.eval_points!r}"]
     try:
-        config = load_run_config(args.config, overrides)
-        config.model_config(json.loads((Path(args.data) / "meta.json").read_text())["vocab_size"])
+        return load_run_config(args.config, overrides).to_yaml()
     except ValueError as err:
         raise FastmaeError(f"objective {run.objective.label!r}: {err}") from None
-    resolved = dataclasses.asdict(config)
-    resolved["train"]["betas"] = list(resolved["train"]["betas"])
-    return yaml.safe_dump(resolved, sort_keys=False)
 
 
 def mlm_step_flops(args, preset: StudyPreset, ranks: int) -> float:
@@ -84,8 +78,7 @@ def mlm_step_flops(args, preset: StudyPreset, ranks: int) -> float:
     config = load_run_config(args.config, [*preset.run, *args.overrides, "model.preset=mlm",
                                            f"data.path={args.data}"]).for_world(ranks)
     loader = PackedLoader.for_run(config, 0, ranks)
-    model_config = config.model_config(loader.vocab_size)
-    return plan_budget(loader.every_rank(), model_config, loader.micro_batches_per_step, budget=0.0).flops_per_step
+    return plan_budget(loader.every_rank(), config.model, loader.micro_batches_per_step, budget=0.0).flops_per_step
 
 
 def launch_command(run: Run, ranks: int) -> list[str]:
