@@ -75,18 +75,23 @@ def _init_world_of_one() -> None:
     init_distributed()
 
 
-def _engine(model: torch.nn.Module, precision: str, device: torch.device, non_finite: torch.Tensor | None = None):
-    """The DeepSpeed engine fastmae.engine builds, for a world of one with the default train settings (AdamW with
-    RoBERTa's betas and eps, clipping at 2.0); `non_finite`: the skip flag the trainer's step keeps."""
+def _engine(model: torch.nn.Module, precision: str, device: torch.device, non_finite: torch.Tensor | None = None,
+            run=None):
+    """The DeepSpeed engine fastmae.engine builds, for a world of one with the train settings of `run` (default: the
+    defaults, AdamW with RoBERTa's betas and eps, clipping at 2.0, ZeRO-1, or ZeRO-0 in fp32); `non_finite`: the skip
+    flag the trainer's step keeps."""
     from fastmae.config import RunConfig
     from fastmae.engine import build_engine
 
-    run = RunConfig()
-    run.train.zero_stage = 0 if precision == "fp32" else 1
+    if run is None:
+        run = RunConfig()
+        run.train.zero_stage = 1
+    if precision == "fp32":  # ZeRO partitions nothing in a world of one; without it fp32 steps plainly
+        run = dataclasses.replace(run, train=dataclasses.replace(run.train, zero_stage=0))
     return build_engine(model, run, precision, device, non_finite)[0]
 
 
-def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, precision: str):
+def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, precision: str, run=None):
     """A training-step closure for Hugging Face RobertaForMaskedLM, and its model FLOPs per step."""
     from transformers import RobertaConfig, RobertaForMaskedLM
 
@@ -96,7 +101,7 @@ def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, pr
                        type_vocab_size=1, pad_token_id=0, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                        hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.attention_dropout,
                        layer_norm_eps=config.layer_norm_eps, attn_implementation="sdpa")
-    engine = _engine(RobertaForMaskedLM(hf), precision, device)
+    engine = _engine(RobertaForMaskedLM(hf), precision, device, run=run)
     gen = torch.Generator().manual_seed(1)
     chosen = torch.rand(tokens.shape, generator=gen) < config.mask_rate
     chosen[:, 0] = chosen[:, -1] = False
@@ -113,7 +118,7 @@ def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, pr
 
 
 def _fastmae_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, precision: str,
-                  variant: str | None):
+                  variant: str | None, run=None):
     """A training-step closure for fastmae's MaskedLM (the trainer's `train_step`), and its model FLOPs per step."""
     from fastmae import MaskedLM, PackedBatch
     from fastmae.masking import mask_batch
@@ -125,7 +130,7 @@ def _fastmae_step(config: ModelConfig, tokens: torch.Tensor, device: torch.devic
     else:
         model.set_attention_backend(variant)
     non_finite = torch.zeros((), dtype=torch.float32, device=device)
-    engine = _engine(model, precision, device, non_finite)
+    engine = _engine(model, precision, device, non_finite, run)
     batch = PackedBatch.from_sequences(tokens.tolist(), device=device)
     counts = mask_batch(batch, config, seed=0, step=0).counts  # exact per-sequence counts: the same every step
     step_index = iter(range(1 << 30))

@@ -13,7 +13,7 @@ from deepspeed.utils import safe_get_full_fp32_param
 
 from .config import RunConfig
 from .errors import FastmaeError
-from .optim import lr_multiplier, param_groups
+from .optim import ClippingAdamW, lr_multiplier, param_groups
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -35,13 +35,19 @@ def deepspeed_config(config: RunConfig, precision: str) -> dict:
     if precision != "fp32" and train.zero_stage == 0:
         raise FastmaeError(f"train.precision={precision} with train.zero_stage=0: DeepSpeed then accumulates "
                            "gradients in the half-precision dtype; use train.zero_stage >= 1 (or precision fp32)")
+    # Clipping is fastmae's (optim.ClippingAdamW, on the device); DeepSpeed's reads the norm back to the host. Its
+    # ZeRO-1/2 optimizer then computes no norm and, in bf16, checks no overflow (a host read each): a non-finite
+    # gradient sets the skip flag on the device instead. fp16's loss scaler needs DeepSpeed's overflow check; the
+    # bf16 ZeRO-1 optimizer (BF16_Optimizer) always computes and reads the norm.
+    own_norm = train.optimizer == "adamw" and precision != "fp16" and (
+        train.zero_stage == 2 or (train.zero_stage == 1 and precision == "fp32"))
     derived = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": train.grad_accum,
-        "gradient_clipping": train.clip,
-        "zero_optimization": {"stage": train.zero_stage},
+        "gradient_clipping": 0.0 if train.optimizer == "adamw" else train.clip,
+        "zero_optimization": {"stage": train.zero_stage, **({"compute_grad_norm": False} if own_norm else {})},
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": precision == "bf16"},
+        "bf16": {"enabled": precision == "bf16", **({"check_grad_overflow": False} if own_norm else {})},
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "data_types": {"grad_accum_dtype": "fp32"},
         "steps_per_print": 2**31 - 1,
@@ -71,9 +77,9 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
     train = config.train
     optimizer = None
     if train.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr,
-                                      betas=tuple(train.betas), eps=train.eps, fused=True)
-        optimizer.found_inf = found_inf  # read by the fused kernel on every step (None: never skip)
+        optimizer = ClippingAdamW(param_groups(model, train.weight_decay), lr=train.lr, betas=tuple(train.betas),
+                                  eps=train.eps, max_norm=train.clip, found_inf=found_inf,
+                                  partitioned=train.zero_stage > 0)
     elif device.type != "cuda":
         raise FastmaeError("train.optimizer=lamb needs DeepSpeed's CUDA LAMB; use adamw on CPU")
     ds_config = deepspeed_config(config, precision)
@@ -91,6 +97,15 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
     if dist.get_world_size() == 1 and (train.zero_stage == 0 or isinstance(optimizer, BF16_Optimizer)):
         engine.enable_backward_allreduce = False
     return engine, ds_config
+
+
+def gradient_norm(engine) -> torch.Tensor | float | None:
+    """The global gradient norm of the engine's last optimizer step, before clipping: fastmae's optimizer keeps it on
+    the device (reading it is a sync: logged steps only); DeepSpeed's where it clips (LAMB)."""
+    optimizer = engine.optimizer
+    while not isinstance(optimizer, ClippingAdamW) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer  # DeepSpeed's ZeRO and bf16 wrappers hold the torch optimizer
+    return optimizer.last_norm if isinstance(optimizer, ClippingAdamW) else engine.get_global_grad_norm()
 
 
 def master_weights(engine) -> dict[str, torch.Tensor] | None:

@@ -1,8 +1,43 @@
-"""Optimizer parameter groups and the learning-rate schedule (fairseq's polynomial decay with linear warm-up)."""
+"""The optimizer (fused AdamW that clips on the device), its parameter groups, and the learning-rate schedule
+(fairseq's polynomial decay with linear warm-up)."""
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
+
+
+class ClippingAdamW(torch.optim.AdamW):
+    """torch's fused AdamW that first scales the gradients it steps to a global norm of at most `max_norm`, on the
+    device: nothing is read back to the host (DeepSpeed's clipping reads the norm to decide; ARCHITECTURE.md
+    section 5).
+
+    `partitioned`: each rank steps only its ZeRO partition, so the squared norms are summed over ranks (an
+    all-reduce the host does not wait for); otherwise every rank holds the whole, already averaged gradient. A
+    non-finite norm sets `found_inf` (the run's skip flag, a device fp32 scalar), and the fused step then changes
+    nothing. The coefficient is DeepSpeed's: max_norm / (norm + 1e-6), applied when below 1.
+    """
+
+    def __init__(self, params, *, max_norm: float, found_inf: torch.Tensor | None, partitioned: bool, **kwargs):
+        super().__init__(params, fused=True, **kwargs)
+        self.max_norm, self.partitioned = max_norm, partitioned
+        self.found_inf = found_inf  # read by the fused kernel on every step (None: never skip)
+        self.last_norm: torch.Tensor | None = None  # the global norm before clipping, on the device
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
+            if self.partitioned and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(squares)
+            self.last_norm = norm = squares.sqrt()
+            if self.found_inf is not None:
+                torch.maximum(self.found_inf, (~torch.isfinite(norm)).float(), out=self.found_inf)
+            if self.max_norm > 0:
+                torch._foreach_mul_(grads, (self.max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return super().step(closure)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

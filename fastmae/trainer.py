@@ -37,7 +37,7 @@ from .distributed import (
     rank_device,
     ranks_on_node,
 )
-from .engine import build_engine, master_weights
+from .engine import build_engine, gradient_norm, master_weights
 from .errors import FastmaeError
 from .evaluation import Evaluator, HeldOutSet
 from .faults import FaultHooks
@@ -302,7 +302,7 @@ class Trainer:
          skipped) = values.tolist()
         averaged = window.steps - (int(skipped) - counters.skipped_logged)  # less the window's skipped steps
         counters.check_bad_streak(int(bad_streak), int(skipped), self.config.train.max_bad_steps)
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = gradient_norm(self.engine)
         record = {"kind": "train", "step": counters.step, "loss": loss_sum / max(predicted, 1),
                   "averaged_steps": averaged,  # since the last record (or the resume), skipped ones left out
                   "accuracy": correct / max(scored, 1),

@@ -1,0 +1,292 @@
+"""Host overhead of one optimizer step: device ops, Triton launches, host-device syncs and host milliseconds, for
+Hugging Face RoBERTa, mlm, mae-lm and 3ml at base depth, through the engine fastmae trains with.
+
+    python benchmarks/host_overhead.py [--systems hf-roberta,mlm,mae-lm,3ml] [--sequences 2]
+                                       [--zero-stage 1] [--deepspeed dotted.key=value ...]
+
+On a GPU the host issues every op of a step one after another (tens of microseconds each through PyTorch and
+DeepSpeed); a step of N ops needs N times that of host time however fast the GPU is, so N is what a step must cut
+before the GPU can be kept busy. The counts are taken with the CUDA code path emulated, so they are the same on any
+machine:
+- fastmae's Triton kernels run (FASTMAE_KERNELS=triton; on CPU through TRITON_INTERPRET=1), each launch counted once
+  and nothing it does inside counted as an op;
+- attention counts as flash-attn's varlen kernels: one op forward, one backward (the reference computes it);
+- bf16, through fastmae.engine.build_engine (DeepSpeed ZeRO, fp32 master weights and gradient accumulation, fused
+  AdamW, clipping at 2.0) in a world of one, as on one GPU;
+- the model has base depth (12 encoder layers, each preset's decoder) and vocabulary but a narrow width (hidden 96):
+  what the host issues does not depend on the width, and a CPU runs the step in seconds.
+
+Counted in the third optimizer step (steady state) by a TorchDispatchMode: device ops are the aten ops that compute or
+allocate (views and metadata excluded); syncs are the host reads of a device value (`.item()`, `bool(tensor)`),
+tensors made from host data (`torch.tensor(...)` on the device: a blocking host-to-device copy) and explicit
+synchronize calls of the accelerator. On CPU the count also takes in the few ops on host tensors (the masks' counts),
+which a GPU runs on the host. `host_ms_per_step` is the wall time of the same step with CPU kernels at a tiny shape
+(2 sequences of 32 tokens), where compute is nearly nothing: the host's cost of issuing it, on this machine.
+
+Writes benchmarks/results/host_overhead.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from common import write_results
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if __name__ == "__main__" and not torch.cuda.is_available():  # before Triton is imported here or in the systems'
+    os.environ["TRITON_INTERPRET"] = "1"                        # processes (they inherit the environment)
+
+SYSTEMS = ("hf-roberta", "mlm", "mae-lm", "3ml")
+NARROW = dict(hidden_size=96, num_heads=12, intermediate_size=384)  # base depth and vocabulary, narrow width
+REPO = Path(__file__).resolve().parent.parent
+SYNC_OPS = {"_local_scalar_dense": "host read", "lift_fresh": "host-to-device copy"}
+
+
+# ------------------------------------------------------------------------------------------------------ counting
+class StepCounter(TorchDispatchMode):
+    """Counts what the host asks of the device while active: ops (views excluded), syncs, Triton launches (`kernel`).
+
+    Syncs are the host reads, tensors from host data and accelerator synchronize calls asked for by DeepSpeed, torch
+    or anything else outside fastmae. fastmae's own reads in a step are of host tensors (the masks' counts), which on
+    CPU look the same: they are kept apart in `host_reads` (on CUDA, FASTMAE_SYNC_DEBUG=1 proves them host-side).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.syncs: collections.Counter = collections.Counter()
+        self.host_reads: collections.Counter = collections.Counter()
+        self.launches: collections.Counter = collections.Counter()
+        self.muted = 0  # > 0 inside an emulated kernel: its own torch calls are not the host's
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.muted:
+            name = func.overloadpacket.__name__
+            if name in SYNC_OPS:
+                caller, ours = _caller()
+                (self.host_reads if ours else self.syncs)[f"{SYNC_OPS[name]} at {caller}"] += 1
+            elif not _is_metadata(func):
+                self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        self._synchronize = accelerator.synchronize
+
+        def synchronize(*args, **kwargs):
+            self.syncs[f"synchronize at {_caller()[0]}"] += 1
+            return self._synchronize(*args, **kwargs)
+
+        accelerator.synchronize = synchronize
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().synchronize = self._synchronize
+        return super().__exit__(*exc)
+
+    @contextlib.contextmanager
+    def kernel(self, name: str):
+        """One emulated kernel launch named `name`: counted once, its insides muted."""
+        if self.muted:  # a launch inside a launch (an autotuner's trial) is the same launch
+            yield
+            return
+        self.launches[name] += 1
+        self.muted += 1
+        try:
+            yield
+        finally:
+            self.muted -= 1
+
+
+def _caller() -> tuple[str, bool]:
+    """(file:line, whether it is fastmae's) of the innermost frame outside torch, DeepSpeed's accelerator and this
+    file: who asked for the sync."""
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename).resolve()
+        if "torch" in path.parts or "accelerator" in path.parts or path.name == "host_overhead.py":
+            continue
+        ours = any(path.is_relative_to(REPO / package) for package in ("fastmae", "kernels"))
+        return f"{'/'.join(path.parts[-2:])}:{frame.lineno}", ours
+    return "?", False
+
+
+def _is_metadata(func) -> bool:
+    """Ops that touch no device memory: views, aliases, shape and stride queries."""
+    return func.is_view or func.overloadpacket.__name__ in ("detach", "alias", "sym_size", "sym_stride", "sym_numel",
+                                                             "sym_storage_offset", "is_same_size", "_version")
+
+
+ACTIVE: StepCounter | None = None  # the counter of the step being counted (None: not counting)
+
+
+def emulate_cuda_path(counter_of) -> None:
+    """Make this process take the code path a CUDA device takes: Triton kernels (each launch reported to
+    `counter_of()`, a StepCounter or None) and flash-attn's varlen attention (reported as two kernels)."""
+    os.environ["FASTMAE_KERNELS"] = "triton"
+    import triton
+    from triton.runtime import interpreter, jit
+
+    from fastmae import attention
+
+    for cls in (interpreter.InterpretedFunction, jit.JITFunction):
+        original = cls.run
+
+        def run(self, *args, _original=original, **kwargs):
+            counter = counter_of()
+            if counter is None:
+                return _original(self, *args, **kwargs)
+            with counter.kernel(f"triton {getattr(self, '__name__', '?')}"):
+                return _original(self, *args, **kwargs)
+
+        cls.run = run
+    assert triton  # imported for its runtime classes above
+
+    class FlashVarlen(torch.autograd.Function):
+        """flash-attn's varlen forward and backward kernels: one launch each (the reference computes them)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, meta_q, meta_k, scale):
+            ctx.save_for_backward(q, k, v)
+            ctx.meta, ctx.scale = (meta_q, meta_k), scale
+            counter = counter_of()
+            with counter.kernel("flash_attn_varlen_fwd") if counter else contextlib.nullcontext():
+                return attention.varlen_attention_reference(q, k, v, meta_q, meta_k, 0.0, scale)
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v = ctx.saved_tensors
+            counter = counter_of()
+            with counter.kernel("flash_attn_varlen_bwd") if counter else contextlib.nullcontext():
+                with torch.enable_grad():
+                    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+                    out = attention.varlen_attention_reference(*inputs, *ctx.meta, 0.0, ctx.scale)
+                    grads = torch.autograd.grad(out, inputs, grad_out)
+            return (*grads, None, None, None)
+
+    def flash(q, k, v, meta_q, meta_k, dropout_p, scale, bias=None):
+        return FlashVarlen.apply(q, k, v, meta_q, meta_k, scale)
+
+    attention._IMPLS["flash"] = flash
+    original_resolve = attention.resolve_backend
+    attention.resolve_backend = lambda backend, device, dropout_p, dtype=None, biased=False: (
+        original_resolve(backend, device, dropout_p, dtype, biased) if biased else "flash")
+
+
+# --------------------------------------------------------------------------------------------- one system, one process
+def _step(system: str, sequences: int, seq_len: int, narrow: bool, precision: str, run):
+    """A training-step closure of `system` on one engine (benchmarks/throughput.py's steps)."""
+    from throughput import _fastmae_step, _hf_step, make_tokens, model_config
+
+    from fastmae.config import EOS_ID
+
+    config = model_config(system, "base").replace(max_seq_len=max(seq_len, 64), **(NARROW if narrow else {}))
+    tokens = make_tokens(sequences)[:, :seq_len].clone()
+    tokens[:, -1] = EOS_ID
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if system == "hf-roberta":
+        return _hf_step(config, tokens, device, precision, run)[0]
+    return _fastmae_step(config, tokens, device, precision, None, run)[0]
+
+
+def measure_system(system: str, sequences: int, seq_len: int, overrides: list[str]) -> dict:
+    """Counts of one steady-state optimizer step of `system` (CUDA path emulated), and its host milliseconds."""
+    global ACTIVE
+    from throughput import _init_world_of_one
+
+    from fastmae.config import load_run_config
+
+    _init_world_of_one()
+    torch.manual_seed(0)
+    run = load_run_config(None, ["train.zero_stage=1", *overrides])
+    precision = "bf16"
+    timing = None
+    if torch.cuda.is_available():  # the real thing: launches and host time on the device itself
+        step = _step(system, sequences, seq_len, False, precision, run)
+    else:  # host time: the CPU path at a tiny shape, before the emulation replaces it
+        tiny = _step(system, 2, 32, True, precision, run)
+        for _ in range(3):
+            tiny()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            tiny()
+            times.append(time.perf_counter() - start)
+        timing = 1e3 * sorted(times)[2]
+        emulate_cuda_path(lambda: ACTIVE)
+        step = _step(system, sequences, seq_len, True, precision, run)
+    for _ in range(2):
+        step()
+    counter = StepCounter()
+    ACTIVE = counter
+    start = time.perf_counter()
+    with counter:
+        step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        timing = 1e3 * (time.perf_counter() - start)
+    ACTIVE = None
+    return {"device_ops_per_step": sum(counter.ops.values()),
+            "triton_launches_per_step": sum(counter.launches.values()),
+            "syncs_per_step": sum(counter.syncs.values()), "host_ms_per_step": timing,
+            "syncs": dict(counter.syncs), "fastmae_host_reads": sum(counter.host_reads.values()),
+            "launches": dict(counter.launches),
+            "top_ops": dict(counter.ops.most_common(12))}
+
+
+def _run_isolated(*args) -> dict:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(measure_system, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    parser.add_argument("--sequences", type=int, default=2, help="sequences of 512 tokens in the micro-batch")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (fewer: a quicker count of "
+                                                                 "the same ops, to compare DeepSpeed's options)")
+    parser.add_argument("--zero-stage", type=int, default=1, help="DeepSpeed ZeRO stage (train.zero_stage)")
+    parser.add_argument("--deepspeed", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="DeepSpeed config entries (dotted) merged over fastmae's, to compare its options")
+    parser.add_argument("--name", default="host_overhead", help="results file name under benchmarks/results/")
+    args = parser.parse_args(argv)
+    systems = args.systems.split(",")
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
+    overrides = [f"train.zero_stage={args.zero_stage}", *(f"deepspeed.{kv}" for kv in args.deepspeed)]
+    rows = []
+    for system in systems:
+        result = _run_isolated(system, args.sequences, args.seq_len, overrides)
+        rows.append({"system": system, **result})
+        print(f"{system:>10}: {result['device_ops_per_step']:5d} device ops, {result['triton_launches_per_step']:3d} "
+              f"Triton launches, {result['syncs_per_step']} syncs {result['syncs']}, host "
+              f"{result['host_ms_per_step']:.1f} ms", flush=True)
+    emulated = not torch.cuda.is_available()
+    notes = (f"One optimizer step (the third) of {args.sequences} x {args.seq_len} tokens in one micro-batch, bf16, "
+             f"ZeRO-{args.zero_stage}{', ' + ' '.join(args.deepspeed) if args.deepspeed else ''}, base depth"
+             + (" and vocabulary at width 96, the CUDA code path emulated (benchmarks/host_overhead.py's docstring);"
+                " host ms: the CPU step at 2 x 32 tokens on this machine" if emulated else
+                " and width on this GPU; host ms: the step's wall time") + ".")
+    columns = ["system", "device_ops_per_step", "triton_launches_per_step", "syncs_per_step", "host_ms_per_step"]
+    header = {"emulated_cuda_path": emulated, "sequences": args.sequences, "seq_len": args.seq_len,
+              "zero_stage": args.zero_stage, "deepspeed_overrides": args.deepspeed}
+    path = write_results(args.name, rows, columns, "Host overhead per optimizer step", notes, header)
+    print(f"wrote {path} and {args.name}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
