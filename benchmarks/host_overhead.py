@@ -10,7 +10,9 @@ before the GPU can be kept busy. The counts are taken with the CUDA code path em
 machine:
 - fastmae's Triton kernels run (FASTMAE_KERNELS=triton; on CPU through TRITON_INTERPRET=1), each launch counted once
   and nothing it does inside counted as an op;
-- attention counts as flash-attn's varlen kernels: one op forward, one backward (the reference computes it);
+- attention counts as flash-attn's varlen kernels: one op forward, one backward (the reference computes it),
+  Hugging Face's SDPA as CUDA's fused kernel (one op each way), and dropout as CUDA's native_dropout (one op each
+  way; on CPU torch's draws a Bernoulli tensor and fastmae's its own bits);
 - bf16, through fastmae.engine.build_engine (DeepSpeed ZeRO, fp32 master weights and gradient accumulation, fused
   AdamW, clipping at 2.0) in a world of one, as on one GPU;
 - the model has base depth (12 encoder layers, each preset's decoder) and vocabulary but a narrow width (hidden 96):
@@ -66,6 +68,8 @@ class StepCounter(TorchDispatchMode):
         self.syncs: collections.Counter = collections.Counter()
         self.host_reads: collections.Counter = collections.Counter()
         self.launches: collections.Counter = collections.Counter()
+        self.by_phase: collections.Counter = collections.Counter()  # ops in forward, backward, step, other
+        self.phase = "other"  # set by count_phases' wrappers of the DeepSpeed engine
         self.muted = 0  # > 0 inside an emulated kernel: its own torch calls are not the host's
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -76,6 +80,7 @@ class StepCounter(TorchDispatchMode):
                 (self.host_reads if ours else self.syncs)[f"{SYNC_OPS[name]} at {caller}"] += 1
             elif not _is_metadata(func):
                 self.ops[name] += 1
+                self.by_phase[self.phase] += 1
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
@@ -98,12 +103,17 @@ class StepCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
     @contextlib.contextmanager
-    def kernel(self, name: str):
-        """One emulated kernel launch named `name`: counted once, its insides muted."""
+    def kernel(self, name: str, aten: bool = False):
+        """One emulated kernel named `name`: counted once (a Triton launch, or with `aten` an aten op of the CUDA
+        path), its insides muted."""
         if self.muted:  # a launch inside a launch (an autotuner's trial) is the same launch
             yield
             return
-        self.launches[name] += 1
+        if aten:
+            self.ops[name] += 1
+            self.by_phase[self.phase] += 1
+        else:
+            self.launches[name] += 1
         self.muted += 1
         try:
             yield
@@ -132,14 +142,30 @@ def _is_metadata(func) -> bool:
 ACTIVE: StepCounter | None = None  # the counter of the step being counted (None: not counting)
 
 
-def emulate_cuda_path(counter_of) -> None:
-    """Make this process take the code path a CUDA device takes: Triton kernels (each launch reported to
-    `counter_of()`, a StepCounter or None) and flash-attn's varlen attention (reported as two kernels)."""
-    os.environ["FASTMAE_KERNELS"] = "triton"
-    import triton
-    from triton.runtime import interpreter, jit
+def count_phases(counter_of) -> None:
+    """Attribute the ops of DeepSpeed engines' forward, backward and step (the optimizer's, after the last
+    micro-batch) to those phases of `counter_of()`'s count."""
+    from deepspeed import DeepSpeedEngine
 
-    from fastmae import attention
+    for phase in ("forward", "backward", "step"):
+        original = getattr(DeepSpeedEngine, phase)
+
+        def wrapped(self, *args, _original=original, _phase=phase, **kwargs):
+            counter = counter_of()
+            if counter is None:
+                return _original(self, *args, **kwargs)
+            counter.phase = _phase
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                counter.phase = "other"
+
+        setattr(DeepSpeedEngine, phase, wrapped)
+
+
+def count_triton_launches(counter_of) -> None:
+    """Report every Triton kernel launch (compiled, or run by the interpreter) to `counter_of()`."""
+    from triton.runtime import interpreter, jit
 
     for cls in (interpreter.InterpretedFunction, jit.JITFunction):
         original = cls.run
@@ -152,7 +178,16 @@ def emulate_cuda_path(counter_of) -> None:
                 return _original(self, *args, **kwargs)
 
         cls.run = run
-    assert triton  # imported for its runtime classes above
+
+
+def emulate_cuda_path(counter_of) -> None:
+    """Make this process take the code path a CUDA device takes: Triton kernels (each launch reported to
+    `counter_of()`, a StepCounter or None), flash-attn's varlen attention (two kernels), CUDA's fused SDPA and
+    dropout (two aten ops each)."""
+    os.environ["FASTMAE_KERNELS"] = "triton"
+    from fastmae import attention, dropout
+
+    count_triton_launches(counter_of)
 
     class FlashVarlen(torch.autograd.Function):
         """flash-attn's varlen forward and backward kernels: one launch each (the reference computes them)."""
@@ -180,6 +215,60 @@ def emulate_cuda_path(counter_of) -> None:
         return FlashVarlen.apply(q, k, v, meta_q, meta_k, scale)
 
     attention._IMPLS["flash"] = flash
+
+    class NativeDropout(torch.autograd.Function):
+        """CUDA's dropout: native_dropout forward (mask and output in one kernel), native_dropout_backward."""
+
+        @staticmethod
+        def forward(ctx, x, p):
+            counter = counter_of()
+            with counter.kernel("native_dropout", aten=True) if counter else contextlib.nullcontext():
+                keep = torch.rand_like(x, dtype=torch.float32) >= p
+                ctx.save_for_backward(keep)
+                ctx.scale = 1.0 / (1.0 - p)
+                return x * keep * ctx.scale
+
+        @staticmethod
+        def backward(ctx, grad):
+            counter = counter_of()
+            with counter.kernel("native_dropout_backward", aten=True) if counter else contextlib.nullcontext():
+                return grad * ctx.saved_tensors[0] * ctx.scale, None
+
+    def native_dropout(x, p=0.5, training=True, inplace=False):
+        return NativeDropout.apply(x, p) if training and p else x
+
+    dropout.dropout = native_dropout  # fastmae's, and torch's that Hugging Face's modules call
+    torch.nn.functional.dropout = native_dropout
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    class FusedSDPA(torch.autograd.Function):
+        """Hugging Face's SDPA as CUDA runs it with a mask and dropout: the memory-efficient kernel, one op each way
+        (on CPU, dropout sends SDPA to its unfused math path)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, mask, dropout_p, scale):
+            ctx.save_for_backward(q, k, v, mask)
+            ctx.dropout_p, ctx.scale = dropout_p, scale
+            counter = counter_of()
+            with counter.kernel("_efficient_attention_forward", aten=True) if counter else contextlib.nullcontext():
+                return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, mask = ctx.saved_tensors
+            counter = counter_of()
+            with counter.kernel("_efficient_attention_backward", aten=True) if counter else contextlib.nullcontext():
+                with torch.enable_grad():
+                    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+                    out = sdpa(*inputs, attn_mask=mask, dropout_p=ctx.dropout_p, scale=ctx.scale)
+                    grads = torch.autograd.grad(out, inputs, grad)
+            return (*grads, None, None, None)
+
+    def fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        assert not is_causal and not kwargs, "an encoder's attention"
+        return FusedSDPA.apply(q, k, v, attn_mask, dropout_p, scale)
+
+    torch.nn.functional.scaled_dot_product_attention = fused_sdpa
     original_resolve = attention.resolve_backend
     attention.resolve_backend = lambda backend, device, dropout_p, dtype=None, biased=False: (
         original_resolve(backend, device, dropout_p, dtype, biased) if biased else "flash")
@@ -201,6 +290,21 @@ def _step(system: str, sequences: int, seq_len: int, narrow: bool, precision: st
     return _fastmae_step(config, tokens, device, precision, None, run)[0]
 
 
+def _host_ms(step) -> float:
+    """Median milliseconds until `step()` returns (the host's time: a GPU may still be busy), after 3 warm-ups."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    sync()
+    return 1e3 * sorted(times)[2]
+
+
 def measure_system(system: str, sequences: int, seq_len: int, overrides: list[str]) -> dict:
     """Counts of one steady-state optimizer step of `system` (CUDA path emulated), and its host milliseconds."""
     global ACTIVE
@@ -209,40 +313,31 @@ def measure_system(system: str, sequences: int, seq_len: int, overrides: list[st
     from fastmae.config import load_run_config
 
     _init_world_of_one()
+    count_phases(lambda: ACTIVE)
     torch.manual_seed(0)
     run = load_run_config(None, ["train.zero_stage=1", *overrides])
     precision = "bf16"
-    timing = None
     if torch.cuda.is_available():  # the real thing: launches and host time on the device itself
+        count_triton_launches(lambda: ACTIVE)
         step = _step(system, sequences, seq_len, False, precision, run)
     else:  # host time: the CPU path at a tiny shape, before the emulation replaces it
-        tiny = _step(system, 2, 32, True, precision, run)
-        for _ in range(3):
-            tiny()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            tiny()
-            times.append(time.perf_counter() - start)
-        timing = 1e3 * sorted(times)[2]
+        timing = _host_ms(_step(system, 2, 32, True, precision, run))
         emulate_cuda_path(lambda: ACTIVE)
         step = _step(system, sequences, seq_len, True, precision, run)
     for _ in range(2):
         step()
     counter = StepCounter()
     ACTIVE = counter
-    start = time.perf_counter()
     with counter:
         step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        timing = 1e3 * (time.perf_counter() - start)
     ACTIVE = None
+    if torch.cuda.is_available():
+        timing = _host_ms(step)
     return {"device_ops_per_step": sum(counter.ops.values()),
             "triton_launches_per_step": sum(counter.launches.values()),
             "syncs_per_step": sum(counter.syncs.values()), "host_ms_per_step": timing,
             "syncs": dict(counter.syncs), "fastmae_host_reads": sum(counter.host_reads.values()),
-            "launches": dict(counter.launches),
+            "launches": dict(counter.launches), "by_phase": dict(counter.by_phase),
             "top_ops": dict(counter.ops.most_common(12))}
 
 
@@ -279,8 +374,12 @@ def main(argv: list[str] | None = None) -> int:
              f"ZeRO-{args.zero_stage}{', ' + ' '.join(args.deepspeed) if args.deepspeed else ''}, base depth"
              + (" and vocabulary at width 96, the CUDA code path emulated (benchmarks/host_overhead.py's docstring);"
                 " host ms: the CPU step at 2 x 32 tokens on this machine" if emulated else
-                " and width on this GPU; host ms: the step's wall time") + ".")
-    columns = ["system", "device_ops_per_step", "triton_launches_per_step", "syncs_per_step", "host_ms_per_step"]
+                " and width on this GPU; host ms: until the step's call returns") + ".")
+    for row in rows:
+        phases = row["by_phase"]
+        row["forward"], row["backward"], row["optimizer"] = (phases.get(k, 0) for k in ("forward", "backward", "step"))
+    columns = ["system", "device_ops_per_step", "forward", "backward", "optimizer", "triton_launches_per_step",
+               "syncs_per_step", "host_ms_per_step"]
     header = {"emulated_cuda_path": emulated, "sequences": args.sequences, "seq_len": args.seq_len,
               "zero_stage": args.zero_stage, "deepspeed_overrides": args.deepspeed}
     path = write_results(args.name, rows, columns, "Host overhead per optimizer step", notes, header)

@@ -63,8 +63,7 @@ def batch_training_flops(config: ModelConfig, batch: PackedBatch, counts: MaskCo
     """Forward + backward FLOPs of training on `batch` under `config`'s masking, from host counts only: `counts` as
     `masking.mask_batch` made them (the trainer has them), else computed the same way (the plan, before any step)."""
     if counts is None:
-        counts = MaskCounts.compute(batch.num_maskable, config.mask_rate, config.mask_token_prob,
-                                    config.random_token_prob)
+        counts = MaskCounts.for_batch(batch, config.mask_rate, config.mask_token_prob, config.random_token_prob)
     return training_flops(config, batch.seqlens, batch.seqlens - counts.removed, counts.predicted)
 
 

@@ -1,8 +1,11 @@
 """Masking of a packed batch: host-side counts, device-side selection, and the layouts of the three streams.
 
-Per sequence, with m maskable tokens: predicted = round(rate * m), removed = round(mask_token_prob * predicted),
-random = round(random_token_prob * predicted) (capped so removed + random <= predicted), the rest kept. These
-counts are computed on the host from the batch's host counts, so every shape below is known without a device sync.
+Per sequence of n tokens, m of them maskable: predicted = min(round(rate * (n - 2)), m), removed =
+round(mask_token_prob * predicted), random = round(random_token_prob * predicted) (capped so removed + random <=
+predicted), the rest kept. The rate applies to the length less the sequence's two ends (`<s>`, `</s>`), not to m, so
+every sequence of one length gets the same counts whatever document separators it holds, and a micro-batch of
+full-length sequences has the same shapes at every step (ARCHITECTURE.md section 2). These counts are computed on the
+host from the batch's host counts, so every shape below is known without a device sync.
 """
 
 from __future__ import annotations
@@ -32,12 +35,23 @@ class MaskCounts:
     random: torch.Tensor
 
     @classmethod
-    def compute(cls, num_maskable: torch.Tensor, rate: float, mask_token_prob: float,
-                random_token_prob: float) -> MaskCounts:
-        predicted = _round_half_up(rate * num_maskable.double())
+    def compute(cls, counted: torch.Tensor, rate: float, mask_token_prob: float, random_token_prob: float,
+                limit: torch.Tensor | None = None) -> MaskCounts:
+        """Counts of sequences with `counted` [B] tokens that the rate applies to (predicted capped by `limit`)."""
+        predicted = _round_half_up(rate * counted.double())
+        if limit is not None:
+            predicted = torch.minimum(predicted, limit)
         removed = _round_half_up(mask_token_prob * predicted.double())
         random = torch.minimum(_round_half_up(random_token_prob * predicted.double()), predicted - removed)
         return cls(predicted, removed, random)
+
+    @classmethod
+    def for_batch(cls, batch: PackedBatch, rate: float, mask_token_prob: float,
+                  random_token_prob: float) -> MaskCounts:
+        """The training counts of `batch`: the rate applies to each sequence's length less its two ends, capped by
+        its maskable tokens (see the module docstring)."""
+        return cls.compute((batch.seqlens - 2).clamp(min=0), rate, mask_token_prob, random_token_prob,
+                           limit=batch.num_maskable)
 
 
 @dataclass
@@ -131,7 +145,7 @@ def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, ra
     another step or data-parallel rank gives others. `mask_rate` overrides config.mask_rate (evaluation uses 15%).
     """
     rate = config.mask_rate if mask_rate is None else mask_rate
-    counts = MaskCounts.compute(batch.num_maskable, rate, config.mask_token_prob, config.random_token_prob)
+    counts = MaskCounts.for_batch(batch, rate, config.mask_token_prob, config.random_token_prob)
     device = batch.device
     maskable = torch.ones_like(batch.tokens, dtype=torch.bool)
     for special in UNMASKABLE_IDS:

@@ -52,13 +52,12 @@ def per_token_weight(masked: list[MaskedBatch], device: torch.device) -> torch.T
 
 
 def train_step(engine, micro_batches: list[PackedBatch], *, seed: int, non_finite: torch.Tensor,
-               compute_accuracy: bool = False, before_optimizer_step=None) -> StepStats:
+               compute_accuracy: bool = False) -> StepStats:
     """Run one optimizer step of `engine` (a DeepSpeed engine around a MaskedLM) on this rank's micro-batches.
 
     Each micro-batch is masked for (seed, its index in the run), so masks do not depend on the rank count.
     `non_finite` is the engine's skip flag (`build_engine(found_inf=...)`): it is set on the device when any rank's
-    loss is not finite, and the optimizer then leaves the weights as they were. `before_optimizer_step` is called
-    just before the step's last `engine.step` (a test hook: DeepSpeed's optimizer step reads the host).
+    loss is not finite, and the optimizer then leaves the weights as they were.
     """
     model_config = engine.module.config
     if len(micro_batches) != engine.gradient_accumulation_steps():
@@ -81,8 +80,6 @@ def train_step(engine, micro_batches: list[PackedBatch], *, seed: int, non_finit
         if last:  # before the last backward: DeepSpeed's optimizer step follows it
             agree_on_flag(non_finite)
         engine.backward(out.loss * (out.num_predicted * weight))
-        if last and before_optimizer_step is not None:
-            before_optimizer_step()
         engine.step()
         sums[0] += loss.double() * out.num_predicted
         sums[1] += out.num_predicted

@@ -270,7 +270,8 @@ class Trainer:
             self.faults.forbid_syncs(counters.step >= 2 and not logged)  # steady state: past warm-up, not logged
             micro_batches = [next(batches) for _ in range(cfg.train.grad_accum)]
             stats = train_step(self.engine, micro_batches, seed=cfg.train.seed, non_finite=self.non_finite,
-                               compute_accuracy=logged, before_optimizer_step=lambda: self.faults.forbid_syncs(False))
+                               compute_accuracy=logged)
+            self.faults.forbid_syncs(False)  # the whole step, DeepSpeed's optimizer step included
             counters.add(stats)
             window.add(stats)
             bar.update(1)

@@ -9,7 +9,8 @@
 #   2. the Triton kernel tests compiled for this GPU, realistic shapes included (-m large)
 #   3. the attention backend tests (flash, torch_varlen, flex, padded, nested against the naive reference), and the
 #      model with the relative position bias on FlexAttention inside compiled layers
-#   4. the training step under torch.cuda.set_sync_debug_mode("error"): no host-device sync in a steady-state step
+#   4. the training step under torch.cuda.set_sync_debug_mode("error"): no host-device sync in a steady-state step,
+#      DeepSpeed's optimizer step included (bf16 ZeRO-2), and benchmarks/host_overhead.py: ops, launches, syncs
 #   5. benchmarks/kernels.py: each kernel against its torch reference, GB/s against the device's memory bandwidth
 #   6. benchmarks/attention.py: every attention backend, with and without dropout
 #   7. benchmarks/throughput.py --size base: mlm, 3ml, mae-lm with and without the relative bias (eager and
@@ -90,6 +91,8 @@ step kernel_tests_large "$python" -m pytest -q -m large tests/kernels
 step attention_tests "$python" -m pytest -q -m "large or not large" tests/test_attention.py
 step relative_bias_tests "$python" -m pytest -q tests/test_model.py -k relative_bias
 step sync_tests "$python" -m pytest -q tests/test_train.py -k steady_state
+step host_overhead_benchmark "$python" benchmarks/host_overhead.py
+keep host_overhead
 step kernel_benchmark "$python" benchmarks/kernels.py
 keep kernels
 step attention_benchmark "$python" benchmarks/attention.py

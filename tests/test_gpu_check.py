@@ -18,15 +18,16 @@ def test_dry_run_names_every_step_and_its_inputs_are_valid():
     steps = {line.split("]", 1)[0][3:]: shlex.split(line.split("] ", 1)[1])
              for line in done.stdout.splitlines() if line.startswith("+ [")}
     assert list(steps) == ["device", "kernel_tests", "kernel_tests_large", "attention_tests", "relative_bias_tests",
-                           "sync_tests", "kernel_benchmark", "attention_benchmark", "throughput_benchmark",
-                           "train_3ml_base"]
+                           "sync_tests", "host_overhead_benchmark", "kernel_benchmark", "attention_benchmark",
+                           "throughput_benchmark", "train_3ml_base"]
     # compiled kernels at realistic shapes too
     for name, marks in (("kernel_tests", "not large"), ("kernel_tests_large", "large"),
                         ("attention_tests", "large or not large")):
         assert steps[name][-3:-1] == ["-m", marks] and (ROOT / steps[name][-1]).exists()
     for name, selected in (("sync_tests", "steady_state"), ("relative_bias_tests", "relative_bias")):
         assert steps[name][-2:] == ["-k", selected] and (ROOT / steps[name][-3]).is_file()
-    assert (ROOT / steps["kernel_benchmark"][-1]).is_file() and (ROOT / steps["attention_benchmark"][-1]).is_file()
+    assert all((ROOT / steps[name][-1]).is_file() for name in ("kernel_benchmark", "attention_benchmark",
+                                                              "host_overhead_benchmark"))
     throughput = steps["throughput_benchmark"]
     assert throughput[throughput.index("--size") + 1] == "base" and (ROOT / throughput[1]).is_file()
     command = steps["train_3ml_base"]

@@ -28,7 +28,9 @@ def test_exact_counts_specials_excluded_and_partition(preset, rate, seed):
     cfg = tiny_config(preset, mask_rate=rate)
     masked = mask_batch(batch, cfg, seed=seed, step=3)
     sel, counts = masked.selection, masked.counts
-    expected = [int(rate * m + 0.5) for m in batch.num_maskable.tolist()]
+    # round(rate x (length - 2)), at most the maskable tokens (the second sequence has none, the third one)
+    expected = [min(int(rate * max(n - 2, 0) + 0.5), m)
+                for n, m in zip(batch.seqlens.tolist(), batch.num_maskable.tolist())]
     assert counts.predicted.tolist() == expected
     assert per_sequence(sel.masked_index, batch) == expected
     assert per_sequence(sel.removed_index, batch) == counts.removed.tolist()

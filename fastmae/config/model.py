@@ -62,7 +62,7 @@ class ModelConfig:
     decoder_dropout: float = 0.0
     """Hidden and attention dropout in the decoder (MAE-LM uses 0)."""
     mask_rate: float = 0.15
-    """Share of maskable tokens predicted per sequence (exact count: round(rate * maskable))."""
+    """Share of each sequence predicted (exact count: round(rate * (length - 2)), at most its maskable tokens)."""
     mask_token_prob: float = 0.8
     """Share of the predicted tokens whose input is removed / replaced by <mask>."""
     random_token_prob: float = 0.1
