@@ -15,17 +15,21 @@ machine:
   way; on CPU torch's draws a Bernoulli tensor and fastmae's its own bits);
 - bf16, through fastmae.engine.build_engine (DeepSpeed ZeRO, fp32 master weights and gradient accumulation, fused
   AdamW, clipping at 2.0) in a world of one, as on one GPU;
-- the model has base depth (12 encoder layers, each preset's decoder) and vocabulary but a narrow width (hidden 96):
-  what the host issues does not depend on the width, and a CPU runs the step in seconds.
+- the model has base depth (12 encoder layers, each preset's decoder) and benchmarks/throughput.py's vocabulary
+  (32,000) but a narrow width (hidden 96): what the host issues does not depend on the width, and a CPU runs the step
+  in seconds.
+On a GPU nothing is emulated: the ops are the device's own, at base width.
 
 Counted in the third optimizer step (steady state) by a TorchDispatchMode: device ops are the aten ops that compute or
 allocate (views and metadata excluded); syncs are the host reads of a device value (`.item()`, `bool(tensor)`),
 tensors made from host data (`torch.tensor(...)` on the device: a blocking host-to-device copy) and explicit
-synchronize calls of the accelerator. On CPU the count also takes in the few ops on host tensors (the masks' counts),
-which a GPU runs on the host. `host_ms_per_step` is the wall time of the same step with CPU kernels at a tiny shape
-(2 sequences of 32 tokens), where compute is nearly nothing: the host's cost of issuing it, on this machine.
+synchronize calls of the accelerator, asked for by anything but fastmae (its reads of the masks' host counts look the
+same on CPU and are reported apart as `fastmae_host_reads`; on CUDA, FASTMAE_SYNC_DEBUG=1 proves them host-side). On
+CPU the op count also takes in the few ops on those host counts. `host_ms_per_step` is the median time until the
+step's call returns: on a GPU at full size, on CPU with CPU kernels at a tiny shape (2 sequences of 32 tokens), where
+compute is nearly nothing, so it is the host's cost of issuing the step on this machine.
 
-Writes benchmarks/results/host_overhead.{json,md}.
+Writes benchmarks/results/NAME.{json,md} (--name, default host_overhead).
 """
 
 from __future__ import annotations

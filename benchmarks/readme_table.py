@@ -184,8 +184,25 @@ def gpu() -> str:
     return "\n".join(blocks)
 
 
+def host_overhead() -> str:
+    """What the host issues per optimizer step, ZeRO-1 and ZeRO-2 side by side."""
+    rows = ["| system | ZeRO | device ops | forward | backward | optimizer step | masking, weights | Triton launches | "
+            "syncs |", "|---|---|---|---|---|---|---|---|---|"]
+    results = [_json(RESULTS_DIR / f"{name}.json") for name in ("host_overhead", "host_overhead_zero2")]
+    for result in results:
+        for r in result["results"]:
+            rest = r["device_ops_per_step"] - r["forward"] - r["backward"] - r["optimizer"]
+            rows.append(f"| {r['system']} | {result['zero_stage']} | {r['device_ops_per_step']:,} | {r['forward']} | "
+                        f"{r['backward']} | {r['optimizer']} | {rest} | {r['triton_launches_per_step']} | "
+                        f"{r['syncs_per_step']} |")
+    first = results[0]
+    return (f"{first['sequences']} x {first['seq_len']} tokens in one micro-batch, bf16, base depth, vocabulary "
+            f"32,000, width 96, the CUDA code path emulated on {first['device']}, {_stamp(first)} (`benchmarks/results/"
+            "host_overhead.md`, `host_overhead_zero2.md`):\n\n" + "\n".join(rows) + "\n")
+
+
 GENERATORS = {"demo": demo, "study": study, "throughput": throughput, "budget": budget, "attention": attention,
-              "data_scale": data_scale, "data": data, "gpu": gpu}
+              "data_scale": data_scale, "data": data, "gpu": gpu, "host_overhead": host_overhead}
 
 
 def render(text: str) -> tuple[str, list[str]]:
