@@ -51,6 +51,8 @@ FASTMAE_SYSTEMS = {  # system -> (preset, overrides)
     "mae-lm-relbias-no-dropout": ("mae-lm", {"relative_attention_bias": True, "attention_dropout": 0.0}),
 }
 SYSTEMS = ("hf-roberta", *FASTMAE_SYSTEMS)
+REAL_DATA = "real data"
+"""The variant that trains on the embedded corpus packed `full` (separators inside) instead of random tokens."""
 
 
 def model_config(system: str, size: str) -> ModelConfig:
@@ -65,6 +67,28 @@ def make_tokens(sequences: int) -> torch.Tensor:
     ids = torch.randint(NUM_SPECIAL_TOKENS, VOCAB_SIZE, (sequences, SEQ_LEN), generator=gen)
     ids[:, 0], ids[:, -1] = BOS_ID, EOS_ID
     return ids
+
+
+def real_tokens(sequences: int) -> torch.Tensor:
+    """[sequences, SEQ_LEN] int64: the first full-length sequences of the embedded corpus packed `full`, document
+    separators inside, as training sees them (prepared once where `data.path: builtin` prepares it)."""
+    import numpy as np
+
+    from fastmae.config import DataConfig
+    from fastmae.data import PackedLoader
+
+    data = DataConfig()
+    if not (data.directory / "meta.json").is_file():
+        from fastmae.prepare import prepare
+
+        prepare([], data.directory, fmt="builtin", vocab_size=data.builtin_vocab_size,
+                valid_fraction=data.builtin_valid_fraction, workers=1, progress=False)
+    loader = PackedLoader(data.directory, "train", max_seq_len=SEQ_LEN, packing="full", tokens_per_batch=SEQ_LEN)
+    tokens, lengths = loader.tokens_of(np.arange(loader.num_sequences))
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])[lengths == SEQ_LEN][:sequences]
+    if len(starts) < sequences:
+        raise SystemExit(f"the embedded corpus has {len(starts)} full-length sequences, fewer than {sequences}")
+    return torch.from_numpy(np.stack([tokens[s:s + SEQ_LEN] for s in starts]).astype(np.int64))
 
 
 # ------------------------------------------------------------------------------------------- one system, one process
@@ -127,7 +151,7 @@ def _fastmae_step(config: ModelConfig, tokens: torch.Tensor, device: torch.devic
     model = MaskedLM(config)
     if variant == "compiled":
         model.compile_layers()
-    else:
+    elif variant != REAL_DATA:
         model.set_attention_backend(variant)
     non_finite = torch.zeros((), dtype=torch.float32, device=device)
     engine = _engine(model, precision, device, non_finite, run)
@@ -149,8 +173,9 @@ def attention_backend(system: str, config: ModelConfig, device: torch.device, pr
 
     if system == "hf-roberta":
         return "hf sdpa"
-    return resolve_backend(None if variant in (None, "compiled") else variant, device, config.attention_dropout,
-                           DTYPES[precision], biased=config.relative_attention_bias)
+    backend = None if variant in (None, "compiled", REAL_DATA) else variant
+    return resolve_backend(backend, device, config.attention_dropout, DTYPES[precision],
+                           biased=config.relative_attention_bias)
 
 
 def _resident_mib() -> tuple[float, float]:
@@ -172,7 +197,7 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
     config = model_config(system, size)
     if variant == "torch_varlen":  # varlen_attn takes no attention dropout: this row measures the kernel without it
         config = dataclasses.replace(config, attention_dropout=0.0)
-    tokens = make_tokens(sequences)
+    tokens = real_tokens(sequences) if variant == REAL_DATA else make_tokens(sequences)
     if system == "hf-roberta":
         step, flops = _hf_step(config, tokens, device, precision)
     else:
@@ -226,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     parser.add_argument("--backends", action="store_true", help="CUDA: also mlm with each attention backend")
     parser.add_argument("--compile", action="store_true", help="also each fastmae system with compiled layers")
+    parser.add_argument("--real-data", action="store_true",
+                        help="also 3ml on the embedded corpus packed `full` (separators inside, as training sees it)")
     args = parser.parse_args(argv)
     systems, sizes = args.systems.split(","), args.size.split(",")
     if not set(sizes) <= set(SIZES):
@@ -255,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         runs += [("mlm", b) for b in available_backends(device) if b != "reference"]
     if args.compile:
         runs += [(system, "compiled") for system in systems if system != "hf-roberta"]
+    if args.real_data:
+        runs.append(("3ml", REAL_DATA))
     rows = []
     for size in sizes:
         size_rows = []

@@ -14,7 +14,7 @@
 #   5. benchmarks/kernels.py: each kernel against its torch reference, GB/s against the device's memory bandwidth
 #   6. benchmarks/attention.py: every attention backend, with and without dropout
 #   7. benchmarks/throughput.py --size base: mlm, 3ml, mae-lm with and without the relative bias (eager and
-#      compiled) and Hugging Face RoBERTa, tokens/s, MFU
+#      compiled), 3ml on the embedded corpus packed `full` (separators inside), Hugging Face RoBERTa; tokens/s, MFU
 #   8. a 50-step 3ml base-shaped training run on 1 GPU (configs/3ml-base.yaml on the embedded corpus)
 # Everything lands in benchmarks/results/gpu/DEVICE/ (logs, the benchmarks' JSON + Markdown, the run's metrics),
 # small enough to commit; the training run's checkpoints stay in runs/gpu-check/.
@@ -98,7 +98,7 @@ keep kernels
 step attention_benchmark "$python" benchmarks/attention.py
 keep attention
 step throughput_benchmark "$python" benchmarks/throughput.py --size base --sequences 32 \
-    --systems hf-roberta,mlm,3ml,mae-lm,mae-lm-relbias,mae-lm-relbias-no-dropout --compile
+    --systems hf-roberta,mlm,3ml,mae-lm,mae-lm-relbias,mae-lm-relbias-no-dropout --compile --real-data
 keep throughput
 step train_3ml_base deepspeed --num_gpus 1 fastmae/train.py --config configs/3ml-base.yaml --resume none \
     data.path=builtin data.builtin_vocab_size=8000 \
