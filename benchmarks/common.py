@@ -15,8 +15,9 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def median_time(fn, warmup: int = 2, repeats: int = 5) -> float:
-    """Median wall time of `fn()` in seconds, after `warmup` untimed calls (synchronising CUDA)."""
+def median_time(fn, warmup: int = 2, repeats: int = 5, host_only: bool = False) -> float:
+    """Median wall time of `fn()` in seconds, after `warmup` untimed calls (synchronising CUDA). `host_only`: until
+    `fn()` returns, the device then drained untimed (the host's time to issue the work)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
@@ -25,8 +26,11 @@ def median_time(fn, warmup: int = 2, repeats: int = 5) -> float:
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        if host_only:
+            times.append(time.perf_counter() - start)
         sync()
-        times.append(time.perf_counter() - start)
+        if not host_only:
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 

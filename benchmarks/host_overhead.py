@@ -40,12 +40,11 @@ import contextlib
 import multiprocessing
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import torch
-from common import write_results
+from common import median_time, write_results
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if __name__ == "__main__" and not torch.cuda.is_available():  # before Triton is imported here or in the systems'
@@ -294,21 +293,6 @@ def _step(system: str, sequences: int, seq_len: int, narrow: bool, precision: st
     return _fastmae_step(config, tokens, device, precision, None, run)[0]
 
 
-def _host_ms(step) -> float:
-    """Median milliseconds until `step()` returns (the host's time: a GPU may still be busy), after 3 warm-ups."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(5):
-        sync()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    sync()
-    return 1e3 * sorted(times)[2]
-
-
 def measure_system(system: str, sequences: int, seq_len: int, overrides: list[str]) -> dict:
     """Counts of one steady-state optimizer step of `system` (CUDA path emulated), and its host milliseconds."""
     global ACTIVE
@@ -325,7 +309,7 @@ def measure_system(system: str, sequences: int, seq_len: int, overrides: list[st
         count_triton_launches(lambda: ACTIVE)
         step = _step(system, sequences, seq_len, False, precision, run)
     else:  # host time: the CPU path at a tiny shape, before the emulation replaces it
-        timing = _host_ms(_step(system, 2, 32, True, precision, run))
+        timing = 1e3 * median_time(_step(system, 2, 32, True, precision, run), 3, 5, host_only=True)
         emulate_cuda_path(lambda: ACTIVE)
         step = _step(system, sequences, seq_len, True, precision, run)
     for _ in range(2):
@@ -336,7 +320,7 @@ def measure_system(system: str, sequences: int, seq_len: int, overrides: list[st
         step()
     ACTIVE = None
     if torch.cuda.is_available():
-        timing = _host_ms(step)
+        timing = 1e3 * median_time(step, 3, 5, host_only=True)
     return {"device_ops_per_step": sum(counter.ops.values()),
             "triton_launches_per_step": sum(counter.launches.values()),
             "syncs_per_step": sum(counter.syncs.values()), "host_ms_per_step": timing,

@@ -27,16 +27,16 @@ class ClippingAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if grads:
-            squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if params:
+            squares = torch.stack(torch._foreach_norm([p.grad for p in params])).float().square().sum()
             if self.partitioned and dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(squares)
+                dist.all_reduce(squares)  # torch's get_total_norm cannot sum over ranks
             self.last_norm = norm = squares.sqrt()
             if self.found_inf is not None:
                 torch.maximum(self.found_inf, (~torch.isfinite(norm)).float(), out=self.found_inf)
-            if self.max_norm > 0:
-                torch._foreach_mul_(grads, (self.max_norm / (norm + 1e-6)).clamp(max=1.0))
+            if self.max_norm > 0:  # the clamped coefficient, multiplied without a host read
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm, foreach=True)
         return super().step(closure)
 
 
