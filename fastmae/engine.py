@@ -9,11 +9,13 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.zero import stage3, stage_1_and_2
 from deepspeed.utils import safe_get_full_fp32_param
 
 from .config import RunConfig
 from .errors import FastmaeError
-from .optim import ClippingAdamW, lr_multiplier, param_groups
+from .flat import FlatParameters
+from .optim import ClippingAdamW, decay_groups, lr_multiplier, param_groups
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -22,6 +24,18 @@ def deep_merge(base: dict, override: dict) -> dict:
     for key, value in override.items():
         out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+def _mask_non_finite(norm: torch.Tensor, device=None, val: float = -1.0) -> None:
+    """DeepSpeed's `mask_nan_or_inf_with_val_inplace` (its ZeRO-1/2 gradient norm marks a non-finite norm with -1)
+    without first making the -1 a device tensor from host data: on CUDA that is a copy the host waits for, every
+    optimizer step (counted by benchmarks/host_overhead.py)."""
+    norm.masked_fill_(~torch.isfinite(norm), val)
+
+
+stage_1_and_2.mask_nan_or_inf_with_val_inplace = _mask_non_finite  # the same values, no sync
+stage3.mask_nan_or_inf_with_val_inplace = _mask_non_finite
+ZERO_OPTIMIZERS = (stage_1_and_2.DeepSpeedZeroOptimizer, stage3.DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer)
 
 
 def deepspeed_config(config: RunConfig, precision: str) -> dict:
@@ -35,19 +49,18 @@ def deepspeed_config(config: RunConfig, precision: str) -> dict:
     if precision != "fp32" and train.zero_stage == 0:
         raise FastmaeError(f"train.precision={precision} with train.zero_stage=0: DeepSpeed then accumulates "
                            "gradients in the half-precision dtype; use train.zero_stage >= 1 (or precision fp32)")
-    # Clipping is fastmae's (optim.ClippingAdamW, on the device); DeepSpeed's reads the norm back to the host. Its
-    # ZeRO-1/2 optimizer then computes no norm and, in bf16, checks no overflow (a host read each): a non-finite
-    # gradient sets the skip flag on the device instead. fp16's loss scaler needs DeepSpeed's overflow check; the
-    # bf16 ZeRO-1 optimizer (BF16_Optimizer) always computes and reads the norm.
-    own_norm = train.optimizer == "adamw" and precision != "fp16" and (
-        train.zero_stage == 2 or (train.zero_stage == 1 and precision == "fp32"))
+    # Clipping is fastmae's (optim.ClippingAdamW, on the device): DeepSpeed's reads the norm back to decide. Under
+    # ZeRO its optimizer still computes the global norm (on the device, `_mask_non_finite`), which fastmae's clips by
+    # (`build_engine`); in bf16 its overflow check (a host read) is off, fastmae's skip flag covers a non-finite norm.
+    # fp16's loss scaler needs DeepSpeed's overflow check.
     derived = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": train.grad_accum,
         "gradient_clipping": 0.0 if train.optimizer == "adamw" else train.clip,
-        "zero_optimization": {"stage": train.zero_stage, **({"compute_grad_norm": False} if own_norm else {})},
+        "zero_optimization": {"stage": train.zero_stage},
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": precision == "bf16", **({"check_grad_overflow": False} if own_norm else {})},
+        "bf16": {"enabled": precision == "bf16", **({"check_grad_overflow": False} if train.optimizer == "adamw"
+                                                      else {})},
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "data_types": {"grad_accum_dtype": "fp32"},
         "steps_per_print": 2**31 - 1,
@@ -75,11 +88,12 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
     nothing else in it (stage 0, or the bf16 optimizer of stage 1).
     """
     train = config.train
-    optimizer = None
+    if train.flat_parameters and train.zero_stage < 3:
+        model.flat = FlatParameters(model, decay_groups(model))
+    optimizer = None  # fastmae's, or DeepSpeed's LAMB made from the config
     if train.optimizer == "adamw":
         optimizer = ClippingAdamW(param_groups(model, train.weight_decay), lr=train.lr, betas=tuple(train.betas),
-                                  eps=train.eps, max_norm=train.clip, found_inf=found_inf,
-                                  partitioned=train.zero_stage > 0)
+                                  eps=train.eps, max_norm=train.clip, found_inf=found_inf)
     elif device.type != "cuda":
         raise FastmaeError("train.optimizer=lamb needs DeepSpeed's CUDA LAMB; use adamw on CPU")
     ds_config = deepspeed_config(config, precision)
@@ -90,22 +104,29 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
     schedule = lambda step: lr_multiplier(step, train.warmup_steps, train.steps,  # noqa: E731
                                           train.power if train.schedule == "polynomial" else 1.0,
                                           train.min_lr_ratio)
-    engine, optimizer, _, _ = deepspeed.initialize(
+    engine, wrapped, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config,
         lr_scheduler=(lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule)),
         model_parameters=None if optimizer is not None else param_groups(model, train.weight_decay))
-    if dist.get_world_size() == 1 and (train.zero_stage == 0 or isinstance(optimizer, BF16_Optimizer)):
+    if dist.get_world_size() == 1 and (train.zero_stage == 0 or isinstance(wrapped, BF16_Optimizer)):
         engine.enable_backward_allreduce = False
+    if isinstance(wrapped, ZERO_OPTIMIZERS) and isinstance(optimizer, ClippingAdamW):
+        # DeepSpeed's ZeRO optimizers compute the global norm (all groups, all ranks) before they step fastmae's,
+        # ZeRO-1/2 and 3 one parameter group at a time: a norm of what one such step sees would be one group's.
+        # (DeepSpeed's engine reads the norm from the same attribute.)
+        optimizer.global_norm = lambda: wrapped._global_grad_norm
     return engine, ds_config
 
 
 def gradient_norm(engine) -> torch.Tensor | float | None:
-    """The global gradient norm of the engine's last optimizer step, before clipping: fastmae's optimizer keeps it on
-    the device (reading it is a sync: logged steps only); DeepSpeed's where it clips (LAMB)."""
+    """The global gradient norm of the engine's last optimizer step, before clipping, on the device where it was
+    computed there (reading it is a sync: logged steps only): DeepSpeed's where its ZeRO optimizer computed one, else
+    fastmae's optimizer's."""
+    norm = engine.get_global_grad_norm()
+    if norm is not None:
+        return norm
     optimizer = engine.optimizer
-    while not isinstance(optimizer, ClippingAdamW) and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer  # DeepSpeed's ZeRO and bf16 wrappers hold the torch optimizer
-    return optimizer.last_norm if isinstance(optimizer, ClippingAdamW) else engine.get_global_grad_norm()
+    return optimizer.last_norm if isinstance(optimizer, ClippingAdamW) else None
 
 
 def master_weights(engine) -> dict[str, torch.Tensor] | None:
@@ -120,4 +141,7 @@ def master_weights(engine) -> dict[str, torch.Tensor] | None:
         full = safe_get_full_fp32_param(param)
         if first:
             weights[name] = (param if full is None else full).detach().float().cpu().clone()
-    return weights if first else None
+    if not first:
+        return None
+    flat = engine.module.flat
+    return weights if flat is None else flat.unflatten(weights)

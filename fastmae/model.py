@@ -20,6 +20,7 @@ from .attention import StreamBias, VarlenMeta, resolve_backend, varlen_attention
 from .batch import PackedBatch
 from .config import ModelConfig
 from .dropout import Dropout
+from .flat import FlatParameters
 from .masking import MaskedBatch, mask_batch, unmasked
 from .positions import apply_rotary, relative_bias_by_distance
 
@@ -204,6 +205,7 @@ class MaskedLM(nn.Module):
         self.relative_bias = (nn.Parameter(torch.empty(config.relative_attention_buckets, config.num_heads))
                               if config.relative_attention_bias else None)
         self.activation_checkpointing = False  # recompute each layer in backward (set by the trainer)
+        self.flat: FlatParameters | None = None  # the parameters held flat (fastmae.flat; set by fastmae.engine)
         self.apply(self._init_weights)
         if self.relative_bias is not None:
             nn.init.normal_(self.relative_bias, std=config.initializer_range)
@@ -237,6 +239,11 @@ class MaskedLM(nn.Module):
         """Force one attention backend for every layer (None: automatic)."""
         for layer in [*self.encoder, *self.decoder]:
             layer.attention_backend = backend
+
+    def _bind_parameters(self) -> None:
+        """With flat parameters, point the modules' weights at the flat parameters as they are now."""
+        if self.flat is not None:
+            self.flat.bind()
 
     def _check(self, batch: PackedBatch) -> None:
         if batch.max_seqlen > self.config.max_seq_len:
@@ -298,6 +305,7 @@ class MaskedLM(nn.Module):
         all_layers: return the L + 1 states instead (embeddings, then each layer), as `fastmae analyze` reads them.
         """
         self._check(batch)
+        self._bind_parameters()
         states = [] if all_layers else None
         x = self._encoder(unmasked(batch, self.config), states)
         return states if all_layers else x
@@ -310,6 +318,7 @@ class MaskedLM(nn.Module):
         cfg = self.config
         masked = batch if isinstance(batch, MaskedBatch) else mask_batch(batch, cfg, seed, step, rank)
         self._check(masked.batch)
+        self._bind_parameters()
         encoder_states = self._encoder(masked)
         x = encoder_states
         if 0 < cfg.insert_layer == cfg.encoder_layers:  # k = L: the insertion feeds the decoder

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.distributed as dist
 from torch import nn
 
 
@@ -13,26 +14,29 @@ class ClippingAdamW(torch.optim.AdamW):
     device: nothing is read back to the host (DeepSpeed's clipping reads the norm to decide; ARCHITECTURE.md
     section 5).
 
-    `partitioned`: each rank steps only its ZeRO partition, so the squared norms are summed over ranks (an
-    all-reduce the host does not wait for); otherwise every rank holds the whole, already averaged gradient. A
-    non-finite norm sets `found_inf` (the run's skip flag, a device fp32 scalar), and the fused step then changes
-    nothing. The coefficient is DeepSpeed's: max_norm / (norm + 1e-6), applied when below 1.
+    The global norm is computed here from the gradients stepped, unless `global_norm` supplies it: DeepSpeed's ZeRO
+    optimizers step one parameter group at a time with only that group's gradients, having computed the global norm
+    (summed over ranks) first, and `fastmae.engine` points `global_norm` at it. A non-finite norm sets `found_inf`
+    (the run's skip flag, a device fp32 scalar), and the fused step then changes nothing. The coefficient is
+    DeepSpeed's: max_norm / (norm + 1e-6), applied when below 1.
     """
 
-    def __init__(self, params, *, max_norm: float, found_inf: torch.Tensor | None, partitioned: bool, **kwargs):
+    def __init__(self, params, *, max_norm: float, found_inf: torch.Tensor | None, **kwargs):
         super().__init__(params, fused=True, **kwargs)
-        self.max_norm, self.partitioned = max_norm, partitioned
+        self.max_norm = max_norm
         self.found_inf = found_inf  # read by the fused kernel on every step (None: never skip)
+        self.global_norm: Callable[[], torch.Tensor] | None = None
         self.last_norm: torch.Tensor | None = None  # the global norm before clipping, on the device
 
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         if params:
-            squares = torch.stack(torch._foreach_norm([p.grad for p in params])).float().square().sum()
-            if self.partitioned and dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(squares)  # torch's get_total_norm cannot sum over ranks
-            self.last_norm = norm = squares.sqrt()
+            if self.global_norm is not None:
+                norm = self.global_norm()
+            else:
+                norm = torch.stack(torch._foreach_norm([p.grad for p in params])).float().square().sum().sqrt()
+            self.last_norm = norm
             if self.found_inf is not None:
                 torch.maximum(self.found_inf, (~torch.isfinite(norm)).float(), out=self.found_inf)
             if self.max_norm > 0:  # the clamped coefficient, multiplied without a host read
@@ -40,14 +44,26 @@ class ClippingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: biases, LayerNorm parameters and 1-D tensors get none (as in RoBERTa)."""
-    decay, no_decay = [], []
+def decay_groups(model: nn.Module) -> dict[str, list[str]]:
+    """Names of the trained parameters by weight decay: "decay" for matrices, "no_decay" for biases, LayerNorm
+    parameters and 1-D tensors (as in RoBERTa)."""
+    groups = {"decay": [], "no_decay": []}
     for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        (decay if param.ndim >= 2 and "norm" not in name else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if param.requires_grad:
+            groups["decay" if param.ndim >= 2 and "norm" not in name else "no_decay"].append(name)
+    return groups
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The optimizer's two groups (`decay_groups`), with weight decay on the first only; a model whose parameters
+    are flat (`fastmae.flat`) has one flat parameter per group."""
+    flat = getattr(model, "flat", None)
+    decays = {"decay": weight_decay, "no_decay": 0.0}
+    if flat is not None:
+        return [{"params": [getattr(flat, group)], "weight_decay": decay} for group, decay in decays.items()]
+    named = dict(model.named_parameters())
+    return [{"params": [named[name] for name in names], "weight_decay": decays[group]}
+            for group, names in decay_groups(model).items()]
 
 
 def lr_multiplier(step: int, warmup: int, total: int, power: float = 1.0, min_ratio: float = 0.0) -> float:

@@ -21,7 +21,7 @@ def test_clipping_adamw_is_clip_grad_norm_then_adamw(seed, scale, max_norm):
     ours, reference = _params(seed, scale), _params(seed, scale)
     found_inf = torch.zeros(())
     optimizer = ClippingAdamW(ours, lr=1e-2, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01, max_norm=max_norm,
-                              found_inf=found_inf, partitioned=False)
+                              found_inf=found_inf)
     expected = torch.optim.AdamW(reference, lr=1e-2, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
     for _ in range(2):
         norm = torch.nn.utils.get_total_norm([p.grad for p in reference])
@@ -40,6 +40,6 @@ def test_a_non_finite_gradient_sets_the_skip_flag_and_changes_nothing():
     before = [p.detach().clone() for p in params]
     params[1].grad[2] = float("nan")
     found_inf = torch.zeros(())
-    ClippingAdamW(params, lr=1e-2, max_norm=2.0, found_inf=found_inf, partitioned=False).step()
+    ClippingAdamW(params, lr=1e-2, max_norm=2.0, found_inf=found_inf).step()
     assert found_inf.item() == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, params))

@@ -550,7 +550,7 @@ import sys
 import torch
 from fastmae.distributed import init_distributed, set_world_of_one_env
 set_world_of_one_env()
-from fastmae.engine import build_engine
+from fastmae.engine import build_engine, gradient_norm, master_weights
 init_distributed()
 sys.path.insert(0, "benchmarks")
 from host_overhead import StepCounter
@@ -592,6 +592,27 @@ for precision, stage in KNOWN_SYNCS:
     moved = max((a - b).abs().max().item() for a, b in zip(weights[0], weights[-1]))
     assert all(torch.equal(a, b) for a, b in zip(weights[0], weights[-1])), (precision, moved)
 
+# clipping is by the norm of every gradient in every ZeRO stage (DeepSpeed's ZeRO optimizers step the parameter
+# groups one at a time): with a clip that binds, fp32 ZeRO-1, -2 (flat parameters) and -3 train what ZeRO-0 trains
+trained = []
+for stage in (0, 1, 2, 3):
+    torch.manual_seed(0)
+    model = MaskedLM(config)
+    run = RunConfig()
+    run.train.zero_stage, run.train.lr, run.train.warmup_steps, run.train.clip = stage, 1e-2, 1, 0.05
+    non_finite = torch.zeros(())
+    engine, _ = build_engine(model, run, "fp32", torch.device("cpu"), non_finite)
+    for batch in batches:
+        train_step(engine, [batch], seed=0, non_finite=non_finite)
+    trained.append((master_weights(engine), gradient_norm(engine)))
+reference, reference_norm = trained[0]
+assert reference_norm > 0.5, reference_norm  # the clip binds
+assert sorted(reference) == sorted(name for name, _ in MaskedLM(config).named_parameters())
+for stage, (weights, norm) in enumerate(trained[1:], 1):
+    assert abs(float(norm) / float(reference_norm) - 1) < 1e-5, (stage, float(norm), float(reference_norm))
+    for name, tensor in reference.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=1e-6, msg=f"ZeRO-{stage} {name}")
+
 # the throughput benchmark times exactly the trainer's step
 
 calls = []
@@ -610,6 +631,8 @@ def test_world_of_one_skips_the_all_reduce_with_identical_updates():
     Steady-state steps ask for no host-device sync outside fastmae (benchmarks/host_overhead.StepCounter: host reads,
     tensors from host data, the accelerator's synchronize, which DeepSpeed's throughput timer calls), in fp32 ZeRO-0
     and bf16 ZeRO-2, clipping included; bf16 ZeRO-1's optimizer reads its gradient norm back (DeepSpeed's, known).
+    Clipping is by the global norm in every ZeRO stage: fp32 ZeRO-1/2/3 train what ZeRO-0 trains with a clip that
+    binds, and the master weights come back under the module names from flat parameters.
     And benchmarks/throughput.py's step is `train_step`."""
     env = {**os.environ}
     env.pop("TRITON_INTERPRET", None)

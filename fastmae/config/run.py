@@ -98,6 +98,11 @@ class TrainConfig:
     """Recompute each layer in backward instead of keeping its activations."""
     compile: bool = False
     """Compile every transformer layer (torch.compile, dynamic shapes; MaskedLM.compile_layers)."""
+    flat_parameters: bool = True
+    """Hold the parameters in one flat tensor per weight-decay group under ZeRO stages 0-2 (fastmae/flat.py): DeepSpeed
+    then does its per-parameter work (gradient casts and copies, norms) on two tensors instead of every parameter,
+    ~700 fewer device ops per step at base size; the price is that ZeRO's gradient reduction waits for the whole
+    backward instead of overlapping it. ZeRO-3 gathers parameters module by module and keeps them apart."""
     seed: int = 0
     max_bad_steps: int = 20
     """Stop after this many non-finite losses in a row (each is skipped and counted)."""
