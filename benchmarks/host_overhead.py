@@ -137,9 +137,11 @@ def _caller() -> tuple[str, bool]:
 
 
 def _is_metadata(func) -> bool:
-    """Ops that touch no device memory: views, aliases, shape and stride queries."""
-    return func.is_view or func.overloadpacket.__name__ in ("detach", "alias", "sym_size", "sym_stride", "sym_numel",
-                                                             "sym_storage_offset", "is_same_size", "_version")
+    """Ops that touch no device memory: views, aliases, shape and stride queries, profiler annotations (torch's
+    optimizers mark their steps with record_function)."""
+    return func.is_view or func.overloadpacket.__name__ in (
+        "detach", "alias", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_version",
+        "_record_function_enter_new", "_record_function_exit")
 
 
 ACTIVE: StepCounter | None = None  # the counter of the step being counted (None: not counting)

@@ -143,9 +143,11 @@ def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, pr
 
 def _fastmae_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, precision: str,
                   variant: str | None, run=None):
-    """A training-step closure for fastmae's MaskedLM (the trainer's `train_step`), and its model FLOPs per step."""
+    """A training-step closure for fastmae's MaskedLM (the trainer's `train_step`, on micro-batches masked and moved
+    as the trainer's are), and its model FLOPs per step."""
     from fastmae import MaskedLM, PackedBatch
-    from fastmae.masking import mask_batch
+    from fastmae.batch import to_device_ahead
+    from fastmae.masking import mask_batch, masked_ahead
     from fastmae.step import train_step
 
     model = MaskedLM(config)
@@ -155,12 +157,14 @@ def _fastmae_step(config: ModelConfig, tokens: torch.Tensor, device: torch.devic
         model.set_attention_backend(variant)
     non_finite = torch.zeros((), dtype=torch.float32, device=device)
     engine = _engine(model, precision, device, non_finite, run)
-    batch = PackedBatch.from_sequences(tokens.tolist(), device=device)
+    batch = PackedBatch.from_sequences(tokens.tolist())
     counts = mask_batch(batch, config, seed=0, step=0).counts  # exact per-sequence counts: the same every step
-    step_index = iter(range(1 << 30))
+    # each step masks anew (another micro-batch index), on the host ahead of use, as the trainer does
+    endless = (dataclasses.replace(batch, index=index) for index in range(1 << 30))
+    micro_batches = to_device_ahead(masked_ahead(endless, config, seed=0), device)
 
-    def step():  # each step masks anew, as training does (another micro-batch index)
-        train_step(engine, [dataclasses.replace(batch, index=next(step_index))], seed=0, non_finite=non_finite)
+    def step():
+        train_step(engine, [next(micro_batches)], seed=0, non_finite=non_finite)
 
     flops = training_flops(config, batch.seqlens, batch.seqlens - counts.removed, counts.predicted)
     return step, flops

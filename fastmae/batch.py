@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -48,16 +50,14 @@ class PackedBatch:
 
     DEVICE_FIELDS = ("tokens", "cu_seqlens", "positions", "seq_ids")
 
-    def _map_device_tensors(self, fn) -> PackedBatch:
-        return replace(self, **{name: fn(getattr(self, name)) for name in self.DEVICE_FIELDS})
+    def device_tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.DEVICE_FIELDS]
 
     def to(self, device, non_blocking: bool = False) -> PackedBatch:
-        """The same batch with its device tensors on `device` (host counts stay on the CPU)."""
-        return self._map_device_tensors(lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> PackedBatch:
-        """The same batch with its device tensors in page-locked host memory (for asynchronous copies)."""
-        return self._map_device_tensors(torch.Tensor.pin_memory)
+        """The same batch with its device tensors on `device` in one copy (`to_device_in_one_copy`); host counts stay
+        on the CPU."""
+        moved = to_device_in_one_copy(self.device_tensors(), device, non_blocking)
+        return replace(self, **dict(zip(self.DEVICE_FIELDS, moved)))
 
     @classmethod
     def from_sequences(cls, sequences: Sequence[Sequence[int]], vocab_size: int | None = None,
@@ -99,20 +99,88 @@ class PackedBatch:
                    num_maskable=torch.from_numpy(num_maskable), dataset_ids=dataset_ids, index=index)
 
 
-def to_device_ahead(batches: Iterator[PackedBatch], device: torch.device) -> Iterator[PackedBatch]:
-    """`batches` moved to `device`, one batch ahead: on CUDA each batch is pinned and copied on a side stream while
-    the batch before it computes, and the compute stream waits for that copy on the device (the host never does).
-    Elsewhere a plain `.to(device)`."""
+COPY_ALIGNMENT = 16  # bytes: every tensor packed into a copy starts at a multiple, so its dtype view is aligned
+
+
+def to_device_in_one_copy(tensors: Sequence[torch.Tensor], device, non_blocking: bool = False) -> list[torch.Tensor]:
+    """Host `tensors` on `device` through one host-to-device copy: packed byte by byte into one host buffer
+    (page-locked for CUDA, so that a non_blocking copy is asynchronous), copied once, and viewed back in their dtypes
+    and shapes (views: the device computes nothing). Tensors already on `device` come back as they are."""
+    device = torch.device(device)
+    if all(t.device == device for t in tensors):
+        return list(tensors)
+    staging, starts = pack_bytes(tensors, pin_memory=device.type == "cuda")
+    return unpack_bytes(staging.to(device, non_blocking=non_blocking), tensors, starts)
+
+
+def pack_bytes(tensors: Sequence[torch.Tensor], pin_memory: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """(one uint8 host buffer holding every tensor's bytes, the byte offset of each), offsets aligned to
+    COPY_ALIGNMENT."""
+    starts, end = [], 0
+    for tensor in tensors:
+        starts.append(end)
+        end += -(-tensor.numel() * tensor.element_size() // COPY_ALIGNMENT) * COPY_ALIGNMENT
+    buffer = torch.empty(end, dtype=torch.uint8, pin_memory=pin_memory)
+    for tensor, start in zip(tensors, starts):
+        buffer[start:start + tensor.numel() * tensor.element_size()].copy_(
+            tensor.detach().contiguous().view(-1).view(torch.uint8))
+    return buffer, starts
+
+
+def unpack_bytes(buffer: torch.Tensor, like: Sequence[torch.Tensor], starts: Sequence[int]) -> list[torch.Tensor]:
+    """Views of `buffer` (from `pack_bytes`, wherever it now is) with the dtypes and shapes of `like`."""
+    return [buffer[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for t, start in zip(like, starts)]
+
+
+def ahead_in_thread(items: Iterator, depth: int = 2) -> Iterator:
+    """`items`, produced up to `depth` ahead by a background thread (host work that then overlaps the device's: the
+    data loader, masking, layouts). An exception raised while producing is raised here, at the item it replaced."""
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        slots.put(("item", item), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            slots.put(("end", None))
+        except BaseException as err:  # handed to the consumer, which raises it
+            slots.put(("error", err))
+
+    thread = threading.Thread(target=produce, name="fastmae-batches", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, value = slots.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+
+
+def to_device_ahead(batches: Iterator, device: torch.device) -> Iterator:
+    """`batches` (PackedBatch or masking.MaskedBatch) moved to `device`, one batch ahead: on CUDA each is copied in
+    one asynchronous copy on a side stream while the batch before it computes, and the compute stream waits for that
+    copy on the device (the host never does). Elsewhere a plain `.to(device)`."""
     if device.type != "cuda":
         for batch in batches:
             yield batch.to(device)
         return
     copy_stream = torch.cuda.Stream(device)
 
-    def launch(batch: PackedBatch) -> tuple[PackedBatch, torch.cuda.Event]:
-        pinned = batch.pin_memory()
+    def launch(batch):
         with torch.cuda.stream(copy_stream):
-            moved = pinned.to(device, non_blocking=True)
+            moved = batch.to(device, non_blocking=True)
             return moved, copy_stream.record_event()
 
     ahead = None
@@ -124,11 +192,11 @@ def to_device_ahead(batches: Iterator[PackedBatch], device: torch.device) -> Ite
         yield _handed_over(*ahead)
 
 
-def _handed_over(batch: PackedBatch, copied: torch.cuda.Event) -> PackedBatch:
+def _handed_over(batch, copied: torch.cuda.Event):
     """`batch`, copied on a side stream, made safe to use on the current stream: the current stream waits for the
     copy's event, and the caching allocator keeps the memory until the current stream is done with it."""
     compute = torch.cuda.current_stream(batch.device)
     compute.wait_event(copied)
-    for name in batch.DEVICE_FIELDS:
-        getattr(batch, name).record_stream(compute)
+    for tensor in batch.device_tensors():
+        tensor.record_stream(compute)
     return batch

@@ -18,6 +18,7 @@ import bisect
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .batch import PackedBatch
@@ -45,9 +46,10 @@ def head_flops(config: ModelConfig, predicted: int) -> int:
 
 def training_flops(config: ModelConfig, seqlens: torch.Tensor, visible_seqlens: torch.Tensor,
                    predicted_seqlens: torch.Tensor) -> int:
-    """Forward + backward FLOPs of one batch from its host counts ([B] int tensors: tokens, visible tokens and
-    predicted tokens of each sequence). No device sync."""
-    seqlens, visible_seqlens, predicted_seqlens = seqlens.long(), visible_seqlens.long(), predicted_seqlens.long()
+    """Forward + backward FLOPs of one batch from its host counts ([B] int tensors or arrays: tokens, visible tokens
+    and predicted tokens of each sequence), in numpy: host arithmetic, no device op, no sync."""
+    seqlens, visible_seqlens, predicted_seqlens = (
+        np.asarray(counts, dtype=np.int64) for counts in (seqlens, visible_seqlens, predicted_seqlens))
     k, n_enc, n_dec = config.insert_layer, config.encoder_layers, config.decoder_layers
     tokens, predicted = int(seqlens.sum()), int(predicted_seqlens.sum())
     full = layer_flops(config, tokens, int((seqlens**2).sum()))
@@ -64,7 +66,8 @@ def batch_training_flops(config: ModelConfig, batch: PackedBatch, counts: MaskCo
     `masking.mask_batch` made them (the trainer has them), else computed the same way (the plan, before any step)."""
     if counts is None:
         counts = MaskCounts.for_batch(batch, config.mask_rate, config.mask_token_prob, config.random_token_prob)
-    return training_flops(config, batch.seqlens, batch.seqlens - counts.removed, counts.predicted)
+    seqlens = batch.seqlens.numpy()
+    return training_flops(config, seqlens, seqlens - counts.removed.numpy(), counts.predicted)
 
 
 PLAN_EXACT_MICRO_BATCHES = 5000

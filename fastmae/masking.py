@@ -11,15 +11,17 @@ host from the batch's host counts, so every shape below is known without a devic
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
-from . import ops
+from . import kernels, ops
 from .attention import VarlenMeta
-from .batch import PackedBatch
+from .batch import PackedBatch, ahead_in_thread, to_device_in_one_copy
 from .config import NUM_SPECIAL_TOKENS, UNMASKABLE_IDS, ModelConfig
 from .kernels import MaskSelection, mask_key
+from .positions import rotary_tables
 
 
 def _round_half_up(x: torch.Tensor) -> torch.Tensor:
@@ -56,10 +58,11 @@ class MaskCounts:
 
 @dataclass
 class MaskedBatch:
-    """A batch after masking: the selection (device) and, built on first use, the varlen layouts of its streams.
+    """A batch after masking: the selection and the varlen layouts of its streams.
 
-    full: all T rows; visible: the T_v rows the encoder keeps; masked: the T_m predicted rows. A layout is built only
-    if a layer asks for it (`mlm` never needs the visible one, only the `cross` decoder the masked one).
+    full: all T rows; visible: the T_v rows the encoder keeps; masked: the T_m predicted rows. On the device a layout
+    is built on first use (`mlm` never needs the visible one, only the `cross` decoder the masked one); `to` builds the
+    ones the model reads on the host first and moves everything in one copy, so the device computes none of them.
     """
 
     batch: PackedBatch
@@ -70,6 +73,10 @@ class MaskedBatch:
     @property
     def num_predicted(self) -> int:
         return int(self.selection.masked_index.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.batch.device
 
     @functools.cached_property
     def full(self) -> VarlenMeta:
@@ -84,6 +91,40 @@ class MaskedBatch:
     def masked(self) -> VarlenMeta:
         return stream_meta(self.batch, self.counts.predicted, self.selection.masked_index, self.config)
 
+    def layouts_read(self) -> tuple[str, ...]:
+        """The stream layouts the model reads for this batch's config: the full stream always (the decoder's, or the
+        encoder's when k < L), the visible one when k > 0, the masked one for the `cross` decoder."""
+        cfg = self.config
+        return ("full",) + (("visible",) if cfg.insert_layer > 0 else ()) + (
+            ("masked",) if cfg.decoder_kind == "cross" and cfg.decoder_layers else ())
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Every device tensor of the batch, its selection and the layouts built so far (rotary tables excepted)."""
+        layouts = [self.__dict__[name] for name in ("full", "visible", "masked") if name in self.__dict__]
+        return [*self.batch.device_tensors(), *self.selection,
+                *(t for meta in layouts for t in (meta.cu_seqlens, meta.padded_index, meta.key_valid, meta.positions))]
+
+    def to(self, device, non_blocking: bool = False) -> MaskedBatch:
+        """This masking on `device`: the layouts the model reads are built where the batch is (on the host, for the
+        trainer's batches: `masked_ahead`), then batch, selection and layouts move in one copy
+        (`batch.to_device_in_one_copy`); rotary tables are made on `device` from the moved positions."""
+        names = [name for name in ("full", "visible", "masked") if name in self.layouts_read() or name in self.__dict__]
+        layouts = {name: getattr(self, name) for name in names}
+        moved = iter(to_device_in_one_copy(self.device_tensors(), device, non_blocking))
+        batch = replace(self.batch, **{name: next(moved) for name in PackedBatch.DEVICE_FIELDS})
+        selection = MaskSelection(*(next(moved) for _ in self.selection))
+        out = MaskedBatch(batch=batch, counts=self.counts, selection=selection, config=self.config)
+        for name, meta in layouts.items():
+            cu_seqlens, padded_index, key_valid, positions = (next(moved) for _ in range(4))
+            rotary = None if meta.rotary is None else rotary_tables(positions, _rotary_dim(self.config),
+                                                                    self.config.rotary_base)
+            setattr(out, name, VarlenMeta(cu_seqlens, meta.max_seqlen, padded_index, key_valid, positions, rotary))
+        return out
+
+
+def _rotary_dim(config: ModelConfig) -> int:
+    return config.head_dim if config.position_embedding == "rotary" else 0
+
 
 def stream_meta(batch: PackedBatch, lengths: torch.Tensor, rows: torch.Tensor | None,
                 config: ModelConfig) -> VarlenMeta:
@@ -93,9 +134,8 @@ def stream_meta(batch: PackedBatch, lengths: torch.Tensor, rows: torch.Tensor | 
     torch.cumsum(lengths, 0, out=cu[1:])
     seq_ids = batch.seq_ids if rows is None else batch.seq_ids.index_select(0, rows)
     positions = batch.positions if rows is None else batch.positions.index_select(0, rows)
-    rotary_dim = config.head_dim if config.position_embedding == "rotary" else 0
     return VarlenMeta.build(cu.to(device, non_blocking=True), max(int(lengths.max()), 1), seq_ids, positions,
-                            rotary_dim, config.rotary_base)
+                            _rotary_dim(config), config.rotary_base)
 
 
 def mask_rows(batch: PackedBatch, config: ModelConfig, predicted: torch.Tensor) -> MaskedBatch:
@@ -138,11 +178,13 @@ def unmasked(batch: PackedBatch, config: ModelConfig) -> MaskedBatch:
 
 
 def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, rank: int = 0,
-               mask_rate: float | None = None) -> MaskedBatch:
+               mask_rate: float | None = None, host: bool = False) -> MaskedBatch:
     """Select the predicted tokens of `batch` for (seed, step, rank) and lay out the streams.
 
     The selection is a pure function of the batch's tokens and (seed, step, rank): reruns give the same masks;
-    another step or data-parallel rank gives others. `mask_rate` overrides config.mask_rate (evaluation uses 15%).
+    another step or data-parallel rank gives others, and the Triton kernel and the plain-torch reference select the
+    same rows. `mask_rate` overrides config.mask_rate (evaluation uses 15%). `host`: a host batch masked as host work
+    (`masked_ahead`'s thread), by the reference whatever FASTMAE_KERNELS says.
     """
     rate = config.mask_rate if mask_rate is None else mask_rate
     counts = MaskCounts.for_batch(batch, rate, config.mask_token_prob, config.random_token_prob)
@@ -150,7 +192,8 @@ def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, ra
     maskable = torch.ones_like(batch.tokens, dtype=torch.bool)
     for special in UNMASKABLE_IDS:
         maskable &= batch.tokens != special
-    selection = ops.select_masked(
+    select = kernels.select_masked_reference if host else ops.select_masked
+    selection = select(
         batch.tokens, batch.cu_seqlens, batch.seq_ids, maskable,
         num_removed=counts.removed.to(device, non_blocking=True),
         num_random=counts.random.to(device, non_blocking=True),
@@ -161,3 +204,18 @@ def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, ra
         max_seqlen=batch.max_seqlen,
     )
     return MaskedBatch(batch=batch, counts=counts, selection=selection, config=config)
+
+
+def masked_ahead(batches: Iterator[PackedBatch], config: ModelConfig, seed: int,
+                 depth: int = 2) -> Iterator[MaskedBatch]:
+    """The data loader's host batches masked on the host for (seed, each batch's index), with the layouts the model
+    reads, by a background thread up to `depth` ahead (ARCHITECTURE.md section 2): the training step then finds masks
+    and layouts ready and moves each micro-batch in one copy (`MaskedBatch.to`)."""
+
+    def mask(batch: PackedBatch) -> MaskedBatch:
+        masked = mask_batch(batch, config, seed, batch.index, host=True)
+        for name in masked.layouts_read():
+            getattr(masked, name)  # built here, on the host
+        return masked
+
+    return ahead_in_thread(map(mask, batches), depth)

@@ -27,20 +27,24 @@ class ClippingAdamW(torch.optim.AdamW):
         self.found_inf = found_inf  # read by the fused kernel on every step (None: never skip)
         self.global_norm: Callable[[], torch.Tensor] | None = None
         self.last_norm: torch.Tensor | None = None  # the global norm before clipping, on the device
+        self._coefficient: torch.Tensor | None = None  # the clip coefficient of last_norm (None: no clipping)
 
     @torch.no_grad()
     def step(self, closure=None):
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if params:
-            if self.global_norm is not None:
-                norm = self.global_norm()
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            if self.global_norm is None:
+                norm = torch.stack(torch._foreach_norm(grads)).float().square().sum().sqrt()
             else:
-                norm = torch.stack(torch._foreach_norm([p.grad for p in params])).float().square().sum().sqrt()
-            self.last_norm = norm
-            if self.found_inf is not None:
-                torch.maximum(self.found_inf, (~torch.isfinite(norm)).float(), out=self.found_inf)
-            if self.max_norm > 0:  # the clamped coefficient, multiplied without a host read
-                torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm, foreach=True)
+                norm = self.global_norm()
+            if norm is not self.last_norm:  # under ZeRO each group's step sees the same norm: once per norm
+                self.last_norm, self._coefficient = norm, None
+                if self.found_inf is not None:
+                    torch.maximum(self.found_inf, (norm * 0).ne(0), out=self.found_inf)  # inf, NaN: NaN
+                if self.max_norm > 0:  # torch's clip_grads_with_norm_ coefficient, without a host read
+                    self._coefficient = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+            if self._coefficient is not None:
+                torch._foreach_mul_(grads, self._coefficient)
         return super().step(closure)
 
 

@@ -40,22 +40,25 @@ class StepStats:
     digest: int
 
 
-def per_token_weight(masked: list[MaskedBatch], device: torch.device) -> torch.Tensor:
-    """Device scalar w such that the micro-batch losses (means over their own predicted tokens) times
-    num_predicted * w add up, after DeepSpeed's 1/grad_accum scaling and its mean over ranks, to the mean over
-    every predicted token of the step. The counts are the masks' host counts; their sum over ranks is one all-reduce
-    that the host does not wait for."""
+def per_token_weight(masked: list[MaskedBatch], device: torch.device) -> torch.Tensor | float:
+    """Scalar w such that the micro-batch losses (means over their own predicted tokens) times num_predicted * w add
+    up, after DeepSpeed's 1/grad_accum scaling and its mean over ranks, to the mean over every predicted token of the
+    step. The counts are the masks' host counts; their sum over ranks is one all-reduce that the host does not wait
+    for (w a device scalar), and in a world of one w is a host number."""
     local = sum(int(m.counts.predicted.sum()) for m in masked)
+    if dist.get_world_size() == 1:
+        return len(masked) / max(local, 1)
     total = torch.full((), float(local), dtype=torch.float32, device=device)
     dist.all_reduce(total)
     return (len(masked) * dist.get_world_size()) / total.clamp(min=1.0)
 
 
-def train_step(engine, micro_batches: list[PackedBatch], *, seed: int, non_finite: torch.Tensor,
+def train_step(engine, micro_batches: list[PackedBatch | MaskedBatch], *, seed: int, non_finite: torch.Tensor,
                compute_accuracy: bool = False) -> StepStats:
     """Run one optimizer step of `engine` (a DeepSpeed engine around a MaskedLM) on this rank's micro-batches.
 
-    Each micro-batch is masked for (seed, its index in the run), so masks do not depend on the rank count.
+    Each micro-batch is masked for (seed, its index in the run), so masks do not depend on the rank count: the
+    trainer's come masked already (`masking.masked_ahead`, on the host), a PackedBatch is masked here, on its device.
     `non_finite` is the engine's skip flag (`build_engine(found_inf=...)`): it is set on the device when any rank's
     loss is not finite, and the optimizer then leaves the weights as they were.
     """
@@ -63,29 +66,30 @@ def train_step(engine, micro_batches: list[PackedBatch], *, seed: int, non_finit
     if len(micro_batches) != engine.gradient_accumulation_steps():
         raise ValueError(f"train_step: {len(micro_batches)} micro-batches for an engine that accumulates "
                          f"{engine.gradient_accumulation_steps()}")
-    if any(batch.index is None for batch in micro_batches):
+    batches = [b.batch if isinstance(b, MaskedBatch) else b for b in micro_batches]
+    if any(batch.index is None for batch in batches):
         raise ValueError("train_step: every micro-batch needs its index in the run (PackedBatch.index), which "
                          "keys its masks; the data loader sets it")
     device = non_finite.device
-    masks = [mask_batch(batch, model_config, seed, batch.index) for batch in micro_batches]
+    masks = [b if isinstance(b, MaskedBatch) else mask_batch(b, model_config, seed, b.index) for b in micro_batches]
     weight = per_token_weight(masks, device)
     non_finite.zero_()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, predicted, correct, scored
     tokens = flops = digest = 0
-    for i, (batch, masked) in enumerate(zip(micro_batches, masks)):
-        last = i + 1 == len(micro_batches)
+    for i, (batch, masked) in enumerate(zip(batches, masks)):
+        last = i + 1 == len(masks)
         out = engine(masked, compute_accuracy=compute_accuracy)
         loss = out.loss.detach()
-        torch.maximum(non_finite, (~torch.isfinite(loss)).float(), out=non_finite)
+        torch.maximum(non_finite, (loss * 0).ne(0), out=non_finite)  # inf or NaN times 0 is NaN: 3 ops, no isfinite
         if last:  # before the last backward: DeepSpeed's optimizer step follows it
             agree_on_flag(non_finite)
         engine.backward(out.loss * (out.num_predicted * weight))
         engine.step()
-        sums[0] += loss.double() * out.num_predicted
-        sums[1] += out.num_predicted
+        sums[0].add_(loss, alpha=out.num_predicted)  # in fp64; the product of an fp32 loss and a count is exact
+        sums[1].add_(out.num_predicted)
         if compute_accuracy:
-            sums[2] += out.num_correct
-            sums[3] += out.num_predicted
+            sums[2].add_(out.num_correct)
+            sums[3].add_(out.num_predicted)
         tokens += batch.num_tokens
         if batch.dataset_ids is not None:
             digest = (digest + sequences_digest(batch.dataset_ids)) % DIGEST_MODULUS

@@ -43,6 +43,7 @@ from .evaluation import Evaluator, HeldOutSet
 from .faults import FaultHooks
 from .flops import plan_budget
 from .hardware import cpu_cores, device_name
+from .masking import masked_ahead
 from .metrics import LogWindow, MetricsWriter, peak_memory_mib
 from .model import MaskedLM
 from .plot import plot_run
@@ -258,11 +259,13 @@ class Trainer:
     def _loop(self, bar) -> None:
         """Optimizer steps until the last one (or a stop request), each followed by the stages that act on it.
 
-        The host never waits for the device inside a step: batches are copied ahead (`to_device_ahead`), the step's
+        The host never waits for the device inside a step: batches are masked with their layouts on the host by a
+        background thread (`masked_ahead`) and copied ahead in one copy each (`to_device_ahead`), the step's
         statistics stay on the device (`train_step`), and the host reads them on logged steps only.
         """
         cfg, counters = self.config, self.counters
-        batches = to_device_ahead(iter(self.loader), self.device)
+        batches = to_device_ahead(masked_ahead(iter(self.loader), self.engine.module.config, cfg.train.seed),
+                                  self.device)
         window = LogWindow(cfg.log.every, cfg.train.steps, self.device)
         self.engine.train()
         while counters.step < cfg.train.steps:

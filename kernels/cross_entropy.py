@@ -80,7 +80,7 @@ def chunk_rows(num_rows: int, vocab: int, element_bytes: int, budget: int) -> in
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, labels, ignore_index, label_smoothing, z_loss, needs_grad):
+    def forward(ctx, x, weight, bias, labels, ignore_index, label_smoothing, z_loss, needs_grad, num_counted):
         num_rows, hidden = x.shape
         vocab = weight.shape[0]
         compute_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
@@ -90,8 +90,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x_c, w_c = x.to(compute_dtype), _pad_rows(weight.to(compute_dtype), pad)
         b_c = None if bias is None else _pad_rows(bias.to(compute_dtype), pad)
         labels = labels.contiguous()
-        count = (labels != ignore_index).sum().clamp(min=1)
-        scale = 1.0 / count.float()  # stays on the device: no sync
+        if num_counted is None:
+            scale = 1.0 / (labels != ignore_index).sum().clamp(min=1).float()  # stays on the device: no sync
+        else:  # the caller's host count: no device op
+            scale = 1.0 / max(num_counted, 1)
         loss_rows = torch.empty(num_rows, device=x.device, dtype=torch.float32)
         grad_x = torch.empty(x.shape, device=x.device, dtype=torch.float32) if needs_grad else None
         grad_w = torch.zeros(w_c.shape, device=x.device, dtype=torch.float32) if needs_grad else None
@@ -114,20 +116,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if needs_grad:
             grad_w = grad_w[:vocab]
             grad_b = None if grad_b is None else grad_b[:vocab]
-        ctx.save_for_backward(grad_x, grad_w, grad_b, scale)
+        ctx.save_for_backward(grad_x, grad_w, grad_b)
+        ctx.scale = scale
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss_rows.sum() * scale
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_loss):
-        grad_x, grad_w, grad_b, scale = ctx.saved_tensors
+        grad_x, grad_w, grad_b = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        factor = grad_loss.float() * scale  # 1 / rows x the incoming gradient, applied in fp32
+        factor = grad_loss.float() * ctx.scale  # 1 / rows x the incoming gradient, applied in fp32
         dx = None if grad_x is None else (grad_x * factor).to(x_dtype)
         dw = None if grad_w is None else (grad_w * factor).to(w_dtype)
         db = None if grad_b is None else (grad_b * factor).to(b_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
@@ -148,7 +151,8 @@ def _add_transposed_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0) -> torch.Tensor:
+                         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         num_counted: int | None = None) -> torch.Tensor:
     """`linear_cross_entropy_reference` fused (Triton): same arguments and result, logits held one chunk at a time.
 
     Under CUDA autocast the matmuls run in the autocast dtype; loss and softmax in fp32.
@@ -158,4 +162,5 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          f"{tuple(labels.shape)} do not fit [N, H], [V, H], [N]")
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))  # evaluation under no_grad computes no gradients
-    return _LinearCrossEntropy.apply(x, weight, bias, labels, ignore_index, label_smoothing, z_loss, needs_grad)
+    return _LinearCrossEntropy.apply(x, weight, bias, labels, ignore_index, label_smoothing, z_loss, needs_grad,
+                                     num_counted)

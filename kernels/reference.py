@@ -125,19 +125,20 @@ def insert_rows_reference(visible, visible_index, removed_index, fill, pos_table
 
 def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                    labels: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
-                                   z_loss: float = 0.0) -> torch.Tensor:
+                                   z_loss: float = 0.0, num_counted: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of `x @ weight.T + bias` against `labels` (plain torch; materialises the logits).
 
     x: [N, H] (predicted rows only). weight: [V, H] (the tied token embeddings). bias: [V] or None.
     labels: [N] integer ids; rows equal to `ignore_index` are skipped and not counted. label_smoothing: as in
-    F.cross_entropy. z_loss: weight of the mean squared log-sum-exp (PaLM's z-loss). Logits in x's dtype, the loss
+    F.cross_entropy. z_loss: weight of the mean squared log-sum-exp (PaLM's z-loss). num_counted: the number of rows
+    not ignored, when the caller knows it on the host (the device then counts nothing). Logits in x's dtype, the loss
     in fp32. Returns a scalar fp32 tensor, 0 (not NaN) when no row counts.
     """
     logits = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     labels = labels.long()
     keep = labels != ignore_index
-    count = keep.sum().clamp(min=1)
+    count = keep.sum().clamp(min=1) if num_counted is None else max(num_counted, 1)
     safe = torch.where(keep, labels, 0)
     lse = torch.logsumexp(logits, dim=-1)
     nll = lse - logits.gather(1, safe[:, None])[:, 0]

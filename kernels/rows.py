@@ -134,8 +134,10 @@ def _launch_forward(src, src_ids, fill, pos_table, pos_ids, ln_weight, ln_bias, 
     device = src.device
     out = torch.empty(n_rows, hidden, device=device, dtype=src.dtype)
     has_norm = ln_weight is not None
-    mean = torch.empty(n_rows, device=device, dtype=torch.float32) if has_norm else _placeholder(device)
-    rstd = torch.empty_like(mean) if has_norm else mean
+    if has_norm:  # one allocation for both
+        mean, rstd = torch.empty(2, n_rows, device=device, dtype=torch.float32).unbind(0)
+    else:
+        mean = rstd = _placeholder(device)
     if n_rows == 0:
         return out, mean, rstd
     block, warps = row_launch_config(hidden)
@@ -158,8 +160,9 @@ def _launch_backward(dout, src, src_ids, fill, pos_table, pos_ids, ln_weight, me
     dpre = torch.empty(n_rows, hidden, device=device, dtype=torch.float32)
     has_norm = ln_weight is not None
     programs = triton.cdiv(n_rows, ROWS_PER_PROGRAM)
-    dw_part = torch.empty(programs, hidden, device=device, dtype=torch.float32) if has_norm else None
-    db_part = torch.empty_like(dw_part) if has_norm else None
+    # the LayerNorm's per-program partial gradients, weight's and bias's in one buffer: one allocation, one sum
+    parts = torch.empty(2, programs, hidden, device=device, dtype=torch.float32) if has_norm else None
+    dw_part, db_part = parts.unbind(0) if has_norm else (None, None)
     if n_rows == 0:
         return dpre, None, None
     dout = dout.contiguous()
@@ -176,7 +179,10 @@ def _launch_backward(dout, src, src_ids, fill, pos_table, pos_ids, ln_weight, me
         HAS_NORM=has_norm, DST_INDEXED=dst_index is not None, BLOCK_H=block, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM,
         num_warps=warps,
     )
-    return dpre, (dw_part.sum(0) if has_norm else None), (db_part.sum(0) if has_norm else None)
+    if not has_norm:
+        return dpre, None, None
+    dw, db = parts.sum(1).unbind(0)
+    return dpre, dw, db
 
 
 def _accumulate_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -170,23 +170,24 @@ def test_packing_covers_every_token_once_and_respects_limits(dataset, packing):
 
 def test_full_packing_gives_every_micro_batch_of_full_length_sequences_the_same_shapes(dataset):
     """Mask counts follow sequence lengths only: whatever document separators a full-length sequence holds, the
-    masked micro-batch has the same device shapes. The exceptions: micro-batches with a shard's last piece (shorter)
-    and the epoch's last micro-batch (partly filled)."""
+    micro-batch the trainer's pipeline masks (`masked_ahead`: selection and stream layouts, on the host) has the same
+    device shapes. The exceptions: micro-batches with a shard's last piece (shorter) and the epoch's last micro-batch
+    (partly filled)."""
     from conftest import tiny_config
 
-    from fastmae.masking import mask_batch
+    from fastmae.masking import masked_ahead
 
     directory, _ = dataset
     loader = PackedLoader(directory, max_seq_len=32, packing="full", tokens_per_batch=128, seed=1)
-    config = tiny_config("3ml", vocab_size=loader.vocab_size, max_seq_len=32)
+    config = tiny_config("3ml", vocab_size=loader.vocab_size, max_seq_len=32, decoder_kind="cross")
     shapes, separators, short = set(), set(), 0
-    for index, batch in enumerate(drain(loader, loader.planner.steps_per_epoch())):
+    for masked in masked_ahead(drain(loader, loader.planner.steps_per_epoch()), config, seed=0):
+        batch, selection = masked.batch, masked.selection
         if int(batch.seqlens.min()) < 32 or batch.num_tokens < 128:
             short += 1
             continue
-        selection = mask_batch(batch, config, seed=0, step=index).selection
-        shapes.add(tuple(t.shape for t in (batch.tokens, selection.masked_index, selection.visible_index,
-                                           selection.removed_index)))
+        assert set(masked.layouts_read()) <= set(vars(masked))  # built on the host, ahead
+        shapes.add(tuple(t.shape for t in masked.device_tensors()))
         separators.add(int((batch.tokens == EOS_ID).sum()) - batch.num_sequences)  # </s> inside the sequences
         assert (selection.labels != EOS_ID).all()  # never a separator
     assert len(shapes) == 1, shapes

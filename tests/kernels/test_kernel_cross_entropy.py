@@ -167,3 +167,17 @@ def test_many_chunks_match_the_reference(dtype, seed, monkeypatch):
     exact = _loss_and_grads(linear_cross_entropy_reference, x, w, b, labels, torch.float64, {})
     for i, (g, p, e) in enumerate(zip(got, plain, exact)):
         assert_as_accurate(["loss", "dx", "dw", "db"][i], g, p, e, dtype, factor=2 if i == 0 else 3)
+
+
+@pytest.mark.parametrize("fn", [linear_cross_entropy, linear_cross_entropy_reference], ids=["triton", "reference"])
+def test_a_host_count_of_the_rows_gives_the_same_loss_and_gradients(fn):
+    # the model passes its host count of predicted rows (num_counted): no device count, the same result
+    gen = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(33, 20, generator=gen), torch.randn(1000, 20, generator=gen), torch.randn(1000, generator=gen)
+    labels = torch.randint(0, 1000, (33,), generator=gen)
+    labels[::4] = -100
+    counted = _loss_and_grads(fn, x, w, b, labels, torch.float32, {"num_counted": int((labels != -100).sum())})
+    for got, expected in zip(counted, _loss_and_grads(fn, x, w, b, labels, torch.float32, {})):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    wrong = _loss_and_grads(fn, x, w, b, labels, torch.float32, {"num_counted": 33})
+    assert not torch.allclose(wrong[0], counted[0])  # the count is what divides

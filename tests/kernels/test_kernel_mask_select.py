@@ -35,3 +35,38 @@ def test_kernel_matches_reference_bit_for_bit(name, rate, mask_p, random_p, seed
     if rate == 1.0:  # everything maskable is masked: the visible stream holds the specials only
         assert torch.isin(batch.tokens[got.visible_index.long()],
                           torch.tensor(UNMASKABLE_IDS, dtype=torch.int32, device=KERNEL_DEVICE)).all()
+
+
+@pytest.mark.parametrize("preset, extra", [("3ml", {}), ("mlm", {}),
+                                           ("mae-lm", {"decoder_kind": "cross", "position_embedding": "rotary"})])
+def test_masks_and_layouts_made_on_the_host_are_the_devices(preset, extra, monkeypatch):
+    # the trainer masks on the host (masked_ahead: the reference, in a thread) and moves each micro-batch in one copy;
+    # masking on the device (the Triton kernel) gives the same selection and stream layouts
+    import dataclasses
+
+    from conftest import tiny_batch, tiny_config
+
+    from fastmae.attention import VarlenMeta
+    from fastmae.batch import to_device_ahead
+    from fastmae.masking import mask_batch, masked_ahead
+
+    monkeypatch.setenv("FASTMAE_KERNELS", "triton")
+    config = tiny_config(preset, **extra)
+    batches = [dataclasses.replace(tiny_batch(seed=i), index=10 + i) for i in range(3)]
+    moved = to_device_ahead(masked_ahead(iter(batches), config, seed=5), torch.device(KERNEL_DEVICE))
+    for host, batch in zip(moved, batches, strict=True):
+        device = mask_batch(batch.to(KERNEL_DEVICE), config, seed=5, step=batch.index)
+        assert host.device == device.device
+        for field, got, expected in zip(device.selection._fields, host.selection, device.selection):
+            assert torch.equal(got, expected), field
+        for layout in ("full", "visible", "masked"):
+            if layout not in host.layouts_read():
+                continue
+            got, expected = getattr(host, layout), getattr(device, layout)
+            for field in VarlenMeta._fields:
+                a, b = getattr(got, field), getattr(expected, field)
+                if isinstance(a, tuple):  # rotary tables (made on the device from the moved positions)
+                    equal = all(map(torch.equal, a, b))
+                else:
+                    equal = a == b if a is None or isinstance(a, int) else torch.equal(a, b)
+                assert equal, (layout, field)
