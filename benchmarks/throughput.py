@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     parser.add_argument("--backends", action="store_true", help="CUDA: also mlm with each attention backend")
     parser.add_argument("--compile", action="store_true", help="also each fastmae system with compiled layers")
+    parser.add_argument("--name", default="throughput", help="results file name under benchmarks/results/ "
+                        "(gpu_check: throughput_recipe at the recipes' micro-batch)")
     parser.add_argument("--real-data", action="store_true",
                         help="also 3ml on the embedded corpus packed `full` (separators inside, as training sees it)")
     args = parser.parse_args(argv)
@@ -318,9 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         columns.append("gpu_busy")
     header = {"dtype": precision, "peak_flops": peak, "sizes": sizes, "sequences": sequences, "seq_len": SEQ_LEN,
               "vocab_size": VOCAB_SIZE, "versions": _versions()}
-    path = write_results("throughput", rows, columns, "Training throughput and MFU", notes, header)
-    _plot(rows, RESULTS_DIR / "throughput.png", title)
-    print(f"wrote {path} and throughput.json, throughput.png")
+    path = write_results(args.name, rows, columns, "Training throughput and MFU", notes, header)
+    _plot(rows, RESULTS_DIR / f"{args.name}.png", title)
+    print(f"wrote {path} and {args.name}.json, {args.name}.png")
     return 0
 
 

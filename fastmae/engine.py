@@ -143,5 +143,5 @@ def master_weights(engine) -> dict[str, torch.Tensor] | None:
             weights[name] = (param if full is None else full).detach().float().cpu().clone()
     if not first:
         return None
-    flat = engine.module.flat
+    flat = getattr(engine.module, "flat", None)
     return weights if flat is None else flat.unflatten(weights)

@@ -18,42 +18,56 @@ import torch
 from torch import nn
 
 
-class FlatParameters(nn.Module):
+class FlatParameters:
     """The parameters of `owner` named in `groups` (group name -> parameter names), held as one flat parameter per
-    group (this module's parameter of that name), in the order given.
+    group (`owner`'s parameter "flat_" + group name), in the order given.
 
     Made once, before the optimizer and DeepSpeed see the model; the values are copied, so the flat parameters start
-    where the originals were. `owner.state_dict()` then holds the flat parameters; `unflatten` gives names back.
+    where the originals were. A parameter shared by several modules (tied weights) becomes one view that each of them
+    reads. `owner`'s forward binds the views first (a forward pre-hook); a method of `owner` that reads parameters
+    outside its forward calls `bind` itself. `owner.state_dict()` then holds the flat parameters; `unflatten` gives
+    names back.
     """
 
+    PREFIX = "flat_"
+
     def __init__(self, owner: nn.Module, groups: dict[str, list[str]]):
-        super().__init__()
-        self._slots: dict[str, list[tuple[nn.Module, str, str, torch.Size]]] = {}  # (module, attribute, name, shape)
+        self._owner = owner
+        holders: dict[int, list[tuple[nn.Module, str]]] = {}  # every (module, attribute) holding a parameter
+        for name, param in owner.named_parameters(remove_duplicate=False):
+            module_name, _, attribute = name.rpartition(".")
+            holders.setdefault(id(param), []).append((owner.get_submodule(module_name), attribute))
+        self._slots: dict[str, list[tuple[list[tuple[nn.Module, str]], str, torch.Size]]] = {}  # (holders, name, shape)
         for group, names in groups.items():
             params = [owner.get_parameter(name) for name in names]
-            self.register_parameter(group, nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params])))
-            slots = []
-            for name, param in zip(names, params):
-                module_name, _, attribute = name.rpartition(".")
-                module = owner.get_submodule(module_name)
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            owner.register_parameter(self.PREFIX + group, nn.Parameter(flat))
+            self._slots[group] = [(holders[id(param)], name, param.shape) for name, param in zip(names, params)]
+            for module, attribute in (holder for param in params for holder in holders[id(param)]):
                 del module._parameters[attribute]
-                slots.append((module, attribute, name, param.shape))
-            self._slots[group] = slots
         self.bind()
+        owner.register_forward_pre_hook(lambda module, args: self.bind())
 
     def bind(self) -> None:
         """Point every module's parameter attribute at its view of the flat parameter as it is now (after a dtype
         change, a ZeRO repartition, an optimizer step that replaced the storage)."""
         for group, slots in self._slots.items():
-            views = getattr(self, group).split([shape.numel() for _, _, _, shape in slots])
-            for (module, attribute, _, shape), view in zip(slots, views):
-                setattr(module, attribute, view.view(shape))
+            views = self.parameter(group).split([shape.numel() for _, _, shape in slots])
+            for (holders, _, shape), view in zip(slots, views):
+                view = view.view(shape)
+                for module, attribute in holders:
+                    setattr(module, attribute, view)
 
-    def unflatten(self, named: dict[str, torch.Tensor], prefix: str = "flat.") -> dict[str, torch.Tensor]:
+    def parameter(self, group: str) -> nn.Parameter:
+        """The flat parameter of `group`."""
+        return getattr(self._owner, self.PREFIX + group)
+
+    def unflatten(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`named` (tensors by the owner's parameter names, e.g. gathered master weights) with each flat parameter's
-        entry (`prefix` + group name) replaced by copies of its pieces under their original names."""
-        out = {name: tensor for name, tensor in named.items() if not name.startswith(prefix)}
+        entry replaced by copies of its pieces under their original names."""
+        flat_names = {self.PREFIX + group for group in self._slots}
+        out = {name: tensor for name, tensor in named.items() if name not in flat_names}
         for group, slots in self._slots.items():
-            views = named[prefix + group].split([shape.numel() for _, _, _, shape in slots])
-            out.update({name: view.view(shape).clone() for (_, _, name, shape), view in zip(slots, views)})
+            views = named[self.PREFIX + group].split([shape.numel() for _, _, shape in slots])
+            out.update({name: view.view(shape).clone() for (_, name, shape), view in zip(slots, views)})
         return out

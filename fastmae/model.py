@@ -241,7 +241,8 @@ class MaskedLM(nn.Module):
             layer.attention_backend = backend
 
     def _bind_parameters(self) -> None:
-        """With flat parameters, point the modules' weights at the flat parameters as they are now."""
+        """With flat parameters, point the modules' weights at the flat parameters as they are now (`forward` does
+        this in a hook; `encode` is not a forward)."""
         if self.flat is not None:
             self.flat.bind()
 
@@ -318,7 +319,6 @@ class MaskedLM(nn.Module):
         cfg = self.config
         masked = batch if isinstance(batch, MaskedBatch) else mask_batch(batch, cfg, seed, step, rank)
         self._check(masked.batch)
-        self._bind_parameters()
         encoder_states = self._encoder(masked)
         x = encoder_states
         if 0 < cfg.insert_layer == cfg.encoder_layers:  # k = L: the insertion feeds the decoder

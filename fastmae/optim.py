@@ -64,7 +64,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     flat = getattr(model, "flat", None)
     decays = {"decay": weight_decay, "no_decay": 0.0}
     if flat is not None:
-        return [{"params": [getattr(flat, group)], "weight_decay": decay} for group, decay in decays.items()]
+        return [{"params": [flat.parameter(group)], "weight_decay": decay} for group, decay in decays.items()]
     named = dict(model.named_parameters())
     return [{"params": [named[name] for name in names], "weight_decay": decays[group]}
             for group, names in decay_groups(model).items()]

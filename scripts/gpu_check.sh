@@ -14,7 +14,9 @@
 #   5. benchmarks/kernels.py: each kernel against its torch reference, GB/s against the device's memory bandwidth
 #   6. benchmarks/attention.py: every attention backend, with and without dropout
 #   7. benchmarks/throughput.py --size base: mlm, 3ml, mae-lm with and without the relative bias (eager and
-#      compiled), 3ml on the embedded corpus packed `full` (separators inside), Hugging Face RoBERTa; tokens/s, MFU
+#      compiled), 3ml on the embedded corpus packed `full` (separators inside), Hugging Face RoBERTa; tokens/s, MFU;
+#      again at the base recipes' micro-batch (128 x 512 tokens), and benchmarks/micro_batch.py refits the recipes'
+#      micro-batch to the peaks measured at both sizes
 #   8. a 50-step 3ml base-shaped training run on 1 GPU (configs/3ml-base.yaml on the embedded corpus)
 # Everything lands in benchmarks/results/gpu/DEVICE/ (logs, the benchmarks' JSON + Markdown, the run's metrics),
 # small enough to commit; the training run's checkpoints stay in runs/gpu-check/.
@@ -100,9 +102,14 @@ keep attention
 step throughput_benchmark "$python" benchmarks/throughput.py --size base --sequences 32 \
     --systems hf-roberta,mlm,3ml,mae-lm,mae-lm-relbias,mae-lm-relbias-no-dropout --compile --real-data
 keep throughput
+step throughput_recipe_benchmark "$python" benchmarks/throughput.py --size base --sequences 128 \
+    --systems hf-roberta,mlm,3ml --name throughput_recipe
+keep throughput_recipe
+step micro_batch "$python" benchmarks/micro_batch.py --device-dir "$out"
+keep micro_batch
 step train_3ml_base deepspeed --num_gpus 1 fastmae/train.py --config configs/3ml-base.yaml --resume none \
     data.path=builtin data.builtin_vocab_size=8000 \
-    train.steps=50 train.tokens_per_step=16384 train.warmup_steps=10 eval.every=50 eval.sequences=256 \
+    train.steps=50 train.tokens_per_step=131072 train.warmup_steps=10 eval.every=50 eval.sequences=256 \
     checkpoint.every=50 checkpoint.keep=1 log.every=5 "log.dir=$run_dir"
 echo "+ cp $run_dir/{metrics.jsonl,curves.png,config.yaml,deepspeed_config.json} $out/"
 if (( ! dry_run )); then

@@ -19,7 +19,7 @@ def test_a_flat_model_computes_the_same_loss_and_gradients(preset, extra, seed):
     flat = copy.deepcopy(plain)
     groups = decay_groups(flat)
     flat.flat = FlatParameters(flat, groups)
-    assert [name for name, _ in flat.named_parameters()] == ["flat.decay", "flat.no_decay"]
+    assert [name for name, _ in flat.named_parameters()] == ["flat_decay", "flat_no_decay"]
     batch = tiny_batch(seed=seed)
     masked = mask_batch(batch, plain.config, seed=seed, step=3)
     for _ in range(2):  # the second forward rebinds the views to the (updated) flat parameters
@@ -27,7 +27,7 @@ def test_a_flat_model_computes_the_same_loss_and_gradients(preset, extra, seed):
         torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=0)
         expected.loss.backward()
         got.loss.backward()
-        grads = flat.flat.unflatten({f"flat.{group}": getattr(flat.flat, group).grad for group in groups})
+        grads = flat.flat.unflatten({name: p.grad for name, p in flat.named_parameters()})
         for name, param in plain.named_parameters():
             torch.testing.assert_close(grads[name], param.grad, rtol=0, atol=0, msg=name)
         with torch.no_grad():  # one SGD step on both, through the flat tensors on one side
@@ -50,7 +50,25 @@ def test_the_flat_groups_are_the_weight_decay_groups():
     assert "embeddings.tokens.weight" in groups["decay"] and "embeddings.norm.weight" in groups["no_decay"]
     model.flat = FlatParameters(model, groups)
     decay, no_decay = param_groups(model, 0.01)
-    assert decay["params"] == [model.flat.decay] and decay["weight_decay"] == 0.01
-    assert no_decay["params"] == [model.flat.no_decay] and no_decay["weight_decay"] == 0.0
-    assert model.flat.decay.numel() == sum(sizes[name] for name in groups["decay"])
-    assert model.flat.no_decay.numel() == sum(sizes[name] for name in groups["no_decay"])
+    assert decay["params"] == [model.flat_decay] and decay["weight_decay"] == 0.01
+    assert no_decay["params"] == [model.flat_no_decay] and no_decay["weight_decay"] == 0.0
+    assert model.flat_decay.numel() == sum(sizes[name] for name in groups["decay"])
+    assert model.flat_no_decay.numel() == sum(sizes[name] for name in groups["no_decay"])
+
+
+def test_a_tied_parameter_is_one_view_that_every_holder_reads():
+    # as Hugging Face ties its LM head to the embeddings: one parameter, two modules, gradients of both uses summed
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    plain[1].weight = plain[0].weight
+    flat = copy.deepcopy(plain)
+    flat.flat = FlatParameters(flat, decay_groups(flat))
+    ids = torch.tensor([1, 2, 3, 2])
+    expected, got = plain(ids), flat(ids)  # the forward pre-hook binds the views
+    assert flat[0].weight is flat[1].weight and torch.equal(got, expected)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    grads = flat.flat.unflatten({name: p.grad for name, p in flat.named_parameters()})
+    assert sorted(grads) == ["0.weight", "1.bias"]
+    torch.testing.assert_close(grads["0.weight"], plain[0].weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(grads["1.bias"], plain[1].bias.grad, rtol=0, atol=0)

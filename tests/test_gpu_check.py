@@ -19,7 +19,7 @@ def test_dry_run_names_every_step_and_its_inputs_are_valid():
              for line in done.stdout.splitlines() if line.startswith("+ [")}
     assert list(steps) == ["device", "kernel_tests", "kernel_tests_large", "attention_tests", "relative_bias_tests",
                            "sync_tests", "host_overhead_benchmark", "kernel_benchmark", "attention_benchmark",
-                           "throughput_benchmark", "train_3ml_base"]
+                           "throughput_benchmark", "throughput_recipe_benchmark", "micro_batch", "train_3ml_base"]
     # compiled kernels at realistic shapes too
     for name, marks in (("kernel_tests", "not large"), ("kernel_tests_large", "large"),
                         ("attention_tests", "large or not large")):
@@ -37,7 +37,11 @@ def test_dry_run_names_every_step_and_its_inputs_are_valid():
     model = config.model
     assert (model.objective, model.hidden_size, model.encoder_layers, model.max_seq_len) == ("3ml", 768, 12, 512)
     assert config.train.steps == 50 and config.data.path == "builtin" and args.resume == "none"
-    assert config.for_world(1).train.grad_accum == 1  # one GPU, one micro-batch of 16,384 tokens per step
+    assert config.for_world(1).train.grad_accum == 1  # one GPU, one micro-batch of the recipe's size per step
+    recipe = steps["throughput_recipe_benchmark"]
+    assert int(recipe[recipe.index("--sequences") + 1]) * 512 == load_run_config(
+        str(ROOT / "configs/roberta-base.yaml"), ["model.vocab_size=32000"]).data.tokens_per_micro_batch
+    assert (ROOT / steps["micro_batch"][1]).is_file()
     assert "benchmarks/results/gpu/DEVICE" in done.stdout
     assert not (ROOT / "benchmarks" / "results" / "gpu" / "DEVICE").exists()  # a dry run writes nothing
 
