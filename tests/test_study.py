@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from conftest import tiny_batch, tiny_config
 from synthetic import keyword_split, prepare_word_dataset
 
@@ -141,6 +142,16 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys):
                        config, 1, budget)
     assert (plan.steps, plan.planned_flops) == (study["objectives"]["3ml"]["steps"][0],
                                                 study["objectives"]["3ml"]["flops"])
+    # each objective's FLOPs per step (its plan's first step), printed before training and kept; in this 2-layer
+    # preset 3ml's 2-layer decoder makes its step dearer than mlm's (the presets with base's proportions do not)
+    models = study["models"]
+    assert models["3ml"]["flops_per_step"] == plan_budget(
+        PackedLoader(data, "train", max_seq_len=config.max_seq_len, tokens_per_batch=512, seed=0), config, 1,
+        0.0).flops_per_step
+    ratio = models["3ml"]["flops_per_step"] / models["mlm"]["flops_per_step"]
+    assert models["mlm"]["flops_per_step_vs_mlm"] == 1.0 and models["3ml"]["flops_per_step_vs_mlm"] == ratio > 1
+    assert f"against mlm's: mlm 1.00x ({models['mlm']['flops_per_step']:.3g}), 3ml {ratio:.2f}x" in \
+        capsys.readouterr().err
     report = (out / "report.md").read_text()
     for text in ("## Results", "% of mlm's compute", "## What the numbers say", "seed", "## Exactly what ran",
                  "python -m fastmae.train --config", "## Effective rank per layer", "word-order accuracy"):
@@ -176,3 +187,26 @@ def test_bad_input_is_named(dataset, tmp_path, capsys):
         assert study_main([*args, "--out", str(tmp_path / "out")]) == 1
         assert message in capsys.readouterr().err, message
         assert not (tmp_path / "out" / "runs").exists()  # refused before anything ran
+
+
+def test_presets_with_base_proportions_make_3ml_cheaper_and_mae_lm_dearer_per_step():
+    # what each objective's step costs against mlm's (fastmae/flops.py) at full-length sequences: a 6-layer encoder
+    # hides 3ML's saving; base's depth (cpu-1h, and base itself in gpu-1h) shows it
+    from fastmae.config import load_run_config
+    from fastmae.flops import training_flops
+    from fastmae.masking import MaskCounts
+    from fastmae.study.objectives import STUDY_PRESETS
+
+    def ratios(preset: str, vocab: int) -> dict:
+        flops = {}
+        for objective in ("mlm", "mae-lm", "3ml"):
+            model = load_run_config(None, [*STUDY_PRESETS[preset].run, f"model.preset={objective}",
+                                           f"data.builtin_vocab_size={vocab}"]).model
+            lengths = torch.full((8,), model.max_seq_len)
+            counts = MaskCounts.compute(lengths - 2, model.mask_rate, model.mask_token_prob, model.random_token_prob)
+            flops[objective] = training_flops(model, lengths, lengths - counts.removed, counts.predicted)
+        return {objective: round(value / flops["mlm"], 2) for objective, value in flops.items()}
+
+    assert ratios("cpu-30min", 1000) == {"mlm": 1.0, "mae-lm": 1.51, "3ml": 0.87}
+    assert ratios("cpu-1h", 1000) == {"mlm": 1.0, "mae-lm": 1.18, "3ml": 0.69}
+    assert ratios("gpu-1h", 32000) == {"mlm": 1.0, "mae-lm": 1.16, "3ml": 0.75}

@@ -513,8 +513,9 @@ def test_non_finite_losses_are_skipped_then_stop_the_run(dataset, tmp_path):
 @pytest.mark.parametrize("objective", ["mlm", "3ml"])
 def test_the_steady_state_step_never_waits_for_the_gpu(dataset, tmp_path, objective):
     """FASTMAE_SYNC_DEBUG=1 turns torch.cuda.set_sync_debug_mode("error") on around every steady-state step (past
-    warm-up, not logged), DeepSpeed's optimizer step included: any .item(), .tolist() or blocking copy raises. ZeRO-2,
-    where DeepSpeed computes no norm and checks no overflow (bf16 ZeRO-1's optimizer reads its norm back)."""
+    warm-up, not logged), DeepSpeed's optimizer step and the next micro-batches' one-copy transfers included: any
+    .item(), .tolist() or blocking copy raises. ZeRO-2, whose norm DeepSpeed computes on the device (fastmae clips by
+    it; no overflow check); bf16 ZeRO-1's optimizer reads its norm back."""
     proc = single_process(overrides(dataset, tmp_path / objective, steps=8, **{
         "model.preset": objective, "model.decoder_layers": 0 if objective == "mlm" else 1, "train.precision": "bf16",
         "train.zero_stage": 2, "train.grad_accum": 2, "eval.every": 0, "checkpoint.every": 100, "log.every": 4}),

@@ -23,9 +23,9 @@ from .runs import (
     device_text,
     finetune_run,
     launch_command,
-    mlm_step_flops,
     model_facts,
     run_config_text,
+    step_flops,
     task_name_of,
     train,
 )
@@ -50,8 +50,9 @@ def study(args) -> dict:
         task_name, task_dir = task_name_of(Path(args.task), args.task_name), Path(args.task)
         task_label = task_name
     ranks = args.ranks or default_ranks()
+    flops_per_step = {o.label: step_flops(o, args, preset, ranks) for o in objectives}  # each config checked here
     if preset.mlm_steps:
-        budget = preset.mlm_steps * mlm_step_flops(args, preset, ranks)
+        budget = preset.mlm_steps * flops_per_step["mlm"]
     runs = {o.label: [Run(o, seed, out) for seed in range(seeds)] for o in objectives}
     configs = {run.name: run_config_text(run, args, budget, preset) for rs in runs.values() for run in rs}
     for rs in runs.values():  # every config is checked before the first run starts
@@ -59,6 +60,9 @@ def study(args) -> dict:
             if run.config_file.is_file() and run.config_file.read_text() != configs[run.name]:
                 raise FastmaeError(f"{run.config_file} holds another config for this run: use another --out, or "
                                    f"delete {run.config_file} and {run.dir} to retrain it with these settings")
+    print("fastmae study: FLOPs per optimizer step against mlm's: " + ", ".join(
+        f"{label} {flops / flops_per_step['mlm']:.2f}x ({flops:.3g})" for label, flops in flops_per_step.items()),
+        file=sys.stderr)
     for rs in runs.values():
         for run in rs:
             train(run, configs[run.name], ranks)
@@ -71,7 +75,9 @@ def study(args) -> dict:
     analyses = {label: [analyze_run(run, data, sequences) for run in rs] for label, rs in runs.items()}
     summary = summarize(objectives, runs, finetuned, analyses, task_label)
     first = runs["mlm"][0]
-    facts = {label: model_facts(rs[0]) for label, rs in runs.items()}
+    facts = {label: {**model_facts(rs[0]), "flops_per_step": flops_per_step[label],
+                     "flops_per_step_vs_mlm": flops_per_step[label] / flops_per_step["mlm"]}
+             for label, rs in runs.items()}
     resolved = yaml.safe_load(configs[first.name])
     result = {
         "objectives": summary,

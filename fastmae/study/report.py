@@ -69,7 +69,7 @@ def write_report(study: dict, out: Path) -> Path:
              f"Shared by every run: {setup['shared']}.", "",
              "![held-out loss against compute](loss_vs_flops.png)", "",
              "## Results", "",
-             "| objective | encoder / decoder layers | steps | FLOPs used | held-out loss | accuracy "
+             "| objective | encoder / decoder layers; FLOPs per step | steps | FLOPs used | held-out loss | accuracy "
              "| % of mlm's compute to reach mlm's final loss | fine-tuned | last-layer rank, without / with `<mask>` |",
              "|---|---|---|---|---|---|---|---|---|"]
     for label, e in summary.items():
@@ -84,7 +84,8 @@ def write_report(study: dict, out: Path) -> Path:
             tuned = f"{ft.task} {ft.metric} {ft.median:.3f}" + (
                 f" (range {ft.spread:.3f}, {ft.runs} runs)" if ft.spread is not None else "")
         ranks = e.effective_rank
-        layers = f"{model['encoder_layers']} / {model['decoder_layers']} (k={model['insert_layer']})"
+        layers = (f"{model['encoder_layers']} / {model['decoder_layers']} (k={model['insert_layer']}); a step costs "
+                  f"{model['flops_per_step_vs_mlm']:.2f}x mlm's")
         lines.append(f"| `{label}` | {layers} | {', '.join(map(str, e.steps))} | {e.flops:.4g} | {loss} "
                      f"| {e.final_eval_accuracy:.3f} | {percent} | {tuned} "
                      f"| {ranks['real_unmasked_input'][-1]:.1f} / {ranks['real_masked_input'][-1]:.1f} |")

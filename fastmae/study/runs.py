@@ -18,7 +18,7 @@ from pathlib import Path
 from ..analyze import AnalyzeConfig
 from ..atomic import atomic_write_text
 from ..checkpoint import WEIGHTS, weights_metadata
-from ..config import ModelConfig, load_run_config
+from ..config import ModelConfig, RunConfig, load_run_config
 from ..data import PackedLoader
 from ..errors import FastmaeError
 from ..finetune import FinetuneConfig
@@ -58,25 +58,28 @@ class Run:
         return self.out / "analysis" / self.name
 
 
-def run_config_text(run: Run, args, budget: float, preset: StudyPreset) -> str:
-    """The resolved YAML config of `run`, validated by the trainer's own loader and its model config (so an
-    objective that cannot learn from context is refused before any run starts)."""
-    overrides = [*preset.run, *args.overrides,
-                 f"model.preset={run.objective.preset}",
-                 *(f"model.{key}={json.dumps(value)}" for key, value in run.objective.overrides.items()),
-                 f"data.path={Path(args.data).resolve()}", f"log.dir={run.dir.resolve()}",
-                 f"train.seed={run.seed}", f"train.flops_budget={budget!r}", "eval.every=0",
-                 f"eval.every_flops={budget / preset.eval_points!r}"]
+def _objective_config(objective: Objective, args, preset: StudyPreset, extra: list[str]) -> RunConfig:
+    """The run config of `objective` under the study's settings (preset, --config, overrides, --data) and `extra`,
+    validated by the trainer's own loader (an objective that cannot learn from context is refused here)."""
+    overrides = [*preset.run, *args.overrides, f"model.preset={objective.preset}",
+                 *(f"model.{key}={json.dumps(value)}" for key, value in objective.overrides.items()),
+                 f"data.path={Path(args.data).resolve()}", *extra]
     try:
-        return load_run_config(args.config, overrides).to_yaml()
+        return load_run_config(args.config, overrides)
     except ValueError as err:
-        raise FastmaeError(f"objective {run.objective.label!r}: {err}") from None
+        raise FastmaeError(f"objective {objective.label!r}: {err}") from None
 
 
-def mlm_step_flops(args, preset: StudyPreset, ranks: int) -> float:
-    """Training FLOPs of the first optimizer step of the study's mlm run on --data (all `ranks`)."""
-    config = load_run_config(args.config, [*preset.run, *args.overrides, "model.preset=mlm",
-                                           f"data.path={args.data}"]).for_world(ranks)
+def run_config_text(run: Run, args, budget: float, preset: StudyPreset) -> str:
+    """The resolved YAML config of `run`."""
+    return _objective_config(run.objective, args, preset, [
+        f"log.dir={run.dir.resolve()}", f"train.seed={run.seed}", f"train.flops_budget={budget!r}", "eval.every=0",
+        f"eval.every_flops={budget / preset.eval_points!r}"]).to_yaml()
+
+
+def step_flops(objective: Objective, args, preset: StudyPreset, ranks: int) -> float:
+    """Training FLOPs of the first optimizer step of `objective`'s run on --data (all `ranks`)."""
+    config = _objective_config(objective, args, preset, []).for_world(ranks)
     loader = PackedLoader.for_run(config, 0, ranks)
     return plan_budget(loader.every_rank(), config.model, loader.micro_batches_per_step, budget=0.0).flops_per_step
 
