@@ -3,7 +3,9 @@
 # benchmarks/results/ (then `python benchmarks/readme_table.py --write` puts the numbers into README.md):
 #   benchmarks/results/demo/          metrics.jsonl, curves.png, config.yaml of `bash scripts/demo.sh`
 #   benchmarks/results/study_cpu_30min/   report.md, study.json, loss_vs_flops.png, ranks.png of the cpu-30min study
-# Usage: bash benchmarks/readme_runs.sh [demo] [study]      (both by default; the study takes 30-60 minutes on 2 cores)
+#   benchmarks/results/study_cpu_1h/      the same of the cpu-1h study (base's depth)
+# Usage: bash benchmarks/readme_runs.sh [demo] [study] [study-1h]   (demo and study by default; the studies take
+#        30-60 minutes and about an hour on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . "${FASTMAE_VENV:-.venv}/bin/activate"
@@ -32,17 +34,19 @@ for part in ${parts[*]}; do
       cp runs/tiny-cpu/metrics.jsonl runs/tiny-cpu/curves.png runs/tiny-cpu/config.yaml "$results/demo/"
       describe_run runs/tiny-cpu $((SECONDS - started)) > "$results/demo/run.md"
       ;;
-    study)
+    study|study-1h)
+      preset=$([ "$part" = study ] && echo cpu-30min || echo cpu-1h)
       data=runs/data/builtin-v1000   # what the demo's config prepares on its first run
       [ -f "$data/meta.json" ] || fastmae prepare --format builtin --output "$data" --vocab-size 1000 \
         --valid-fraction 0.1
-      rm -rf runs/study-cpu-30min
+      rm -rf "runs/study-$preset"
       started=$SECONDS
-      fastmae study --data "$data" --budget cpu-30min --task generated --out runs/study-cpu-30min
-      mkdir -p "$results/study_cpu_30min"
-      cp runs/study-cpu-30min/{report.md,study.json,loss_vs_flops.png,ranks.png} "$results/study_cpu_30min/"
-      describe_run runs/study-cpu-30min/runs/mlm-seed0 $((SECONDS - started)) > "$results/study_cpu_30min/run.md"
+      fastmae study --data "$data" --budget "$preset" --task generated --out "runs/study-$preset"
+      kept="$results/study_${preset//-/_}"
+      mkdir -p "$kept"
+      cp "runs/study-$preset"/{report.md,study.json,loss_vs_flops.png,ranks.png} "$kept/"
+      describe_run "runs/study-$preset/runs/mlm-seed0" $((SECONDS - started)) > "$kept/run.md"
       ;;
-    *) echo "readme_runs.sh: unknown part $part (demo, study)" >&2; exit 2 ;;
+    *) echo "readme_runs.sh: unknown part $part (demo, study, study-1h)" >&2; exit 2 ;;
   esac
 done
