@@ -63,7 +63,16 @@ def demo() -> str:
 
 def study() -> str:
     """The cpu-30min study's results table and the facts the README draws from it."""
-    result = _json(RESULTS_DIR / "study_cpu_30min" / "study.json")
+    return _study("study_cpu_30min")
+
+
+def study_base_depth() -> str:
+    """The cpu-1h study's (base's depth) results table and the facts the README draws from it."""
+    return _study("study_cpu_1h")
+
+
+def _study(directory: str) -> str:
+    result = _json(RESULTS_DIR / directory / "study.json")
     setup, objectives = result["setup"], result["objectives"]
     rows = ["| objective | steps | held-out loss (mean ± half range) | accuracy | % of mlm's compute to reach mlm's "
             "final loss | word-order accuracy (median) | last-layer epsilon rank, no `<mask>`: uncentred / centred |",
@@ -86,7 +95,7 @@ def study() -> str:
             f"predicted tokens) {first['unigram_entropy']:.3f} nats / accuracy {first['unigram_accuracy']:.3f}; "
             f"device: {setup['device']}. What the report concludes, each claim held to the seed spread:\n\n"
             + "\n".join(f"- {line}" for line in result["findings"]) + "\n\n"
-            "Artifact: `benchmarks/results/study_cpu_30min/` (`report.md`, `study.json`, `loss_vs_flops.png`, "
+            f"Artifact: `benchmarks/results/{directory}/` (`report.md`, `study.json`, `loss_vs_flops.png`, "
             "`ranks.png`).\n")
 
 
@@ -201,8 +210,9 @@ def host_overhead() -> str:
             "host_overhead_zero2.md`, `host_overhead.md`):\n\n" + "\n".join(rows) + "\n")
 
 
-GENERATORS = {"demo": demo, "study": study, "throughput": throughput, "budget": budget, "attention": attention,
-              "data_scale": data_scale, "data": data, "gpu": gpu, "host_overhead": host_overhead}
+GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth, "throughput": throughput,
+              "budget": budget, "attention": attention, "data_scale": data_scale, "data": data, "gpu": gpu,
+              "host_overhead": host_overhead}
 
 
 def render(text: str) -> tuple[str, list[str]]:

@@ -118,7 +118,7 @@ STUDY_PRESETS = {
     "cpu-1h": dataclasses.replace(
         CPU_30MIN, budget=1.8e13, run=BASE_PROPORTIONS_CPU_RUN,
         what="12 x 128 encoder (base's depth: 3ml's step 0.69x mlm's), 64-token sequences, lr 1e-3; about an "
-             "hour on 2 CPU cores for mlm, mae-lm and 3ml with 2 seeds each (estimated from cpu-30min's speed)"),
+             "hour on 2 CPU cores for mlm, mae-lm and 3ml with 2 seeds each (48 minutes with --task generated)"),
     "gpu-1h": StudyPreset(
         budget=8.0e17, run=ONE_GPU_RUN, eval_points=10, seeds=2,
         finetune=FinetuneConfig(seeds=3, epochs=3, batch_size=32, lr=2e-5), analyze_sequences=512,
