@@ -139,20 +139,24 @@ def ahead_in_thread(items: Iterator, depth: int = 2) -> Iterator:
     slots: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def offer(entry: tuple) -> bool:
+        """Put `entry` for the consumer unless it has gone (False then)."""
+        while not stop.is_set():
+            try:
+                slots.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for item in items:
-                while not stop.is_set():
-                    try:
-                        slots.put(("item", item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not offer(("item", item)):
                     return
-            slots.put(("end", None))
+            offer(("end", None))
         except BaseException as err:  # handed to the consumer, which raises it
-            slots.put(("error", err))
+            offer(("error", err))
 
     thread = threading.Thread(target=produce, name="fastmae-batches", daemon=True)
     thread.start()
@@ -164,8 +168,9 @@ def ahead_in_thread(items: Iterator, depth: int = 2) -> Iterator:
             if kind == "error":
                 raise value
             yield value
-    finally:
+    finally:  # the consumer is done: the producer stops after its current item, before the interpreter exits
         stop.set()
+        thread.join()
 
 
 def to_device_ahead(batches: Iterator, device: torch.device) -> Iterator:

@@ -263,9 +263,15 @@ class Trainer:
         background thread (`masked_ahead`) and copied ahead in one copy each (`to_device_ahead`), the step's
         statistics stay on the device (`train_step`), and the host reads them on logged steps only.
         """
+        masked = masked_ahead(iter(self.loader), self.engine.module.config, self.config.train.seed)
+        try:
+            self._steps(bar, to_device_ahead(masked, self.device))
+        finally:
+            masked.close()  # stops and joins the masking thread (a thread left running aborts the exit)
+
+    def _steps(self, bar, batches) -> None:
+        """The loop of `_loop` over the device batches."""
         cfg, counters = self.config, self.counters
-        batches = to_device_ahead(masked_ahead(iter(self.loader), self.engine.module.config, cfg.train.seed),
-                                  self.device)
         window = LogWindow(cfg.log.every, cfg.train.steps, self.device)
         self.engine.train()
         while counters.step < cfg.train.steps:
