@@ -188,9 +188,10 @@ def count_triton_launches(counter_of) -> None:
 def emulate_cuda_path(counter_of) -> None:
     """Make this process take the code path a CUDA device takes: Triton kernels (each launch reported to
     `counter_of()`, a StepCounter or None), flash-attn's varlen attention (two kernels), CUDA's fused SDPA and
-    dropout (two aten ops each)."""
+    dropout (two aten ops each), the copy of a packed micro-batch to the device (one op, its rotary tables made
+    there) and a replay of a recorded pass (CUDA graphs' CPU twin) as one graph launch."""
     os.environ["FASTMAE_KERNELS"] = "triton"
-    from fastmae import attention, dropout
+    from fastmae import attention, dropout, graphs, masking
 
     count_triton_launches(counter_of)
 
@@ -275,14 +276,29 @@ def emulate_cuda_path(counter_of) -> None:
 
     torch.nn.functional.scaled_dot_product_attention = fused_sdpa
     original_resolve = attention.resolve_backend
+    def moved_in_one_copy(self, device, non_blocking=False):
+        """The copy of a packed micro-batch to the device, which on CPU it is on already: a clone stands for it."""
+        return self.viewing(self.buffer.clone())
+
+    masking.MaskedBatch.to = moved_in_one_copy
+    for name in ("replay_forward", "replay_backward"):  # the CPU twin of a CUDA graph: one launch for the pass
+        original = getattr(graphs.Recording, name)
+
+        def replay(self, _original=original):
+            counter = counter_of()
+            with counter.kernel("cuda_graph_replay", aten=True) if counter else contextlib.nullcontext():
+                return _original(self)
+
+        setattr(graphs.Recording, name, replay)
     attention.resolve_backend = lambda backend, device, dropout_p, dtype=None, biased=False: (
         original_resolve(backend, device, dropout_p, dtype, biased) if biased else "flash")
 
 
 # --------------------------------------------------------------------------------------------- one system, one process
-def _step(system: str, sequences: int, seq_len: int, narrow: bool, precision: str, run):
-    """A training-step closure of `system` on one engine (benchmarks/throughput.py's steps)."""
-    from throughput import _fastmae_step, _hf_step, make_tokens, model_config
+def _step(system: str, sequences: int, seq_len: int, narrow: bool, precision: str, run, graphs: bool = False):
+    """A training-step closure of `system` on one engine (benchmarks/throughput.py's steps); `graphs`: fastmae's
+    model replays its forward and backward (captured on CUDA as the run config allows, else CUDA graphs' CPU twin)."""
+    from throughput import GRAPHS_TWIN, _fastmae_step, _hf_step, make_tokens, model_config
 
     from fastmae.config import EOS_ID
 
@@ -292,11 +308,12 @@ def _step(system: str, sequences: int, seq_len: int, narrow: bool, precision: st
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if system == "hf-roberta":
         return _hf_step(config, tokens, device, precision, run)[0]
-    return _fastmae_step(config, tokens, device, precision, None, run)[0]
+    return _fastmae_step(config, tokens, device, precision, GRAPHS_TWIN if graphs else None, run)[0]
 
 
-def measure_system(system: str, sequences: int, seq_len: int, overrides: list[str]) -> dict:
-    """Counts of one steady-state optimizer step of `system` (CUDA path emulated), and its host milliseconds."""
+def measure_system(system: str, sequences: int, seq_len: int, overrides: list[str], graphs: bool) -> dict:
+    """Counts of one steady-state optimizer step of `system` (CUDA path emulated), and its host milliseconds;
+    `graphs`: fastmae's systems replay CUDA graphs (on CPU the twin, each replay counted as one launch)."""
     global ACTIVE
     from throughput import _init_world_of_one
 
@@ -305,15 +322,16 @@ def measure_system(system: str, sequences: int, seq_len: int, overrides: list[st
     _init_world_of_one()
     count_phases(lambda: ACTIVE)
     torch.manual_seed(0)
-    run = load_run_config(None, ["train.zero_stage=1", *overrides])
+    run = load_run_config(None, ["train.zero_stage=1", f"train.cuda_graphs={'auto' if graphs else 'never'}",
+                                 *overrides])
     precision = "bf16"
     if torch.cuda.is_available():  # the real thing: launches and host time on the device itself
         count_triton_launches(lambda: ACTIVE)
-        step = _step(system, sequences, seq_len, False, precision, run)
+        step = _step(system, sequences, seq_len, False, precision, run, graphs)
     else:  # host time: the CPU path at a tiny shape, before the emulation replaces it
-        timing = 1e3 * median_time(_step(system, 2, 32, True, precision, run), 3, 5, host_only=True)
+        timing = 1e3 * median_time(_step(system, 2, 32, True, precision, run, graphs), 3, 5, host_only=True)
         emulate_cuda_path(lambda: ACTIVE)
-        step = _step(system, sequences, seq_len, True, precision, run)
+        step = _step(system, sequences, seq_len, True, precision, run, graphs)
     for _ in range(2):
         step()
     counter = StepCounter()
@@ -345,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zero-stage", type=int, default=1, help="DeepSpeed ZeRO stage (train.zero_stage)")
     parser.add_argument("--deepspeed", nargs="*", default=[], metavar="KEY=VALUE",
                         help="DeepSpeed config entries (dotted) merged over fastmae's, to compare its options")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="fastmae's systems replay their forward and backward (fastmae/graphs.py): CUDA graphs on "
+                             "a GPU, their CPU twin here, each replay counted as one launch")
     parser.add_argument("--name", default="host_overhead", help="results file name under benchmarks/results/")
     args = parser.parse_args(argv)
     systems = args.systems.split(",")
@@ -354,14 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [f"train.zero_stage={args.zero_stage}", *(f"deepspeed.{kv}" for kv in args.deepspeed)]
     rows = []
     for system in systems:
-        result = _run_isolated(system, args.sequences, args.seq_len, overrides)
+        result = _run_isolated(system, args.sequences, args.seq_len, overrides, args.cuda_graphs)
         rows.append({"system": system, **result})
         print(f"{system:>10}: {result['device_ops_per_step']:5d} device ops, {result['triton_launches_per_step']:3d} "
               f"Triton launches, {result['syncs_per_step']} syncs {result['syncs']}, host "
               f"{result['host_ms_per_step']:.1f} ms", flush=True)
     emulated = not torch.cuda.is_available()
     notes = (f"One optimizer step (the third) of {args.sequences} x {args.seq_len} tokens in one micro-batch, bf16, "
-             f"ZeRO-{args.zero_stage}{', ' + ' '.join(args.deepspeed) if args.deepspeed else ''}, base depth"
+             f"ZeRO-{args.zero_stage}{', ' + ' '.join(args.deepspeed) if args.deepspeed else ''}"
+             f"{', fastmae replaying CUDA graphs of forward and backward' if args.cuda_graphs else ''}, base depth"
              + (" and vocabulary at width 96, the CUDA code path emulated (benchmarks/host_overhead.py's docstring);"
                 " host ms: the CPU step at 2 x 32 tokens on this machine" if emulated else
                 " and width on this GPU; host ms: until the step's call returns") + ".")
@@ -370,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         row["forward"], row["backward"], row["optimizer"] = (phases.get(k, 0) for k in ("forward", "backward", "step"))
     columns = ["system", "device_ops_per_step", "forward", "backward", "optimizer", "triton_launches_per_step",
                "syncs_per_step", "host_ms_per_step"]
-    header = {"emulated_cuda_path": emulated, "sequences": args.sequences, "seq_len": args.seq_len,
+    header = {"emulated_cuda_path": emulated, "cuda_graphs": args.cuda_graphs, "sequences": args.sequences,
+              "seq_len": args.seq_len,
               "zero_stage": args.zero_stage, "deepspeed_overrides": args.deepspeed}
     path = write_results(args.name, rows, columns, "Host overhead per optimizer step", notes, header)
     print(f"wrote {path} and {args.name}.json")

@@ -194,20 +194,23 @@ def gpu() -> str:
 
 
 def host_overhead() -> str:
-    """What the host issues per optimizer step, ZeRO-2 (the recipes') and ZeRO-1 side by side."""
+    """What the host issues per optimizer step: ZeRO-2 (the recipes'), ZeRO-2 replaying CUDA graphs (their CPU twin
+    here) and ZeRO-1 side by side."""
     rows = ["| system | ZeRO | device ops | forward | backward | optimizer step | loss weights, sums | "
             "Triton launches | syncs |", "|---|---|---|---|---|---|---|---|---|"]
-    results = [_json(RESULTS_DIR / f"{name}.json") for name in ("host_overhead_zero2", "host_overhead")]
+    names = ("host_overhead_zero2", "host_overhead_zero2_graphs", "host_overhead")
+    results = [_json(RESULTS_DIR / f"{name}.json") for name in names]
     for result in results:
+        setting = f"{result['zero_stage']}{' + CUDA graphs' if result.get('cuda_graphs') else ''}"
         for r in result["results"]:
             rest = r["device_ops_per_step"] - r["forward"] - r["backward"] - r["optimizer"]
-            rows.append(f"| {r['system']} | {result['zero_stage']} | {r['device_ops_per_step']:,} | {r['forward']} | "
+            rows.append(f"| {r['system']} | {setting} | {r['device_ops_per_step']:,} | {r['forward']} | "
                         f"{r['backward']} | {r['optimizer']} | {rest} | {r['triton_launches_per_step']} | "
                         f"{r['syncs_per_step']} |")
     first = results[0]
     return (f"{first['sequences']} x {first['seq_len']} tokens in one micro-batch, bf16, base depth, vocabulary "
             f"32,000, width 96, the CUDA code path emulated on {first['device']}, {_stamp(first)} (`benchmarks/results/"
-            "host_overhead_zero2.md`, `host_overhead.md`):\n\n" + "\n".join(rows) + "\n")
+            + "`, `".join(f"{name}.md" for name in names) + "`):\n\n" + "\n".join(rows) + "\n")
 
 
 GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth, "throughput": throughput,

@@ -11,7 +11,9 @@ Each system runs in a fresh process (its peak memory is its own); the GEMM peak 
 once, in the same run, in the training dtype (ARCHITECTURE.md sections 5 and 8). Model FLOPs are fastmae/flops.py's
 count of what each system computes: Hugging Face runs its LM head on every row, fastmae on the predicted rows only. With
 --backends (CUDA), `mlm` also runs with each attention backend present; with --compile every fastmae system also runs
-with its layers compiled (train.compile).
+with its layers compiled (train.compile). On CUDA fastmae's steps replay CUDA graphs of the forward and backward
+(train.cuda_graphs=auto, fastmae/graphs.py; the `cuda_graphs` column counts the replayed micro-batches); --eager adds
+each fastmae system without them.
 
 On CUDA every system's step is also profiled (3 steps after the timed ones): `gpu_busy` is the share of the step's
 wall time that the GPU spends in kernels (well below 1: the host cannot keep up, or waits), and the busiest kernels
@@ -53,6 +55,10 @@ FASTMAE_SYSTEMS = {  # system -> (preset, overrides)
 SYSTEMS = ("hf-roberta", *FASTMAE_SYSTEMS)
 REAL_DATA = "real data"
 """The variant that trains on the embedded corpus packed `full` (separators inside) instead of random tokens."""
+EAGER = "eager"
+"""The variant that runs every micro-batch eagerly (train.cuda_graphs=never) where the others replay CUDA graphs."""
+GRAPHS_TWIN = "cuda graphs twin"
+"""The variant that runs CUDA graphs' CPU twin (fastmae.graphs) where the device has no CUDA (host_overhead.py)."""
 
 
 def model_config(system: str, size: str) -> ModelConfig:
@@ -99,17 +105,23 @@ def _init_world_of_one() -> None:
     init_distributed()
 
 
+def _default_run():
+    """The run config the benchmark's engines train with unless given one: fastmae's defaults at ZeRO-1."""
+    from fastmae.config import RunConfig
+
+    run = RunConfig()
+    run.train.zero_stage = 1
+    return run
+
+
 def _engine(model: torch.nn.Module, precision: str, device: torch.device, non_finite: torch.Tensor | None = None,
             run=None):
     """The DeepSpeed engine fastmae.engine builds, for a world of one with the train settings of `run` (default: the
     defaults, AdamW with RoBERTa's betas and eps, clipping at 2.0, ZeRO-1, or ZeRO-0 in fp32); `non_finite`: the skip
     flag the trainer's step keeps."""
-    from fastmae.config import RunConfig
     from fastmae.engine import build_engine
 
-    if run is None:
-        run = RunConfig()
-        run.train.zero_stage = 1
+    run = _default_run() if run is None else run
     if precision == "fp32":  # ZeRO partitions nothing in a world of one; without it fp32 steps plainly
         run = dataclasses.replace(run, train=dataclasses.replace(run.train, zero_stage=0))
     return build_engine(model, run, precision, device, non_finite)[0]
@@ -147,24 +159,32 @@ def _fastmae_step(config: ModelConfig, tokens: torch.Tensor, device: torch.devic
     as the trainer's are), and its model FLOPs per step."""
     from fastmae import MaskedLM, PackedBatch
     from fastmae.batch import to_device_ahead
+    from fastmae.graphs import StepGraphs
     from fastmae.masking import mask_batch, masked_ahead
     from fastmae.step import train_step
 
     model = MaskedLM(config)
     if variant == "compiled":
         model.compile_layers()
-    elif variant != REAL_DATA:
+    elif variant not in (REAL_DATA, EAGER, GRAPHS_TWIN):
         model.set_attention_backend(variant)
+    if variant == EAGER:
+        run = _default_run() if run is None else run
+        run = dataclasses.replace(run, train=dataclasses.replace(run.train, cuda_graphs="never"))
     non_finite = torch.zeros((), dtype=torch.float32, device=device)
     engine = _engine(model, precision, device, non_finite, run)
+    if variant == GRAPHS_TWIN and model.graphs is None:
+        StepGraphs(model, capture=False)
     batch = PackedBatch.from_sequences(tokens.tolist())
     counts = mask_batch(batch, config, seed=0, step=0).counts  # exact per-sequence counts: the same every step
     # each step masks anew (another micro-batch index), on the host ahead of use, as the trainer does
     endless = (dataclasses.replace(batch, index=index) for index in range(1 << 30))
-    micro_batches = to_device_ahead(masked_ahead(endless, config, seed=0), device)
+    micro_batches = to_device_ahead(masked_ahead(endless, config, seed=0, pin_memory=device.type == "cuda"), device)
 
     def step():
         train_step(engine, [next(micro_batches)], seed=0, non_finite=non_finite)
+
+    step.graphs = model.graphs  # fastmae.graphs.StepGraphs where the step replays CUDA graphs, else None
 
     flops = training_flops(config, batch.seqlens, batch.seqlens - counts.removed, counts.predicted)
     return step, flops
@@ -177,7 +197,7 @@ def attention_backend(system: str, config: ModelConfig, device: torch.device, pr
 
     if system == "hf-roberta":
         return "hf sdpa"
-    backend = None if variant in (None, "compiled", REAL_DATA) else variant
+    backend = None if variant in (None, "compiled", REAL_DATA, EAGER) else variant
     return resolve_backend(backend, device, config.attention_dropout, DTYPES[precision],
                            biased=config.relative_attention_bias)
 
@@ -209,6 +229,8 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
     seconds = median_time(step, warmup=warmup, repeats=repeats)
     result = {"step_s": seconds, "tokens_per_s": tokens.numel() / seconds, "flops_per_step": flops,
               "attention": attention_backend(system, config, device, precision, variant)}
+    graphs = getattr(step, "graphs", None)
+    result["cuda_graphs"] = f"{graphs.replayed_batches} replayed" if graphs is not None else "no"
     if device.type == "cuda":
         result["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
         result["gpu_busy"] = gpu_kernel_time(step, f"{system} [{variant or 'eager'}]", top=12) / seconds
@@ -257,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="also each fastmae system with compiled layers")
     parser.add_argument("--name", default="throughput", help="results file name under benchmarks/results/ "
                         "(gpu_check: throughput_recipe at the recipes' micro-batch)")
+    parser.add_argument("--eager", action="store_true",
+                        help="CUDA: also each fastmae system without CUDA graphs (train.cuda_graphs=never)")
     parser.add_argument("--real-data", action="store_true",
                         help="also 3ml on the embedded corpus packed `full` (separators inside, as training sees it)")
     args = parser.parse_args(argv)
@@ -288,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         runs += [("mlm", b) for b in available_backends(device) if b != "reference"]
     if args.compile:
         runs += [(system, "compiled") for system in systems if system != "hf-roberta"]
+    if args.eager and device.type == "cuda":
+        runs += [(system, EAGER) for system in systems if system != "hf-roberta"]
     if args.real_data:
         runs.append(("3ml", REAL_DATA))
     rows = []
@@ -317,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     columns = ["size", "system", "attention", "tokens_per_s", "x_hf", "step_s", "gflops_per_step", "mfu",
                "peak_memory_mib"]
     if device.type == "cuda":
-        columns.append("gpu_busy")
+        columns += ["gpu_busy", "cuda_graphs"]
     header = {"dtype": precision, "peak_flops": peak, "sizes": sizes, "sequences": sequences, "seq_len": SEQ_LEN,
               "vocab_size": VOCAB_SIZE, "versions": _versions()}
     path = write_results(args.name, rows, columns, "Training throughput and MFU", notes, header)

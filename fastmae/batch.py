@@ -53,6 +53,10 @@ class PackedBatch:
     def device_tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.DEVICE_FIELDS]
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """Every device tensor the batch holds (as MaskedBatch.resident_tensors)."""
+        return self.device_tensors()
+
     def to(self, device, non_blocking: bool = False) -> PackedBatch:
         """The same batch with its device tensors on `device` in one copy (`to_device_in_one_copy`); host counts stay
         on the CPU."""
@@ -113,13 +117,19 @@ def to_device_in_one_copy(tensors: Sequence[torch.Tensor], device, non_blocking:
     return unpack_bytes(staging.to(device, non_blocking=non_blocking), tensors, starts)
 
 
-def pack_bytes(tensors: Sequence[torch.Tensor], pin_memory: bool = False) -> tuple[torch.Tensor, list[int]]:
-    """(one uint8 host buffer holding every tensor's bytes, the byte offset of each), offsets aligned to
-    COPY_ALIGNMENT."""
+def byte_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """(the byte offset of each tensor in a buffer holding them all, the buffer's size): offsets aligned to
+    COPY_ALIGNMENT, so each tensor's dtype view of the buffer is aligned."""
     starts, end = [], 0
     for tensor in tensors:
         starts.append(end)
         end += -(-tensor.numel() * tensor.element_size() // COPY_ALIGNMENT) * COPY_ALIGNMENT
+    return starts, end
+
+
+def pack_bytes(tensors: Sequence[torch.Tensor], pin_memory: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """(one uint8 host buffer holding every tensor's bytes, the byte offset of each; see `byte_offsets`)."""
+    starts, end = byte_offsets(tensors)
     buffer = torch.empty(end, dtype=torch.uint8, pin_memory=pin_memory)
     for tensor, start in zip(tensors, starts):
         buffer[start:start + tensor.numel() * tensor.element_size()].copy_(
@@ -202,6 +212,6 @@ def _handed_over(batch, copied: torch.cuda.Event):
     copy's event, and the caching allocator keeps the memory until the current stream is done with it."""
     compute = torch.cuda.current_stream(batch.device)
     compute.wait_event(copied)
-    for tensor in batch.device_tensors():
+    for tensor in batch.resident_tensors():  # rotary tables too: made on the side stream from the copied positions
         tensor.record_stream(compute)
     return batch

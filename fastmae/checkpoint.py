@@ -33,15 +33,34 @@ STEP_DIR = re.compile(r"^step(\d{8})$")
 WEIGHTS = "model.safetensors"
 UNIVERSAL = "universal"
 MANIFEST = "MANIFEST.json"
+EVAL_WEIGHTS = "eval_weights"  # RUN/eval_weights/stepN/{model.safetensors, COMPLETE}: eval.keep_weights
+
+
+def eval_weights_dir(run_dir: Path, step: int) -> Path:
+    """Where a run keeps its weights of the evaluation at `step` (eval.keep_weights): `write_weights` into it seals
+    it with a COMPLETE marker, so `load_pretrained` reads it as a checkpoint directory."""
+    return Path(run_dir) / EVAL_WEIGHTS / f"step{step}"
+
+
+def kept_eval_weights(run_dir: Path) -> dict[int, Path]:
+    """step -> directory of the weights a run kept at that evaluation (eval.keep_weights; complete ones only)."""
+    kept = {}
+    for directory in (Path(run_dir) / EVAL_WEIGHTS).glob("step*"):
+        if (directory / "COMPLETE").is_file() and (directory / WEIGHTS).is_file() and directory.name[4:].isdigit():
+            kept[int(directory.name[4:])] = directory
+    return dict(sorted(kept.items()))
 
 
 def write_weights(path: Path, tensors: dict[str, torch.Tensor], model_config: dict, step: int) -> None:
-    """Write fp32 weights by parameter name as safetensors, with the model config and step as metadata (atomic)."""
+    """Write fp32 weights by parameter name as safetensors, with the model config and step as metadata (atomic); in
+    an `eval_weights_dir`, then its COMPLETE marker."""
     from safetensors.torch import save_file
 
     tensors = {name: t.detach().float().cpu().contiguous() for name, t in tensors.items()}
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={"model_config": json.dumps(model_config), "step": str(step)})
+    if path.parent.parent.name == EVAL_WEIGHTS:  # eval_weights_dir: sealed once its weights are whole
+        atomic_write_text(path.parent / "COMPLETE", json.dumps({"step": step}) + "\n")
 
 
 def weights_metadata(path: Path) -> tuple[dict, int]:

@@ -15,6 +15,8 @@ from deepspeed.utils import safe_get_full_fp32_param
 from .config import RunConfig
 from .errors import FastmaeError
 from .flat import FlatParameters
+from .graphs import StepGraphs, plan_graphs
+from .model import MaskedLM
 from .optim import ClippingAdamW, decay_groups, lr_multiplier, param_groups
 
 
@@ -80,7 +82,8 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
     """(engine, DeepSpeed config) for `model`: the one call of deepspeed.initialize, shared by the trainer
     and benchmarks/throughput.py so that both time the same step. `found_inf` (a device fp32 scalar): while it
     is non-zero, AdamW steps change nothing (the trainer's skip of a step with a non-finite loss). `load_universal`:
-    the engine will load a universal checkpoint (one saved by another number of ranks).
+    the engine will load a universal checkpoint (one saved by another number of ranks). Where `plan_graphs` allows,
+    the model's training forward and backward are recorded as CUDA graphs (`model.graphs`, fastmae/graphs.py).
 
     AdamW is torch's fused kernel (one pass over the fp32 master weights: 19 ms against 183 for the per-tensor loop
     on 36M parameters, 2-core CPU). In a world of one, DeepSpeed's gradient all-reduce only flattens, casts and copies
@@ -108,6 +111,8 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
         model=model, optimizer=optimizer, config=ds_config,
         lr_scheduler=(lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule)),
         model_parameters=None if optimizer is not None else param_groups(model, train.weight_decay))
+    if isinstance(model, MaskedLM) and plan_graphs(config, device).enabled:  # after DeepSpeed placed the parameters
+        StepGraphs(model, capture=True)
     if dist.get_world_size() == 1 and (train.zero_stage == 0 or isinstance(wrapped, BF16_Optimizer)):
         engine.enable_backward_allreduce = False
     if isinstance(wrapped, ZERO_OPTIMIZERS) and isinstance(optimizer, ClippingAdamW):

@@ -18,7 +18,7 @@ import torch
 
 from . import kernels, ops
 from .attention import VarlenMeta
-from .batch import PackedBatch, ahead_in_thread, to_device_in_one_copy
+from .batch import PackedBatch, ahead_in_thread, byte_offsets, pack_bytes, unpack_bytes
 from .config import NUM_SPECIAL_TOKENS, UNMASKABLE_IDS, ModelConfig
 from .kernels import MaskSelection, mask_key
 from .positions import rotary_tables
@@ -69,6 +69,7 @@ class MaskedBatch:
     counts: MaskCounts
     selection: MaskSelection
     config: ModelConfig
+    buffer: torch.Tensor | None = None  # the one uint8 buffer every device tensor views (`viewing`), if there is one
 
     @property
     def num_predicted(self) -> int:
@@ -104,16 +105,37 @@ class MaskedBatch:
         return [*self.batch.device_tensors(), *self.selection,
                 *(t for meta in layouts for t in (meta.cu_seqlens, meta.padded_index, meta.key_valid, meta.positions))]
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """`device_tensors()` and the rotary tables made from them: every device tensor the batch holds."""
+        layouts = [self.__dict__[name] for name in ("full", "visible", "masked") if name in self.__dict__]
+        return self.device_tensors() + [t for meta in layouts if meta.rotary is not None for t in meta.rotary]
+
+    def packed(self, pin_memory: bool = False) -> MaskedBatch:
+        """This masking with the layouts the model reads built here and every device tensor a view of one buffer
+        (`batch.pack_bytes`; page-locked with `pin_memory`, so that copying it to CUDA is asynchronous)."""
+        for name in self.layouts_read():
+            getattr(self, name)
+        return self.viewing(pack_bytes(self.device_tensors(), pin_memory=pin_memory)[0])
+
     def to(self, device, non_blocking: bool = False) -> MaskedBatch:
-        """This masking on `device`: the layouts the model reads are built where the batch is (on the host, for the
-        trainer's batches: `masked_ahead`), then batch, selection and layouts move in one copy
-        (`batch.to_device_in_one_copy`); rotary tables are made on `device` from the moved positions."""
-        names = [name for name in ("full", "visible", "masked") if name in self.layouts_read() or name in self.__dict__]
-        layouts = {name: getattr(self, name) for name in names}
-        moved = iter(to_device_in_one_copy(self.device_tensors(), device, non_blocking))
+        """This masking on `device` in one copy of its buffer (`packed` first where it has none: the trainer's
+        batches are packed ahead by `masked_ahead`); rotary tables are made on `device` from the moved positions."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        source = self if self.buffer is not None else self.packed(pin_memory=device.type == "cuda")
+        return source.viewing(source.buffer.to(device, non_blocking=non_blocking))
+
+    def viewing(self, buffer: torch.Tensor) -> MaskedBatch:
+        """This masking with its device tensors read from `buffer` (uint8, laid out as `pack_bytes` lays out
+        `device_tensors()`), wherever the buffer is: views of it, and the rotary tables made from its positions. The
+        result keeps `buffer`, so its bytes can be copied on in one copy (`to`, `fastmae.graphs`)."""
+        layouts = {name: self.__dict__[name] for name in ("full", "visible", "masked") if name in self.__dict__}
+        tensors = self.device_tensors()
+        moved = iter(unpack_bytes(buffer, tensors, byte_offsets(tensors)[0]))
         batch = replace(self.batch, **{name: next(moved) for name in PackedBatch.DEVICE_FIELDS})
         selection = MaskSelection(*(next(moved) for _ in self.selection))
-        out = MaskedBatch(batch=batch, counts=self.counts, selection=selection, config=self.config)
+        out = MaskedBatch(batch=batch, counts=self.counts, selection=selection, config=self.config, buffer=buffer)
         for name, meta in layouts.items():
             cu_seqlens, padded_index, key_valid, positions = (next(moved) for _ in range(4))
             rotary = None if meta.rotary is None else rotary_tables(positions, _rotary_dim(self.config),
@@ -206,16 +228,14 @@ def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, ra
     return MaskedBatch(batch=batch, counts=counts, selection=selection, config=config)
 
 
-def masked_ahead(batches: Iterator[PackedBatch], config: ModelConfig, seed: int,
-                 depth: int = 2) -> Iterator[MaskedBatch]:
+def masked_ahead(batches: Iterator[PackedBatch], config: ModelConfig, seed: int, depth: int = 2,
+                 pin_memory: bool = False) -> Iterator[MaskedBatch]:
     """The data loader's host batches masked on the host for (seed, each batch's index), with the layouts the model
-    reads, by a background thread up to `depth` ahead (ARCHITECTURE.md section 2): the training step then finds masks
-    and layouts ready and moves each micro-batch in one copy (`MaskedBatch.to`)."""
+    reads, packed into one buffer (page-locked with `pin_memory`: for CUDA), by a background thread up to `depth`
+    ahead (ARCHITECTURE.md section 2): the training step then finds masks and layouts ready and moves each micro-batch
+    in one copy (`MaskedBatch.to`)."""
 
     def mask(batch: PackedBatch) -> MaskedBatch:
-        masked = mask_batch(batch, config, seed, batch.index, host=True)
-        for name in masked.layouts_read():
-            getattr(masked, name)  # built here, on the host
-        return masked
+        return mask_batch(batch, config, seed, batch.index, host=True).packed(pin_memory)
 
     return ahead_in_thread(map(mask, batches), depth)

@@ -206,6 +206,7 @@ class MaskedLM(nn.Module):
                               if config.relative_attention_bias else None)
         self.activation_checkpointing = False  # recompute each layer in backward (set by the trainer)
         self.flat: FlatParameters | None = None  # the parameters held flat (fastmae.flat; set by fastmae.engine)
+        self.graphs = None  # fastmae.graphs.StepGraphs when training replays recorded graphs (set by fastmae.engine)
         self.apply(self._init_weights)
         if self.relative_bias is not None:
             nn.init.normal_(self.relative_bias, std=config.initializer_range)

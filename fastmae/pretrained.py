@@ -2,6 +2,7 @@
 
     RUN/                         config.yaml, model.safetensors (end of run), tokenizer.model, checkpoints/stepN/
     RUN/checkpoints/stepN/       COMPLETE, model.safetensors (fp32 master weights of step N)
+    RUN/eval_weights/stepN/      the same, kept at the evaluation of step N (eval.keep_weights)
     EXPORT/                      config.json (RoBERTa + fastmae_model_config), model.safetensors, tokenizer.model
 `export`, `finetune` and `analyze` all start from `load_pretrained`; the weights are fp32 with fastmae's names.
 """

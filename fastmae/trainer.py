@@ -42,6 +42,7 @@ from .errors import FastmaeError
 from .evaluation import Evaluator, HeldOutSet
 from .faults import FaultHooks
 from .flops import plan_budget
+from .graphs import plan_graphs
 from .hardware import cpu_cores, device_name
 from .masking import masked_ahead
 from .metrics import LogWindow, MetricsWriter, peak_memory_mib
@@ -185,6 +186,8 @@ class Trainer:
         self.non_finite = torch.zeros((), dtype=torch.float32, device=device)
         self.engine, ds_config, resumed_from = model_engine(config, self.precision, device,
                                                             self.non_finite, resume)
+        if self.rank == 0:
+            log_line(f"cuda graphs: {plan_graphs(config, device).reason}")
         self.peak_flops, self.spec_peak_flops = job_peak_flops(device, self.precision)
         self.counters = RunCounters(torch.zeros((), dtype=torch.float32, device=device),
                                     torch.zeros((), dtype=torch.float32, device=device))
@@ -250,6 +253,8 @@ class Trainer:
             self._loop(bar)
         finally:
             bar.close()
+        if self.engine.module.graphs is not None and self.rank == 0:
+            log_line(self.engine.module.graphs.summary())
         if self.counters.step == self.config.train.steps:
             self.export_weights(self.run_dir / checkpoint.WEIGHTS)
         if self.metrics is not None:
@@ -263,7 +268,8 @@ class Trainer:
         background thread (`masked_ahead`) and copied ahead in one copy each (`to_device_ahead`), the step's
         statistics stay on the device (`train_step`), and the host reads them on logged steps only.
         """
-        masked = masked_ahead(iter(self.loader), self.engine.module.config, self.config.train.seed)
+        masked = masked_ahead(iter(self.loader), self.engine.module.config, self.config.train.seed,
+                              pin_memory=self.device.type == "cuda")
         try:
             self._steps(bar, to_device_ahead(masked, self.device))
         finally:
@@ -330,6 +336,8 @@ class Trainer:
     def evaluate(self) -> dict:
         """Collective: the held-out record at this step, written and logged by rank 0."""
         record = self.evaluator.run(self.engine, self.counters.step, self.counters.flops_done)
+        if self.config.eval.keep_weights:
+            self.export_weights(checkpoint.eval_weights_dir(self.run_dir, self.counters.step) / checkpoint.WEIGHTS)
         if self.metrics is not None:
             self.metrics.write(record)
             log_line(f"eval at step {record['step']}: loss {record['loss']:.3f} (held-out unigram entropy "

@@ -10,11 +10,13 @@
 #   3. the attention backend tests (flash, torch_varlen, flex, padded, nested against the naive reference), and the
 #      model with the relative position bias on FlexAttention inside compiled layers
 #   4. the training step under torch.cuda.set_sync_debug_mode("error"): no host-device sync in a steady-state step,
-#      DeepSpeed's optimizer step included (bf16 ZeRO-2), and benchmarks/host_overhead.py: ops, launches, syncs
+#      DeepSpeed's optimizer step included (bf16 ZeRO-2); CUDA graphs of the forward and backward compute what the
+#      eager model computes (tests/test_graphs.py); benchmarks/host_overhead.py: ops, launches, syncs
 #   5. benchmarks/kernels.py: each kernel against its torch reference, GB/s against the device's memory bandwidth
 #   6. benchmarks/attention.py: every attention backend, with and without dropout
 #   7. benchmarks/throughput.py --size base: mlm, 3ml, mae-lm with and without the relative bias (eager and
-#      compiled), 3ml on the embedded corpus packed `full` (separators inside), Hugging Face RoBERTa; tokens/s, MFU;
+#      compiled; CUDA graphs replayed and eager), 3ml on the embedded corpus packed `full` (separators inside),
+#      Hugging Face RoBERTa; tokens/s, MFU;
 #      again at the base recipes' micro-batch (128 x 512 tokens), and benchmarks/micro_batch.py refits the recipes'
 #      micro-batch to the peaks measured at both sizes
 #   8. a 50-step 3ml base-shaped training run on 1 GPU (configs/3ml-base.yaml on the embedded corpus)
@@ -93,14 +95,18 @@ step kernel_tests_large "$python" -m pytest -q -m large tests/kernels
 step attention_tests "$python" -m pytest -q -m "large or not large" tests/test_attention.py
 step relative_bias_tests "$python" -m pytest -q tests/test_model.py -k relative_bias
 step sync_tests "$python" -m pytest -q tests/test_train.py -k steady_state
+step graph_tests "$python" -m pytest -q tests/test_graphs.py
 step host_overhead_benchmark "$python" benchmarks/host_overhead.py
 keep host_overhead
+step host_overhead_graphs_benchmark "$python" benchmarks/host_overhead.py --zero-stage 2 --cuda-graphs \
+    --name host_overhead_zero2_graphs
+keep host_overhead_zero2_graphs
 step kernel_benchmark "$python" benchmarks/kernels.py
 keep kernels
 step attention_benchmark "$python" benchmarks/attention.py
 keep attention
 step throughput_benchmark "$python" benchmarks/throughput.py --size base --sequences 32 \
-    --systems hf-roberta,mlm,3ml,mae-lm,mae-lm-relbias,mae-lm-relbias-no-dropout --compile --real-data
+    --systems hf-roberta,mlm,3ml,mae-lm,mae-lm-relbias,mae-lm-relbias-no-dropout --compile --eager --real-data
 keep throughput
 step throughput_recipe_benchmark "$python" benchmarks/throughput.py --size base --sequences 128 \
     --systems hf-roberta,mlm,3ml --name throughput_recipe

@@ -18,7 +18,8 @@ def test_dry_run_names_every_step_and_its_inputs_are_valid():
     steps = {line.split("]", 1)[0][3:]: shlex.split(line.split("] ", 1)[1])
              for line in done.stdout.splitlines() if line.startswith("+ [")}
     assert list(steps) == ["device", "kernel_tests", "kernel_tests_large", "attention_tests", "relative_bias_tests",
-                           "sync_tests", "host_overhead_benchmark", "kernel_benchmark", "attention_benchmark",
+                           "sync_tests", "graph_tests", "host_overhead_benchmark", "host_overhead_graphs_benchmark",
+                           "kernel_benchmark", "attention_benchmark",
                            "throughput_benchmark", "throughput_recipe_benchmark", "micro_batch", "train_3ml_base"]
     # compiled kernels at realistic shapes too
     for name, marks in (("kernel_tests", "not large"), ("kernel_tests_large", "large"),
@@ -27,7 +28,9 @@ def test_dry_run_names_every_step_and_its_inputs_are_valid():
     for name, selected in (("sync_tests", "steady_state"), ("relative_bias_tests", "relative_bias")):
         assert steps[name][-2:] == ["-k", selected] and (ROOT / steps[name][-3]).is_file()
     assert all((ROOT / steps[name][-1]).is_file() for name in ("kernel_benchmark", "attention_benchmark",
-                                                              "host_overhead_benchmark"))
+                                                              "host_overhead_benchmark", "graph_tests"))
+    graphs = steps["host_overhead_graphs_benchmark"]
+    assert "--cuda-graphs" in graphs and (ROOT / graphs[1]).is_file()
     throughput = steps["throughput_benchmark"]
     assert throughput[throughput.index("--size") + 1] == "base" and (ROOT / throughput[1]).is_file()
     command = steps["train_3ml_base"]

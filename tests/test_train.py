@@ -614,6 +614,28 @@ for stage, (weights, norm) in enumerate(trained[1:], 1):
     for name, tensor in reference.items():
         torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=1e-6, msg=f"ZeRO-{stage} {name}")
 
+# CUDA graphs' CPU twin (fastmae.graphs: static buffers, the replayed autograd path, gradients handed on as copies)
+# trains what the eager model trains through DeepSpeed's bf16 ZeRO-2, two micro-batches per step, bit for bit
+from fastmae.graphs import StepGraphs
+from fastmae.masking import masked_ahead
+trained = []
+for graphs in (False, True):
+    torch.manual_seed(0)
+    model = MaskedLM(config)
+    run = RunConfig()
+    run.train.zero_stage, run.train.lr, run.train.warmup_steps, run.train.grad_accum = 2, 1e-2, 1, 2
+    non_finite = torch.zeros(())
+    engine, _ = build_engine(model, run, "bf16", torch.device("cpu"), non_finite)
+    if graphs:
+        recorded = StepGraphs(model, capture=False)
+    masked = list(masked_ahead(iter(batches + [dataclasses.replace(batches[0], index=3)]), config, seed=0))
+    losses = [train_step(engine, masked[i:i + 2], seed=0, non_finite=non_finite).sums[0] for i in (0, 2)]
+    trained.append((losses, master_weights(engine)))
+assert (recorded.eager_batches, recorded.replayed_batches) == (1, 3)
+assert trained[0][0] == trained[1][0], [trained[0][0], trained[1][0]]
+for name, tensor in trained[0][1].items():
+    assert torch.equal(trained[1][1][name], tensor), name
+
 # the throughput benchmark times exactly the trainer's step
 
 calls = []
@@ -633,7 +655,8 @@ def test_world_of_one_skips_the_all_reduce_with_identical_updates():
     tensors from host data, the accelerator's synchronize, which DeepSpeed's throughput timer calls), in fp32 ZeRO-0
     and bf16 ZeRO-2, clipping included; bf16 ZeRO-1's optimizer reads its gradient norm back (DeepSpeed's, known).
     Clipping is by the global norm in every ZeRO stage: fp32 ZeRO-1/2/3 train what ZeRO-0 trains with a clip that
-    binds, and the master weights come back under the module names from flat parameters.
+    binds, and the master weights come back under the module names from flat parameters. CUDA graphs' CPU twin trains
+    the same weights as the eager model (bf16 ZeRO-2, two micro-batches per step).
     And benchmarks/throughput.py's step is `train_step`."""
     env = {**os.environ}
     env.pop("TRITON_INTERPRET", None)

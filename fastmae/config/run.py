@@ -103,6 +103,10 @@ class TrainConfig:
     then does its per-parameter work (gradient casts and copies, norms) on two tensors instead of every parameter,
     ~700 fewer device ops per step at base size; the price is that ZeRO's gradient reduction waits for the whole
     backward instead of overlapping it. ZeRO-3 gathers parameters module by module and keeps them apart."""
+    cuda_graphs: str = "auto"
+    """Record the training forward and backward as CUDA graphs and replay them (fastmae/graphs.py): `auto` where the
+    run allows (CUDA, `full` packing, ZeRO 0-2, no activation checkpointing, no train.compile; the log says which),
+    `always` (an error where it cannot), `never`. Only micro-batches of a recorded shape replay; others run eagerly."""
     seed: int = 0
     max_bad_steps: int = 20
     """Stop after this many non-finite losses in a row (each is skipped and counted)."""
@@ -124,6 +128,8 @@ class TrainConfig:
             bad("schedule", "must be 'linear' or 'polynomial'")
         if self.precision not in PRECISIONS:
             bad("precision", f"must be one of {PRECISIONS}")
+        if self.cuda_graphs not in ("auto", "always", "never"):
+            bad("cuda_graphs", "must be 'auto', 'always' or 'never'")
         if self.zero_stage not in (0, 1, 2, 3):
             bad("zero_stage", "must be 0, 1, 2 or 3")
         if self.lr <= 0:
@@ -155,6 +161,9 @@ class EvalConfig:
     """Share of each held-out sequence's maskable tokens predicted; fixed for every objective."""
     seed: int = 0
     """Seed of the held-out masks (independent of train.seed, so runs with other seeds see the same masks)."""
+    keep_weights: bool = False
+    """Also write the fp32 weights at every evaluation, to RUN/eval_weights/stepN/ (a directory `fastmae analyze`
+    and `finetune` read): how `fastmae study` compares objectives at the same held-out loss."""
 
     def validate(self) -> None:
         if self.every < 0:

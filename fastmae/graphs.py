@@ -1,0 +1,242 @@
+"""CUDA graphs of the training forward and backward (`train.cuda_graphs`; ARCHITECTURE.md section 5).
+
+With `full` packing every full-length micro-batch has the same shapes and host counts (section 2), so the model's
+forward and backward can be recorded once and replayed: two graph launches per micro-batch instead of hundreds of
+kernel launches, which the host would otherwise issue one by one. As in MLPerf's BERT, only the model is captured:
+DeepSpeed's gradient hooks run when autograd hands the replayed gradients to the parameters, and its optimizer step
+stays eager.
+
+    engine(masked) -> MaskedLM.__call__ (flat-parameter hook) -> StepGraphs.forward
+        a recorded signature:   masked's bytes copied into the recording's static buffer (one copy), forward replayed;
+                                engine.backward replays the backward and hands each parameter a copy of its gradient
+        a signature seen once:  the model's own forward (eager); the second time it is recorded, then replayed
+        anything else:          the model's own forward (evaluation, accuracy on logged steps, a plain PackedBatch)
+
+Without CUDA the recordings are the CPU twin: the same static buffers, signatures and autograd path, with the recorded
+forward and backward run eagerly instead of replayed, so everything up to the capture is tested on any machine.
+The gradients are handed on as copies: a replay writes its gradients into the same memory every time, and autograd
+would otherwise make that memory a parameter's `.grad` (it takes a fresh tensor as it is), which the next micro-batch's
+replay would overwrite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+
+from .batch import byte_offsets, unpack_bytes
+from .config import RunConfig
+from .errors import ConfigError
+from .masking import MaskedBatch
+
+WARMUP_RUNS = 2  # eager forward + backward on a side stream before the capture (Triton autotuning, lazy inits)
+
+
+class GraphPlan(NamedTuple):
+    """Whether a run records its training steps, and the reason, which the trainer logs."""
+
+    enabled: bool
+    reason: str
+
+
+def plan_graphs(config: RunConfig, device: torch.device) -> GraphPlan:
+    """Whether `config`'s training on `device` runs recorded graphs (train.cuda_graphs: auto, always, never).
+
+    `always` raises ConfigError naming what stops it; `auto` falls back to eager with the reason."""
+    train = config.train
+    if train.cuda_graphs == "never":
+        return GraphPlan(False, "train.cuda_graphs=never")
+    obstacles = [
+        (device.type != "cuda", f"the device is {device.type}, not CUDA"),
+        (train.zero_stage == 3, "train.zero_stage=3 gathers parameters module by module during the forward"),
+        (config.data.packing != "full", "data.packing=doc: micro-batch shapes follow document lengths"),
+        (train.activation_checkpointing, "train.activation_checkpointing recomputes layers inside the backward"),
+        (train.compile, "train.compile: compiled layers guard and recompile on the host"),
+    ]
+    reasons = [reason for blocked, reason in obstacles if blocked]
+    if not reasons:
+        return GraphPlan(True, "forward and backward recorded per micro-batch shape and replayed (train.cuda_graphs="
+                               f"{train.cuda_graphs})")
+    if train.cuda_graphs == "always":
+        raise ConfigError(f"train.cuda_graphs=always, but {'; '.join(reasons)} (use auto or never)")
+    return GraphPlan(False, "eager: " + "; ".join(reasons))
+
+
+def signature(masked: MaskedBatch) -> tuple:
+    """Everything of `masked` that the model's forward reads as a shape or a host value. Two batches with one
+    signature differ only in the contents of their device tensors, so one recording serves both."""
+    batch, counts = masked.batch, masked.counts
+    layouts = tuple((name, meta.max_seqlen, meta.rotary is not None) for name in ("full", "visible", "masked")
+                    if (meta := masked.__dict__.get(name)) is not None)
+    return (batch.max_seqlen, tuple(batch.seqlens.tolist()), tuple(counts.predicted.tolist()),
+            tuple(counts.removed.tolist()), tuple(counts.random.tolist()), layouts, str(masked.device),
+            tuple((tuple(t.shape), t.dtype) for t in masked.device_tensors()))
+
+
+class Recording:
+    """The model's training forward and backward for one signature, on static tensors: `buffer` holds the batch's
+    bytes (as `MaskedBatch.viewing` reads them), `output` the forward's output, `grads` the parameters' gradients for
+    the gradient of the loss in `grad_output`. On CUDA both passes are captured as graphs and replayed; elsewhere
+    `replay_*` runs them eagerly (the CPU twin)."""
+
+    def __init__(self, forward, masked: MaskedBatch, params: tuple[torch.nn.Parameter, ...], capture: bool):
+        self.forward = forward  # MaskedBatch -> MaskedLMOutput, the model's own forward
+        self.template = masked  # the signature's host values; its device tensors are replaced by views of `buffer`
+        self.params = params
+        tensors = masked.device_tensors()
+        self.buffer = torch.empty(byte_offsets(tensors)[1], dtype=torch.uint8, device=masked.device)
+        self.views = unpack_bytes(self.buffer, tensors, byte_offsets(tensors)[0])
+        self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None
+        self.param_pointers = [p.data_ptr() for p in params]
+        self.grad_output = torch.ones((), dtype=torch.float32, device=masked.device)  # the loss is an fp32 scalar
+        self.load(masked)  # real indices before any run: the warm-up and the capture gather with them
+        if capture:
+            self._capture()
+
+    def load(self, masked: MaskedBatch) -> None:
+        """Copy `masked`'s device tensors into the static buffer: one copy when they view one buffer laid out as it
+        is (`MaskedBatch.packed`: the trainer's batches), else one per tensor."""
+        if masked.buffer is not None and masked.buffer.shape == self.buffer.shape:
+            self.buffer.copy_(masked.buffer)
+        else:
+            for static, tensor in zip(self.views, masked.device_tensors(), strict=True):
+                static.copy_(tensor)
+
+    def _run_forward(self) -> None:
+        with torch.enable_grad():
+            self.output = self.forward(self.template.viewing(self.buffer))
+
+    def _run_backward(self) -> None:
+        self.grads = torch.autograd.grad(self.output.loss, self.params, self.grad_output, allow_unused=True)
+
+    def _capture(self) -> None:
+        """Warm up on a side stream, then capture the forward and the backward into one memory pool (replayed in
+        that order, as `torch.cuda.make_graphed_callables` does)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with _syncs_allowed(), torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self._run_forward()
+                self._run_backward()
+        torch.cuda.current_stream().wait_stream(side)
+        forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        pool = torch.cuda.graph_pool_handle()
+        # thread_local: the masking thread's pinned-memory allocations may go on while this thread captures
+        with _syncs_allowed():
+            with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode="thread_local"):
+                self._run_forward()
+            with torch.cuda.graph(backward_graph, pool=pool, capture_error_mode="thread_local"):
+                self._run_backward()
+        self.graphs = (forward_graph, backward_graph)
+
+    @property
+    def valid(self) -> bool:
+        """False once a parameter's memory has moved (a replay would read the old memory): re-record then."""
+        return [p.data_ptr() for p in self.params] == self.param_pointers
+
+    def replay_forward(self) -> None:
+        if self.graphs is None:
+            self._run_forward()
+        else:
+            self.graphs[0].replay()
+
+    def replay_backward(self) -> None:
+        if self.graphs is None:
+            self._run_backward()
+        else:
+            self.graphs[1].replay()
+
+    def __call__(self, masked: MaskedBatch):
+        """The model's output for `masked` (a MaskedLMOutput), its loss differentiable through `_Replayed`;
+        `encoder_states` is the recording's, valid until its next replay."""
+        self.load(masked)
+        loss = _Replayed.apply(self, *self.params)
+        return self.output._replace(loss=loss, masked=masked, encoder_states=self.output.encoder_states.detach())
+
+
+class _Replayed(torch.autograd.Function):
+    """The recording's loss as a function of the parameters: forward replays the forward, backward the backward."""
+
+    @staticmethod
+    def forward(ctx, recording: Recording, *params: torch.Tensor) -> torch.Tensor:
+        ctx.recording = recording
+        recording.replay_forward()
+        return recording.output.loss.detach().clone()  # the static loss is overwritten by the next replay
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        recording = ctx.recording
+        recording.grad_output.copy_(grad_loss)
+        recording.replay_backward()
+        return (None, *(None if grad is None else grad.clone() for grad in recording.grads))
+
+
+class StepGraphs:
+    """Installs itself as `model.forward` (and `model.graphs`): training forwards of a recorded signature replay
+    their recording, every other call runs the model's own forward. A signature is recorded the second time it is
+    seen (the first run is eager, so lazy initialisation happens outside any recording), at most `max_recordings` of
+    them (each holds its own activation memory). Training forwards that run eagerly (other signatures, logged steps'
+    accuracy) are counted in `eager_batches`, replays in `replayed_batches`."""
+
+    def __init__(self, model: torch.nn.Module, capture: bool, max_recordings: int = 1):
+        self.model = model
+        self.eager_forward = model.forward
+        self.capture = capture
+        self.max_recordings = max_recordings
+        self.recordings: dict[tuple, Recording] = {}
+        self.seen: set[tuple] = set()
+        self.replayed_batches = self.eager_batches = 0
+        model.forward = self.forward
+        model.graphs = self
+
+    def forward(self, batch, seed: int = 0, step: int = 0, rank: int = 0, compute_accuracy: bool = False):
+        training = self.model.training and torch.is_grad_enabled()
+        recording = self._recording(batch) if training and not compute_accuracy else None
+        if recording is None:
+            self.eager_batches += training
+            return self.eager_forward(batch, seed, step, rank, compute_accuracy)
+        self.replayed_batches += 1
+        return recording(batch)
+
+    def summary(self) -> str:
+        """What the run's recordings did, for its log."""
+        return (f"cuda graphs: {self.replayed_batches} micro-batches replayed, {self.eager_batches} run eagerly "
+                f"({len(self.recordings)} shape(s) recorded)")
+
+    def _bound_forward(self, batch: MaskedBatch):
+        """The model's own forward, flat parameters rebound first (as its forward hook does before every call)."""
+        self.model._bind_parameters()
+        return self.eager_forward(batch)
+
+    def _recording(self, batch) -> Recording | None:
+        """The recording that serves this training forward, recorded now if its time has come; None: run eagerly."""
+        if not isinstance(batch, MaskedBatch):
+            return None
+        key = signature(batch)
+        recording = self.recordings.get(key)
+        if recording is not None and not recording.valid:
+            del self.recordings[key]
+            recording = None
+        if recording is None and key in self.seen and (len(self.recordings) < self.max_recordings):
+            params = tuple(p for p in self.model.parameters() if p.requires_grad)
+            recording = self.recordings[key] = Recording(self._bound_forward, batch, params, self.capture)
+        self.seen.add(key)
+        return recording
+
+
+@contextlib.contextmanager
+def _syncs_allowed():
+    """Recording synchronizes the device (capture begins and ends with one): allowed even where the training loop
+    forbids syncs (FASTMAE_SYNC_DEBUG)."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)

@@ -1,0 +1,156 @@
+"""CUDA graphs of the training forward and backward (fastmae/graphs.py): the plan, the static buffers and the replayed
+autograd path, on CPU through the CPU twin (recordings run eagerly) and on CUDA captured (run by scripts/gpu_check.sh).
+DeepSpeed with the twin installed: tests/test_train.py's world-of-one run."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import tiny_batch, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastmae.batch import pack_bytes
+from fastmae.config import RunConfig
+from fastmae.errors import ConfigError
+from fastmae.flat import FlatParameters
+from fastmae.graphs import StepGraphs, plan_graphs, signature
+from fastmae.masking import masked_ahead
+from fastmae.optim import decay_groups
+
+CUDA = torch.device("cuda")
+
+
+def run_config(**train) -> RunConfig:
+    config = RunConfig()
+    config.train = dataclasses.replace(config.train, **train)
+    return config
+
+
+def test_the_plan_names_what_stops_graphs():
+    assert plan_graphs(run_config(), CUDA).enabled
+    assert plan_graphs(run_config(cuda_graphs="always"), CUDA).enabled
+    assert plan_graphs(run_config(cuda_graphs="never"), CUDA) == (False, "train.cuda_graphs=never")
+    cpu = plan_graphs(run_config(), torch.device("cpu"))
+    assert not cpu.enabled and "not CUDA" in cpu.reason
+    doc = run_config(zero_stage=3)
+    doc.data = dataclasses.replace(doc.data, packing="doc")
+    reason = plan_graphs(doc, CUDA).reason
+    assert "zero_stage=3" in reason and "packing=doc" in reason
+    with pytest.raises(ConfigError, match="cuda_graphs=always, but train.activation_checkpointing"):
+        plan_graphs(run_config(cuda_graphs="always", activation_checkpointing=True), CUDA)
+    with pytest.raises(ConfigError, match="train.cuda_graphs"):
+        run_config(cuda_graphs="on").train.validate()
+
+
+def same_shaped(config, count: int, seed: int = 0, device="cpu") -> list:
+    """`count` micro-batches of one signature (equal lengths, different tokens), masked as the trainer masks them
+    (on the host, layouts included) and moved to `device` in one copy each."""
+    batches = [dataclasses.replace(tiny_batch(num_sequences=4, seed=seed + i, min_len=30, max_len=30), index=i)
+               for i in range(count)]
+    return [m.to(device) for m in masked_ahead(iter(batches), config, seed=seed)]
+
+
+@pytest.mark.parametrize("preset, extra", [("3ml", {}), ("mlm", {}),
+                                           ("mae-lm", {"decoder_kind": "cross", "position_embedding": "rotary"})])
+def test_a_batch_read_back_from_its_bytes_is_the_batch(preset, extra):
+    masked = same_shaped(tiny_model(preset, **extra).config, 1)[0]
+    copy_ = masked.viewing(pack_bytes(masked.device_tensors())[0])
+    assert copy_.buffer is not None and signature(copy_) == signature(masked)
+    for got, expected in zip(copy_.resident_tensors(), masked.resident_tensors(), strict=True):
+        assert torch.equal(got, expected)
+
+
+class Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def flat_model(preset: str, seed: int, device="cpu", dtype=torch.float32, dropout=0.1, **extra):
+    model = tiny_model(preset, seed=seed, dropout=dropout, **extra).train().to(device, dtype)
+    model.flat = FlatParameters(model, decay_groups(model))
+    return model
+
+
+def accumulate(model, micro_batches: list) -> list[float]:
+    """Forward and backward of each micro-batch (gradients accumulating, as DeepSpeed's engine does); the losses."""
+    losses = []
+    for masked in micro_batches:
+        out = model(masked)
+        (out.loss * out.num_predicted).backward()
+        losses.append(out.loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("preset, extra", [("3ml", {}), ("mlm", {"norm_position": "pre"}),
+                                           ("mae-lm", {"decoder_kind": "cross", "position_embedding": "rotary"})])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_cpu_twin_replays_what_the_model_computes(preset, extra, seed):
+    # the recordings' static buffers and autograd path, run eagerly: losses and accumulated gradients bit for bit the
+    # model's own (dropout on: the twin draws what the model draws), the buffer reused, gradients handed on as copies
+    eager, replayed = flat_model(preset, seed, **extra), flat_model(preset, seed, **extra)
+    graphs = StepGraphs(replayed, capture=False)
+    micro_batches = same_shaped(eager.config, 4, seed=seed)
+    torch.manual_seed(seed)
+    expected = accumulate(eager, micro_batches)
+    torch.manual_seed(seed)
+    got = accumulate(replayed, micro_batches)
+    assert (graphs.eager_batches, graphs.replayed_batches, len(graphs.recordings)) == (1, 3, 1)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    for (name, a), b in zip(replayed.named_parameters(), eager.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+        assert not any(a.grad.data_ptr() == g.data_ptr() for g in next(iter(graphs.recordings.values())).grads)
+
+
+def test_only_training_forwards_of_a_recorded_shape_replay():
+    model = flat_model("3ml", seed=0)
+    graphs = StepGraphs(model, capture=False)
+    first, second, third = same_shaped(model.config, 3)
+    model(first), model(second)
+    recording = next(iter(graphs.recordings.values()))
+    buffer = recording.buffer.data_ptr()
+    shorter = dataclasses.replace(tiny_batch(4, seed=9, min_len=20, max_len=20), index=0)  # another signature
+    model(next(masked_ahead(iter([shorter]), model.config, seed=0)))
+    model(third, compute_accuracy=True)  # logged steps count accuracy eagerly
+    with torch.no_grad():
+        model(third)
+    model.eval()(third)
+    assert (graphs.replayed_batches, graphs.eager_batches) == (1, 3)
+    model.train()(third)
+    assert graphs.replayed_batches == 2 and recording.buffer.data_ptr() == buffer
+
+
+def test_loading_a_moved_batch_is_one_copy_and_no_allocation():
+    model = flat_model("3ml", seed=0)
+    graphs = StepGraphs(model, capture=False)
+    micro_batches = same_shaped(model.config, 3)
+    model(micro_batches[0]), model(micro_batches[1])
+    recording = next(iter(graphs.recordings.values()))
+    moved = micro_batches[2].viewing(pack_bytes(micro_batches[2].device_tensors())[0])  # as `MaskedBatch.to` leaves it
+    with Ops() as ops:
+        recording.load(moved)
+    assert ops.names == ["copy_.default"]
+    for static, tensor in zip(recording.views, moved.device_tensors()):
+        assert torch.equal(static, tensor)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("preset, extra", [("3ml", {}), ("mlm", {"norm_position": "pre"}),
+                                           ("mae-lm", {"decoder_kind": "cross", "position_embedding": "rotary"})])
+def test_captured_graphs_compute_what_the_model_computes(preset, extra, dtype):
+    # dropout off: a replay draws its dropout masks from the graph's own generator offsets
+    eager, captured = (flat_model(preset, 0, CUDA, dtype, dropout=0.0, **extra) for _ in range(2))
+    graphs = StepGraphs(captured, capture=True)
+    micro_batches = same_shaped(eager.config, 5, device=CUDA)
+    expected, got = accumulate(eager, micro_batches), accumulate(captured, micro_batches)
+    assert graphs.replayed_batches == 4 and next(iter(graphs.recordings.values())).graphs is not None
+    tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), **tolerance)
+    for (name, a), b in zip(captured.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad.float(), b.grad.float(), **tolerance, msg=name)
