@@ -41,7 +41,9 @@ for part in ${parts[*]}; do
         --valid-fraction 0.1
       rm -rf "runs/study-$preset"
       started=$SECONDS
-      fastmae study --data "$data" --budget "$preset" --task generated --out "runs/study-$preset"
+      grid=()  # the base-depth study first picks each objective's learning rate, so none trains at another's
+      if [ "$part" = study-1h ]; then grid=(--lr-grid 5e-4,1e-3,2e-3 --lr-grid-fraction 0.3); fi
+      fastmae study --data "$data" --budget "$preset" --task generated "${grid[@]}" --out "runs/study-$preset"
       kept="$results/study_${preset//-/_}"
       mkdir -p "$kept"
       cp "runs/study-$preset"/{report.md,study.json,loss_vs_flops.png,ranks.png} "$kept/"

@@ -17,7 +17,9 @@ it reports two effective ranks of the (uncentred) row matrix X with singular val
     epsilon rank   min k such that sum_{i<=k} s_i^2 >= (1 - epsilon) sum_i s_i^2      (MAE-LM's definition)
     entropy rank   exp(-sum_i p_i log p_i) with p_i = s_i / sum_j s_j                (Roy & Vetterli, 2007)
 and both again for the centred rows X - mean(X) (`centred_epsilon_rank`, `centred_entropy_rank`): a pre-LN residual
-stream shares one large mean direction, which alone can hold most of the uncentred energy;
+stream shares one large mean direction, which alone can hold most of the uncentred energy. A pre-LN model's rows are
+first standardised as a post-LN layer's output is (LayerNorm without affine; `normalised` in the record), so both
+kinds of model are measured on what a layer hands on;
 and, for (a), the dimensions whose variance (about the mean of all rows) comes mostly from `<mask>` rows:
 share_j = mask rows' sum of squared deviations / all rows' in dimension j; a dimension is mask-dominated when
 share_j >= --dominance (the share `<mask>` rows would have by their count alone is reported as `share_by_count`).
@@ -38,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from .atomic import atomic_write_text
@@ -138,6 +141,7 @@ def analyze(pretrained: Pretrained, sequences: list[np.ndarray], config: Analyze
             device: torch.device) -> dict:
     """Run the sequences with and without `<mask>` inputs and return the per-layer record (module doc)."""
     model = pretrained.encoder().to(device).eval()
+    normalise = pretrained.config.norm_position == "pre"
     layers, hidden = pretrained.config.encoder_layers + 1, pretrained.config.hidden_size
     stats = LayerStatistics(layers, hidden)
     lengths = np.array([len(s) for s in sequences])
@@ -152,12 +156,18 @@ def analyze(pretrained: Pretrained, sequences: list[np.ndarray], config: Analyze
         mask_rows, unmasked_rows = masked.nonzero()[:, 0].to(device), (~special).nonzero()[:, 0].to(device)
         masked_batch = PackedBatch.from_packed(np.where(masked.numpy(), MASK_ID, batch.tokens.numpy()),
                                                lengths[ids]).to(device)
-        with_mask = model.encode(masked_batch, all_layers=True)
-        without_mask = model.encode(batch.to(device), all_layers=True)
+        with_mask = normalised(model.encode(masked_batch, all_layers=True), normalise)
+        without_mask = normalised(model.encode(batch.to(device), all_layers=True), normalise)
         for layer, (a, b) in enumerate(zip(with_mask, without_mask)):
             for group, x in enumerate((a[real], a[mask_rows], b[real], b[unmasked_rows])):
                 stats.add(layer, group, x)
-    return _record(stats, config, hidden)
+    return {**_record(stats, config, hidden), "normalised": normalise}
+
+
+def normalised(states: list[torch.Tensor], normalise: bool) -> list[torch.Tensor]:
+    """`states` as a post-LN layer outputs them: each row standardised (LayerNorm without its affine), when
+    `normalise` (a pre-LN model, whose layers output the raw residual stream); else as they are."""
+    return [F.layer_norm(x.float(), x.shape[-1:]) for x in states] if normalise else states
 
 
 def _record(stats: LayerStatistics, config: AnalyzeConfig, hidden: int) -> dict:
@@ -189,6 +199,8 @@ def _record(stats: LayerStatistics, config: AnalyzeConfig, hidden: int) -> dict:
             "entropy_rank": "exp(entropy of s_i / sum_j s_j) (Roy & Vetterli 2007)",
             "rows": "rows of each group (uncentred for epsilon_rank / entropy_rank, minus the group's mean for the "
                     "centred_ ranks); <s> and </s> excluded; layer 0 is the embeddings' output",
+            "normalised": "for a pre-LN model every row is first standardised (LayerNorm without affine), as a "
+                          "post-LN layer outputs it: its layers output the raw residual stream",
             "mask_share": "share of a dimension's squared deviation about the mean of input (a)'s rows that comes "
                           f"from <mask> rows; mask-dominated when >= {config.dominance}",
         },

@@ -89,6 +89,22 @@ def test_claims_are_held_to_the_seed_spread():
     assert "worse" in compare("rank", [10, 11], [30, 31], "dims", "higher")
 
 
+def test_ranks_are_matched_at_a_loss_every_learned_run_reached():
+    from fastmae.study.summary import matched_points
+
+    def curve(*losses):
+        return [{"step": 10 * i, "loss": loss, "unigram_entropy": 5.0} for i, loss in enumerate(losses, 1)]
+
+    curves = {"mlm": [curve(5.2, 4.0, 3.0), curve(5.1, 3.9, 3.2)], "3ml": [curve(5.3, 4.6, 3.6), curve(5.2, 4.4, 3.5)],
+              "mae-lm": [curve(5.1, 4.95, 4.92), curve(5.0, 4.5, 4.0)]}  # one seed stayed on the plateau
+    level, points = matched_points(curves)
+    assert level == 3.6  # the highest of the lowest losses of the objectives that left the plateau
+    assert [p["step"] for p in points["mlm"]] == [20, 20] and [p["step"] for p in points["3ml"]] == [30, 30]
+    assert "never left the unigram plateau" in points["mae-lm"]
+    level, points = matched_points({"mlm": [curve(5.0, 4.95)]})
+    assert level is None and isinstance(points["mlm"], str)
+
+
 # ------------------------------------------------------------------------------------------------ the command
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
@@ -107,13 +123,28 @@ def test_generated_word_order_task(dataset, tmp_path):
     assert task_name_of(tmp_path / "SST-2", None) == "sst2" and task_name_of(tmp_path / "x", "rte") == "rte"
 
 
-def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys):
+def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypatch):
+    from fastmae.study import summary
+
     data = dataset
     out = tmp_path / "study"
-    # mlm (the reference) and one objective that removes its masked tokens: mae-lm takes the same path as 3ml here
-    args = ["--data", str(data), "--quick", "--objectives", "mlm,3ml", "--task", "generated", "--out", str(out)]
+    # mlm (the reference) and one objective that removes its masked tokens: mae-lm takes the same path as 3ml here;
+    # a learning-rate grid of one rate (its plumbing: short runs, the choice, the runs at the chosen rate)
+    args = ["--data", str(data), "--quick", "--objectives", "mlm,3ml", "--task", "generated", "--out", str(out),
+            "--lr-grid", "2e-3", "--lr-grid-fraction", "0.5"]
+    monkeypatch.setattr(summary, "PLATEAU_MARGIN", -10.0)  # 40 steps leave no plateau: count every run as learned
     assert study_main(args) == 0
     study = json.loads((out / "study.json").read_text())
+    for label in ("mlm", "3ml"):
+        grid = study["lr_grid"][label]
+        assert grid["chosen"] == 2e-3 and set(grid["losses"]) == {"0.002"} and grid["fraction"] == 0.5
+        assert "lr: 0.002" in (out / "configs" / f"{label}-seed0.yaml").read_text()
+        assert (out / "runs" / f"{label}-seed0-lrgrid0.002" / "model.safetensors").is_file()
+        matched = study["objectives"][label]["ranks_at_matched_loss"]
+        kept = sorted(int(p.name[4:]) for p in (out / "runs" / f"{label}-seed0" / "eval_weights").iterdir())
+        assert matched["excluded"] is None and matched["steps"][0] in kept and len(kept) == 3
+        assert (out / "analysis" / f"{label}-seed0" / f"step{matched['steps'][0]}" / "analysis.json").is_file()
+        assert len(matched["ranks"]["epsilon_rank"]["real_unmasked_input"]) == 3
     budget = study["setup"]["budget"]
     every = budget / study["setup"]["eval_points"]
     for label in ("mlm", "3ml"):
@@ -154,7 +185,8 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys):
         capsys.readouterr().err
     report = (out / "report.md").read_text()
     for text in ("## Results", "% of mlm's compute", "## What the numbers say", "seed", "## Exactly what ran",
-                 "python -m fastmae.train --config", "## Effective rank per layer", "word-order accuracy"):
+                 "python -m fastmae.train --config", "## Effective rank per layer", "word-order accuracy",
+                 "## Ranks at matched held-out loss", "## Learning rate per objective"):
         assert text in report, text
     assert (out / "loss_vs_flops.png").stat().st_size > 10_000 and (out / "ranks.png").stat().st_size > 10_000
     capsys.readouterr()
@@ -168,7 +200,7 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys):
     # other settings for the same --out are refused before anything runs
     assert study_main([*args, "model.hidden_size=32"]) == 1
     err = capsys.readouterr().err
-    assert "mlm-seed0.yaml holds another config" in err and err.count("\n") == 1
+    assert "mlm-seed0-lrgrid0.002.yaml holds another config" in err and "training" not in err
 
 
 def test_bad_input_is_named(dataset, tmp_path, capsys):

@@ -21,6 +21,7 @@ from .runs import (
     analyze_run,
     default_ranks,
     device_text,
+    eval_curve,
     finetune_run,
     launch_command,
     model_facts,
@@ -29,7 +30,8 @@ from .runs import (
     task_name_of,
     train,
 )
-from .summary import findings, summarize
+from .schema import MatchedRanks
+from .summary import findings, matched_points, ranks_of, summarize
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -53,16 +55,13 @@ def study(args) -> dict:
     flops_per_step = {o.label: step_flops(o, args, preset, ranks) for o in objectives}  # each config checked here
     if preset.mlm_steps:
         budget = preset.mlm_steps * flops_per_step["mlm"]
-    runs = {o.label: [Run(o, seed, out) for seed in range(seeds)] for o in objectives}
-    configs = {run.name: run_config_text(run, args, budget, preset) for rs in runs.values() for run in rs}
-    for rs in runs.values():  # every config is checked before the first run starts
-        for run in rs:
-            if run.config_file.is_file() and run.config_file.read_text() != configs[run.name]:
-                raise FastmaeError(f"{run.config_file} holds another config for this run: use another --out, or "
-                                   f"delete {run.config_file} and {run.dir} to retrain it with these settings")
     print("fastmae study: FLOPs per optimizer step against mlm's: " + ", ".join(
         f"{label} {flops / flops_per_step['mlm']:.2f}x ({flops:.3g})" for label, flops in flops_per_step.items()),
         file=sys.stderr)
+    lr_grid = learning_rate_grid(objectives, args, budget, preset, ranks) if args.lr_grid else {}
+    runs = {o.label: [Run(o, seed, out, lr=lr_grid[o.label]["chosen"] if lr_grid else None)
+                      for seed in range(seeds)] for o in objectives}
+    configs = checked_configs([run for rs in runs.values() for run in rs], args, budget, preset)
     for rs in runs.values():
         for run in rs:
             train(run, configs[run.name], ranks)
@@ -73,7 +72,8 @@ def study(args) -> dict:
                      for label, rs in runs.items()}
     sequences = preset.analyze_sequences
     analyses = {label: [analyze_run(run, data, sequences) for run in rs] for label, rs in runs.items()}
-    summary = summarize(objectives, runs, finetuned, analyses, task_label)
+    summary = summarize(objectives, runs, finetuned, analyses, task_label,
+                        ranks_at_matched_loss(runs, data, sequences))
     first = runs["mlm"][0]
     facts = {label: {**model_facts(rs[0]), "flops_per_step": flops_per_step[label],
                      "flops_per_step_vs_mlm": flops_per_step[label] / flops_per_step["mlm"]}
@@ -82,6 +82,8 @@ def study(args) -> dict:
     result = {
         "objectives": summary,
         "findings": findings(summary),
+        "lr_grid": {label: {**grid, "losses": {f"{lr:g}": loss for lr, loss in grid["losses"].items()}}
+                    for label, grid in lr_grid.items()},
         "models": facts,
         "setup": {"data": str(data), "budget": budget, "preset": "quick" if args.quick else args.budget,
                   "seeds": seeds, "eval_points": preset.eval_points, "eval_sequences": resolved["eval"]["sequences"],
@@ -100,6 +102,58 @@ def study(args) -> dict:
     plot_ranks(summary, facts["mlm"]["hidden_size"], out)
     write_report(result, out)
     return result
+
+
+def checked_configs(runs: list[Run], args, budget: float, preset) -> dict[str, str]:
+    """The config of each run by name, every one checked against a config its --out already holds before any of
+    them trains."""
+    configs = {run.name: run_config_text(run, args, budget, preset) for run in runs}
+    for run in runs:
+        if run.config_file.is_file() and run.config_file.read_text() != configs[run.name]:
+            raise FastmaeError(f"{run.config_file} holds another config for this run: use another --out, or "
+                               f"delete {run.config_file} and {run.dir} to retrain it with these settings")
+    return configs
+
+
+def learning_rate_grid(objectives, args, budget: float, preset, ranks: int) -> dict[str, dict]:
+    """--lr-grid: each objective trained (seed 0) at each learning rate of the grid for --lr-grid-fraction of the
+    budget (its own schedule over that budget); per objective the held-out loss each reached and the rate with the
+    lowest, which the study's runs then train at from the start."""
+    try:
+        grid = sorted({float(text) for text in args.lr_grid.split(",") if text.strip()})
+    except ValueError:
+        raise FastmaeError(f"--lr-grid {args.lr_grid!r}: expected comma-separated learning rates") from None
+    if not grid or min(grid) <= 0 or not 0 < args.lr_grid_fraction <= 1:
+        raise FastmaeError(f"--lr-grid {args.lr_grid!r} --lr-grid-fraction {args.lr_grid_fraction}: rates must be "
+                           "positive and the fraction in (0, 1]")
+    short = budget * args.lr_grid_fraction
+    runs = {o.label: [Run(o, 0, Path(args.out), grid_lr=lr) for lr in grid] for o in objectives}
+    configs = checked_configs([run for rs in runs.values() for run in rs], args, short, preset)
+    chosen = {}
+    for label, rs in runs.items():
+        for run in rs:
+            train(run, configs[run.name], ranks)
+        losses = {run.grid_lr: eval_curve(run)[-1]["loss"] for run in rs}
+        best = min(losses, key=losses.get)
+        chosen[label] = {"fraction": args.lr_grid_fraction, "flops": short, "losses": losses, "chosen": best}
+        print(f"fastmae study: {label}: learning rate {best:g} (held-out loss after {short:.3g} FLOPs: "
+              + ", ".join(f"lr {lr:g} {loss:.3f}" for lr, loss in losses.items()) + ")", file=sys.stderr)
+    return chosen
+
+
+def ranks_at_matched_loss(runs: dict[str, list[Run]], data: Path, sequences: int) -> dict[str, MatchedRanks]:
+    """Each objective's ranks at the held-out loss every run that left the unigram plateau reached: analyze's
+    records of the weights each seed kept at its evaluation nearest that level (`summary.matched_points`)."""
+    level, points = matched_points({label: [eval_curve(run) for run in rs] for label, rs in runs.items()})
+    matched = {}
+    for label, rs in runs.items():
+        if isinstance(points[label], str):
+            matched[label] = MatchedRanks(level, excluded=points[label])
+            continue
+        records = [analyze_run(run, data, sequences, step=point["step"]) for run, point in zip(rs, points[label])]
+        matched[label] = MatchedRanks(level, steps=[p["step"] for p in points[label]],
+                                      losses=[p["loss"] for p in points[label]], ranks=ranks_of(records))
+    return matched
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "preset's)")
     parser.add_argument("--finetune-seeds", type=int, default=0, help="fine-tuning seeds per encoder (default: the "
                         "preset's)")
+    parser.add_argument("--lr-grid", help="comma-separated learning rates: each objective is first trained at each "
+                        "for --lr-grid-fraction of the budget and the study's runs use the rate with the lowest "
+                        "held-out loss, so no objective is held to a rate chosen for another (e.g. 5e-4,1e-3,2e-3)")
+    parser.add_argument("--lr-grid-fraction", type=float, default=0.2, help="share of the budget each grid run "
+                        "trains for (default 0.2)")
     parser.add_argument("--ranks", type=int, default=0, help="processes per run (default: the GPUs, or 1 on CPU)")
     parser.add_argument("--config", help="a run config YAML whose settings every run starts from")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value for every run, e.g. model.hidden_size=256")

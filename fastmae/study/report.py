@@ -111,6 +111,7 @@ def write_report(study: dict, out: Path) -> Path:
                                  ("effective_rank", "real_masked_input", "with `<mask>`"),
                                  ("centred_effective_rank", "real_unmasked_input", "without `<mask>`, centred")):
             lines.append(f"| `{label}` | {what} | " + " | ".join(f"{v:.1f}" for v in getattr(e, key)[group]) + " |")
+    lines += _matched_section(summary, setup["encoder_layers"]) + _lr_grid_section(study.get("lr_grid") or {})
     lines += ["", "## Sizes, steps and seeds", "",
               "| objective | seed | steps | FLOPs | final loss | final accuracy | % of mlm's compute | seconds |",
               "|---|---|---|---|---|---|---|---|"]
@@ -130,6 +131,56 @@ def write_report(study: dict, out: Path) -> Path:
     path = out / "report.md"
     atomic_write_text(path, "\n".join(lines))
     return path
+
+
+def _matched_section(summary: dict[str, ObjectiveResult], encoder_layers: int) -> list[str]:
+    """The ranks of every objective at one held-out loss, per layer, with and without `<mask>` in the input."""
+    entries = {label: e.ranks_at_matched_loss for label, e in summary.items() if e.ranks_at_matched_loss is not None}
+    if not entries:
+        return []
+    level = next(iter(entries.values())).level
+    lines = ["", "## Ranks at matched held-out loss", "",
+             "An encoder that has not learned has a low rank whatever its objective, so ranks are compared where every "
+             "objective's encoders predict equally well: each seed's weights kept at its evaluation nearest held-out "
+             + (f"loss {level:.3f} (the highest of the runs' lowest losses)" if level is not None else "loss -")
+             + ". What each row bears on: the uncentred epsilon rank without `<mask>` is MAE-LM's measurement "
+             "(Figure 5a: how many dimensions the real tokens' representations use); the drop from without to with "
+             "`<mask>` in the input is its Figure 1 deficiency (dimensions that `<mask>` rows take from real tokens, "
+             "which the paper expects in mlm and not in MAE-LM); the centred rank removes the mean direction every row "
+             "shares, so a low uncentred rank that is only that direction shows up as a high centred one. Pre-LN "
+             "models' rows are standardised first, as a post-LN layer outputs them.", "",
+             "| objective | steps (held-out loss) | input | "
+             + " | ".join(f"layer {i}" for i in range(encoder_layers + 1)) + " |",
+             "|---|---|---|" + "---|" * (encoder_layers + 1)]
+    for label, matched in entries.items():
+        if matched.excluded:
+            lines.append(f"| `{label}` | left out: {matched.excluded} |" + " |" * (encoder_layers + 2))
+            continue
+        where = ", ".join(f"{step} ({loss:.3f})" for step, loss in zip(matched.steps, matched.losses))
+        for key, group, what in (("epsilon_rank", "real_unmasked_input", "without `<mask>`"),
+                                 ("epsilon_rank", "real_masked_input", "with `<mask>`"),
+                                 ("centred_epsilon_rank", "real_unmasked_input", "without `<mask>`, centred")):
+            lines.append(f"| `{label}` | {where} | {what} | "
+                         + " | ".join(f"{v:.1f}" for v in getattr(matched.ranks, key)[group]) + " |")
+    return lines
+
+
+def _lr_grid_section(lr_grid: dict) -> list[str]:
+    """The learning-rate grid (--lr-grid): each objective's held-out loss at each rate and the rate it trained at."""
+    if not lr_grid:
+        return []
+    first = next(iter(lr_grid.values()))
+    rates = list(first["losses"])
+    lines = ["", "## Learning rate per objective", "",
+             f"Each objective trained at each rate for {first['fraction']:g} of the budget ({first['flops']:.3g} "
+             "FLOPs, seed 0, its own schedule over that budget); its study runs trained at the rate with the lowest "
+             "held-out loss, from the start. Held-out loss at the end of each short run:", "",
+             "| objective | " + " | ".join(f"lr {r}" for r in rates) + " | chosen |",
+             "|---|" + "---|" * (len(rates) + 1)]
+    for label, grid in lr_grid.items():
+        lines.append(f"| `{label}` | " + " | ".join(f"{grid['losses'][r]:.3f}" for r in rates)
+                     + f" | {grid['chosen']:g} |")
+    return lines
 
 
 def shared_settings(resolved: dict) -> str:

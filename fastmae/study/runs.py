@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..analyze import AnalyzeConfig
 from ..atomic import atomic_write_text
-from ..checkpoint import WEIGHTS, weights_metadata
+from ..checkpoint import WEIGHTS, kept_eval_weights, weights_metadata
 from ..config import ModelConfig, RunConfig, load_run_config
 from ..data import PackedLoader
 from ..errors import FastmaeError
@@ -31,15 +31,19 @@ from .objectives import Objective, StudyPreset
 # ------------------------------------------------------------------------------------------------- the runs
 @dataclass(frozen=True)
 class Run:
-    """One pretraining run of the study: an objective at a seed."""
+    """One pretraining run of the study: an objective at a seed, at the learning rate the study chose for it (None:
+    the preset's), or a run of its learning-rate grid (`grid_lr`: a short run at that rate, `--lr-grid`)."""
 
     objective: Objective
     seed: int
     out: Path
+    lr: float | None = None
+    grid_lr: float | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.objective.slug}-seed{self.seed}"
+        grid = "" if self.grid_lr is None else f"-lrgrid{self.grid_lr:g}"
+        return f"{self.objective.slug}-seed{self.seed}{grid}"
 
     @property
     def config_file(self) -> Path:
@@ -71,10 +75,13 @@ def _objective_config(objective: Objective, args, preset: StudyPreset, extra: li
 
 
 def run_config_text(run: Run, args, budget: float, preset: StudyPreset) -> str:
-    """The resolved YAML config of `run`."""
+    """The resolved YAML config of `run` (FLOP `budget`, the preset's evaluations over it, its weights kept at each,
+    its learning rate where the study chose one)."""
+    lr = run.grid_lr if run.grid_lr is not None else run.lr
     return _objective_config(run.objective, args, preset, [
         f"log.dir={run.dir.resolve()}", f"train.seed={run.seed}", f"train.flops_budget={budget!r}", "eval.every=0",
-        f"eval.every_flops={budget / preset.eval_points!r}"]).to_yaml()
+        f"eval.every_flops={budget / preset.eval_points!r}", "eval.keep_weights=true",
+        *([f"train.lr={lr!r}"] if lr is not None else [])]).to_yaml()
 
 
 def step_flops(objective: Objective, args, preset: StudyPreset, ranks: int) -> float:
@@ -128,17 +135,25 @@ def finetune_run(run: Run, task_dir: Path, task_name: str, config: FinetuneConfi
     return finetune(run.dir, task, train_file, dev_file, run.finetune_dir, config)
 
 
-def analyze_run(run: Run, data: Path, sequences: int) -> dict:
-    """analyze's record of `run`'s encoder (reusing one of the same weights)."""
+def analyze_run(run: Run, data: Path, sequences: int, step: int | None = None) -> dict:
+    """analyze's record of `run`'s encoder at the end of its budget, or of the weights it kept at its evaluation of
+    `step` (eval.keep_weights), reusing a record of the same weights."""
     from ..analyze import run as analyze
 
-    record_file = run.analysis_dir / "analysis.json"
-    _, step = weights_metadata(run.dir / WEIGHTS)
+    source, out = run.dir, run.analysis_dir
+    if step is not None:
+        kept = kept_eval_weights(run.dir)
+        if step not in kept:
+            raise FastmaeError(f"{run.dir}: no weights kept at the evaluation of step {step} (the run was trained "
+                               "without eval.keep_weights)")
+        source, out = kept[step], run.analysis_dir / f"step{step}"
+    record_file = out / "analysis.json"
+    _, weights_step = weights_metadata(source / WEIGHTS)
     if record_file.is_file():
         record = json.loads(record_file.read_text())
-        if record.get("step") == step and record.get("sequences") == sequences:
+        if record.get("step") == weights_step and record.get("sequences") == sequences:
             return record
-    return analyze(run.dir, data, run.analysis_dir, AnalyzeConfig(sequences=sequences))
+    return analyze(source, data, out, AnalyzeConfig(sequences=sequences))
 
 
 def task_name_of(task_dir: Path, explicit: str | None) -> str:

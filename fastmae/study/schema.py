@@ -46,6 +46,30 @@ class FinetuneResult:
 
 
 @dataclass
+class Ranks:
+    """Epsilon ranks (MAE-LM's definition) of an objective's encoders per layer, by input group
+    (`real_unmasked_input`, `real_masked_input`, ...): seed means per layer, uncentred and centred, and the last
+    layer's per seed."""
+
+    epsilon_rank: dict[str, list[float]]
+    centred_epsilon_rank: dict[str, list[float]]
+    last_layer_per_seed: dict[str, list[float]]
+    centred_last_layer_per_seed: dict[str, list[float]]
+
+
+@dataclass
+class MatchedRanks:
+    """Ranks at one held-out loss level for every objective: each seed's weights kept at the evaluation nearest the
+    level (`steps`, `losses`). `excluded` says why an objective has none (it never left the unigram plateau)."""
+
+    level: float | None
+    excluded: str | None = None
+    steps: list[int] = dataclasses.field(default_factory=list)
+    losses: list[float] = dataclasses.field(default_factory=list)
+    ranks: Ranks | None = None
+
+
+@dataclass
 class ObjectiveResult:
     """An objective's results over its seeds: means, spreads, per-seed values, effective ranks per layer by input
     group (`real_unmasked_input`, `real_masked_input`, ...), and fine-tuning when the study had a task."""
@@ -62,6 +86,7 @@ class ObjectiveResult:
     effective_rank: dict[str, list[float]]
     centred_effective_rank: dict[str, list[float]]
     effective_rank_last_layer_per_seed: dict[str, list[float]]
+    ranks_at_matched_loss: MatchedRanks | None = None
     finetune: FinetuneResult | None = None
 
     def to_json(self) -> dict:

@@ -9,7 +9,7 @@ import numpy as np
 
 from .objectives import Objective
 from .runs import Run, eval_curve
-from .schema import EvalPoint, FinetuneResult, ObjectiveResult, SeedResult
+from .schema import EvalPoint, FinetuneResult, MatchedRanks, ObjectiveResult, Ranks, SeedResult
 
 
 # ------------------------------------------------------------------------------------------------ the numbers
@@ -27,14 +27,56 @@ def flops_to_reach(curve: list[dict], target: float) -> float | None:
     return None
 
 
+PLATEAU_MARGIN = 0.1
+"""nats: an encoder has left the unigram plateau once its held-out loss fell this far below the unigram entropy (an
+encoder still on it predicts token frequencies, not from context, and has a low rank whatever its objective)."""
+
+
+def left_plateau(curve: list[dict]) -> bool:
+    """Whether a run's held-out loss ever fell PLATEAU_MARGIN below the held-out unigram entropy."""
+    return min(r["loss"] for r in curve) < curve[-1]["unigram_entropy"] - PLATEAU_MARGIN
+
+
+def matched_points(curves: dict[str, list[list[dict]]]) -> tuple[float | None, dict[str, list[dict] | str]]:
+    """The held-out loss level every run that left the plateau reached (the highest of their lowest losses), and
+    per objective each seed's evaluation nearest that level, or why the objective is left out of the comparison."""
+    learned = {label: all(left_plateau(c) for c in runs) for label, runs in curves.items()}
+    reached = [min(r["loss"] for r in c) for label, runs in curves.items() if learned[label] for c in runs]
+    level = max(reached) if reached else None
+    points: dict[str, list[dict] | str] = {}
+    for label, runs in curves.items():
+        if not learned[label]:
+            points[label] = (f"a seed never left the unigram plateau (its held-out loss never fell {PLATEAU_MARGIN} "
+                             "nats below the unigram entropy)")
+        else:
+            points[label] = [min(c, key=lambda r: abs(r["loss"] - level)) for c in runs]
+    return level, points
+
+
+def ranks_of(records: list[dict]) -> Ranks:
+    """The per-layer epsilon ranks of an objective's analysis records (one per seed)."""
+    layers = range(len(records[0]["layers"]))
+    groups = ("real_masked_input", "real_unmasked_input", "all_unmasked_input")
+
+    def per_layer(key: str) -> dict[str, list[float]]:
+        return {g: [float(np.mean([rec["layers"][i][key][g] for rec in records])) for i in layers] for g in groups}
+
+    def last(key: str) -> dict[str, list[float]]:
+        return {g: [rec["layers"][-1][key][g] for rec in records] for g in groups}
+
+    return Ranks(per_layer("epsilon_rank"), per_layer("centred_epsilon_rank"), last("epsilon_rank"),
+                 last("centred_epsilon_rank"))
+
+
 def spread(values: list[float]) -> float | None:
     """max - min over seeds (None with one seed: the noise was not measured)."""
     return float(max(values) - min(values)) if len(values) > 1 else None
 
 
 def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned: dict, analyses: dict,
-              task_label: str | None) -> dict[str, ObjectiveResult]:
-    """Each objective's results over its seeds (means, per-seed values, spreads, ranks, fine-tuning)."""
+              task_label: str | None, matched: dict[str, MatchedRanks] | None = None) -> dict[str, ObjectiveResult]:
+    """Each objective's results over its seeds (means, per-seed values, spreads, ranks at the end of the budget and,
+    with `matched`, at a common held-out loss, fine-tuning)."""
     curves = {o.label: [eval_curve(r) for r in runs[o.label]] for o in objectives}
     mlm_final = [curve[-1] for curve in curves["mlm"]]
     out = {}
@@ -81,6 +123,7 @@ def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned
                 for group in ("real_masked_input", "real_unmasked_input")},
             effective_rank_last_layer_per_seed={group: [rec["layers"][-1]["epsilon_rank"][group] for rec in records]
                                                 for group in ("real_masked_input", "real_unmasked_input")},
+            ranks_at_matched_loss=(matched or {}).get(objective.label),
             finetune=finetune)
     return out
 
@@ -133,10 +176,35 @@ def findings(summary: dict[str, ObjectiveResult]) -> list[str]:
                 claim = "; one seed, so this is not separated from seed noise"
             lines.append(f"`{label}` reached mlm's final held-out loss with {text} of mlm's compute{claim}.")
         ranks, reference = entry.effective_rank_last_layer_per_seed, mlm.effective_rank_last_layer_per_seed
-        lines.append(compare(f"`{label}` last-layer epsilon rank of real tokens, input without <mask>",
-                             ranks["real_unmasked_input"], reference["real_unmasked_input"], "dimensions", "higher"))
+        lines.append(compare(f"`{label}` last-layer epsilon rank of real tokens, input without <mask>, at the end "
+                             "of the budget", ranks["real_unmasked_input"], reference["real_unmasked_input"],
+                             "dimensions", "higher"))
+        lines += _matched_findings(label, entry.ranks_at_matched_loss, mlm.ranks_at_matched_loss)
         if entry.finetune is not None and mlm.finetune is not None:
             ft = entry.finetune
             lines.append(compare(f"`{label}` fine-tuned {ft.task} {ft.metric} (mean of every pretraining x "
                                  "fine-tuning seed)", ft.scores, mlm.finetune.scores, "", "higher"))
+    return lines
+
+
+def _matched_findings(label: str, matched: MatchedRanks | None, reference: MatchedRanks | None) -> list[str]:
+    """The rank claims at the common held-out loss: `label`'s encoders against mlm's, each held to the seed spread."""
+    if matched is None or reference is None:
+        return []
+    for name, entry in ((label, matched), ("mlm", reference)):
+        if entry.excluded:
+            return [f"Ranks at matched held-out loss: `{name}` is left out ({entry.excluded}), so no rank comparison "
+                    f"of `{label}` with mlm means anything about the objectives."]
+    lines = []
+    where = f"at held-out loss {matched.level:.3f} (steps {', '.join(map(str, matched.steps))})"
+    for key, what in (("last_layer_per_seed", "epsilon rank"), ("centred_last_layer_per_seed", "centred epsilon rank")):
+        ours, theirs = getattr(matched.ranks, key), getattr(reference.ranks, key)
+        lines.append(compare(f"`{label}` last-layer {what} of real tokens, input without <mask>, {where}",
+                             ours["real_unmasked_input"], theirs["real_unmasked_input"], "dimensions", "higher"))
+    gaps = {name: [a - b for a, b in zip(entry.ranks.last_layer_per_seed["real_unmasked_input"],
+                                         entry.ranks.last_layer_per_seed["real_masked_input"])]
+            for name, entry in ((label, matched), ("mlm", reference))}
+    lines.append(compare(f"`{label}` rank lost by real tokens when <mask> is in the input (last layer, without - "
+                         f"with; MAE-LM's Figure 1 deficiency), {where}", gaps[label], gaps["mlm"], "dimensions",
+                         "lower"))
     return lines
