@@ -329,7 +329,9 @@ def measure_system(system: str, sequences: int, seq_len: int, overrides: list[st
         count_triton_launches(lambda: ACTIVE)
         step = _step(system, sequences, seq_len, False, precision, run, graphs)
     else:  # host time: the CPU path at a tiny shape, before the emulation replaces it
-        timing = 1e3 * median_time(_step(system, 2, 32, True, precision, run, graphs), 3, 5, host_only=True)
+        timing = None  # the CPU twin's time says nothing about a replay's
+        if not graphs:
+            timing = 1e3 * median_time(_step(system, 2, 32, True, precision, run), 3, 5, host_only=True)
         emulate_cuda_path(lambda: ACTIVE)
         step = _step(system, sequences, seq_len, True, precision, run, graphs)
     for _ in range(2):
@@ -379,13 +381,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"system": system, **result})
         print(f"{system:>10}: {result['device_ops_per_step']:5d} device ops, {result['triton_launches_per_step']:3d} "
               f"Triton launches, {result['syncs_per_step']} syncs {result['syncs']}, host "
-              f"{result['host_ms_per_step']:.1f} ms", flush=True)
+              f"{result['host_ms_per_step'] or float('nan'):.1f} ms", flush=True)
     emulated = not torch.cuda.is_available()
     notes = (f"One optimizer step (the third) of {args.sequences} x {args.seq_len} tokens in one micro-batch, bf16, "
              f"ZeRO-{args.zero_stage}{', ' + ' '.join(args.deepspeed) if args.deepspeed else ''}"
              f"{', fastmae replaying CUDA graphs of forward and backward' if args.cuda_graphs else ''}, base depth"
              + (" and vocabulary at width 96, the CUDA code path emulated (benchmarks/host_overhead.py's docstring);"
-                " host ms: the CPU step at 2 x 32 tokens on this machine" if emulated else
+                + (" host ms: not measured (the CPU twin's time says nothing about a replay's)" if args.cuda_graphs
+                   else " host ms: the CPU step at 2 x 32 tokens on this machine") if emulated else
                 " and width on this GPU; host ms: until the step's call returns") + ".")
     for row in rows:
         phases = row["by_phase"]
