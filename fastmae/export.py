@@ -1,6 +1,7 @@
-"""`fastmae export RUN_DIR_OR_CHECKPOINT OUTDIR`: the encoder as a Hugging Face RoBERTa directory.
+"""`fastmae export RUN_DIR_OR_CHECKPOINT OUTDIR`: the encoder as a Hugging Face directory: RoBERTa for post-LN encoders
+with learned positions, ESM-2 for pre-LN ones (fastmae.hf_format.hugging_face_architecture).
 
-    OUTDIR/config.json             RobertaConfig (+ `fastmae_model_config`, so fastmae reads the export back exactly)
+    OUTDIR/config.json             RobertaConfig or EsmConfig (+ `fastmae_model_config`, so fastmae reads it back)
     OUTDIR/model.safetensors       fp32 master weights under Hugging Face's names (the LM head too for `mlm`)
     OUTDIR/tokenizer.json ...      the sentencepiece tokenizer as a fast tokenizer: same ids, same specials
     OUTDIR/tokenizer.model         the sentencepiece model itself (fastmae's own commands tokenise with it)

@@ -1,7 +1,8 @@
-"""The Hugging Face RoBERTa format of a fastmae encoder, both ways: one module that `fastmae export` writes with and
-`fastmae.pretrained` reads with.
+"""The Hugging Face format of a fastmae encoder, both ways: one module that `fastmae export` writes with and
+`fastmae.pretrained` reads with. Post-LN encoders with learned positions are RoBERTa; pre-LN ones (rotary or learned
+positions) are ESM-2, whose layers compute the same function (`hugging_face_architecture`).
 
-    config.json             RobertaConfig (+ `fastmae_model_config`, so fastmae reads the export back exactly)
+    config.json             RobertaConfig or EsmConfig (+ `fastmae_model_config`, so fastmae reads the export back)
     model.safetensors       fp32 weights under Hugging Face's names (the LM head too for `mlm`)
     tokenizer.json ...      the sentencepiece tokenizer as a fast tokenizer: same ids, same specials
 
@@ -25,36 +26,54 @@ from .errors import FastmaeError
 CONFIG_KEY = "fastmae_model_config"  # fastmae's ModelConfig inside config.json
 
 
-def check_exportable(config: ModelConfig) -> None:
-    """Raise FastmaeError naming the setting when the encoder has no Hugging Face RoBERTa equivalent."""
+def hugging_face_architecture(config: ModelConfig) -> str:
+    """The `transformers` architecture that computes this encoder's function: `roberta` (post-LN, learned positions)
+    or `esm` (ESM-2's pre-LN layers: LayerNorm after the embeddings, before each sub-layer and after the last layer,
+    erf GELU, query scaled before rotate-half rotary positions or learned ones offset as RoBERTa's). Raises
+    FastmaeError naming the setting that neither expresses, and what would export."""
     k, layers = config.insert_layer, config.encoder_layers
-    if config.position_embedding != "learned":
-        raise FastmaeError(f"position_embedding={config.position_embedding!r}: RoBERTa has learned absolute positions "
-                           "only; fine-tune this model with `fastmae finetune --model RUN_DIR` instead")
     if config.relative_attention_bias:
-        raise FastmaeError("relative_attention_bias=true: RoBERTa's attention has no relative position bias; "
-                           "fine-tune this model with `fastmae finetune --model RUN_DIR` instead")
-    if config.norm_position != "post":
-        raise FastmaeError("norm_position='pre': RoBERTa's layers are post-LN; fine-tune this model with "
-                           "`fastmae finetune --model RUN_DIR` instead")
+        raise FastmaeError("relative_attention_bias=true: no Hugging Face encoder adds MAE-LM's T5-style relative "
+                           "bias to its attention; fine-tune this model with `fastmae finetune --model RUN_DIR`, or "
+                           "train with relative_attention_bias=false to export")
     if 0 < k < layers:
         raise FastmaeError(f"insert_layer={k} (of {layers}): the insertion re-embeds positions and normalises inside "
-                           "the encoder, which RoBERTa cannot express; export needs k = 0 or k = encoder_layers, "
-                           "`fastmae finetune --model RUN_DIR` runs this model as it is")
+                           "the encoder, which no Hugging Face encoder expresses; export needs k = 0 or k = "
+                           "encoder_layers, `fastmae finetune --model RUN_DIR` runs this model as it is")
+    if config.norm_position == "pre":
+        return "esm"
+    if config.position_embedding != "learned":
+        raise FastmaeError(f"position_embedding={config.position_embedding!r} with norm_position='post': no Hugging "
+                           "Face encoder computes post-LN layers with rotate-half rotary positions; pre-LN rotary "
+                           "models export (as ESM-2), and so do post-LN ones with learned positions (as RoBERTa); "
+                           "fine-tune this one with `fastmae finetune --model RUN_DIR`")
+    return "roberta"
+
+
+# fastmae's per-layer modules -> each architecture's names under `{prefix}encoder.layer.{i}.`
+_LAYER_NAMES = {
+    "roberta": (("attn_out", "attention.output.dense"), ("attn_norm", "attention.output.LayerNorm"),
+                ("ffn_in", "intermediate.dense"), ("ffn_out", "output.dense"), ("ffn_norm", "output.LayerNorm")),
+    "esm": (("attn_out", "attention.output.dense"), ("attn_norm", "attention.LayerNorm"),
+            ("ffn_in", "intermediate.dense"), ("ffn_out", "output.dense"), ("ffn_norm", "LayerNorm")),
+}
+_EMBEDDING_NORM = {"roberta": "LayerNorm", "esm": "layer_norm"}
 
 
 def _name_pairs(config: ModelConfig, with_head: bool) -> list[tuple[str, str]]:
     """(fastmae name, Hugging Face name) of every 1:1 tensor; the fused qkv is handled by the callers."""
-    pairs = [("embeddings.tokens.weight", "roberta.embeddings.word_embeddings.weight"),
-             ("embeddings.positions.weight", "roberta.embeddings.position_embeddings.weight"),
-             ("embeddings.norm.weight", "roberta.embeddings.LayerNorm.weight"),
-             ("embeddings.norm.bias", "roberta.embeddings.LayerNorm.bias")]
+    arch = hugging_face_architecture(config)
+    embeddings = f"{arch}.embeddings"
+    pairs = [("embeddings.tokens.weight", f"{embeddings}.word_embeddings.weight"),
+             ("embeddings.norm.weight", f"{embeddings}.{_EMBEDDING_NORM[arch]}.weight"),
+             ("embeddings.norm.bias", f"{embeddings}.{_EMBEDDING_NORM[arch]}.bias")]
+    if config.position_embedding == "learned":
+        pairs.append(("embeddings.positions.weight", f"{embeddings}.position_embeddings.weight"))
     for i in range(config.encoder_layers):
-        for ours, theirs in (("attn_out", "attention.output.dense"), ("attn_norm", "attention.output.LayerNorm"),
-                             ("ffn_in", "intermediate.dense"), ("ffn_out", "output.dense"),
-                             ("ffn_norm", "output.LayerNorm")):
-            pairs += [(f"encoder.{i}.{ours}.{p}", f"roberta.encoder.layer.{i}.{theirs}.{p}")
-                      for p in ("weight", "bias")]
+        pairs += [(f"encoder.{i}.{ours}.{p}", f"{arch}.encoder.layer.{i}.{theirs}.{p}")
+                  for ours, theirs in _LAYER_NAMES[arch] for p in ("weight", "bias")]
+    if arch == "esm":
+        pairs += [(f"encoder_norm.{p}", f"esm.encoder.emb_layer_norm_after.{p}") for p in ("weight", "bias")]
     if with_head:
         pairs += [("head.dense.weight", "lm_head.dense.weight"), ("head.dense.bias", "lm_head.dense.bias"),
                   ("head.norm.weight", "lm_head.layer_norm.weight"), ("head.norm.bias", "lm_head.layer_norm.bias"),
@@ -62,27 +81,38 @@ def _name_pairs(config: ModelConfig, with_head: bool) -> list[tuple[str, str]]:
     return pairs
 
 
-def _qkv_names(i: int) -> tuple[str, list[str]]:
-    return f"encoder.{i}.qkv", [f"roberta.encoder.layer.{i}.attention.self.{p}" for p in ("query", "key", "value")]
+def _qkv_names(arch: str, i: int) -> tuple[str, list[str]]:
+    return f"encoder.{i}.qkv", [f"{arch}.encoder.layer.{i}.attention.self.{p}" for p in ("query", "key", "value")]
+
+
+def _rotary_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """ESM's rotary buffer, as `EsmRotaryEmbedding` computes it (written so that loading leaves nothing to fill)."""
+    dim = config.head_dim
+    return 1.0 / (config.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
 
 def to_hugging_face(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fastmae weights -> Hugging Face RobertaForMaskedLM names (the head only for k = 0, see the module doc)."""
-    check_exportable(config)
+    """fastmae weights -> Hugging Face names of `hugging_face_architecture`'s masked-LM model (the head only for
+    k = 0, see the module doc)."""
+    arch = hugging_face_architecture(config)
     out = {theirs: weights[ours] for ours, theirs in _name_pairs(config, with_head=config.insert_layer == 0)}
     for i in range(config.encoder_layers):
-        ours, theirs = _qkv_names(i)
+        ours, theirs = _qkv_names(arch, i)
         for p in ("weight", "bias"):
             for name, part in zip(theirs, weights[f"{ours}.{p}"].chunk(3)):
                 out[f"{name}.{p}"] = part
-    out["roberta.embeddings.token_type_embeddings.weight"] = torch.zeros(1, config.hidden_size)
+    if arch == "roberta":
+        out["roberta.embeddings.token_type_embeddings.weight"] = torch.zeros(1, config.hidden_size)
+    elif config.position_embedding == "rotary":
+        out["esm.rotary_embeddings.inv_freq"] = _rotary_inverse_frequencies(config)
     return {name: t.float().contiguous() for name, t in out.items()}
 
 
 def from_hugging_face(config: ModelConfig, hf: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
-    """Hugging Face names (with or without the `roberta.` prefix) -> fastmae weights; the inverse of
+    """Hugging Face names (with or without the architecture's prefix) -> fastmae weights; the inverse of
     `to_hugging_face`. Raises FastmaeError naming the first missing tensor."""
-    hf = {(name if name.startswith(("roberta.", "lm_head.")) else f"roberta.{name}"): t for name, t in hf.items()}
+    arch = hugging_face_architecture(config)
+    hf = {(name if name.startswith((f"{arch}.", "lm_head.")) else f"{arch}.{name}"): t for name, t in hf.items()}
 
     def get(name):
         if name not in hf:
@@ -92,25 +122,35 @@ def from_hugging_face(config: ModelConfig, hf: dict[str, torch.Tensor], source: 
     with_head = "lm_head.dense.weight" in hf
     weights = {ours: get(theirs) for ours, theirs in _name_pairs(config, with_head)}
     for i in range(config.encoder_layers):
-        ours, theirs = _qkv_names(i)
+        ours, theirs = _qkv_names(arch, i)
         for p in ("weight", "bias"):
             weights[f"{ours}.{p}"] = torch.cat([get(f"{name}.{p}") for name in theirs])
     return weights
 
 
 def hugging_face_config(config: ModelConfig):
-    """The RobertaConfig of the exported encoder, carrying fastmae's own config under `fastmae_model_config`."""
+    """The RobertaConfig or EsmConfig of the exported encoder, carrying fastmae's own config under
+    `fastmae_model_config`."""
+    arch = hugging_face_architecture(config)
+    shared = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.encoder_layers,
+        num_attention_heads=config.num_heads, intermediate_size=config.intermediate_size,
+        hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.attention_dropout,
+        max_position_embeddings=config.max_seq_len + config.position_offset,
+        initializer_range=config.initializer_range, layer_norm_eps=config.layer_norm_eps,
+        pad_token_id=config.pad_token_id, **{CONFIG_KEY: dataclasses.asdict(config)})
+    head = config.insert_layer == 0
+    if arch == "esm":
+        from transformers import EsmConfig
+
+        return EsmConfig(**shared, mask_token_id=config.mask_token_id, token_dropout=False,
+                         emb_layer_norm_before=True, rope_theta=config.rotary_base,
+                         position_embedding_type="rotary" if config.position_embedding == "rotary" else "absolute",
+                         architectures=["EsmForMaskedLM" if head else "EsmModel"])
     from transformers import RobertaConfig
 
-    return RobertaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.encoder_layers,
-        num_attention_heads=config.num_heads, intermediate_size=config.intermediate_size, hidden_act="gelu",
-        hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.attention_dropout,
-        max_position_embeddings=config.max_seq_len + config.position_offset, type_vocab_size=1,
-        initializer_range=config.initializer_range, layer_norm_eps=config.layer_norm_eps,
-        pad_token_id=config.pad_token_id, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-        architectures=["RobertaForMaskedLM" if config.insert_layer == 0 else "RobertaModel"],
-        **{CONFIG_KEY: dataclasses.asdict(config)})
+    return RobertaConfig(**shared, hidden_act="gelu", type_vocab_size=1, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                         architectures=["RobertaForMaskedLM" if head else "RobertaModel"])
 
 
 def hugging_face_tokenizer(tokenizer: Tokenizer, max_seq_len: int):

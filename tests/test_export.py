@@ -1,5 +1,6 @@
-"""`fastmae export`: Hugging Face loads the directory and computes what fastmae computes; the tokenizer gives
-sentencepiece's ids; what RoBERTa cannot express is refused by name. (Exports of ZeRO-2/3 runs: test_train.py.)"""
+"""`fastmae export`: Hugging Face loads the directory (RoBERTa for post-LN encoders, ESM-2 for pre-LN ones) and
+computes what fastmae computes; the tokenizer gives sentencepiece's ids; what neither expresses is refused by name.
+(Exports of ZeRO-2/3 runs: test_train.py.)"""
 
 import json
 
@@ -44,13 +45,21 @@ def perturbed_model(preset, vocab_size, **overrides):
     return model
 
 
-@pytest.mark.parametrize("preset", ["mlm", "mae-lm", "3ml"])
-def test_hugging_face_computes_what_fastmae_computes(preset, tokenizer_bytes, tmp_path):
+PRE_LN_ROTARY = {"norm_position": "pre", "position_embedding": "rotary"}  # the demo's layers
+
+
+@pytest.mark.parametrize("preset, overrides, model_type", [
+    ("mlm", {}, "roberta"), ("mae-lm", {}, "roberta"), ("3ml", {}, "roberta"),
+    ("mlm", PRE_LN_ROTARY, "esm"), ("3ml", PRE_LN_ROTARY, "esm"), ("mlm", {"norm_position": "pre"}, "esm"),
+    ("mlm", {**PRE_LN_ROTARY, "rotary_base": 500.0}, "esm"),
+])
+def test_hugging_face_computes_what_fastmae_computes(preset, overrides, model_type, tokenizer_bytes, tmp_path):
+    # post-LN with learned positions is RoBERTa; pre-LN (rotary or learned positions) is ESM-2's layer
     tokenizer = Tokenizer(tokenizer_bytes)
-    model = perturbed_model(preset, tokenizer.vocab_size)
+    model = perturbed_model(preset, tokenizer.vocab_size, **overrides)
     out = export(write_run_dir(tmp_path / "run", model, tokenizer_bytes), tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "roberta" and config["num_hidden_layers"] == 2
+    assert config["model_type"] == model_type and config["num_hidden_layers"] == 2
 
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     texts = ["the quick brown fox jumps over a lazy dog", "seven zebras — 42 jolly pumas near Zürich, café!"]
@@ -75,7 +84,7 @@ def test_hugging_face_computes_what_fastmae_computes(preset, tokenizer_bytes, tm
             expected = model.head.transform(masked) @ model.embeddings.tokens.weight.T + model.head.bias
         assert (logits[[3, 6]] - expected).abs().max() <= 1e-5
     else:  # the MAE-LM / 3ML head was trained on decoder states: not exported
-        assert config["architectures"] == ["RobertaModel"]
+        assert config["architectures"] == [f"{'Roberta' if model_type == 'roberta' else 'Esm'}Model"]
         assert not any(k.startswith("lm_head") for k in _safetensors_keys(out / "model.safetensors"))
 
     # fastmae reads its export back exactly (finetune and analyze accept either)
@@ -83,7 +92,7 @@ def test_hugging_face_computes_what_fastmae_computes(preset, tokenizer_bytes, tm
     reference = load_pretrained(tmp_path / "run")
     assert again.config == reference.config
     assert all(torch.equal(again.weights[k], reference.weights[k]) for k in again.weights)
-    assert {k for k in reference.weights if not k.startswith(("decoder.", "insertion.", "head."))} <= \
+    assert {k for k in reference.weights if not k.startswith(("decoder", "insertion.", "head."))} <= \
         set(again.weights)
 
 
@@ -115,12 +124,11 @@ def test_auto_tokenizer_gives_sentencepiece_ids(model_type, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"position_embedding": "rotary"}, "position_embedding='rotary'"),
+    ({"position_embedding": "rotary"}, "position_embedding='rotary' with norm_position='post'"),
     ({"relative_attention_bias": True}, "relative_attention_bias=true"),
-    ({"norm_position": "pre"}, "norm_position='pre'"),
     ({"insert_layer": 1, "decoder_layers": 0}, "insert_layer=1"),
 ])
-def test_what_roberta_cannot_express_is_refused_by_name(overrides, message, tokenizer_bytes, tmp_path, capsys):
+def test_what_no_hugging_face_encoder_expresses_is_refused(overrides, message, tokenizer_bytes, tmp_path, capsys):
     model = tiny_model("mae-lm", vocab_size=Tokenizer(tokenizer_bytes).vocab_size, max_seq_len=64, **overrides)
     run = write_run_dir(tmp_path / "run", model, tokenizer_bytes)
     assert export_main([str(run), str(tmp_path / "hf")]) == 1
