@@ -5,6 +5,7 @@ with learned positions, ESM-2 for pre-LN ones (fastmae.hf_format.hugging_face_ar
     OUTDIR/model.safetensors       fp32 master weights under Hugging Face's names (the LM head too for `mlm`)
     OUTDIR/tokenizer.json ...      the sentencepiece tokenizer as a fast tokenizer: same ids, same specials
     OUTDIR/tokenizer.model         the sentencepiece model itself (fastmae's own commands tokenise with it)
+    OUTDIR/README.md               the model card: objective, size, data, tokens, FLOPs, held-out loss, command
 `transformers.AutoModel`, `AutoModelForMaskedLM` and `AutoTokenizer` load OUTDIR without `trust_remote_code`.
 
 The format (names, config, tokenizer) lives in fastmae.hf_format. Only the pretrained encoder is exported. The
@@ -15,16 +16,21 @@ MAE-LM / 3ML decoder is dropped, and so is their LM head, which was trained on d
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
+import yaml
+
+from . import __version__
 from .checkpoint import WEIGHTS
 from .data.tokenizer import TOKENIZER_FILE
 from .errors import FastmaeError, run_command
-from .hf_format import hugging_face_config, hugging_face_tokenizer, to_hugging_face
-from .pretrained import load_pretrained
+from .hf_format import hugging_face_architecture, hugging_face_config, hugging_face_tokenizer, to_hugging_face
+from .metrics import read_metrics
+from .pretrained import Pretrained, load_pretrained
 
 
 def export(source: str | Path, outdir: str | Path, overwrite: bool = False) -> Path:
@@ -51,12 +57,72 @@ def export(source: str | Path, outdir: str | Path, overwrite: bool = False) -> P
                             "fastmae_step": str(pretrained.step)})
         hugging_face_tokenizer(pretrained.tokenizer, config.max_seq_len).save_pretrained(partial)
         (partial / TOKENIZER_FILE).write_bytes(pretrained.tokenizer.model_bytes)
+        (partial / "README.md").write_text(model_card(pretrained, tensors))
         if outdir.exists():
             shutil.rmtree(outdir)
         partial.rename(outdir)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return outdir
+
+
+def _run_dir(weights_file: Path) -> Path | None:
+    """The run directory a weights file belongs to (the run's own, a checkpoint's or an evaluation's), if any."""
+    for directory in list(weights_file.parents)[:3]:
+        if (directory / "config.yaml").is_file() and (directory / "metrics.jsonl").is_file():
+            return directory
+    return None
+
+
+def model_card(pretrained: Pretrained, tensors: dict) -> str:
+    """README.md of an export: what was trained, on what, how far, by which command, and what is not in it."""
+    config, step = pretrained.config, pretrained.step
+    arch = hugging_face_architecture(config)
+    encoder = sum(t.numel() for name, t in tensors.items() if not name.startswith("lm_head."))
+    lines = ["---", "library_name: transformers", "tags: [fastmae, masked-language-modeling, "
+             f"{config.objective}]", "---", "", f"# fastmae {config.objective} encoder", "",
+             f"Pretrained with fastmae {__version__} (objective `{config.objective}`: insertion at layer "
+             f"{config.insert_layer} of {config.encoder_layers}, {config.decoder_layers} decoder layer(s), mask rate "
+             f"{config.mask_rate:g}) and exported as Hugging Face {'RoBERTa' if arch == 'roberta' else 'ESM-2'} "
+             f"({config.norm_position}-LN layers, {config.position_embedding} positions): {config.encoder_layers} "
+             f"layers, width {config.hidden_size}, {config.num_heads} heads, vocabulary {config.vocab_size}, "
+             f"{encoder:,} parameters, sequences up to {config.max_seq_len} tokens. Weights of step {step}.", ""]
+    run_dir = _run_dir(pretrained.weights_file)
+    if run_dir is None:
+        lines += [f"Exported from `{pretrained.weights_file}`, which is not in a fastmae run directory: its training "
+                  "facts are not known here.", ""]
+    else:
+        records = [r for r in read_metrics(run_dir) if r["step"] <= step]
+        train = next((r for r in reversed(records) if r.get("kind") == "train"), None)
+        held_out = next((r for r in reversed(records) if r.get("kind") == "eval"), None)
+        resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+        info_file = run_dir / "run_info.json"
+        info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+        lines += ["## Training", "", f"- data: `{resolved['data']['path']}` ({resolved['data']['packing']} packing, "
+                  f"tokenizer sha256 {pretrained.tokenizer.sha256[:16]}...)"]
+        if train is not None:
+            lines.append(f"- {train['tokens_seen']:,} training tokens, {train['flops']:.4g} training FLOPs "
+                         f"(fastmae's model count) to step {train['step']}; digest of the sequences seen "
+                         f"{train.get('data_digest', '-')}")
+        if held_out is not None:
+            lines.append(f"- held-out masked-token loss at step {held_out['step']}: {held_out['loss']:.3f} nats "
+                         f"(unigram entropy of the same tokens {held_out['unigram_entropy']:.3f}; "
+                         f"accuracy {held_out['accuracy']:.3f})")
+        lines.append(f"- trained on {info.get('ranks', '?')} x {info.get('device', '?')}, "
+                     f"{info.get('precision', '?')}; each rank ran `{info.get('command', 'not recorded')}` "
+                     f"(fastmae {info.get('fastmae_version', '?')})")
+        lines.append("")
+    lines += ["## Limitations", "",
+              "- Only the encoder is exported. " + (
+                  "The MAE-LM / 3ML decoder and the LM head (trained on decoder states) are not: "
+                  "`AutoModelForMaskedLM` starts a new, untrained head, so use this for fine-tuning and features, "
+                  "not for filling in masks." if config.insert_layer > 0 else
+                  "The LM head is the one trained with it (`AutoModelForMaskedLM` predicts masked tokens)."),
+              "- Small fastmae runs are for comparing objectives and checking pipelines; compare its held-out loss "
+              "with the unigram entropy above before trusting it for anything else.",
+              "- `AutoTokenizer` loads the fast tokenizer built from `tokenizer.model` (the sentencepiece model "
+              "fastmae trained with): same ids, `<s> A </s></s> B </s>` for pairs.", ""]
+    return "\n".join(lines)
 
 
 def _require_transformers() -> None:
@@ -82,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def run():
         outdir = export(args.source, args.outdir, args.overwrite)
-        print(f"fastmae export: wrote {outdir} (load it with transformers.AutoModel.from_pretrained)", file=sys.stderr)
+        print(f"fastmae export: wrote {outdir} (model card: {outdir / 'README.md'}); next: load it with "
+              f"transformers.AutoModel.from_pretrained({str(outdir)!r}), or fine-tune it: fastmae finetune --model "
+              f"{outdir} --task sst2 --data GLUE_DIR/SST-2 --out ft/{outdir.name}", file=sys.stderr)
 
     return run_command("fastmae export", run)
 

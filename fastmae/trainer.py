@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
+import sys
 from pathlib import Path
 
 import deepspeed
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from . import checkpoint
+from . import __version__, checkpoint
 from .atomic import atomic_write_bytes
 from .batch import to_device_ahead
 from .config import RunConfig
@@ -110,14 +112,27 @@ def model_engine(config: RunConfig, precision: str, device: torch.device, non_fi
 
 def write_run_files(config: RunConfig, ds_config: dict, run_info: dict) -> None:
     """Rank 0: the resolved configs, the tokenizer (so the run directory stands alone for export, finetune and
-    analyze, wherever the data goes later) and `run_info.json` (device, ranks, precision, MFU peaks)."""
+    analyze, wherever the data goes later) and `run_info.json` (device, ranks, precision, MFU peaks, the command and
+    fastmae's version)."""
     run_dir = Path(config.log.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    arguments = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher's, not the user's
+    run_info = {**run_info, "command": shlex.join(["fastmae/train.py", *arguments]), "fastmae_version": __version__}
     (run_dir / "config.yaml").write_text(config.to_yaml())
     (run_dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(config.model), indent=1))
     (run_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=1))
     (run_dir / "run_info.json").write_text(json.dumps(run_info, indent=1))
     atomic_write_bytes(run_dir / TOKENIZER_FILE, (config.data.directory / TOKENIZER_FILE).read_bytes())
+
+
+def closing_lines(run_dir: Path, graphs, finished: bool) -> list[str]:
+    """What a run's log ends with: what its CUDA graphs did (`fastmae.graphs.StepGraphs` or None) and, when it
+    finished, what to run next."""
+    lines = [] if graphs is None else [graphs.summary()]
+    if finished:
+        lines.append(f"next: fastmae export {run_dir} exports/{run_dir.name} (a Hugging Face directory), or "
+                     f"fastmae finetune --model {run_dir} --task TASK --data GLUE_DIR --out ft/{run_dir.name}")
+    return lines
 
 
 # -------------------------------------------------------------------------------------------------------- trainer
@@ -253,10 +268,11 @@ class Trainer:
             self._loop(bar)
         finally:
             bar.close()
-        if self.engine.module.graphs is not None and self.rank == 0:
-            log_line(self.engine.module.graphs.summary())
-        if self.counters.step == self.config.train.steps:
+        finished = self.counters.step == self.config.train.steps
+        if finished:
             self.export_weights(self.run_dir / checkpoint.WEIGHTS)
+        for line in closing_lines(self.run_dir, self.engine.module.graphs, finished) if self.rank == 0 else ():
+            log_line(line)
         if self.metrics is not None:
             self.metrics.close()
             log_line(f"wrote {plot_run(self.run_dir)}")
