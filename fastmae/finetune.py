@@ -9,8 +9,12 @@ stay) and RoBERTa's classification head on each sequence's `<s>` row. Inputs are
 `<s> A </s></s> B </s>`, packed varlen. Per seed: AdamW (0.9, 0.98, eps 1e-6), linear warm-up over 6% of the
 steps then linear decay, dev scored after every epoch, and the best epoch's weights kept. The same seed gives the
 same score from a run directory and from its `fastmae export` (both read the same fp32 weights and tokenizer).
+Without --lr the learning rate follows the model's width (`width_learning_rate`); with --precision auto the forward
+runs under bf16 autocast where the device multiplies bf16 natively (CUDA sm_80+), fp32 elsewhere; each epoch logs
+its training tokens/s.
 
-    OUT/results.json             task, metric, per_seed (best epoch, its scores, the history), median per metric
+    OUT/results.json             task, metric, per_seed (best epoch, its scores, the history with tokens/s), median
+                                 per metric, the config as asked and as resolved (lr, precision), mean tokens/s
     OUT/seed{S}/best.safetensors the classifier at seed S's best dev score
 """
 
@@ -37,6 +41,7 @@ from .config import BOS_ID, EOS_ID, add_arguments, from_arguments, option
 from .data.tokenizer import Tokenizer
 from .dropout import Dropout
 from .errors import FastmaeError, run_command
+from .hardware import choose_precision
 from .model import MaskedLM
 from .optim import lr_multiplier, param_groups
 from .pretrained import Pretrained, load_pretrained
@@ -57,6 +62,9 @@ class FinetuneConfig:
     max_seq_len: int = option(0, "longest input in tokens (0: the model's max_seq_len); longer pairs lose tokens "
                                  "from the longer text")
     max_train_examples: int = option(0, "use only the first N training examples (0: all)")
+    precision: str = option("auto", "auto (bf16 autocast where the device multiplies bf16 natively, e.g. CUDA sm_80+; "
+                            "fp32 elsewhere), fp32 or bf16 (autocast; weights and optimizer stay fp32)",
+                            choices=("auto", "fp32", "bf16"))
 
 
 def width_learning_rate(hidden_size: int) -> float:
@@ -115,15 +123,22 @@ def _loss(task: Task, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return F.cross_entropy(outputs, labels)
 
 
+def autocast(device: torch.device, precision: str):
+    """The forward's autocast: bf16 matmuls and attention when `precision` is bf16 (LayerNorms, softmax and losses
+    stay fp32, as torch's autocast keeps them), nothing otherwise."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 @torch.no_grad()
 def predict(model: SequenceClassifier, task: Task, sequences: list[list[int]], batch_size: int,
-            device: torch.device) -> np.ndarray:
+            device: torch.device, precision: str = "fp32") -> np.ndarray:
     """Class indices (or regression values) of every sequence, in order."""
     model.eval()
     out = []
     for start in range(0, len(sequences), batch_size):
         batch = PackedBatch.from_sequences(sequences[start:start + batch_size]).to(device)
-        outputs = model(batch)
+        with autocast(device, precision):
+            outputs = model(batch).float()
         out.append(outputs[:, 0] if task.is_regression else outputs.argmax(-1))
     model.train()
     return torch.cat(out).float().cpu().numpy() if task.is_regression else torch.cat(out).cpu().numpy()
@@ -149,26 +164,30 @@ def train_one_seed(pretrained: Pretrained, task: Task, train: tuple[list, np.nda
     bar = tqdm(total=total, desc=f"seed {seed}", unit="step", dynamic_ncols=True, mininterval=1.0, leave=False)
     for epoch in range(1, config.epochs + 1):
         order = rng.permutation(len(train[0]))
-        losses = []
+        losses, tokens, started = [], 0, time.perf_counter()
         for start in range(0, len(order), config.batch_size):
             rows = order[start:start + config.batch_size]
             batch = PackedBatch.from_sequences([train[0][i] for i in rows]).to(device)
             labels = torch.as_tensor(train[1][rows], dtype=label_dtype).to(device)
-            loss = _loss(task, model(batch), labels)
+            with autocast(device, config.precision):
+                loss = _loss(task, model(batch).float(), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             scheduler.step()
             losses.append(loss.detach())
+            tokens += batch.num_tokens
             bar.update()
-        predictions = predict(model, task, dev[0], config.batch_size, device)
+        train_loss = float(torch.stack(losses).mean())  # reads the device: the epoch's steps are done
+        tokens_per_s = tokens / (time.perf_counter() - started)
+        predictions = predict(model, task, dev[0], config.batch_size, device, config.precision)
         scores = {metric: score(metric, predictions, dev[1]) for metric in task.metrics}
-        train_loss = float(torch.stack(losses).mean())
         if not math.isfinite(train_loss):
             raise FastmaeError(f"seed {seed}, epoch {epoch}: training loss is {train_loss}; lower --lr")
-        history.append({"epoch": epoch, "train_loss": train_loss, **scores})
-        bar.set_postfix(loss=f"{train_loss:.3f}", **{primary: f"{scores[primary]:.4f}"})
+        history.append({"epoch": epoch, "train_loss": train_loss, "tokens_per_s": round(tokens_per_s, 1), **scores})
+        bar.set_postfix(loss=f"{train_loss:.3f}", tokens_per_s=f"{tokens_per_s:.0f}",
+                        **{primary: f"{scores[primary]:.4f}"})
         if best is None or scores[primary] > best["scores"][primary]:
             best = {"epoch": epoch, "scores": scores}
             from safetensors.torch import save_file
@@ -203,10 +222,16 @@ def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Pat
     """Fine-tune `config.seeds` times and write OUT/results.json; return the results. Inputs are read and checked
     before anything is written."""
     pretrained = load_pretrained(model_path)
+    requested = config
     if not config.lr:
         config = dataclasses.replace(config, lr=width_learning_rate(pretrained.config.hidden_size))
         print(f"fastmae finetune: learning rate {config.lr:.3g} for width {pretrained.config.hidden_size} "
               "(2e-5 x (768 / width)^2; --lr sets another)", file=sys.stderr)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision, line = choose_precision(config.precision, device)
+    config = dataclasses.replace(config, precision=precision)
+    if line:
+        print(f"fastmae finetune: {line}", file=sys.stderr)
     train_split, dev_split = load_split(train_file, task), load_split(dev_file, task)
     if config.max_train_examples:
         train_split = Examples(train_split.source, train_split.texts[:config.max_train_examples],
@@ -217,7 +242,6 @@ def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Pat
     tokenizer = pretrained.tokenizer
     train = (frame(tokenizer, train_split.texts, max_len), train_split.labels)
     dev = (frame(tokenizer, dev_split.texts, max_len), dev_split.labels)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(out)
     started = time.time()
     per_seed = [train_one_seed(pretrained, task, train, dev, config, seed, device, out / f"seed{seed}" /
@@ -229,8 +253,10 @@ def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Pat
         "pretraining_step": pretrained.step, "objective": pretrained.config.objective,
         "train": {"file": str(train_file), "examples": len(train[0])},
         "dev": {"file": str(dev_file), "examples": len(dev[0])},
-        "labels": list(task.labels) if task.labels else None, "config": dataclasses.asdict(config),
+        "labels": list(task.labels) if task.labels else None, "config": dataclasses.asdict(requested),
+        "resolved": {"lr": config.lr, "precision": config.precision},
         "device": str(device), "seconds": round(time.time() - started, 1),
+        "tokens_per_s": float(np.mean([e["tokens_per_s"] for s in per_seed for e in s["history"]])),
     }
     atomic_write_text(out / "results.json", json.dumps(results, indent=1) + "\n")
     return results
@@ -261,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         task, train_file, dev_file = resolve_task(args)
         results = finetune(args.model, task, train_file, dev_file, Path(args.out), config)
         median = ", ".join(f"{k} {v:.4f}" for k, v in results["median"].items())
-        print(f"fastmae finetune: {task.name}, median of {config.seeds} seeds: {median} "
+        print(f"fastmae finetune: {task.name}, median of {config.seeds} seeds: {median}, "
+              f"{results['tokens_per_s']:.0f} training tokens/s "
               f"(wrote {Path(args.out) / 'results.json'}); next: fastmae analyze --model {args.model} --data "
               f"TEXT_OR_DATASET --out analysis/{Path(args.model).name}", file=sys.stderr)
 

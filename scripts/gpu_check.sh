@@ -11,7 +11,8 @@
 #      model with the relative position bias on FlexAttention inside compiled layers
 #   4. the training step under torch.cuda.set_sync_debug_mode("error"): no host-device sync in a steady-state step,
 #      DeepSpeed's optimizer step included (bf16 ZeRO-2); CUDA graphs of the forward and backward compute what the
-#      eager model computes (tests/test_graphs.py); benchmarks/host_overhead.py: ops, launches, syncs
+#      eager model computes (tests/test_graphs.py); fine-tuning under bf16 autocast scores like fp32
+#      (tests/test_finetune.py -k bf16); benchmarks/host_overhead.py: ops, launches, syncs
 #   5. benchmarks/kernels.py: each kernel against its torch reference, GB/s against the device's memory bandwidth
 #   6. benchmarks/attention.py: every attention backend, with and without dropout
 #   7. benchmarks/throughput.py --size base: mlm, 3ml, mae-lm with and without the relative bias (eager and
@@ -96,6 +97,7 @@ step attention_tests "$python" -m pytest -q -m "large or not large" tests/test_a
 step relative_bias_tests "$python" -m pytest -q tests/test_model.py -k relative_bias
 step sync_tests "$python" -m pytest -q tests/test_train.py -k steady_state
 step graph_tests "$python" -m pytest -q tests/test_graphs.py
+step finetune_tests "$python" -m pytest -q tests/test_finetune.py -k bf16
 step host_overhead_benchmark "$python" benchmarks/host_overhead.py
 keep host_overhead
 step host_overhead_graphs_benchmark "$python" benchmarks/host_overhead.py --zero-stage 2 --cuda-graphs \

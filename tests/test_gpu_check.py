@@ -18,14 +18,15 @@ def test_dry_run_names_every_step_and_its_inputs_are_valid():
     steps = {line.split("]", 1)[0][3:]: shlex.split(line.split("] ", 1)[1])
              for line in done.stdout.splitlines() if line.startswith("+ [")}
     assert list(steps) == ["device", "kernel_tests", "kernel_tests_large", "attention_tests", "relative_bias_tests",
-                           "sync_tests", "graph_tests", "host_overhead_benchmark", "host_overhead_graphs_benchmark",
-                           "kernel_benchmark", "attention_benchmark",
+                           "sync_tests", "graph_tests", "finetune_tests", "host_overhead_benchmark",
+                           "host_overhead_graphs_benchmark", "kernel_benchmark", "attention_benchmark",
                            "throughput_benchmark", "throughput_recipe_benchmark", "micro_batch", "train_3ml_base"]
     # compiled kernels at realistic shapes too
     for name, marks in (("kernel_tests", "not large"), ("kernel_tests_large", "large"),
                         ("attention_tests", "large or not large")):
         assert steps[name][-3:-1] == ["-m", marks] and (ROOT / steps[name][-1]).exists()
-    for name, selected in (("sync_tests", "steady_state"), ("relative_bias_tests", "relative_bias")):
+    for name, selected in (("sync_tests", "steady_state"), ("relative_bias_tests", "relative_bias"),
+                           ("finetune_tests", "bf16")):
         assert steps[name][-2:] == ["-k", selected] and (ROOT / steps[name][-3]).is_file()
     assert all((ROOT / steps[name][-1]).is_file() for name in ("kernel_benchmark", "attention_benchmark",
                                                               "host_overhead_benchmark", "graph_tests"))

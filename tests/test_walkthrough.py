@@ -65,7 +65,8 @@ def test_run_export_transformers_finetune_analyze(tmp_path, capsys):
     # no --lr: the rate follows the width (RoBERTa's 2e-5 at 768 and ~1e-5 at 1024 would leave this one untrained)
     assert "learning rate 0.0115 for width 32" in said
     results = json.loads((tmp_path / "ft" / "results.json").read_text())
-    assert results["config"]["lr"] == width_learning_rate(32) == pytest.approx(2e-5 * 24**2)
+    assert results["resolved"]["lr"] == width_learning_rate(32) == pytest.approx(2e-5 * 24**2)
+    assert results["config"]["lr"] == 0 and results["resolved"]["precision"] == "fp32" and results["tokens_per_s"] > 0
     assert width_learning_rate(768) == 2e-5 and width_learning_rate(1024) == pytest.approx(1.125e-5)
 
     text = tmp_path / "held_out.txt"
