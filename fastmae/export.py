@@ -1,7 +1,7 @@
-"""`fastmae export RUN_DIR_OR_CHECKPOINT OUTDIR`: the encoder as a Hugging Face directory: RoBERTa for post-LN encoders
-with learned positions, ESM-2 for pre-LN ones (fastmae.hf_format.hugging_face_architecture).
+"""`fastmae export RUN_DIR_OR_CHECKPOINT OUTDIR`: the encoder as a Hugging Face directory: RoBERTa or RoFormer for
+post-LN encoders (learned or rotary positions), ESM-2 for pre-LN ones (fastmae.hf_format.hugging_face_architecture).
 
-    OUTDIR/config.json             RobertaConfig or EsmConfig (+ `fastmae_model_config`, so fastmae reads it back)
+    OUTDIR/config.json             Roberta-, RoFormer- or EsmConfig (+ `fastmae_model_config`, so fastmae reads it back)
     OUTDIR/model.safetensors       fp32 master weights under Hugging Face's names (the LM head too for `mlm`)
     OUTDIR/tokenizer.json ...      the sentencepiece tokenizer as a fast tokenizer: same ids, same specials
     OUTDIR/tokenizer.model         the sentencepiece model itself (fastmae's own commands tokenise with it)
@@ -66,6 +66,9 @@ def export(source: str | Path, outdir: str | Path, overwrite: bool = False) -> P
     return outdir
 
 
+ARCHITECTURE_NAMES = {"roberta": "RoBERTa", "roformer": "RoFormer", "esm": "ESM-2"}
+
+
 def _run_dir(weights_file: Path) -> Path | None:
     """The run directory a weights file belongs to (the run's own, a checkpoint's or an evaluation's), if any."""
     for directory in list(weights_file.parents)[:3]:
@@ -83,7 +86,7 @@ def model_card(pretrained: Pretrained, tensors: dict) -> str:
              f"{config.objective}]", "---", "", f"# fastmae {config.objective} encoder", "",
              f"Pretrained with fastmae {__version__} (objective `{config.objective}`: insertion at layer "
              f"{config.insert_layer} of {config.encoder_layers}, {config.decoder_layers} decoder layer(s), mask rate "
-             f"{config.mask_rate:g}) and exported as Hugging Face {'RoBERTa' if arch == 'roberta' else 'ESM-2'} "
+             f"{config.mask_rate:g}) and exported as Hugging Face {ARCHITECTURE_NAMES[arch]} "
              f"({config.norm_position}-LN layers, {config.position_embedding} positions): {config.encoder_layers} "
              f"layers, width {config.hidden_size}, {config.num_heads} heads, vocabulary {config.vocab_size}, "
              f"{encoder:,} parameters, sequences up to {config.max_seq_len} tokens. Weights of step {step}.", ""]

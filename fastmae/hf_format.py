@@ -1,8 +1,8 @@
 """The Hugging Face format of a fastmae encoder, both ways: one module that `fastmae export` writes with and
-`fastmae.pretrained` reads with. Post-LN encoders with learned positions are RoBERTa; pre-LN ones (rotary or learned
-positions) are ESM-2, whose layers compute the same function (`hugging_face_architecture`).
+`fastmae.pretrained` reads with. Post-LN encoders are RoBERTa (learned positions) or RoFormer (rotary); pre-LN ones
+(rotary or learned positions) are ESM-2, whose layers compute the same function (`hugging_face_architecture`).
 
-    config.json             RobertaConfig or EsmConfig (+ `fastmae_model_config`, so fastmae reads the export back)
+    config.json             RobertaConfig, RoFormerConfig or EsmConfig (+ `fastmae_model_config`)
     model.safetensors       fp32 weights under Hugging Face's names (the LM head too for `mlm`)
     tokenizer.json ...      the sentencepiece tokenizer as a fast tokenizer: same ids, same specials
 
@@ -27,10 +27,12 @@ CONFIG_KEY = "fastmae_model_config"  # fastmae's ModelConfig inside config.json
 
 
 def hugging_face_architecture(config: ModelConfig) -> str:
-    """The `transformers` architecture that computes this encoder's function: `roberta` (post-LN, learned positions)
-    or `esm` (ESM-2's pre-LN layers: LayerNorm after the embeddings, before each sub-layer and after the last layer,
-    erf GELU, query scaled before rotate-half rotary positions or learned ones offset as RoBERTa's). Raises
-    FastmaeError naming the setting that neither expresses, and what would export."""
+    """The `transformers` architecture that computes this encoder's function: `roberta` (post-LN, learned positions),
+    `roformer` (post-LN, rotary positions: RoFormer rotates interleaved pairs where fastmae rotates halves, so the
+    export permutes each head's query and key features) or `esm` (ESM-2's pre-LN layers: LayerNorm after the
+    embeddings, before each sub-layer and after the last layer, erf GELU, query scaled before rotate-half rotary
+    positions, or learned ones offset as RoBERTa's). Raises FastmaeError naming the setting that none expresses, and
+    what would export."""
     k, layers = config.insert_layer, config.encoder_layers
     if config.relative_attention_bias:
         raise FastmaeError("relative_attention_bias=true: no Hugging Face encoder adds MAE-LM's T5-style relative "
@@ -42,22 +44,32 @@ def hugging_face_architecture(config: ModelConfig) -> str:
                            "encoder_layers, `fastmae finetune --model RUN_DIR` runs this model as it is")
     if config.norm_position == "pre":
         return "esm"
-    if config.position_embedding != "learned":
-        raise FastmaeError(f"position_embedding={config.position_embedding!r} with norm_position='post': no Hugging "
-                           "Face encoder computes post-LN layers with rotate-half rotary positions; pre-LN rotary "
-                           "models export (as ESM-2), and so do post-LN ones with learned positions (as RoBERTa); "
-                           "fine-tune this one with `fastmae finetune --model RUN_DIR`")
-    return "roberta"
+    if config.position_embedding == "learned":
+        return "roberta"
+    if config.rotary_base != 10000.0:
+        raise FastmaeError(f"rotary_base={config.rotary_base:g} with norm_position='post': RoFormer, the post-LN "
+                           "encoder with rotary positions, has base 10000 only; pre-LN models export with any base "
+                           "(as ESM-2); fine-tune this one with `fastmae finetune --model RUN_DIR`")
+    return "roformer"
 
 
 # fastmae's per-layer modules -> each architecture's names under `{prefix}encoder.layer.{i}.`
+_POST_LN_LAYER = (("attn_out", "attention.output.dense"), ("attn_norm", "attention.output.LayerNorm"),
+                  ("ffn_in", "intermediate.dense"), ("ffn_out", "output.dense"), ("ffn_norm", "output.LayerNorm"))
 _LAYER_NAMES = {
-    "roberta": (("attn_out", "attention.output.dense"), ("attn_norm", "attention.output.LayerNorm"),
-                ("ffn_in", "intermediate.dense"), ("ffn_out", "output.dense"), ("ffn_norm", "output.LayerNorm")),
+    "roberta": _POST_LN_LAYER,
+    "roformer": _POST_LN_LAYER,
     "esm": (("attn_out", "attention.output.dense"), ("attn_norm", "attention.LayerNorm"),
             ("ffn_in", "intermediate.dense"), ("ffn_out", "output.dense"), ("ffn_norm", "LayerNorm")),
 }
-_EMBEDDING_NORM = {"roberta": "LayerNorm", "esm": "layer_norm"}
+_EMBEDDING_NORM = {"roberta": "LayerNorm", "roformer": "LayerNorm", "esm": "layer_norm"}
+_HEAD_NAMES = {  # fastmae's LM head -> each architecture's
+    "roberta": {"head.dense": "lm_head.dense", "head.norm": "lm_head.layer_norm", "head.bias": "lm_head.bias"},
+    "esm": {"head.dense": "lm_head.dense", "head.norm": "lm_head.layer_norm", "head.bias": "lm_head.bias"},
+    "roformer": {"head.dense": "cls.predictions.transform.dense", "head.norm": "cls.predictions.transform.LayerNorm",
+                 "head.bias": "cls.predictions.bias"},
+}
+_HEADLESS_ROOTS = ("lm_head.", "cls.")
 
 
 def _name_pairs(config: ModelConfig, with_head: bool) -> list[tuple[str, str]]:
@@ -75,10 +87,19 @@ def _name_pairs(config: ModelConfig, with_head: bool) -> list[tuple[str, str]]:
     if arch == "esm":
         pairs += [(f"encoder_norm.{p}", f"esm.encoder.emb_layer_norm_after.{p}") for p in ("weight", "bias")]
     if with_head:
-        pairs += [("head.dense.weight", "lm_head.dense.weight"), ("head.dense.bias", "lm_head.dense.bias"),
-                  ("head.norm.weight", "lm_head.layer_norm.weight"), ("head.norm.bias", "lm_head.layer_norm.bias"),
-                  ("head.bias", "lm_head.bias")]
+        head = _HEAD_NAMES[arch]
+        pairs += [(f"{ours}.{p}", f"{head[ours]}.{p}") for ours in ("head.dense", "head.norm")
+                  for p in ("weight", "bias")]
+        pairs.append(("head.bias", head["head.bias"]))
     return pairs
+
+
+def _interleaving(config: ModelConfig) -> torch.Tensor:
+    """The order of a query or key projection's output features that makes RoFormer's rotation of interleaved pairs
+    (features 2j, 2j + 1 of a head) fastmae's rotation of halves (features j, j + head_dim / 2)."""
+    d = config.head_dim
+    within = torch.stack([torch.arange(d // 2), torch.arange(d // 2) + d // 2], dim=1).reshape(-1)
+    return torch.cat([head * d + within for head in range(config.num_heads)])
 
 
 def _qkv_names(arch: str, i: int) -> tuple[str, list[str]]:
@@ -100,10 +121,16 @@ def to_hugging_face(config: ModelConfig, weights: dict[str, torch.Tensor]) -> di
         ours, theirs = _qkv_names(arch, i)
         for p in ("weight", "bias"):
             for name, part in zip(theirs, weights[f"{ours}.{p}"].chunk(3)):
-                out[f"{name}.{p}"] = part
-    if arch == "roberta":
-        out["roberta.embeddings.token_type_embeddings.weight"] = torch.zeros(1, config.hidden_size)
-    elif config.position_embedding == "rotary":
+                rotated = arch == "roformer" and not name.endswith("value")
+                out[f"{name}.{p}"] = part[_interleaving(config)] if rotated else part
+    if arch in ("roberta", "roformer"):
+        out[f"{arch}.embeddings.token_type_embeddings.weight"] = torch.zeros(1, config.hidden_size)
+    if arch == "roformer":  # RoFormer's own table (written, so that loading leaves nothing to fill)
+        from transformers.models.roformer.modeling_roformer import RoFormerSinusoidalPositionalEmbedding
+
+        table = RoFormerSinusoidalPositionalEmbedding(config.max_seq_len + config.position_offset, config.head_dim)
+        out["roformer.encoder.embed_positions.weight"] = table.create_weight()
+    elif arch == "esm" and config.position_embedding == "rotary":
         out["esm.rotary_embeddings.inv_freq"] = _rotary_inverse_frequencies(config)
     return {name: t.float().contiguous() for name, t in out.items()}
 
@@ -112,24 +139,28 @@ def from_hugging_face(config: ModelConfig, hf: dict[str, torch.Tensor], source: 
     """Hugging Face names (with or without the architecture's prefix) -> fastmae weights; the inverse of
     `to_hugging_face`. Raises FastmaeError naming the first missing tensor."""
     arch = hugging_face_architecture(config)
-    hf = {(name if name.startswith((f"{arch}.", "lm_head.")) else f"{arch}.{name}"): t for name, t in hf.items()}
+    hf = {(name if name.startswith((f"{arch}.", *_HEADLESS_ROOTS)) else f"{arch}.{name}"): t for name, t in hf.items()}
 
     def get(name):
         if name not in hf:
             raise FastmaeError(f"{source}: missing tensor {name}")
         return hf[name]
 
-    with_head = "lm_head.dense.weight" in hf
+    with_head = f"{_HEAD_NAMES[arch]['head.dense']}.weight" in hf
     weights = {ours: get(theirs) for ours, theirs in _name_pairs(config, with_head)}
+    order = torch.argsort(_interleaving(config))
     for i in range(config.encoder_layers):
         ours, theirs = _qkv_names(arch, i)
         for p in ("weight", "bias"):
-            weights[f"{ours}.{p}"] = torch.cat([get(f"{name}.{p}") for name in theirs])
+            parts = [get(f"{name}.{p}") for name in theirs]
+            if arch == "roformer":
+                parts = [parts[0][order], parts[1][order], parts[2]]
+            weights[f"{ours}.{p}"] = torch.cat(parts)
     return weights
 
 
 def hugging_face_config(config: ModelConfig):
-    """The RobertaConfig or EsmConfig of the exported encoder, carrying fastmae's own config under
+    """The RobertaConfig, RoFormerConfig or EsmConfig of the exported encoder, carrying fastmae's own config under
     `fastmae_model_config`."""
     arch = hugging_face_architecture(config)
     shared = dict(
@@ -147,6 +178,11 @@ def hugging_face_config(config: ModelConfig):
                          emb_layer_norm_before=True, rope_theta=config.rotary_base,
                          position_embedding_type="rotary" if config.position_embedding == "rotary" else "absolute",
                          architectures=["EsmForMaskedLM" if head else "EsmModel"])
+    if arch == "roformer":
+        from transformers import RoFormerConfig
+
+        return RoFormerConfig(**shared, embedding_size=config.hidden_size, hidden_act="gelu", type_vocab_size=1,
+                              rotary_value=False, architectures=["RoFormerForMaskedLM" if head else "RoFormerModel"])
     from transformers import RobertaConfig
 
     return RobertaConfig(**shared, hidden_act="gelu", type_vocab_size=1, bos_token_id=BOS_ID, eos_token_id=EOS_ID,

@@ -52,9 +52,10 @@ PRE_LN_ROTARY = {"norm_position": "pre", "position_embedding": "rotary"}  # the 
     ("mlm", {}, "roberta"), ("mae-lm", {}, "roberta"), ("3ml", {}, "roberta"),
     ("mlm", PRE_LN_ROTARY, "esm"), ("3ml", PRE_LN_ROTARY, "esm"), ("mlm", {"norm_position": "pre"}, "esm"),
     ("mlm", {**PRE_LN_ROTARY, "rotary_base": 500.0}, "esm"),
+    ("mlm", {"position_embedding": "rotary"}, "roformer"), ("mae-lm", {"position_embedding": "rotary"}, "roformer"),
 ])
 def test_hugging_face_computes_what_fastmae_computes(preset, overrides, model_type, tokenizer_bytes, tmp_path):
-    # post-LN with learned positions is RoBERTa; pre-LN (rotary or learned positions) is ESM-2's layer
+    # post-LN is RoBERTa (learned positions) or RoFormer (rotary); pre-LN (rotary or learned positions) is ESM-2
     tokenizer = Tokenizer(tokenizer_bytes)
     model = perturbed_model(preset, tokenizer.vocab_size, **overrides)
     out = export(write_run_dir(tmp_path / "run", model, tokenizer_bytes), tmp_path / "hf")
@@ -84,8 +85,9 @@ def test_hugging_face_computes_what_fastmae_computes(preset, overrides, model_ty
             expected = model.head.transform(masked) @ model.embeddings.tokens.weight.T + model.head.bias
         assert (logits[[3, 6]] - expected).abs().max() <= 1e-5
     else:  # the MAE-LM / 3ML head was trained on decoder states: not exported
-        assert config["architectures"] == [f"{'Roberta' if model_type == 'roberta' else 'Esm'}Model"]
-        assert not any(k.startswith("lm_head") for k in _safetensors_keys(out / "model.safetensors"))
+        names = {"roberta": "Roberta", "esm": "Esm", "roformer": "RoFormer"}
+        assert config["architectures"] == [f"{names[model_type]}Model"]
+        assert not any(k.startswith(("lm_head", "cls.")) for k in _safetensors_keys(out / "model.safetensors"))
 
     # fastmae reads its export back exactly (finetune and analyze accept either)
     again = load_pretrained(out)
@@ -124,7 +126,7 @@ def test_auto_tokenizer_gives_sentencepiece_ids(model_type, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"position_embedding": "rotary"}, "position_embedding='rotary' with norm_position='post'"),
+    ({"position_embedding": "rotary", "rotary_base": 500.0}, "rotary_base=500 with norm_position='post'"),
     ({"relative_attention_bias": True}, "relative_attention_bias=true"),
     ({"insert_layer": 1, "decoder_layers": 0}, "insert_layer=1"),
 ])
