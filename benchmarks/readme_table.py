@@ -93,10 +93,43 @@ def _study(directory: str) -> str:
             f"{setup['seeds']} seeds per objective, {setup['budget']:.3g} training FLOPs per run, width "
             f"{setup['hidden_size']}, {setup['encoder_layers']} encoder layers; held-out unigram baselines (on the "
             f"predicted tokens) {first['unigram_entropy']:.3f} nats / accuracy {first['unigram_accuracy']:.3f}; "
-            f"device: {setup['device']}. What the report concludes, each claim held to the seed spread:\n\n"
+            f"device: {setup['device']}." + _lr_grid(result.get("lr_grid")) + _matched(objectives)
+            + " What the report concludes, each claim held to the seed spread:\n\n"
             + "\n".join(f"- {line}" for line in result["findings"]) + "\n\n"
             f"Artifact: `benchmarks/results/{directory}/` (`report.md`, `study.json`, `loss_vs_flops.png`, "
             "`ranks.png`).\n")
+
+
+def _lr_grid(grid: dict | None) -> str:
+    """The learning rate each objective trained at and the grid's held-out losses (--lr-grid), as a sentence."""
+    if not grid:
+        return ""
+    first = next(iter(grid.values()))
+    choices = [f"`{label}` {g['chosen']:g} (" + ", ".join(f"{lr}: {loss:.3f}" for lr, loss in g["losses"].items())
+               + ")" for label, g in grid.items()]
+    return (f" Learning rates, each chosen by held-out loss after {first['fraction']:g} of the budget (seed 0): "
+            + "; ".join(choices) + ".")
+
+
+def _matched(objectives: dict) -> str:
+    """Last-layer ranks of each objective at the common held-out loss, as a sentence (absent before they existed)."""
+    entries = {label: e.get("ranks_at_matched_loss") for label, e in objectives.items()}
+    if not any(entries.values()):
+        return ""
+    level = next(e for e in entries.values() if e)["level"]
+    parts = []
+    for label, matched in entries.items():
+        if matched is None or matched["excluded"]:
+            parts.append(f"`{label}` left out ({matched['excluded'] if matched else 'not measured'})")
+            continue
+        last = {key: matched["ranks"][key]["real_unmasked_input"][-1] for key in ("epsilon_rank",
+                                                                                  "centred_epsilon_rank")}
+        with_mask = matched["ranks"]["epsilon_rank"]["real_masked_input"][-1]
+        parts.append(f"`{label}` {last['epsilon_rank']:.1f} / {last['centred_epsilon_rank']:.1f} (with `<mask>` "
+                     f"{with_mask:.1f}; steps {', '.join(map(str, matched['steps']))})")
+    where = "no common level" if level is None else f"held-out loss {level:.3f}"
+    return (f" Last-layer epsilon rank of real tokens without `<mask>` at matched {where}, uncentred / centred: "
+            + "; ".join(parts) + ".")
 
 
 def throughput() -> str:
