@@ -3,9 +3,10 @@
 # benchmarks/results/ (then `python benchmarks/readme_table.py --write` puts the numbers into README.md):
 #   benchmarks/results/demo/          metrics.jsonl, curves.png, config.yaml of `bash scripts/demo.sh`
 #   benchmarks/results/study_cpu_30min/   report.md, study.json, loss_vs_flops.png, ranks.png of the cpu-30min study
-#   benchmarks/results/study_cpu_1h/      the same of the cpu-1h study (base's depth)
-# Usage: bash benchmarks/readme_runs.sh [demo] [study] [study-1h]   (demo and study by default; the studies take
-#        30-60 minutes and about an hour on 2 cores)
+#   benchmarks/results/study_cpu_1h/      the same of the cpu-1h study (base's depth, learning rates from a grid)
+#   benchmarks/results/mae_lm_diagnosis/  mae-lm against its variants with 3ml's decoder depth and 3ml's mask rate
+# Usage: bash benchmarks/readme_runs.sh [demo] [study] [study-1h] [mae-lm-diagnosis]   (demo and study by default;
+#        the studies take 30-60 minutes on 2 cores, the diagnosis about 20)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . "${FASTMAE_VENV:-.venv}/bin/activate"
@@ -49,6 +50,19 @@ for part in ${parts[*]}; do
       cp "runs/study-$preset"/{report.md,study.json,loss_vs_flops.png,ranks.png} "$kept/"
       describe_run "runs/study-$preset/runs/mlm-seed0" $((SECONDS - started)) > "$kept/run.md"
       ;;
-    *) echo "readme_runs.sh: unknown part $part (demo, study, study-1h)" >&2; exit 2 ;;
+    mae-lm-diagnosis)  # why mae-lm stays on the plateau at base's depth: its decoder depth or its mask rate?
+      data=runs/data/builtin-v1000
+      [ -f "$data/meta.json" ] || fastmae prepare --format builtin --output "$data" --vocab-size 1000 \
+        --valid-fraction 0.1
+      rm -rf runs/mae-lm-diagnosis
+      started=$SECONDS
+      fastmae study --data "$data" --budget cpu-1h --seeds 1 --out runs/mae-lm-diagnosis \
+        --objectives mlm,mae-lm,mae-lm:decoder_layers=2,mae-lm:mask_rate=0.5
+      kept="$results/mae_lm_diagnosis"
+      mkdir -p "$kept"
+      cp runs/mae-lm-diagnosis/{report.md,study.json,loss_vs_flops.png,ranks.png} "$kept/"
+      describe_run runs/mae-lm-diagnosis/runs/mlm-seed0 $((SECONDS - started)) > "$kept/run.md"
+      ;;
+    *) echo "readme_runs.sh: unknown part $part (demo, study, study-1h, mae-lm-diagnosis)" >&2; exit 2 ;;
   esac
 done
