@@ -91,7 +91,7 @@ def study(args) -> dict:
                   "encoder_layers": facts["mlm"]["encoder_layers"], "ranks": ranks, "device": device_text(first),
                   "task": str(task_dir) if task_dir else None, "task_name": task_label,
                   "finetune": dataclasses.asdict(ft_config),
-                  "shared": shared_settings(resolved)},
+                  "shared": shared_settings(resolved, lr_per_objective=bool(lr_grid))},
         "command": shlex.join(["fastmae", "study", *args.argv]),
         "commands": {label: [shlex.join(launch_command(run, ranks)) for run in rs] for label, rs in runs.items()},
         "configs": [str(run.config_file.relative_to(out)) for rs in runs.values() for run in rs],

@@ -183,13 +183,16 @@ def _lr_grid_section(lr_grid: dict) -> list[str]:
     return lines
 
 
-def shared_settings(resolved: dict) -> str:
-    """One line of the settings every run of the study shares, from a resolved run config."""
+def shared_settings(resolved: dict, lr_per_objective: bool = False) -> str:
+    """One line of the settings every run of the study shares, from a resolved run config (the learning rate not
+    among them when a grid chose one per objective)."""
     model, data, train = resolved["model"], resolved["data"], resolved["train"]
     keys = ("hidden_size", "num_heads", "encoder_layers", "max_seq_len", "position_embedding", "norm_position",
             "dropout")
     return (", ".join(f"{k} {model[k]}" for k in keys if k in model)
             + f"; {data['packing']} packing, {data['tokens_per_micro_batch']} tokens per micro-batch x "
-            f"{train['grad_accum']}; {train['optimizer']} lr {train['lr']:g}, {train['warmup_steps']} warm-up steps, "
+            f"{train['grad_accum']}; {train['optimizer']} "
+            + ("lr per objective (below)" if lr_per_objective else f"lr {train['lr']:g}")
+            + f", {train['warmup_steps']} warm-up steps, "
             f"{train['schedule']} decay, clip {train['clip']:g}, weight decay {train['weight_decay']:g}, "
             f"precision {train['precision']}, ZeRO-{train['zero_stage']}")
