@@ -139,7 +139,8 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
         grid = study["lr_grid"][label]
         assert grid["chosen"] == 2e-3 and set(grid["losses"]) == {"0.002"} and grid["fraction"] == 0.5
         assert "lr: 0.002" in (out / "configs" / f"{label}-seed0.yaml").read_text()
-        assert (out / "runs" / f"{label}-seed0-lrgrid0.002" / "model.safetensors").is_file()
+        grid_run = out / "runs" / f"{label}-seed0-lrgrid0.002"
+        assert (grid_run / "model.safetensors").is_file() and not (grid_run / "eval_weights").exists()
         matched = study["objectives"][label]["ranks_at_matched_loss"]
         kept = sorted(int(p.name[4:]) for p in (out / "runs" / f"{label}-seed0" / "eval_weights").iterdir())
         assert matched["excluded"] is None and matched["steps"][0] in kept and len(kept) == 3

@@ -75,12 +75,15 @@ def _objective_config(objective: Objective, args, preset: StudyPreset, extra: li
 
 
 def run_config_text(run: Run, args, budget: float, preset: StudyPreset) -> str:
-    """The resolved YAML config of `run` (FLOP `budget`, the preset's evaluations over it, its weights kept at each,
-    its learning rate where the study chose one)."""
+    """The resolved YAML config of `run` (FLOP `budget`, the preset's evaluations over it, its weights kept at each
+    unless it is a grid run, its learning rate where the study chose one)."""
     lr = run.grid_lr if run.grid_lr is not None else run.lr
     return _objective_config(run.objective, args, preset, [
         f"log.dir={run.dir.resolve()}", f"train.seed={run.seed}", f"train.flops_budget={budget!r}", "eval.every=0",
-        f"eval.every_flops={budget / preset.eval_points!r}", "eval.keep_weights=true",
+        f"eval.every_flops={budget / preset.eval_points!r}",
+        # weights at every evaluation for the ranks at matched loss (not for a grid run: it is never analyzed, and at
+        # base size each copy is 0.5 GB)
+        f"eval.keep_weights={str(run.grid_lr is None).lower()}",
         *([f"train.lr={lr!r}"] if lr is not None else [])]).to_yaml()
 
 
