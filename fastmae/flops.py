@@ -23,7 +23,7 @@ import torch
 
 from .batch import PackedBatch
 from .config import ModelConfig
-from .masking import MaskCounts
+from .masking import MaskCounts, MaskedBatch
 
 
 def layer_flops(config: ModelConfig, tokens: int, sum_sq_lengths: int) -> int:
@@ -66,8 +66,16 @@ def batch_training_flops(config: ModelConfig, batch: PackedBatch, counts: MaskCo
     `masking.mask_batch` made them (the trainer has them), else computed the same way (the plan, before any step)."""
     if counts is None:
         counts = MaskCounts.for_batch(batch, config.mask_rate, config.mask_token_prob, config.random_token_prob)
-    seqlens = batch.seqlens.numpy()
-    return training_flops(config, seqlens, seqlens - counts.removed.numpy(), counts.predicted)
+    return _sequences_flops(config, batch.seqlens, counts)
+
+
+def masked_training_flops(config: ModelConfig, masked: MaskedBatch) -> int:
+    """`batch_training_flops` of a masked batch's own sequences: a padded batch's fillers are not the model's work."""
+    return _sequences_flops(config, *masked.own_sequences())
+
+
+def _sequences_flops(config: ModelConfig, seqlens: torch.Tensor, counts: MaskCounts) -> int:
+    return training_flops(config, seqlens, seqlens - counts.removed, counts.predicted)
 
 
 PLAN_EXACT_MICRO_BATCHES = 5000

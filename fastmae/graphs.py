@@ -1,8 +1,9 @@
 """CUDA graphs of the training forward and backward (`train.cuda_graphs`; ARCHITECTURE.md section 5).
 
-With `full` packing every full-length micro-batch has the same shapes and host counts (section 2), so the model's
-forward and backward can be recorded once and replayed: two graph launches per micro-batch instead of hundreds of
-kernel launches, which the host would otherwise issue one by one. As in MLPerf's BERT, only the model is captured:
+With `full` packing every full-length micro-batch has the same shapes and host counts (section 2), and with `doc`
+packing micro-batches are padded to one of a few shapes (fastmae/padding.py), so the model's forward and backward can
+be recorded once per shape and replayed: two graph launches per micro-batch instead of hundreds of kernel launches,
+which the host would otherwise issue one by one. As in MLPerf's BERT, only the model is captured:
 DeepSpeed's gradient hooks run when autograd hands the replayed gradients to the parameters, and its optimizer step
 stays eager.
 
@@ -30,15 +31,27 @@ from .batch import byte_offsets, unpack_bytes
 from .config import RunConfig
 from .errors import ConfigError
 from .masking import MaskedBatch
+from .padding import ShapeLadder
 
 WARMUP_RUNS = 2  # eager forward + backward on a side stream before the capture (Triton autotuning, lazy inits)
 
 
+PADDED_RECORDINGS = 3
+"""Shapes recorded under `doc` packing (each recording holds its own activation memory): the first three seen twice;
+micro-batches of the ladder's rarer shapes run eagerly."""
+
+
 class GraphPlan(NamedTuple):
-    """Whether a run records its training steps, and the reason, which the trainer logs."""
+    """Whether a run records its training steps and the reason, which the trainer logs; under `doc` packing the
+    shapes its micro-batches are padded to."""
 
     enabled: bool
     reason: str
+    shapes: ShapeLadder | None = None
+
+    @property
+    def max_recordings(self) -> int:
+        return 1 if self.shapes is None else PADDED_RECORDINGS
 
 
 def plan_graphs(config: RunConfig, device: torch.device) -> GraphPlan:
@@ -51,14 +64,16 @@ def plan_graphs(config: RunConfig, device: torch.device) -> GraphPlan:
     obstacles = [
         (device.type != "cuda", f"the device is {device.type}, not CUDA"),
         (train.zero_stage == 3, "train.zero_stage=3 gathers parameters module by module during the forward"),
-        (config.data.packing != "full", "data.packing=doc: micro-batch shapes follow document lengths"),
         (train.activation_checkpointing, "train.activation_checkpointing recomputes layers inside the backward"),
         (train.compile, "train.compile: compiled layers guard and recompile on the host"),
     ]
     reasons = [reason for blocked, reason in obstacles if blocked]
     if not reasons:
+        shapes = ShapeLadder.for_run(config) if config.data.packing == "doc" else None
+        padded = "" if shapes is None else (f"; data.packing=doc: micro-batches padded to {len(shapes.shapes)} "
+                                            f"shapes, {PADDED_RECORDINGS} recorded at most")
         return GraphPlan(True, "forward and backward recorded per micro-batch shape and replayed (train.cuda_graphs="
-                               f"{train.cuda_graphs})")
+                               f"{train.cuda_graphs}{padded})", shapes)
     if train.cuda_graphs == "always":
         raise ConfigError(f"train.cuda_graphs=always, but {'; '.join(reasons)} (use auto or never)")
     return GraphPlan(False, "eager: " + "; ".join(reasons))
@@ -70,8 +85,11 @@ def signature(masked: MaskedBatch) -> tuple:
     batch, counts = masked.batch, masked.counts
     layouts = tuple((name, meta.max_seqlen, meta.rotary is not None) for name in ("full", "visible", "masked")
                     if (meta := masked.__dict__.get(name)) is not None)
-    return (batch.max_seqlen, tuple(batch.seqlens.tolist()), tuple(counts.predicted.tolist()),
-            tuple(counts.removed.tolist()), tuple(counts.random.tolist()), layouts, str(masked.device),
+    # an unpadded batch's per-sequence counts (the loss divides by their sum on the host); a padded batch's forward
+    # reads only its shape (fastmae.padding)
+    per_sequence = () if masked.filler is not None else tuple(
+        tuple(values.tolist()) for values in (batch.seqlens, counts.predicted, counts.removed, counts.random))
+    return (batch.max_seqlen, per_sequence, masked.filler is not None, layouts, str(masked.device),
             tuple((tuple(t.shape), t.dtype) for t in masked.device_tensors()))
 
 
@@ -153,7 +171,8 @@ class Recording:
         `encoder_states` is the recording's, valid until its next replay."""
         self.load(masked)
         loss = _Replayed.apply(self, *self.params)
-        return self.output._replace(loss=loss, masked=masked, encoder_states=self.output.encoder_states.detach())
+        return self.output._replace(loss=loss, num_predicted=masked.num_predicted, masked=masked,
+                                    encoder_states=self.output.encoder_states.detach())
 
 
 class _Replayed(torch.autograd.Function):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -22,6 +23,9 @@ from .batch import PackedBatch, ahead_in_thread, byte_offsets, pack_bytes, unpac
 from .config import NUM_SPECIAL_TOKENS, UNMASKABLE_IDS, ModelConfig
 from .kernels import MaskSelection, mask_key
 from .positions import rotary_tables
+
+if TYPE_CHECKING:
+    from .padding import ShapeLadder
 
 
 def _round_half_up(x: torch.Tensor) -> torch.Tensor:
@@ -56,6 +60,17 @@ class MaskCounts:
                            limit=batch.num_maskable)
 
 
+class Filler(NamedTuple):
+    """What padding to a fixed shape added to a masked batch (`fastmae.padding`): its last `sequences` sequences
+    (filler rows and zero-length sequences), `tokens` rows of them, `predicted` predicted rows among them (their labels
+    ignored by the loss) and `removed` removed rows."""
+
+    sequences: int
+    tokens: int
+    predicted: int
+    removed: int
+
+
 @dataclass
 class MaskedBatch:
     """A batch after masking: the selection and the varlen layouts of its streams.
@@ -63,6 +78,8 @@ class MaskedBatch:
     full: all T rows; visible: the T_v rows the encoder keeps; masked: the T_m predicted rows. On the device a layout
     is built on first use (`mlm` never needs the visible one, only the `cross` decoder the masked one); `to` builds the
     ones the model reads on the host first and moves everything in one copy, so the device computes none of them.
+    A batch padded to a fixed shape (`filler` set) lays out every stream with the model's max_seq_len as its longest
+    sequence, so its host values are the shape's alone.
     """
 
     batch: PackedBatch
@@ -70,10 +87,24 @@ class MaskedBatch:
     selection: MaskSelection
     config: ModelConfig
     buffer: torch.Tensor | None = None  # the one uint8 buffer every device tensor views (`viewing`), if there is one
+    filler: Filler | None = None  # what padding added (`fastmae.padding.pad`), None when unpadded
 
     @property
     def num_predicted(self) -> int:
-        return int(self.selection.masked_index.shape[0])
+        """Predicted rows whose loss counts (a padded batch's filler rows excluded)."""
+        filler = 0 if self.filler is None else self.filler.predicted
+        return int(self.selection.masked_index.shape[0]) - filler
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the batch's own sequences (a padded batch's filler rows excluded)."""
+        return self.batch.num_tokens - (0 if self.filler is None else self.filler.tokens)
+
+    def own_sequences(self) -> tuple[torch.Tensor, MaskCounts]:
+        """(host lengths [B], counts) of the batch's own sequences, without a padded batch's fillers."""
+        own = self.batch.num_sequences - (0 if self.filler is None else self.filler.sequences)
+        counts = MaskCounts(*(c[:own] for c in (self.counts.predicted, self.counts.removed, self.counts.random)))
+        return self.batch.seqlens[:own], counts
 
     @property
     def device(self) -> torch.device:
@@ -81,16 +112,19 @@ class MaskedBatch:
 
     @functools.cached_property
     def full(self) -> VarlenMeta:
-        return stream_meta(self.batch, self.batch.seqlens, None, self.config)
+        return self._stream(self.batch.seqlens, None)
 
     @functools.cached_property
     def visible(self) -> VarlenMeta:
-        return stream_meta(self.batch, self.batch.seqlens - self.counts.removed, self.selection.visible_index,
-                           self.config)
+        return self._stream(self.batch.seqlens - self.counts.removed, self.selection.visible_index)
 
     @functools.cached_property
     def masked(self) -> VarlenMeta:
-        return stream_meta(self.batch, self.counts.predicted, self.selection.masked_index, self.config)
+        return self._stream(self.counts.predicted, self.selection.masked_index)
+
+    def _stream(self, lengths: torch.Tensor, rows: torch.Tensor | None) -> VarlenMeta:
+        longest = self.config.max_seq_len if self.filler is not None else max(int(lengths.max()), 1)
+        return stream_meta(self.batch, lengths, rows, self.config, longest)
 
     def layouts_read(self) -> tuple[str, ...]:
         """The stream layouts the model reads for this batch's config: the full stream always (the decoder's, or the
@@ -135,7 +169,8 @@ class MaskedBatch:
         moved = iter(unpack_bytes(buffer, tensors, byte_offsets(tensors)[0]))
         batch = replace(self.batch, **{name: next(moved) for name in PackedBatch.DEVICE_FIELDS})
         selection = MaskSelection(*(next(moved) for _ in self.selection))
-        out = MaskedBatch(batch=batch, counts=self.counts, selection=selection, config=self.config, buffer=buffer)
+        out = MaskedBatch(batch=batch, counts=self.counts, selection=selection, config=self.config, buffer=buffer,
+                          filler=self.filler)
         for name, meta in layouts.items():
             cu_seqlens, padded_index, key_valid, positions = (next(moved) for _ in range(4))
             rotary = None if meta.rotary is None else rotary_tables(positions, _rotary_dim(self.config),
@@ -148,15 +183,16 @@ def _rotary_dim(config: ModelConfig) -> int:
     return config.head_dim if config.position_embedding == "rotary" else 0
 
 
-def stream_meta(batch: PackedBatch, lengths: torch.Tensor, rows: torch.Tensor | None,
-                config: ModelConfig) -> VarlenMeta:
-    """Layout of the sub-stream of `batch` holding `rows` (all rows when None), `lengths` [B] host counts."""
+def stream_meta(batch: PackedBatch, lengths: torch.Tensor, rows: torch.Tensor | None, config: ModelConfig,
+                max_seqlen: int) -> VarlenMeta:
+    """Layout of the sub-stream of `batch` holding `rows` (all rows when None), `lengths` [B] host counts, none
+    longer than `max_seqlen`."""
     device = batch.device
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
     torch.cumsum(lengths, 0, out=cu[1:])
     seq_ids = batch.seq_ids if rows is None else batch.seq_ids.index_select(0, rows)
     positions = batch.positions if rows is None else batch.positions.index_select(0, rows)
-    return VarlenMeta.build(cu.to(device, non_blocking=True), max(int(lengths.max()), 1), seq_ids, positions,
+    return VarlenMeta.build(cu.to(device, non_blocking=True), max_seqlen, seq_ids, positions,
                             _rotary_dim(config), config.rotary_base)
 
 
@@ -229,13 +265,17 @@ def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, ra
 
 
 def masked_ahead(batches: Iterator[PackedBatch], config: ModelConfig, seed: int, depth: int = 2,
-                 pin_memory: bool = False) -> Iterator[MaskedBatch]:
+                 pin_memory: bool = False, shapes: ShapeLadder | None = None) -> Iterator[MaskedBatch]:
     """The data loader's host batches masked on the host for (seed, each batch's index), with the layouts the model
     reads, packed into one buffer (page-locked with `pin_memory`: for CUDA), by a background thread up to `depth`
     ahead (ARCHITECTURE.md section 2): the training step then finds masks and layouts ready and moves each micro-batch
-    in one copy (`MaskedBatch.to`)."""
+    in one copy (`MaskedBatch.to`). With `shapes` each masked batch is padded to the first of its shapes it fits
+    (`fastmae.padding`; one that fits none stays as it is)."""
 
     def mask(batch: PackedBatch) -> MaskedBatch:
-        return mask_batch(batch, config, seed, batch.index, host=True).packed(pin_memory)
+        masked = mask_batch(batch, config, seed, batch.index, host=True)
+        if shapes is not None:
+            masked = shapes.pad(masked)
+        return masked.packed(pin_memory)
 
     return ahead_in_thread(map(mask, batches), depth)

@@ -350,7 +350,10 @@ class MaskedLM(nn.Module):
               compute_accuracy: bool) -> MaskedLMOutput:
         hidden = self.head.transform(predicted)
         weight, labels = self.embeddings.tokens.weight, masked.selection.labels
-        loss = ops.linear_cross_entropy(hidden, weight, self.head.bias, labels, num_counted=masked.num_predicted)
+        # a padded batch's count is the device's (its filler rows' labels are ignored): a recorded graph replays
+        # every batch of its shape, whatever their counts
+        num_counted = masked.num_predicted if masked.filler is None else None
+        loss = ops.linear_cross_entropy(hidden, weight, self.head.bias, labels, num_counted=num_counted)
         num_correct = count_correct(hidden, weight, self.head.bias, labels) if compute_accuracy else None
         return MaskedLMOutput(loss=loss, num_predicted=masked.num_predicted, masked=masked,
                               encoder_states=encoder_states, num_correct=num_correct)

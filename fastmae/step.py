@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .batch import PackedBatch
 from .data.order import DIGEST_MODULUS, sequences_digest
 from .distributed import agree_on_flag
-from .flops import batch_training_flops
+from .flops import masked_training_flops
 from .masking import MaskedBatch, mask_batch
 
 
@@ -45,7 +45,7 @@ def per_token_weight(masked: list[MaskedBatch], device: torch.device) -> torch.T
     up, after DeepSpeed's 1/grad_accum scaling and its mean over ranks, to the mean over every predicted token of the
     step. The counts are the masks' host counts; their sum over ranks is one all-reduce that the host does not wait
     for (w a device scalar), and in a world of one w is a host number."""
-    local = sum(int(m.counts.predicted.sum()) for m in masked)
+    local = sum(m.num_predicted for m in masked)
     if dist.get_world_size() == 1:
         return len(masked) / max(local, 1)
     total = torch.full((), float(local), dtype=torch.float32, device=device)
@@ -90,8 +90,8 @@ def train_step(engine, micro_batches: list[PackedBatch | MaskedBatch], *, seed: 
         if compute_accuracy:
             sums[2].add_(out.num_correct)
             sums[3].add_(out.num_predicted)
-        tokens += batch.num_tokens
+        tokens += masked.num_tokens
         if batch.dataset_ids is not None:
             digest = (digest + sequences_digest(batch.dataset_ids)) % DIGEST_MODULUS
-        flops += batch_training_flops(model_config, batch, masked.counts)
+        flops += masked_training_flops(model_config, masked)
     return StepStats(sums=sums, non_finite=non_finite, tokens=tokens, flops=flops, digest=digest)

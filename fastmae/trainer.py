@@ -280,12 +280,12 @@ class Trainer:
     def _loop(self, bar) -> None:
         """Optimizer steps until the last one (or a stop request), each followed by the stages that act on it.
 
-        The host never waits for the device inside a step: batches are masked with their layouts on the host by a
-        background thread (`masked_ahead`) and copied ahead in one copy each (`to_device_ahead`), the step's
-        statistics stay on the device (`train_step`), and the host reads them on logged steps only.
-        """
+        The host never waits for the device inside a step: a background thread masks batches and lays them out (padded
+        to the shapes graphs replay; `masked_ahead`), each is copied ahead in one copy (`to_device_ahead`), and the
+        step's statistics stay on the device (`train_step`), read on logged steps only."""
+        shapes = plan_graphs(self.config, self.device).shapes
         masked = masked_ahead(iter(self.loader), self.engine.module.config, self.config.train.seed,
-                              pin_memory=self.device.type == "cuda")
+                              pin_memory=self.device.type == "cuda", shapes=shapes)
         try:
             self._steps(bar, to_device_ahead(masked, self.device))
         finally:

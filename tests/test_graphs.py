@@ -16,6 +16,7 @@ from fastmae.flat import FlatParameters
 from fastmae.graphs import StepGraphs, plan_graphs, signature
 from fastmae.masking import masked_ahead
 from fastmae.optim import decay_groups
+from fastmae.padding import ShapeLadder
 
 CUDA = torch.device("cuda")
 
@@ -29,13 +30,18 @@ def run_config(**train) -> RunConfig:
 def test_the_plan_names_what_stops_graphs():
     assert plan_graphs(run_config(), CUDA).enabled
     assert plan_graphs(run_config(cuda_graphs="always"), CUDA).enabled
-    assert plan_graphs(run_config(cuda_graphs="never"), CUDA) == (False, "train.cuda_graphs=never")
+    assert plan_graphs(run_config(cuda_graphs="never"), CUDA) == (False, "train.cuda_graphs=never", None)
     cpu = plan_graphs(run_config(), torch.device("cpu"))
     assert not cpu.enabled and "not CUDA" in cpu.reason
     doc = run_config(zero_stage=3)
     doc.data = dataclasses.replace(doc.data, packing="doc")
     reason = plan_graphs(doc, CUDA).reason
-    assert "zero_stage=3" in reason and "packing=doc" in reason
+    assert "zero_stage=3" in reason and "packing" not in reason
+    doc.train = dataclasses.replace(doc.train, zero_stage=2)
+    padded = plan_graphs(doc, CUDA)  # doc packing: micro-batches padded to the ladder's shapes
+    assert padded.enabled and padded.shapes is not None and padded.max_recordings == 3
+    assert f"padded to {len(padded.shapes.shapes)} shapes" in padded.reason
+    assert plan_graphs(run_config(), CUDA).shapes is None
     with pytest.raises(ConfigError, match="cuda_graphs=always, but train.activation_checkpointing"):
         plan_graphs(run_config(cuda_graphs="always", activation_checkpointing=True), CUDA)
     with pytest.raises(ConfigError, match="train.cuda_graphs"):
@@ -48,6 +54,16 @@ def same_shaped(config, count: int, seed: int = 0, device="cpu") -> list:
     batches = [dataclasses.replace(tiny_batch(num_sequences=4, seed=seed + i, min_len=30, max_len=30), index=i)
                for i in range(count)]
     return [m.to(device) for m in masked_ahead(iter(batches), config, seed=seed)]
+
+
+def doc_shaped(config, count: int, seed: int = 0, device="cpu") -> tuple[list, list]:
+    """`count` micro-batches of `doc` packing (documents of different lengths), masked as the trainer masks them, and
+    the same padded to one shape of the ladder (fastmae/padding.py), moved to `device` in one copy each."""
+    batches = [dataclasses.replace(tiny_batch(num_sequences=7, seed=seed + i, min_len=5, max_len=40), index=i)
+               for i in range(count)]
+    unpadded = [m.to(device) for m in masked_ahead(iter(batches), config, seed=seed)]
+    padded = [m.to(device) for m in masked_ahead(iter(batches), config, seed=seed, shapes=ShapeLadder(config, 384))]
+    return padded, unpadded
 
 
 @pytest.mark.parametrize("preset, extra", [("3ml", {}), ("mlm", {}),
@@ -107,6 +123,23 @@ def test_the_cpu_twin_replays_what_the_model_computes(preset, extra, seed):
         assert not any(a.grad.data_ptr() == g.data_ptr() for g in next(iter(graphs.recordings.values())).grads)
 
 
+@pytest.mark.parametrize("preset, extra", [("3ml", {}), ("mlm", {"norm_position": "pre"}),
+                                           ("mae-lm", {"decoder_kind": "cross", "position_embedding": "rotary"})])
+def test_the_cpu_twin_replays_doc_batches_padded_to_one_shape(preset, extra):
+    # one recording serves documents of other lengths and other mask counts: the loss of each is its own (the
+    # recording counts its predicted rows on the device), as the model computes it unpadded; dropout off (the
+    # fillers' rows would draw masks of their own)
+    eager, replayed = flat_model(preset, 0, dropout=0.0, **extra), flat_model(preset, 0, dropout=0.0, **extra)
+    graphs = StepGraphs(replayed, capture=False, max_recordings=3)
+    padded, unpadded = doc_shaped(eager.config, 4)
+    assert len({signature(m) for m in padded}) == 1 and len({m.num_predicted for m in padded}) == 4
+    expected, got = accumulate(eager, unpadded), accumulate(replayed, padded)
+    assert (graphs.eager_batches, graphs.replayed_batches, len(graphs.recordings)) == (1, 3, 1)
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=1e-6, atol=0)
+    for (name, a), b in zip(replayed.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6 * float(b.grad.abs().max()), msg=name)
+
+
 def test_only_training_forwards_of_a_recorded_shape_replay():
     model = flat_model("3ml", seed=0)
     graphs = StepGraphs(model, capture=False)
@@ -154,3 +187,17 @@ def test_captured_graphs_compute_what_the_model_computes(preset, extra, dtype):
     torch.testing.assert_close(torch.stack(got), torch.stack(expected), **tolerance)
     for (name, a), b in zip(captured.named_parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad.float(), b.grad.float(), **tolerance, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+@pytest.mark.parametrize("preset", ["3ml", "mlm"])
+def test_captured_graphs_replay_doc_batches_padded_to_one_shape(preset):
+    # zero-length filler sequences in flash-attn's varlen kernels, the device-side count of the predicted rows
+    eager, captured = (flat_model(preset, 0, CUDA, dropout=0.0) for _ in range(2))
+    graphs = StepGraphs(captured, capture=True, max_recordings=3)
+    padded, unpadded = doc_shaped(eager.config, 5, device=CUDA)
+    expected, got = accumulate(eager, unpadded), accumulate(captured, padded)
+    assert graphs.replayed_batches == 4 and next(iter(graphs.recordings.values())).graphs is not None
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(captured.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5 * float(b.grad.abs().max()), msg=name)
