@@ -36,8 +36,9 @@ from torch import nn
 from tqdm import tqdm
 
 from .atomic import atomic_path, atomic_write_text
+from .attention import resolve_backend
 from .batch import PackedBatch
-from .config import BOS_ID, EOS_ID, add_arguments, from_arguments, option
+from .config import BOS_ID, EOS_ID, ModelConfig, add_arguments, from_arguments, option
 from .data.tokenizer import Tokenizer
 from .dropout import Dropout
 from .errors import FastmaeError, run_command
@@ -199,6 +200,16 @@ def train_one_seed(pretrained: Pretrained, task: Task, train: tuple[list, np.nda
     return {"seed": seed, "best_epoch": best["epoch"], "scores": best["scores"], "history": history}
 
 
+def training_attention(config: ModelConfig, device: torch.device, precision: str) -> str:
+    """The attention backend fine-tuning's forward runs on `device` (fastmae/attention.py's choice for the dtype and
+    the attention dropout: on CUDA flash-attn's varlen kernel where it is installed, else padded SDPA with dropout,
+    the faster one measured there) and how it lays the batch out, for the log and results.json."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    backend = resolve_backend(None, device, config.attention_dropout, dtype, biased=config.relative_attention_bias)
+    layout = "the batch padded to its longest sequence" if backend in ("padded", "math") else "packed varlen rows"
+    return f"{backend} ({layout})"
+
+
 def resolve_task(args) -> tuple[Task, Path, Path]:
     """(task, train file, dev file) from the command line, every file checked to exist."""
     if args.task == "custom":
@@ -232,6 +243,8 @@ def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Pat
     config = dataclasses.replace(config, precision=precision)
     if line:
         print(f"fastmae finetune: {line}", file=sys.stderr)
+    attention = training_attention(pretrained.config, device, precision)
+    print(f"fastmae finetune: attention {attention}", file=sys.stderr)
     train_split, dev_split = load_split(train_file, task), load_split(dev_file, task)
     if config.max_train_examples:
         train_split = Examples(train_split.source, train_split.texts[:config.max_train_examples],
@@ -254,7 +267,7 @@ def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Pat
         "train": {"file": str(train_file), "examples": len(train[0])},
         "dev": {"file": str(dev_file), "examples": len(dev[0])},
         "labels": list(task.labels) if task.labels else None, "config": dataclasses.asdict(requested),
-        "resolved": {"lr": config.lr, "precision": config.precision},
+        "resolved": {"lr": config.lr, "precision": config.precision, "attention": attention},
         "device": str(device), "seconds": round(time.time() - started, 1),
         "tokens_per_s": float(np.mean([e["tokens_per_s"] for s in per_seed for e in s["history"]])),
     }
