@@ -15,6 +15,7 @@ Every figure README.md states as fastmae's measurement sits between `<!-- result
     data_scale   benchmarks/results/data_scale.json             python benchmarks/data.py --only-scale
     data         benchmarks/results/data.json                   python benchmarks/data.py
     gpu          benchmarks/results/gpu/*/{throughput,kernels}.json    bash scripts/gpu_check.sh (on a GPU)
+    doc_padding  benchmarks/results/doc_padding.json            python benchmarks/doc_padding.py
 """
 
 from __future__ import annotations
@@ -246,9 +247,26 @@ def host_overhead() -> str:
             + "`, `".join(f"{name}.md" for name in names) + "`):\n\n" + "\n".join(rows) + "\n")
 
 
+def doc_padding() -> str:
+    """What padding `doc` packing to the ladder's shapes costs over an epoch of the embedded corpus (3ml's masking)."""
+    result = _json(RESULTS_DIR / "doc_padding.json")
+    rows = ["| max_seq_len | tokens per micro-batch | micro-batches | shapes used (of the ladder's) | "
+            "in the commonest | filler rows | dummy predicted rows | host ms: masking / padding |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in result["results"]:
+        if r["objective"] == "3ml":
+            rows.append(f"| {r['max_seq_len']} | {r['tokens_per_batch']:,} | {r['micro_batches']} | "
+                        f"{r['shapes_used']} ({r['ladder_shapes']}) | {100 * r['most_common_share']:.0f}% | "
+                        f"{r['filler_rows_pct']:.1f}% | {r['dummy_predicted_pct']:.1f}% | "
+                        f"{r['mask_ms']:.2f} / {r['pad_ms']:.2f} |")
+    return (f"One epoch of the embedded corpus under `doc` packing, 3ml's masking, {result['device']}, "
+            f"{_stamp(result)} (`benchmarks/results/doc_padding.md`, mlm and mae-lm there too):\n\n"
+            + "\n".join(rows) + "\n")
+
+
 GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth, "throughput": throughput,
               "budget": budget, "attention": attention, "data_scale": data_scale, "data": data, "gpu": gpu,
-              "host_overhead": host_overhead}
+              "host_overhead": host_overhead, "doc_padding": doc_padding}
 
 
 def render(text: str) -> tuple[str, list[str]]:
