@@ -13,7 +13,8 @@ count of what each system computes: Hugging Face runs its LM head on every row, 
 --backends (CUDA), `mlm` also runs with each attention backend present; with --compile every fastmae system also runs
 with its layers compiled (train.compile). On CUDA fastmae's steps replay CUDA graphs of the forward and backward
 (train.cuda_graphs=auto, fastmae/graphs.py; the `cuda_graphs` column counts the replayed micro-batches); --eager adds
-each fastmae system without them.
+each fastmae system without them. --real-data adds 3ml on the embedded corpus, packed `full` and packed `doc` (its
+micro-batches padded to fixed shapes where graphs replay; tokens and FLOPs count its own sequences).
 
 On CUDA every system's step is also profiled (3 steps after the timed ones): `gpu_busy` is the share of the step's
 wall time that the GPU spends in kernels (well below 1: the host cannot keep up, or waits), and the busiest kernels
@@ -55,6 +56,11 @@ FASTMAE_SYSTEMS = {  # system -> (preset, overrides)
 SYSTEMS = ("hf-roberta", *FASTMAE_SYSTEMS)
 REAL_DATA = "real data"
 """The variant that trains on the embedded corpus packed `full` (separators inside) instead of random tokens."""
+DOC_DATA = "real doc data"
+"""The variant that trains on the embedded corpus packed `doc` (documents apart, lengths as they come):
+DOC_MICRO_BATCHES micro-batches of the same token budget make one optimizer step, padded to the shapes graphs replay
+where they do."""
+DOC_MICRO_BATCHES = 4
 EAGER = "eager"
 """The variant that runs every micro-batch eagerly (train.cuda_graphs=never) where the others replay CUDA graphs."""
 GRAPHS_TWIN = "cuda graphs twin"
@@ -75,13 +81,9 @@ def make_tokens(sequences: int) -> torch.Tensor:
     return ids
 
 
-def real_tokens(sequences: int) -> torch.Tensor:
-    """[sequences, SEQ_LEN] int64: the first full-length sequences of the embedded corpus packed `full`, document
-    separators inside, as training sees them (prepared once where `data.path: builtin` prepares it)."""
-    import numpy as np
-
+def _embedded_corpus() -> Path:
+    """The embedded corpus's dataset directory (prepared once where `data.path: builtin` prepares it)."""
     from fastmae.config import DataConfig
-    from fastmae.data import PackedLoader
 
     data = DataConfig()
     if not (data.directory / "meta.json").is_file():
@@ -89,12 +91,32 @@ def real_tokens(sequences: int) -> torch.Tensor:
 
         prepare([], data.directory, fmt="builtin", vocab_size=data.builtin_vocab_size,
                 valid_fraction=data.builtin_valid_fraction, workers=1, progress=False)
-    loader = PackedLoader(data.directory, "train", max_seq_len=SEQ_LEN, packing="full", tokens_per_batch=SEQ_LEN)
+    return data.directory
+
+
+def real_tokens(sequences: int) -> torch.Tensor:
+    """[sequences, SEQ_LEN] int64: the first full-length sequences of the embedded corpus packed `full`, document
+    separators inside, as training sees them."""
+    import numpy as np
+
+    from fastmae.data import PackedLoader
+
+    loader = PackedLoader(_embedded_corpus(), "train", max_seq_len=SEQ_LEN, packing="full", tokens_per_batch=SEQ_LEN)
     tokens, lengths = loader.tokens_of(np.arange(loader.num_sequences))
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])[lengths == SEQ_LEN][:sequences]
     if len(starts) < sequences:
         raise SystemExit(f"the embedded corpus has {len(starts)} full-length sequences, fewer than {sequences}")
     return torch.from_numpy(np.stack([tokens[s:s + SEQ_LEN] for s in starts]).astype(np.int64))
+
+
+def doc_micro_batches(sequences: int) -> list:
+    """The first DOC_MICRO_BATCHES micro-batches of the embedded corpus packed `doc`, each of at most sequences x
+    SEQ_LEN tokens (PackedBatches, as the data loader yields them)."""
+    from fastmae.data import PackedLoader
+
+    loader = iter(PackedLoader(_embedded_corpus(), "train", max_seq_len=SEQ_LEN, packing="doc",
+                               tokens_per_batch=sequences * SEQ_LEN, grad_accum=DOC_MICRO_BATCHES))
+    return [next(loader) for _ in range(DOC_MICRO_BATCHES)]
 
 
 # ------------------------------------------------------------------------------------------- one system, one process
@@ -153,40 +175,46 @@ def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, pr
     return step, training_flops(config, lengths, lengths, lengths)  # the LM head runs on every row
 
 
-def _fastmae_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, precision: str,
+def _fastmae_step(config: ModelConfig, tokens: torch.Tensor | list, device: torch.device, precision: str,
                   variant: str | None, run=None):
     """A training-step closure for fastmae's MaskedLM (the trainer's `train_step`, on micro-batches masked and moved
-    as the trainer's are), and its model FLOPs per step."""
+    as the trainer's are), and its model FLOPs per step. `tokens`: [sequences, length] ids, one micro-batch a step,
+    or the PackedBatches that make one step (DOC_DATA: padded to the shapes graphs replay where they do)."""
     from fastmae import MaskedLM, PackedBatch
     from fastmae.batch import to_device_ahead
-    from fastmae.graphs import StepGraphs
+    from fastmae.flops import masked_training_flops
+    from fastmae.graphs import StepGraphs, plan_graphs
     from fastmae.masking import mask_batch, masked_ahead
     from fastmae.step import train_step
 
     model = MaskedLM(config)
     if variant == "compiled":
         model.compile_layers()
-    elif variant not in (REAL_DATA, EAGER, GRAPHS_TWIN):
+    elif variant not in (REAL_DATA, DOC_DATA, EAGER, GRAPHS_TWIN):
         model.set_attention_backend(variant)
+    run = _default_run() if run is None else run
     if variant == EAGER:
-        run = _default_run() if run is None else run
         run = dataclasses.replace(run, train=dataclasses.replace(run.train, cuda_graphs="never"))
+    batches = [PackedBatch.from_sequences(tokens.tolist())] if isinstance(tokens, torch.Tensor) else tokens
+    if variant == DOC_DATA:
+        run = dataclasses.replace(run, train=dataclasses.replace(run.train, grad_accum=len(batches)), data=(
+            dataclasses.replace(run.data, packing="doc", tokens_per_micro_batch=max(b.num_tokens for b in batches))))
     non_finite = torch.zeros((), dtype=torch.float32, device=device)
     engine = _engine(model, precision, device, non_finite, run)
     if variant == GRAPHS_TWIN and model.graphs is None:
         StepGraphs(model, capture=False)
-    batch = PackedBatch.from_sequences(tokens.tolist())
-    counts = mask_batch(batch, config, seed=0, step=0).counts  # exact per-sequence counts: the same every step
-    # each step masks anew (another micro-batch index), on the host ahead of use, as the trainer does
-    endless = (dataclasses.replace(batch, index=index) for index in range(1 << 30))
-    micro_batches = to_device_ahead(masked_ahead(endless, config, seed=0, pin_memory=device.type == "cuda"), device)
+    # each step masks anew (other micro-batch indices), on the host ahead of use, as the trainer does
+    endless = (dataclasses.replace(batches[index % len(batches)], index=index) for index in range(1 << 30))
+    micro_batches = to_device_ahead(masked_ahead(endless, config, seed=0, pin_memory=device.type == "cuda",
+                                                 shapes=plan_graphs(run, device).shapes), device)
 
     def step():
-        train_step(engine, [next(micro_batches)], seed=0, non_finite=non_finite)
+        train_step(engine, [next(micro_batches) for _ in batches], seed=0, non_finite=non_finite)
 
     step.graphs = model.graphs  # fastmae.graphs.StepGraphs where the step replays CUDA graphs, else None
-
-    flops = training_flops(config, batch.seqlens, batch.seqlens - counts.removed, counts.predicted)
+    step.tokens = sum(batch.num_tokens for batch in batches)
+    # the counts follow the lengths alone: the same every step
+    flops = sum(masked_training_flops(config, mask_batch(batch, config, seed=0, step=0)) for batch in batches)
     return step, flops
 
 
@@ -197,7 +225,7 @@ def attention_backend(system: str, config: ModelConfig, device: torch.device, pr
 
     if system == "hf-roberta":
         return "hf sdpa"
-    backend = None if variant in (None, "compiled", REAL_DATA, EAGER) else variant
+    backend = None if variant in (None, "compiled", REAL_DATA, DOC_DATA, EAGER) else variant
     return resolve_backend(backend, device, config.attention_dropout, DTYPES[precision],
                            biased=config.relative_attention_bias)
 
@@ -224,10 +252,13 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
     tokens = real_tokens(sequences) if variant == REAL_DATA else make_tokens(sequences)
     if system == "hf-roberta":
         step, flops = _hf_step(config, tokens, device, precision)
+        step.tokens = tokens.numel()
     else:
-        step, flops = _fastmae_step(config, tokens, device, precision, variant)
+        step, flops = _fastmae_step(config, doc_micro_batches(sequences) if variant == DOC_DATA else tokens, device,
+                                    precision, variant)
     seconds = median_time(step, warmup=warmup, repeats=repeats)
-    result = {"step_s": seconds, "tokens_per_s": tokens.numel() / seconds, "flops_per_step": flops,
+    result = {"step_s": seconds, "tokens_per_step": step.tokens, "tokens_per_s": step.tokens / seconds,
+              "flops_per_step": flops,
               "attention": attention_backend(system, config, device, precision, variant)}
     graphs = getattr(step, "graphs", None)
     result["cuda_graphs"] = f"{graphs.replayed_batches} replayed" if graphs is not None else "no"
@@ -282,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eager", action="store_true",
                         help="CUDA: also each fastmae system without CUDA graphs (train.cuda_graphs=never)")
     parser.add_argument("--real-data", action="store_true",
-                        help="also 3ml on the embedded corpus packed `full` (separators inside, as training sees it)")
+                        help="also 3ml on the embedded corpus packed `full` (separators inside, as training sees it) "
+                             "and packed `doc` (4 micro-batches a step; padded to fixed shapes where graphs replay)")
     args = parser.parse_args(argv)
     systems, sizes = args.systems.split(","), args.size.split(",")
     if not set(sizes) <= set(SIZES):
@@ -315,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.eager and device.type == "cuda":
         runs += [(system, EAGER) for system in systems if system != "hf-roberta"]
     if args.real_data:
-        runs.append(("3ml", REAL_DATA))
+        runs += [("3ml", REAL_DATA), ("3ml", DOC_DATA)]
     rows = []
     for size in sizes:
         size_rows = []
@@ -323,8 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             note = ", no attn dropout" if variant == "torch_varlen" else ""
             name = system if variant is None else f"{system} [{variant}{note}]"
             result = _run_isolated(system, size, sequences, precision, warmup, repeats, variant)
-            size_rows.append({"system": name, "size": size, "dtype": precision,
-                              "tokens_per_step": sequences * SEQ_LEN, **result,
+            size_rows.append({"system": name, "size": size, "dtype": precision, **result,
                               "mfu": result["flops_per_step"] / result["step_s"] / peak})
             print(f"{size:>5} {name:>16}: {result['tokens_per_s']:8.1f} tokens/s  step {result['step_s']:.3f} s  "
                   f"MFU {size_rows[-1]['mfu']:.3f}  peak memory {result['peak_memory_mib']:.0f} MiB", flush=True)
