@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from .attention import resolve_backend
 from .batch import byte_offsets, unpack_bytes
 from .config import RunConfig
 from .errors import ConfigError
@@ -36,6 +37,9 @@ from .padding import ShapeLadder
 WARMUP_RUNS = 2  # eager forward + backward on a side stream before the capture (Triton autotuning, lazy inits)
 
 
+PADDING_BACKENDS = ("padded", "math", "nested")
+"""Attention backends that lay a stream out as [sequences, max_seqlen] (or need non-empty sequences): not for `doc`
+packing's padded batches, whose sequence capacity is far above the sequences they hold."""
 PADDED_RECORDINGS = 3
 """Shapes recorded under `doc` packing (each recording holds its own activation memory): the first three seen twice;
 micro-batches of the ladder's rarer shapes run eagerly."""
@@ -67,6 +71,13 @@ def plan_graphs(config: RunConfig, device: torch.device) -> GraphPlan:
         (train.activation_checkpointing, "train.activation_checkpointing recomputes layers inside the backward"),
         (train.compile, "train.compile: compiled layers guard and recompile on the host"),
     ]
+    if config.data.packing == "doc":  # padded batches lay every sequence out max_seq_len long
+        backend = resolve_backend(None, device, config.model.attention_dropout,
+                                  torch.float32 if train.precision == "fp32" else torch.bfloat16,
+                                  biased=config.model.relative_attention_bias)
+        obstacles.append((backend in PADDING_BACKENDS, f"data.packing=doc with attention backend {backend}: padded "
+                          "to fixed shapes, its micro-batches would attend over sequence capacity x max_seq_len "
+                          "rows (flash-attn's varlen kernel reads the packed rows)"))
     reasons = [reason for blocked, reason in obstacles if blocked]
     if not reasons:
         shapes = ShapeLadder.for_run(config) if config.data.packing == "doc" else None

@@ -27,7 +27,8 @@ def run_config(**train) -> RunConfig:
     return config
 
 
-def test_the_plan_names_what_stops_graphs():
+def test_the_plan_names_what_stops_graphs(monkeypatch):
+    monkeypatch.setattr("fastmae.attention._HAS_FLASH_ATTN", True)  # as on a GPU machine with the `gpu` extra
     assert plan_graphs(run_config(), CUDA).enabled
     assert plan_graphs(run_config(cuda_graphs="always"), CUDA).enabled
     assert plan_graphs(run_config(cuda_graphs="never"), CUDA) == (False, "train.cuda_graphs=never", None)
@@ -42,6 +43,9 @@ def test_the_plan_names_what_stops_graphs():
     assert padded.enabled and padded.shapes is not None and padded.max_recordings == 3
     assert f"padded to {len(padded.shapes.shapes)} shapes" in padded.reason
     assert plan_graphs(run_config(), CUDA).shapes is None
+    # without flash-attn, attention dropout means padded SDPA: a padded doc batch would attend over B_cap x L rows
+    monkeypatch.setattr("fastmae.attention._HAS_FLASH_ATTN", False)
+    assert "attention backend padded" in plan_graphs(doc, CUDA).reason and plan_graphs(run_config(), CUDA).enabled
     with pytest.raises(ConfigError, match="cuda_graphs=always, but train.activation_checkpointing"):
         plan_graphs(run_config(cuda_graphs="always", activation_checkpointing=True), CUDA)
     with pytest.raises(ConfigError, match="train.cuda_graphs"):
@@ -190,14 +194,20 @@ def test_captured_graphs_compute_what_the_model_computes(preset, extra, dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("preset", ["3ml", "mlm"])
-def test_captured_graphs_replay_doc_batches_padded_to_one_shape(preset):
-    # zero-length filler sequences in flash-attn's varlen kernels, the device-side count of the predicted rows
-    eager, captured = (flat_model(preset, 0, CUDA, dropout=0.0) for _ in range(2))
+def test_captured_graphs_replay_doc_batches_padded_to_one_shape(preset, dtype):
+    # zero-length filler sequences in the varlen kernels (bf16: flash-attn or torch's varlen_attn; fp32: padded
+    # SDPA), the device-side count of the predicted rows
+    eager, captured = (flat_model(preset, 0, CUDA, dtype, dropout=0.0) for _ in range(2))
     graphs = StepGraphs(captured, capture=True, max_recordings=3)
     padded, unpadded = doc_shaped(eager.config, 5, device=CUDA)
     expected, got = accumulate(eager, unpadded), accumulate(captured, padded)
     assert graphs.replayed_batches == 4 and next(iter(graphs.recordings.values())).graphs is not None
-    torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=1e-5, atol=1e-6)
+    loose = dtype == torch.bfloat16
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=2e-2 if loose else 1e-5,
+                               atol=2e-2 if loose else 1e-6)
     for (name, a), b in zip(captured.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5 * float(b.grad.abs().max()), msg=name)
+        scale = float(b.grad.float().abs().max())
+        torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=2e-2 if loose else 1e-4,
+                                   atol=(2e-2 if loose else 1e-5) * scale, msg=name)

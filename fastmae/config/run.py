@@ -107,7 +107,7 @@ class TrainConfig:
     """Record the training forward and backward as CUDA graphs and replay them (fastmae/graphs.py): `auto` where the
     run allows (CUDA, ZeRO 0-2, no activation checkpointing, no train.compile; the log says which), `always` (an error
     where it cannot), `never`. Only micro-batches of a recorded shape replay; others run eagerly. Under `doc` packing
-    micro-batches are then padded to a few fixed shapes (fastmae/padding.py)."""
+    micro-batches are then padded to a few fixed shapes (fastmae/padding.py; with a varlen attention kernel)."""
     seed: int = 0
     max_bad_steps: int = 20
     """Stop after this many non-finite losses in a row (each is skipped and counted)."""
