@@ -40,11 +40,6 @@ WARMUP_RUNS = 2  # eager forward + backward on a side stream before the capture 
 PADDING_BACKENDS = ("padded", "math", "nested")
 """Attention backends that lay a stream out as [sequences, max_seqlen] (or need non-empty sequences): not for `doc`
 packing's padded batches, whose sequence capacity is far above the sequences they hold."""
-PADDED_RECORDINGS = 3
-"""Shapes recorded under `doc` packing (each recording holds its own activation memory): the first three seen twice;
-micro-batches of the ladder's rarer shapes run eagerly."""
-
-
 class GraphPlan(NamedTuple):
     """Whether a run records its training steps and the reason, which the trainer logs; under `doc` packing the
     shapes its micro-batches are padded to."""
@@ -52,10 +47,6 @@ class GraphPlan(NamedTuple):
     enabled: bool
     reason: str
     shapes: ShapeLadder | None = None
-
-    @property
-    def max_recordings(self) -> int:
-        return 1 if self.shapes is None else PADDED_RECORDINGS
 
 
 def plan_graphs(config: RunConfig, device: torch.device) -> GraphPlan:
@@ -82,7 +73,7 @@ def plan_graphs(config: RunConfig, device: torch.device) -> GraphPlan:
     if not reasons:
         shapes = ShapeLadder.for_run(config) if config.data.packing == "doc" else None
         padded = "" if shapes is None else (f"; data.packing=doc: micro-batches padded to {len(shapes.shapes)} "
-                                            f"shapes, {PADDED_RECORDINGS} recorded at most")
+                                            "shapes, the first seen twice recorded")
         return GraphPlan(True, "forward and backward recorded per micro-batch shape and replayed (train.cuda_graphs="
                                f"{train.cuda_graphs}{padded})", shapes)
     if train.cuda_graphs == "always":

@@ -40,7 +40,7 @@ def test_the_plan_names_what_stops_graphs(monkeypatch):
     assert "zero_stage=3" in reason and "packing" not in reason
     doc.train = dataclasses.replace(doc.train, zero_stage=2)
     padded = plan_graphs(doc, CUDA)  # doc packing: micro-batches padded to the ladder's shapes
-    assert padded.enabled and padded.shapes is not None and padded.max_recordings == 3
+    assert padded.enabled and padded.shapes is not None
     assert f"padded to {len(padded.shapes.shapes)} shapes" in padded.reason
     assert plan_graphs(run_config(), CUDA).shapes is None
     # without flash-attn, attention dropout means padded SDPA: a padded doc batch would attend over B_cap x L rows
@@ -134,7 +134,7 @@ def test_the_cpu_twin_replays_doc_batches_padded_to_one_shape(preset, extra):
     # recording counts its predicted rows on the device), as the model computes it unpadded; dropout off (the
     # fillers' rows would draw masks of their own)
     eager, replayed = flat_model(preset, 0, dropout=0.0, **extra), flat_model(preset, 0, dropout=0.0, **extra)
-    graphs = StepGraphs(replayed, capture=False, max_recordings=3)
+    graphs = StepGraphs(replayed, capture=False)
     padded, unpadded = doc_shaped(eager.config, 4)
     assert len({signature(m) for m in padded}) == 1 and len({m.num_predicted for m in padded}) == 4
     expected, got = accumulate(eager, unpadded), accumulate(replayed, padded)
@@ -200,7 +200,7 @@ def test_captured_graphs_replay_doc_batches_padded_to_one_shape(preset, dtype):
     # zero-length filler sequences in the varlen kernels (bf16: flash-attn or torch's varlen_attn; fp32: padded
     # SDPA), the device-side count of the predicted rows
     eager, captured = (flat_model(preset, 0, CUDA, dtype, dropout=0.0) for _ in range(2))
-    graphs = StepGraphs(captured, capture=True, max_recordings=3)
+    graphs = StepGraphs(captured, capture=True)
     padded, unpadded = doc_shaped(eager.config, 5, device=CUDA)
     expected, got = accumulate(eager, unpadded), accumulate(captured, padded)
     assert graphs.replayed_batches == 4 and next(iter(graphs.recordings.values())).graphs is not None
