@@ -122,6 +122,12 @@ def test_a_padded_batch_trains_as_it_would_unpadded(preset, extra, backend):
     assert zero_length > 0
 
 
+def test_a_padded_batch_trains_as_it_would_unpadded_with_the_triton_kernels(triton_kernels):
+    # the fused row kernels and loss the GPU runs (interpreted here): embedding, the insertion at k = 1 with filler
+    # rows removed but not predicted, the loss with ignored labels
+    test_a_padded_batch_trains_as_it_would_unpadded(*PRESETS[4], "padded")
+
+
 def test_every_micro_batch_of_a_doc_run_takes_a_ladder_shape(tmp_path):
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
     directory = prepare_word_dataset(tmp_path, words, 200, 150, vocab_size=40, valid_fraction=0.1)
