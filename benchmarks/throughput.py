@@ -206,7 +206,7 @@ def _fastmae_step(config: ModelConfig, tokens: torch.Tensor | list, device: torc
     # each step masks anew (other micro-batch indices), on the host ahead of use, as the trainer does
     endless = (dataclasses.replace(batches[index % len(batches)], index=index) for index in range(1 << 30))
     micro_batches = to_device_ahead(masked_ahead(endless, config, seed=0, pin_memory=device.type == "cuda",
-                                                 shapes=plan_graphs(run, device).shapes), device)
+                                                 shapes=plan_graphs(run, device, precision).shapes), device)
 
     def step():
         train_step(engine, [next(micro_batches) for _ in batches], seed=0, non_finite=non_finite)

@@ -111,7 +111,8 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
         model=model, optimizer=optimizer, config=ds_config,
         lr_scheduler=(lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule)),
         model_parameters=None if optimizer is not None else param_groups(model, train.weight_decay))
-    if isinstance(model, MaskedLM) and plan_graphs(config, device).enabled:  # after DeepSpeed placed the parameters
+    # after DeepSpeed placed the parameters
+    if isinstance(model, MaskedLM) and plan_graphs(config, device, precision).enabled:
         StepGraphs(model, capture=True)
     if dist.get_world_size() == 1 and (train.zero_stage == 0 or isinstance(wrapped, BF16_Optimizer)):
         engine.enable_backward_allreduce = False

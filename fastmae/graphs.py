@@ -31,6 +31,7 @@ from .attention import resolve_backend
 from .batch import byte_offsets, unpack_bytes
 from .config import RunConfig
 from .errors import ConfigError
+from .hardware import DTYPES
 from .masking import MaskedBatch
 from .padding import ShapeLadder
 
@@ -49,8 +50,9 @@ class GraphPlan(NamedTuple):
     shapes: ShapeLadder | None = None
 
 
-def plan_graphs(config: RunConfig, device: torch.device) -> GraphPlan:
-    """Whether `config`'s training on `device` runs recorded graphs (train.cuda_graphs: auto, always, never).
+def plan_graphs(config: RunConfig, device: torch.device, precision: str) -> GraphPlan:
+    """Whether `config`'s training on `device` in `precision` (as resolved: fp32, bf16, fp16) runs recorded graphs
+    (train.cuda_graphs: auto, always, never).
 
     `always` raises ConfigError naming what stops it; `auto` falls back to eager with the reason."""
     train = config.train
@@ -64,7 +66,7 @@ def plan_graphs(config: RunConfig, device: torch.device) -> GraphPlan:
     ]
     if config.data.packing == "doc":  # padded batches lay every sequence out max_seq_len long
         backend = resolve_backend(None, device, config.model.attention_dropout,
-                                  torch.float32 if train.precision == "fp32" else torch.bfloat16,
+                                  DTYPES[precision],
                                   biased=config.model.relative_attention_bias)
         obstacles.append((backend in PADDING_BACKENDS, f"data.packing=doc with attention backend {backend}: padded "
                           "to fixed shapes, its micro-batches would attend over sequence capacity x max_seq_len "

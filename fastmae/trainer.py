@@ -202,7 +202,7 @@ class Trainer:
         self.engine, ds_config, resumed_from = model_engine(config, self.precision, device,
                                                             self.non_finite, resume)
         if self.rank == 0:
-            log_line(f"cuda graphs: {plan_graphs(config, device).reason}")
+            log_line(f"cuda graphs: {plan_graphs(config, device, self.precision).reason}")
         self.peak_flops, self.spec_peak_flops = job_peak_flops(device, self.precision)
         self.counters = RunCounters(torch.zeros((), dtype=torch.float32, device=device),
                                     torch.zeros((), dtype=torch.float32, device=device))
@@ -283,7 +283,7 @@ class Trainer:
         The host never waits for the device inside a step: a background thread masks batches and lays them out (padded
         to the shapes graphs replay; `masked_ahead`), each is copied ahead in one copy (`to_device_ahead`), and the
         step's statistics stay on the device (`train_step`), read on logged steps only."""
-        shapes = plan_graphs(self.config, self.device).shapes
+        shapes = plan_graphs(self.config, self.device, self.precision).shapes
         masked = masked_ahead(iter(self.loader), self.engine.module.config, self.config.train.seed,
                               pin_memory=self.device.type == "cuda", shapes=shapes)
         try:

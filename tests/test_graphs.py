@@ -29,25 +29,28 @@ def run_config(**train) -> RunConfig:
 
 def test_the_plan_names_what_stops_graphs(monkeypatch):
     monkeypatch.setattr("fastmae.attention._HAS_FLASH_ATTN", True)  # as on a GPU machine with the `gpu` extra
-    assert plan_graphs(run_config(), CUDA).enabled
-    assert plan_graphs(run_config(cuda_graphs="always"), CUDA).enabled
-    assert plan_graphs(run_config(cuda_graphs="never"), CUDA) == (False, "train.cuda_graphs=never", None)
-    cpu = plan_graphs(run_config(), torch.device("cpu"))
+    assert plan_graphs(run_config(), CUDA, "bf16").enabled
+    assert plan_graphs(run_config(cuda_graphs="always"), CUDA, "bf16").enabled
+    assert plan_graphs(run_config(cuda_graphs="never"), CUDA, "bf16") == (False, "train.cuda_graphs=never", None)
+    cpu = plan_graphs(run_config(), torch.device("cpu"), "bf16")
     assert not cpu.enabled and "not CUDA" in cpu.reason
     doc = run_config(zero_stage=3)
     doc.data = dataclasses.replace(doc.data, packing="doc")
-    reason = plan_graphs(doc, CUDA).reason
+    reason = plan_graphs(doc, CUDA, "bf16").reason
     assert "zero_stage=3" in reason and "packing" not in reason
     doc.train = dataclasses.replace(doc.train, zero_stage=2)
-    padded = plan_graphs(doc, CUDA)  # doc packing: micro-batches padded to the ladder's shapes
+    padded = plan_graphs(doc, CUDA, "bf16")  # doc packing: micro-batches padded to the ladder's shapes
     assert padded.enabled and padded.shapes is not None
     assert f"padded to {len(padded.shapes.shapes)} shapes" in padded.reason
-    assert plan_graphs(run_config(), CUDA).shapes is None
-    # without flash-attn, attention dropout means padded SDPA: a padded doc batch would attend over B_cap x L rows
+    assert plan_graphs(run_config(), CUDA, "bf16").shapes is None
+    # padded SDPA (fp32 on CUDA; or no flash-attn with attention dropout): a padded doc batch would attend over
+    # B_cap x L rows
+    assert "attention backend padded" in plan_graphs(doc, CUDA, "fp32").reason
     monkeypatch.setattr("fastmae.attention._HAS_FLASH_ATTN", False)
-    assert "attention backend padded" in plan_graphs(doc, CUDA).reason and plan_graphs(run_config(), CUDA).enabled
+    assert "attention backend padded" in plan_graphs(doc, CUDA, "bf16").reason
+    assert plan_graphs(run_config(), CUDA, "bf16").enabled
     with pytest.raises(ConfigError, match="cuda_graphs=always, but train.activation_checkpointing"):
-        plan_graphs(run_config(cuda_graphs="always", activation_checkpointing=True), CUDA)
+        plan_graphs(run_config(cuda_graphs="always", activation_checkpointing=True), CUDA, "bf16")
     with pytest.raises(ConfigError, match="train.cuda_graphs"):
         run_config(cuda_graphs="on").train.validate()
 
