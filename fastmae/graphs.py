@@ -2,8 +2,8 @@
 
 With `full` packing every full-length micro-batch has the same shapes and host counts (section 2), and with `doc`
 packing micro-batches are padded to one of a few shapes (fastmae/padding.py), so the model's forward and backward can
-be recorded once per shape and replayed: two graph launches per micro-batch instead of hundreds of kernel launches,
-which the host would otherwise issue one by one. As in MLPerf's BERT, only the model is captured:
+be recorded once, for the first shape seen twice, and replayed: two graph launches per micro-batch instead of hundreds
+of kernel launches, which the host would otherwise issue one by one. As in MLPerf's BERT, only the model is captured:
 DeepSpeed's gradient hooks run when autograd hands the replayed gradients to the parameters, and its optimizer step
 stays eager.
 
@@ -36,11 +36,11 @@ from .masking import MaskedBatch
 from .padding import ShapeLadder
 
 WARMUP_RUNS = 2  # eager forward + backward on a side stream before the capture (Triton autotuning, lazy inits)
-
-
 PADDING_BACKENDS = ("padded", "math", "nested")
 """Attention backends that lay a stream out as [sequences, max_seqlen] (or need non-empty sequences): not for `doc`
 packing's padded batches, whose sequence capacity is far above the sequences they hold."""
+
+
 class GraphPlan(NamedTuple):
     """Whether a run records its training steps and the reason, which the trainer logs; under `doc` packing the
     shapes its micro-batches are padded to."""
@@ -65,8 +65,7 @@ def plan_graphs(config: RunConfig, device: torch.device, precision: str) -> Grap
         (train.compile, "train.compile: compiled layers guard and recompile on the host"),
     ]
     if config.data.packing == "doc":  # padded batches lay every sequence out max_seq_len long
-        backend = resolve_backend(None, device, config.model.attention_dropout,
-                                  DTYPES[precision],
+        backend = resolve_backend(None, device, config.model.attention_dropout, DTYPES[precision],
                                   biased=config.model.relative_attention_bias)
         obstacles.append((backend in PADDING_BACKENDS, f"data.packing=doc with attention backend {backend}: padded "
                           "to fixed shapes, its micro-batches would attend over sequence capacity x max_seq_len "
@@ -76,8 +75,8 @@ def plan_graphs(config: RunConfig, device: torch.device, precision: str) -> Grap
         shapes = ShapeLadder.for_run(config) if config.data.packing == "doc" else None
         padded = "" if shapes is None else (f"; data.packing=doc: micro-batches padded to {len(shapes.shapes)} "
                                             "shapes, the first seen twice recorded")
-        return GraphPlan(True, "forward and backward recorded per micro-batch shape and replayed (train.cuda_graphs="
-                               f"{train.cuda_graphs}{padded})", shapes)
+        return GraphPlan(True, "forward and backward recorded for one micro-batch shape and replayed "
+                               f"(train.cuda_graphs={train.cuda_graphs}{padded})", shapes)
     if train.cuda_graphs == "always":
         raise ConfigError(f"train.cuda_graphs=always, but {'; '.join(reasons)} (use auto or never)")
     return GraphPlan(False, "eager: " + "; ".join(reasons))
