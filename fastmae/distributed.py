@@ -93,6 +93,8 @@ class StopAgreement:
     to the `deepspeed` command kills it alone, and its ranks would otherwise train on unattended). Agreed once per
     step by one all-reduce on the CPU, so every rank stops after the same step."""
 
+    LAUNCHER_GONE = 2.0  # a rank that saw its launcher gone contributes this + its rank to the agreement (a signal 1)
+
     def __init__(self, device: torch.device, log: Callable[[str], None]):
         self.requested = False
         self.log = log
@@ -122,13 +124,20 @@ class StopAgreement:
         return False
 
     def agreed(self) -> bool:
-        """Collective: whether any rank has been asked to stop."""
-        self.requested = self.requested or self._launcher_gone()
+        """Collective: whether any rank has been asked to stop (a signal, or its launcher gone). The rank that sees a
+        launcher gone says so; when another rank saw it, this one says that."""
+        launcher_gone = not self.requested and self._launcher_gone()
+        self.requested = self.requested or launcher_gone
         if self.world == 1:
             return self.requested
-        tensor = torch.tensor([float(self.requested)])
+        rank = dist.get_rank()
+        tensor = torch.tensor([self.LAUNCHER_GONE + rank if launcher_gone else float(self.requested)])
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.host_group)
-        return bool(tensor.item())
+        agreed = float(tensor.item())
+        if agreed >= self.LAUNCHER_GONE and not launcher_gone:
+            self.log(f"the launcher of rank {int(agreed - self.LAUNCHER_GONE)} is gone: saving a checkpoint and "
+                     "exiting")
+        return agreed > 0
 
 
 def log_line(text: str) -> None:

@@ -92,6 +92,43 @@ def test_sigterm_to_the_launcher_alone_still_checkpoints_and_stops_every_rank(tm
     assert "is gone: saving a checkpoint and exiting" in log and f"saved {saved[0]}" in log
 
 
+class _GoneLauncher:
+    """A launcher process that has exited, as psutil reports it."""
+
+    pid = 4242
+
+    def is_running(self) -> bool:
+        return False
+
+
+def _agree_with_launcher_gone_on_rank_1(rank: int, port: int, out: Path) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from fastmae.distributed import StopAgreement
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    lines = []
+    stop = StopAgreement(torch.device("cpu"), lines.append)
+    stop.launchers = [_GoneLauncher()] if rank == 1 else []
+    (out / f"rank{rank}.json").write_text(json.dumps({"stop": stop.agreed(), "lines": lines}))
+    dist.destroy_process_group()
+
+
+def test_every_rank_stops_when_one_sees_its_launcher_gone_and_rank_0_says_why(tmp_path):
+    # only rank 0 writes the log: a launcher seen gone by another rank must still be named there
+    import json
+
+    from test_train import _free_port
+
+    torch.multiprocessing.spawn(_agree_with_launcher_gone_on_rank_1, args=(_free_port(), tmp_path), nprocs=2)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["stop"] and rank1["stop"]
+    assert rank0["lines"] == ["the launcher of rank 1 is gone: saving a checkpoint and exiting"]
+    assert rank1["lines"] == ["the launcher (pid 4242) is gone: saving a checkpoint and exiting"]
+
+
 def test_the_failing_rank_names_itself_and_its_peer_does_not_bury_it(tmp_path):
     """A token id outside the vocabulary in a sequence only rank 1 draws in step 1: rank 1 stops with its one-line
     error, rank 0 (waiting for it in a collective) with one line pointing at it, no traceback; exit non-zero."""
