@@ -328,6 +328,8 @@ def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
     return "padded"
 
 
+PADDED_VIEW_BACKENDS = ("padded", "math")
+"""Backends that lay each stream out as a padded [sequences, max_seqlen] view (the others read the packed rows)."""
 FLASH_KERNEL_BACKENDS = ("flash", "torch_varlen", "nested")  # on CUDA: flash kernels, with their head_dim limits
 FLASH_MAX_HEAD_DIM = 256
 

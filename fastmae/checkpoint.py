@@ -37,7 +37,7 @@ EVAL_WEIGHTS = "eval_weights"  # RUN/eval_weights/stepN/{model.safetensors, COMP
 
 
 def eval_weights_dir(run_dir: Path, step: int) -> Path:
-    """Where a run keeps its weights of the evaluation at `step` (eval.keep_weights): `write_weights` into it seals
+    """Where a run keeps its weights of the evaluation at `step` (eval.keep_weights): `write_eval_weights` into it seals
     it with a COMPLETE marker, so `load_pretrained` reads it as a checkpoint directory."""
     return Path(run_dir) / EVAL_WEIGHTS / f"step{step}"
 
@@ -52,15 +52,19 @@ def kept_eval_weights(run_dir: Path) -> dict[int, Path]:
 
 
 def write_weights(path: Path, tensors: dict[str, torch.Tensor], model_config: dict, step: int) -> None:
-    """Write fp32 weights by parameter name as safetensors, with the model config and step as metadata (atomic); in
-    an `eval_weights_dir`, then its COMPLETE marker."""
+    """Write fp32 weights by parameter name as safetensors, with the model config and step as metadata (atomic)."""
     from safetensors.torch import save_file
 
     tensors = {name: t.detach().float().cpu().contiguous() for name, t in tensors.items()}
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={"model_config": json.dumps(model_config), "step": str(step)})
-    if path.parent.parent.name == EVAL_WEIGHTS:  # eval_weights_dir: sealed once its weights are whole
-        atomic_write_text(path.parent / "COMPLETE", json.dumps({"step": step}) + "\n")
+
+
+def write_eval_weights(path: Path, tensors: dict[str, torch.Tensor], model_config: dict, step: int) -> None:
+    """`write_weights` into an `eval_weights_dir` (`path` = its WEIGHTS file), then its COMPLETE marker: the
+    directory counts (`kept_eval_weights`) once its weights are whole."""
+    write_weights(path, tensors, model_config, step)
+    atomic_write_text(path.parent / "COMPLETE", json.dumps({"step": step}) + "\n")
 
 
 def weights_metadata(path: Path) -> tuple[dict, int]:

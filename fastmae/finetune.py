@@ -36,7 +36,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .atomic import atomic_path, atomic_write_text
-from .attention import resolve_backend
+from .attention import PADDED_VIEW_BACKENDS, resolve_backend
 from .batch import PackedBatch
 from .config import BOS_ID, EOS_ID, ModelConfig, add_arguments, from_arguments, option
 from .data.tokenizer import Tokenizer
@@ -206,7 +206,7 @@ def training_attention(config: ModelConfig, device: torch.device, precision: str
     the faster one measured there) and how it lays the batch out, for the log and results.json."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     backend = resolve_backend(None, device, config.attention_dropout, dtype, biased=config.relative_attention_bias)
-    layout = "the batch padded to its longest sequence" if backend in ("padded", "math") else "packed varlen rows"
+    layout = "the batch padded to its longest sequence" if backend in PADDED_VIEW_BACKENDS else "packed varlen rows"
     return f"{backend} ({layout})"
 
 

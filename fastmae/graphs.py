@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from .attention import resolve_backend
+from .attention import PADDED_VIEW_BACKENDS, resolve_backend
 from .batch import byte_offsets, unpack_bytes
 from .config import RunConfig
 from .errors import ConfigError
@@ -36,9 +36,9 @@ from .masking import MaskedBatch
 from .padding import ShapeLadder
 
 WARMUP_RUNS = 2  # eager forward + backward on a side stream before the capture (Triton autotuning, lazy inits)
-PADDING_BACKENDS = ("padded", "math", "nested")
-"""Attention backends that lay a stream out as [sequences, max_seqlen] (or need non-empty sequences): not for `doc`
-packing's padded batches, whose sequence capacity is far above the sequences they hold."""
+UNPADDABLE_BACKENDS = (*PADDED_VIEW_BACKENDS, "nested")
+"""Attention backends not for `doc` packing's padded batches: a padded view is [sequence capacity, max_seq_len], far
+above the rows such a batch holds, and nested tensors take no zero-length sequence."""
 
 
 class GraphPlan(NamedTuple):
@@ -67,7 +67,7 @@ def plan_graphs(config: RunConfig, device: torch.device, precision: str) -> Grap
     if config.data.packing == "doc":  # padded batches lay every sequence out max_seq_len long
         backend = resolve_backend(None, device, config.model.attention_dropout, DTYPES[precision],
                                   biased=config.model.relative_attention_bias)
-        obstacles.append((backend in PADDING_BACKENDS, f"data.packing=doc with attention backend {backend}: padded "
+        obstacles.append((backend in UNPADDABLE_BACKENDS, f"data.packing=doc with attention backend {backend}: padded "
                           "to fixed shapes, its micro-batches would attend over sequence capacity x max_seq_len "
                           "rows (flash-attn's varlen kernel reads the packed rows)"))
     reasons = [reason for blocked, reason in obstacles if blocked]

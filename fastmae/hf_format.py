@@ -22,6 +22,7 @@ from .checkpoint import WEIGHTS, saved_model_config
 from .config import BOS_ID, EOS_ID, ModelConfig
 from .data.tokenizer import Tokenizer
 from .errors import FastmaeError
+from .positions import rotary_inverse_frequencies
 
 CONFIG_KEY = "fastmae_model_config"  # fastmae's ModelConfig inside config.json
 
@@ -106,12 +107,6 @@ def _qkv_names(arch: str, i: int) -> tuple[str, list[str]]:
     return f"encoder.{i}.qkv", [f"{arch}.encoder.layer.{i}.attention.self.{p}" for p in ("query", "key", "value")]
 
 
-def _rotary_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """ESM's rotary buffer, as `EsmRotaryEmbedding` computes it (written so that loading leaves nothing to fill)."""
-    dim = config.head_dim
-    return 1.0 / (config.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-
-
 def to_hugging_face(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """fastmae weights -> Hugging Face names of `hugging_face_architecture`'s masked-LM model (the head only for
     k = 0, see the module doc)."""
@@ -131,7 +126,8 @@ def to_hugging_face(config: ModelConfig, weights: dict[str, torch.Tensor]) -> di
         table = RoFormerSinusoidalPositionalEmbedding(config.max_seq_len + config.position_offset, config.head_dim)
         out["roformer.encoder.embed_positions.weight"] = table.create_weight()
     elif arch == "esm" and config.position_embedding == "rotary":
-        out["esm.rotary_embeddings.inv_freq"] = _rotary_inverse_frequencies(config)
+        # ESM's rotary buffer (written, so that loading leaves nothing to fill)
+        out["esm.rotary_embeddings.inv_freq"] = rotary_inverse_frequencies(config.head_dim, config.rotary_base)
     return {name: t.float().contiguous() for name, t in out.items()}
 
 

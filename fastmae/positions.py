@@ -9,9 +9,14 @@ import torch
 
 
 # ---------------------------------------------------------------------------------------------------- rotary
+def rotary_inverse_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
+    """[head_dim / 2] fp32: the angle per position of each rotated feature pair."""
+    return base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+
+
 def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [T, head_dim / 2] (fp32) of each row's original position id."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    inv_freq = rotary_inverse_frequencies(head_dim, base, positions.device)
     angles = positions.float()[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 

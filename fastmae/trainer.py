@@ -201,8 +201,8 @@ class Trainer:
         self.non_finite = torch.zeros((), dtype=torch.float32, device=device)
         self.engine, ds_config, resumed_from = model_engine(config, self.precision, device,
                                                             self.non_finite, resume)
-        if self.rank == 0:
-            log_line(f"cuda graphs: {plan_graphs(config, device, self.precision).reason}")
+        self.graph_plan = plan_graphs(config, device, self.precision)  # build_engine installs its recordings
+        log_line(f"cuda graphs: {self.graph_plan.reason}")
         self.peak_flops, self.spec_peak_flops = job_peak_flops(device, self.precision)
         self.counters = RunCounters(torch.zeros((), dtype=torch.float32, device=device),
                                     torch.zeros((), dtype=torch.float32, device=device))
@@ -271,7 +271,7 @@ class Trainer:
         finished = self.counters.step == self.config.train.steps
         if finished:
             self.export_weights(self.run_dir / checkpoint.WEIGHTS)
-        for line in closing_lines(self.run_dir, self.engine.module.graphs, finished) if self.rank == 0 else ():
+        for line in closing_lines(self.run_dir, self.engine.module.graphs, finished):
             log_line(line)
         if self.metrics is not None:
             self.metrics.close()
@@ -283,9 +283,8 @@ class Trainer:
         The host never waits for the device inside a step: a background thread masks batches and lays them out (padded
         to the shapes graphs replay; `masked_ahead`), each is copied ahead in one copy (`to_device_ahead`), and the
         step's statistics stay on the device (`train_step`), read on logged steps only."""
-        shapes = plan_graphs(self.config, self.device, self.precision).shapes
         masked = masked_ahead(iter(self.loader), self.engine.module.config, self.config.train.seed,
-                              pin_memory=self.device.type == "cuda", shapes=shapes)
+                              pin_memory=self.device.type == "cuda", shapes=self.graph_plan.shapes)
         try:
             self._steps(bar, to_device_ahead(masked, self.device))
         finally:
@@ -353,7 +352,8 @@ class Trainer:
         """Collective: the held-out record at this step, written and logged by rank 0."""
         record = self.evaluator.run(self.engine, self.counters.step, self.counters.flops_done)
         if self.config.eval.keep_weights:
-            self.export_weights(checkpoint.eval_weights_dir(self.run_dir, self.counters.step) / checkpoint.WEIGHTS)
+            kept = checkpoint.eval_weights_dir(self.run_dir, self.counters.step) / checkpoint.WEIGHTS
+            self.export_weights(kept, checkpoint.write_eval_weights)
         if self.metrics is not None:
             self.metrics.write(record)
             log_line(f"eval at step {record['step']}: loss {record['loss']:.3f} (held-out unigram entropy "
@@ -361,10 +361,10 @@ class Trainer:
                      f"token {record['unigram_accuracy']:.3f})")
         return record
 
-    def export_weights(self, path: Path) -> None:
-        """Collective: rank 0 writes the fp32 master weights as safetensors (model config and step as metadata)."""
+    def export_weights(self, path: Path, write=checkpoint.write_weights) -> None:
+        """Collective: rank 0 writes the fp32 master weights with `write` (model config and step as metadata)."""
         weights = master_weights(self.engine)
         if self.rank == 0:
-            checkpoint.write_weights(path, weights, dataclasses.asdict(self.config.model), self.counters.step)
+            write(path, weights, dataclasses.asdict(self.config.model), self.counters.step)
             log_line(f"wrote {path}")
         dist.barrier()
