@@ -193,6 +193,4 @@ def job_peak_flops(device: torch.device, precision: str) -> tuple[float, float |
     totals = torch.tensor([measured, spec, float(spec == 0.0)], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     measured, spec, unknown = totals.tolist()
-    log_line(f"matmul peak in {precision}: {measured / 1e12:.3g} TFLOP/s over the job"
-             + (f" (data sheet: {spec / 1e12:.4g})" if spec and not unknown else ""))
     return measured, (spec if spec and not unknown else None)

@@ -2,19 +2,25 @@
 
 ARCHITECTURE.md section 5: bf16 only where the hardware multiplies it natively (CUDA sm_80+, CPUs with AMX or
 AVX512-BF16; on an AVX2-only CPU a bf16 matmul ran at 0.29 GFLOP/s against 160 in fp32), and MFU = model FLOPs /
-(time x peak), the peak measured with a compute-bound GEMM in the training dtype.
+(time x peak), the peak measured with a compute-bound GEMM in the training dtype and never below a rate the run
+achieved (`PeakFlops`), so MFU cannot read above 1.
+
+`FASTMAE_CPU_BF16=native|emulated` pins what a CPU's bf16 check answers (the suite runs both ways on one machine).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
-import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from .errors import FastmaeError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,8 +49,9 @@ GEMMS = (torch.matmul, torch.nn.functional.linear)
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype, max_size: int | None = None, repeats: int = 5) -> float:
-    """Median FLOP/s of a square matmul on `device` in `dtype`, through the faster of the two GEMM entry points a
-    model uses (`a @ b` and `F.linear`, picked at the first size).
+    """Best FLOP/s of `repeats` square matmuls on `device` in `dtype` (another process busy for a moment only ever
+    slows one down), through the faster of the two GEMM entry points a model uses (`a @ b` and `F.linear`, picked at
+    the first size).
 
     Both, because they reach different kernels: on an AVX2-only CPU (bf16 emulated) `F.linear` in bf16 ran 8-12x
     faster than `a @ b` (10-16 against 1.3 GFLOP/s at 256-512), so a peak from `a @ b` alone let a bf16 model's
@@ -66,8 +73,47 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, max_size: int | None 
         if size >= max_size or times[0] >= 0.02:
             if len(times) < repeats:
                 times += [_time_product(product, a, b) for _ in range(repeats - 1)]
-            return 2 * size**3 / statistics.median(times)
+            return 2 * size**3 / min(times)
         size *= 2
+
+
+def format_flops(flops_per_s: float) -> str:
+    """A FLOP/s figure in words: GFLOP/s below a TFLOP/s, TFLOP/s above."""
+    if flops_per_s < 1e12:
+        return f"{flops_per_s / 1e9:.3g} GFLOP/s"
+    return f"{flops_per_s / 1e12:.4g} TFLOP/s"
+
+
+class PeakFlops:
+    """The FLOP/s that MFU divides by, never below a rate the job achieved: MFU cannot read above 1.
+
+    `measured` is the peak measured at start-up (the best of several GEMMs, `matmul_flops`); `remeasure()` measures it
+    again. A measurement taken while another process is busy reads low (on 2 cores with the other one busy, 1.9
+    GFLOP/s in fp32 against ~100 idle), and MFU against it read 1.16-1.39. So when a rate achieved in training beats
+    the peak, the peak is measured again, and where that still falls short the achieved rate itself (which the
+    hardware demonstrably reached) becomes the peak.
+    `remeasure` may be collective: call `mfu` with the same achieved rate on every rank.
+    """
+
+    def __init__(self, measured: float, remeasure: Callable[[], float]):
+        self.remeasure = remeasure
+        self.flops = measured
+        self.source = f"matmul peak {format_flops(self.flops)} (measured at start-up, the best of several GEMMs)"
+
+    def mfu(self, achieved: float, where: str) -> tuple[float, str | None]:
+        """(achieved / peak, None), or, where `achieved` (FLOP/s) beat the peak, the fraction after raising the peak
+        and a line saying why (`where`: e.g. "step 40")."""
+        if achieved <= self.flops:
+            return achieved / self.flops, None
+        old, remeasured = self.flops, self.remeasure()
+        self.flops = max(old, remeasured, achieved)
+        if remeasured >= achieved:
+            self.source = f"matmul peak {format_flops(self.flops)} (re-measured at {where})"
+        else:
+            self.source = (f"{format_flops(self.flops)}, the rate achieved at {where} (a GEMM re-measured there gave "
+                           f"only {format_flops(remeasured)})")
+        return achieved / self.flops, (f"{where}: {format_flops(achieved)} achieved beat the matmul peak "
+                                       f"{format_flops(old)} measured earlier; MFU now divides by {self.source}")
 
 
 def _time_product(product, a: torch.Tensor, b: torch.Tensor) -> float:
@@ -104,13 +150,40 @@ def spec_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     return next((peak for key, peak in SPEC_PEAK_FLOPS if key in name), None)
 
 
+CPU_BF16_ENV = "FASTMAE_CPU_BF16"
+"""`native` or `emulated`: what the CPU's bf16 check answers, measured or not (unset: the CPU's own answer)."""
+
+
+def cpu_bf16_override() -> str | None:
+    """FASTMAE_CPU_BF16's value (`native` / `emulated`), None when unset; anything else is a FastmaeError."""
+    value = os.environ.get(CPU_BF16_ENV, "")
+    if value not in ("", "native", "emulated"):
+        raise FastmaeError(f"{CPU_BF16_ENV}={value!r}: must be 'native', 'emulated' or unset")
+    return value or None
+
+
 def has_native_bf16(device: torch.device) -> bool:
-    """Whether `device` multiplies bf16 in hardware: CUDA compute capability 8.0+, or a CPU with AMX or AVX512-BF16."""
+    """Whether `device` multiplies bf16 in hardware: CUDA compute capability 8.0+, or a CPU with AMX or AVX512-BF16
+    (or as FASTMAE_CPU_BF16 says)."""
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 0)
     if device.type == "cpu":
+        override = cpu_bf16_override()
+        if override is not None:
+            return override == "native"
         return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
     return False
+
+
+@functools.cache
+def cpu_bf16_speedup() -> float:
+    """A bf16 matmul's speed over fp32's on this CPU, measured once per process (so every caller in a process decides
+    alike); FASTMAE_CPU_BF16 pins it: 1.0 for `native`, 0.0 for `emulated`."""
+    override = cpu_bf16_override()
+    if override is not None:
+        return 1.0 if override == "native" else 0.0
+    cpu = torch.device("cpu")
+    return matmul_flops(cpu, torch.bfloat16, max_size=1024) / matmul_flops(cpu, torch.float32, max_size=1024)
 
 
 def choose_precision(requested: str, device: torch.device) -> tuple[str, str | None]:
@@ -126,15 +199,15 @@ def choose_precision(requested: str, device: torch.device) -> tuple[str, str | N
     if device.type == "cuda":  # auto on CUDA: the capability is the whole story
         return ("bf16" if native else "fp32"), f"precision auto: {'bf16' if native else 'fp32'} " \
             f"(compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
-    ratio = matmul_flops(device, torch.bfloat16, max_size=1024) / matmul_flops(device, torch.float32, max_size=1024)
-    capability = torch.backends.cpu.get_cpu_capability()
+    if device.type != "cpu":
+        return "fp32", f"precision auto: fp32 (no bf16 check for device {device.type})"
+    ratio, capability, override = cpu_bf16_speedup(), torch.backends.cpu.get_cpu_capability(), cpu_bf16_override()
+    measured = (f"as {CPU_BF16_ENV}={override} says" if override
+                else f"a bf16 matmul measured {ratio:.3g}x the fp32 speed")
     if requested == "bf16":
         if native and ratio >= 1.0:
             return "bf16", None
-        return "bf16", (f"WARNING: train.precision=bf16 on a CPU without native bf16 ({capability}): a bf16 matmul "
-                        f"measured {ratio:.3g}x the fp32 speed here; train.precision=auto (fp32 here) is faster")
-    if device.type != "cpu":
-        return "fp32", f"precision auto: fp32 (no bf16 check for device {device.type})"
+        return "bf16", (f"WARNING: train.precision=bf16 on a CPU without native bf16 ({capability}; {measured} here): "
+                        "train.precision=auto (fp32 here) is faster")
     choice = "bf16" if native and ratio >= 1.0 else "fp32"
-    return choice, (f"precision auto: {choice} (CPU {capability}, native bf16 {'yes' if native else 'no'}, bf16 "
-                    f"matmul {ratio:.3g}x fp32)")
+    return choice, f"precision auto: {choice} (CPU {capability}, native bf16 {'yes' if native else 'no'}; {measured})"

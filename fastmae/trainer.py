@@ -45,7 +45,7 @@ from .evaluation import Evaluator, HeldOutSet
 from .faults import FaultHooks
 from .flops import plan_budget
 from .graphs import plan_graphs
-from .hardware import cpu_cores, device_name
+from .hardware import PeakFlops, cpu_cores, device_name, format_flops
 from .masking import masked_ahead
 from .metrics import LogWindow, MetricsWriter, peak_memory_mib
 from .model import MaskedLM
@@ -203,11 +203,16 @@ class Trainer:
                                                             self.non_finite, resume)
         self.graph_plan = plan_graphs(config, device, self.precision)  # build_engine installs its recordings
         log_line(f"cuda graphs: {self.graph_plan.reason}")
-        self.peak_flops, self.spec_peak_flops = job_peak_flops(device, self.precision)
+        self.faults = FaultHooks.from_environment(device)
+        measured, self.spec_peak_flops = job_peak_flops(device, self.precision)
+        self.peak = PeakFlops(self.faults.startup_peak(measured),
+                              remeasure=lambda: job_peak_flops(device, self.precision)[0])
+        log_line(f"MFU divides by the {self.peak.source} over the job in {self.precision}"
+                 + (f" (and mfu_spec by the data sheet's {format_flops(self.spec_peak_flops)})"
+                    if self.spec_peak_flops else ""))
         self.counters = RunCounters(torch.zeros((), dtype=torch.float32, device=device),
                                     torch.zeros((), dtype=torch.float32, device=device))
         self.stop = StopAgreement(device, log_line)
-        self.faults = FaultHooks.from_environment(device)
         self.checkpointer = checkpoint.Checkpointer(self.run_dir / "checkpoints", config.checkpoint.every,
                                                     config.checkpoint.keep, train.steps,
                                                     dataclasses.asdict(self.config.model))
@@ -218,7 +223,7 @@ class Trainer:
         if self.rank == 0:
             write_run_files(config, ds_config, {
                 "device": device_name(device), "ranks": self.world, "precision": self.precision,
-                "peak_flops": self.peak_flops, "spec_peak_flops": self.spec_peak_flops})
+                "peak_flops": self.peak.flops, "spec_peak_flops": self.spec_peak_flops})
 
     # ------------------------------------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:
@@ -323,14 +328,18 @@ class Trainer:
         """Collective: the train record of the window (sums over ranks), and the stop after too many bad steps."""
         counters, elapsed = self.counters, window.elapsed_s()
         host = torch.tensor([float(window.tokens), float(window.flops), float(counters.flops_done),
-                             float(counters.tokens_seen), float(window.digest)], dtype=torch.float64,
-                            device=self.device)
+                             float(counters.tokens_seen), float(window.digest), elapsed / self.world],
+                            dtype=torch.float64, device=self.device)
         totals = torch.cat([window.sums, host])
         dist.all_reduce(totals)
         # the step flags were agreed across ranks, so every rank holds the same counters: read, not reduced
         values = torch.cat([totals, counters.bad_streak_device.double()[None], counters.skipped_device.double()[None]])
-        (loss_sum, predicted, correct, scored, tokens, flops, flops_done, tokens_seen, digest, bad_streak,
+        # elapsed: the ranks' mean, so that every rank takes the same rate to the (collective) peak check
+        (loss_sum, predicted, correct, scored, tokens, flops, flops_done, tokens_seen, digest, elapsed, bad_streak,
          skipped) = values.tolist()
+        mfu, peak_raised = self.peak.mfu(flops / elapsed, f"step {counters.step}")
+        if peak_raised:
+            log_line(peak_raised)
         averaged = window.steps - (int(skipped) - counters.skipped_logged)  # less the window's skipped steps
         counters.check_bad_streak(int(bad_streak), int(skipped), self.config.train.max_bad_steps)
         grad_norm = gradient_norm(self.engine)
@@ -338,7 +347,7 @@ class Trainer:
                   "averaged_steps": averaged,  # since the last record (or the resume), skipped ones left out
                   "accuracy": correct / max(scored, 1),
                   "lr": self.engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                  "tokens_per_s": tokens / elapsed, "mfu": flops / elapsed / self.peak_flops,
+                  "tokens_per_s": tokens / elapsed, "mfu": mfu, "peak_flops": self.peak.flops,
                   "memory_mib": peak_memory_mib(self.device), "tokens_seen": int(tokens_seen),
                   "flops": flops_done, "skipped": counters.skipped_logged, "epoch": self.loader.epoch,
                   "data_digest": int(digest) % DIGEST_MODULUS}

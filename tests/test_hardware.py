@@ -15,24 +15,62 @@ CPU = torch.device("cpu")
 
 
 def test_auto_precision_follows_the_hardware(monkeypatch):
+    monkeypatch.delenv(hardware.CPU_BF16_ENV, raising=False)
     monkeypatch.setattr(hardware, "has_native_bf16", lambda device: False)  # an AVX2-only CPU
+    monkeypatch.setattr(hardware, "cpu_bf16_speedup", lambda: 0.01)
     assert hardware.choose_precision("auto", CPU)[0] == "fp32"
     precision, note = hardware.choose_precision("bf16", CPU)  # kept as asked, with the measured slowdown
-    assert precision == "bf16" and note.startswith("WARNING") and "x the fp32 speed" in note
+    assert precision == "bf16" and note.startswith("WARNING") and "0.01x the fp32 speed" in note
     monkeypatch.setattr(hardware, "has_native_bf16", lambda device: True)
-    fast_bf16 = lambda device, dtype, **kw: 3.0 if dtype == torch.bfloat16 else 1.0  # noqa: E731
-    monkeypatch.setattr(hardware, "matmul_flops", fast_bf16)
+    monkeypatch.setattr(hardware, "cpu_bf16_speedup", lambda: 3.0)
     assert hardware.choose_precision("auto", CPU)[0] == "bf16"
-    slow_bf16 = lambda device, dtype, **kw: 0.01 if dtype == torch.bfloat16 else 1.0  # noqa: E731
-    monkeypatch.setattr(hardware, "matmul_flops", slow_bf16)
+    assert hardware.choose_precision("bf16", CPU) == ("bf16", None)
+    monkeypatch.setattr(hardware, "cpu_bf16_speedup", lambda: 0.5)
     assert hardware.choose_precision("auto", CPU)[0] == "fp32"  # native on paper, slow in practice
     assert hardware.choose_precision("fp32", CPU) == ("fp32", None)
+
+
+def test_the_cpu_bf16_answer_is_measured_once_or_pinned(monkeypatch):
+    """One process decides alike every time it asks (a fine-tune and the test that checks it); FASTMAE_CPU_BF16 pins
+    the answer so that the suite can run both ways on one machine, and a wrong value is named."""
+    monkeypatch.delenv(hardware.CPU_BF16_ENV, raising=False)
+    hardware.cpu_bf16_speedup.cache_clear()
+    calls = []
+    monkeypatch.setattr(hardware, "matmul_flops", lambda device, dtype, **kw: calls.append(dtype) or 2.0)
+    assert hardware.cpu_bf16_speedup() == hardware.cpu_bf16_speedup() == 1.0 and len(calls) == 2
+    for value, native, choice in (("native", True, "bf16"), ("emulated", False, "fp32")):
+        monkeypatch.setenv(hardware.CPU_BF16_ENV, value)
+        hardware.cpu_bf16_speedup.cache_clear()
+        assert hardware.has_native_bf16(CPU) is native
+        precision, note = hardware.choose_precision("auto", CPU)
+        assert precision == choice and f"as {hardware.CPU_BF16_ENV}={value} says" in note
+    assert len(calls) == 2  # pinned: nothing measured
+    monkeypatch.setenv(hardware.CPU_BF16_ENV, "yes")
+    with pytest.raises(FastmaeError, match="FASTMAE_CPU_BF16='yes': must be 'native', 'emulated' or unset"):
+        hardware.has_native_bf16(CPU)
+    hardware.cpu_bf16_speedup.cache_clear()
 
 
 def test_matmul_peak_is_measured_and_plausible():
     flops = hardware.matmul_flops(CPU, torch.float32, max_size=512, repeats=3)
     assert 1e8 < flops < 1e13
     assert hardware.spec_peak_flops(CPU, torch.bfloat16) is None
+
+
+def test_mfu_never_reads_above_one():
+    """A peak measured while the machine was busy is measured again when a rate beats it; where the new measurement
+    still falls short, the achieved rate itself is the peak. The log line says which."""
+    remeasured = iter([3e9, 4e9])
+    peak = hardware.PeakFlops(2e9, remeasure=lambda: next(remeasured))
+    assert peak.mfu(1e9, "step 1") == (0.5, None) and peak.flops == 2e9
+    mfu, line = peak.mfu(2.5e9, "step 2")  # the re-measured peak 3 GFLOP/s stands
+    assert mfu == pytest.approx(2.5 / 3) and peak.flops == 3e9
+    assert line == ("step 2: 2.5 GFLOP/s achieved beat the matmul peak 2 GFLOP/s measured earlier; MFU now divides "
+                    "by matmul peak 3 GFLOP/s (re-measured at step 2)")
+    mfu, line = peak.mfu(5e9, "step 3")  # re-measured 4 GFLOP/s: still short, the achieved rate is the peak
+    assert mfu == 1.0 and peak.flops == 5e9 and "5 GFLOP/s, the rate achieved at step 3" in line
+    assert "a GEMM re-measured there gave only 4 GFLOP/s" in peak.source
+    assert peak.mfu(4e9, "step 4") == (0.8, None)
 
 
 def test_gradients_accumulate_in_fp32():
