@@ -9,11 +9,21 @@ SUBCOMMANDS = {
     "prepare": ("fastmae.prepare", "tokenise text into memory-mapped shards (trains a sentencepiece tokenizer)"),
     "train": ("fastmae.train", "pretrain a masked LM (single process; use `deepspeed fastmae/train.py` for many)"),
     "plot": ("fastmae.plot", "draw loss and throughput curves of a run directory"),
-    "export": ("fastmae.export", "write the encoder as a Hugging Face RoBERTa directory (model, config, tokenizer)"),
+    "export": ("fastmae.export", "write the encoder as a Hugging Face RoBERTa, RoFormer or ESM-2 directory with its "
+                                 "tokenizer and a model card (needs the hf extra)"),
     "finetune": ("fastmae.finetune", "fine-tune on GLUE-format classification or regression data, median of seeds"),
     "analyze": ("fastmae.analyze", "effective rank of token representations per layer, with and without <mask>"),
     "study": ("fastmae.study", "train objectives under one FLOP budget, then compare loss, fine-tuning and ranks"),
 }
+
+
+def usage() -> str:
+    """`fastmae --help`: what each subcommand does."""
+    lines = [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return ("usage: fastmae [--version] SUBCOMMAND [--help] ...\n\n"
+            "Pretrain masked-LM encoders (RoBERTa's MLM, MAE-LM, 3ML), then export, fine-tune and analyze them.\n\n"
+            "subcommands:\n" + "\n".join(lines) +
+            "\n\nMany ranks or nodes: deepspeed fastmae/train.py --config configs/NAME.yaml [key=value ...]")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,13 +32,18 @@ def main(argv: list[str] | None = None) -> int:
 
         restart_with_malloc_tunables()
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
-        lines = [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
-        print("usage: fastmae SUBCOMMAND [--help] ...\n\nsubcommands:\n" + "\n".join(lines))
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"fastmae: error: unknown subcommand {argv[0]!r}", file=sys.stderr)
-            return 2
-        return 0 if argv else 2
+    if argv and argv[0] in ("-V", "--version"):
+        from fastmae import __version__
+
+        print(f"fastmae {__version__}")
+        return 0
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] not in SUBCOMMANDS:
+        print(usage())
+        print(f"fastmae: error: unknown subcommand {argv[0]!r}", file=sys.stderr)
+        return 2
     module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
     return module.main(argv[1:])
 

@@ -137,8 +137,19 @@ def _require_transformers() -> None:
             from None
 
 
+HELP = """Write a trained encoder as a Hugging Face directory that transformers' AutoModel, AutoModelForMaskedLM and
+AutoTokenizer load without trust_remote_code: RoBERTa (post-LN, learned positions), RoFormer (post-LN, rotary
+positions) or ESM-2 (pre-LN), with the fp32 weights as safetensors, the tokenizer, and a model card (README.md:
+objective, size, data, training tokens and FLOPs, held-out loss, the training command). Needs the hf extra:
+pip install 'fastmae[hf]'."""
+REFUSED = """Refused, with the reason and what would export: encoders with MAE-LM's relative position bias
+(model.relative_attention_bias), the mask-later encoders with 0 < insert_layer < encoder_layers, and post-LN encoders
+with rotary positions at a rotary_base other than 10000. fastmae finetune and fastmae analyze take those models from
+their run directory. The MAE-LM / 3ML decoder is not exported (only the encoder is pretrained for fine-tuning)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastmae export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="fastmae export", description=HELP, epilog=REFUSED)
     parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
                         help="a run directory (its newest weights) or one of its checkpoints/stepN directories")
     parser.add_argument("outdir", metavar="OUTDIR", help="the Hugging Face directory to write")

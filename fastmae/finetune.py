@@ -56,7 +56,8 @@ class FinetuneConfig:
 
     seeds: int = option(5, "fine-tuning runs, seeds 0..N-1")
     epochs: int = option(10, "passes over the training split")
-    lr: float = option(0.0, "peak learning rate (0: by the model's width, `width_learning_rate`)")
+    lr: float = option(0.0, "peak learning rate (0: 2e-5 x (768 / width)^2, RoBERTa's rate at base scaled to the "
+                            "model's width)")
     batch_size: int = option(32, "sequences per step")
     warmup_ratio: float = option(0.06, "share of the steps spent warming up")
     weight_decay: float = option(0.1, "AdamW weight decay")

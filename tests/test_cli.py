@@ -1,0 +1,47 @@
+"""`fastmae`'s own help says what each subcommand does today, with no internal names; `--version`; no arguments
+prints the help and succeeds."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from fastmae import __version__
+from fastmae.cli import SUBCOMMANDS, main
+
+
+def test_no_arguments_help_and_version(capsys):
+    assert main([]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("usage: fastmae") and all(f"  {name} " in said for name in SUBCOMMANDS)
+    assert main(["--help"]) == 0 and capsys.readouterr().out == said
+    assert main(["--version"]) == 0 and capsys.readouterr().out == f"fastmae {__version__}\n"
+    assert main(["exprot"]) == 2 and "unknown subcommand 'exprot'" in capsys.readouterr().err
+    export_line = next(line for line in said.splitlines() if line.startswith("  export "))
+    assert all(name in export_line for name in ("RoBERTa", "RoFormer", "ESM-2", "model card", "hf extra"))
+
+
+def test_the_console_script_with_no_arguments_exits_zero():
+    done = subprocess.run([sys.executable, "-m", "fastmae.cli"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("usage: fastmae"), done.stderr
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_subcommand_help_names_no_internals(name, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([name, "--help"])
+    assert done.value.code == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"usage: fastmae {name}")
+    # a dotted module path or a backticked function name means nothing to someone reading --help
+    assert not re.search(r"fastmae\.[a-z_]+\.|`[a-z]+_[a-z_]+`", said), said
+
+
+def test_export_help_says_what_it_needs_writes_and_refuses(capsys):
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    for fact in ("RoBERTa", "RoFormer", "ESM-2", "pip install 'fastmae[hf]'", "model card", "relative position bias",
+                 "0 < insert_layer < encoder_layers", "rotary_base other than 10000"):
+        assert fact in said, fact
