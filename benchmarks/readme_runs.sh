@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the training runs behind README.md's demo and study figures, and copy what the README quotes into
 # benchmarks/results/ (then `python benchmarks/readme_table.py --write` puts the numbers into README.md):
-#   benchmarks/results/demo/          metrics.jsonl, curves.png, config.yaml of `bash scripts/demo.sh`
+#   benchmarks/results/demo/          metrics.jsonl, curves.png, config.yaml, run_info.json of `bash scripts/demo.sh`
 #   benchmarks/results/study_cpu_30min/   report.md, study.json, loss_vs_flops.png, ranks.png of the cpu-30min study
 #   benchmarks/results/study_cpu_1h/      the same of the cpu-1h study (base's depth, learning rates from a grid)
 #   benchmarks/results/mae_lm_diagnosis/  mae-lm against its variants with 3ml's decoder depth and 3ml's mask rate
@@ -30,9 +30,9 @@ for part in ${parts[*]}; do
     demo)
       rm -rf runs/tiny-cpu
       started=$SECONDS
-      deepspeed --num_gpus "${FASTMAE_DEMO_RANKS:-2}" fastmae/train.py --config configs/tiny-cpu.yaml
+      bash scripts/demo.sh 2>&1 | tee runs/demo.log   # README's command, set-up included
       mkdir -p "$results/demo"
-      cp runs/tiny-cpu/metrics.jsonl runs/tiny-cpu/curves.png runs/tiny-cpu/config.yaml "$results/demo/"
+      cp runs/tiny-cpu/{metrics.jsonl,curves.png,config.yaml,run_info.json} "$results/demo/"
       describe_run runs/tiny-cpu $((SECONDS - started)) > "$results/demo/run.md"
       ;;
     study|study-1h)

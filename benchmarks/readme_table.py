@@ -26,6 +26,8 @@ import re
 import sys
 from pathlib import Path
 
+from fastmae.metrics import eval_table
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 README = RESULTS_DIR.parent.parent / "README.md"
 BLOCK = re.compile(r"(<!-- results: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
@@ -42,16 +44,15 @@ def _stamp(result: dict) -> str:
 def demo() -> str:
     """The demo's held-out curve, its baselines and its speed, from its metrics.jsonl and config."""
     records = [json.loads(line) for line in (RESULTS_DIR / "demo" / "metrics.jsonl").read_text().splitlines()]
+    info = _json(RESULTS_DIR / "demo" / "run_info.json")
     evals = [r for r in records if r["kind"] == "eval"]
     train = [r for r in records if r["kind"] == "train"]
     last = evals[-1]
     speeds = sorted(r["tokens_per_s"] for r in train)
     mfus = sorted(r["mfu"] for r in train)
-    rows = ["| step | " + " | ".join(f"{e['step']:,}" for e in evals) + " |",
-            "|---|" + "---|" * len(evals),
-            "| held-out loss (nats) | " + " | ".join(f"{e['loss']:.2f}" for e in evals) + " |",
-            "| accuracy | " + " | ".join(f"{e['accuracy']:.3f}" for e in evals) + " |"]
-    return ("\n".join(rows) + "\n\n"
+    return (f"On {info['ranks']} ranks of a {info['device']}, trained in {info['precision']} (`precision: auto` "
+            "picks bf16 on a CPU that multiplies it natively and faster, fp32 elsewhere: on the other CPU kind the "
+            "figures differ a little):\n\n" + eval_table(evals) + "\n\n"
             f"Held-out: the same {last['predicted_tokens']:,} hidden tokens of {last['sequences']} sequences at every "
             f"evaluation. Their unigram baselines: **{last['unigram_entropy']:.2f} nats** (entropy of these tokens' "
             f"own frequencies) and **{last['unigram_accuracy']:.3f}** (always guessing the most frequent of them): "

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -144,6 +145,42 @@ def log_line(text: str) -> None:
     """A line on rank 0's stderr that leaves the progress bar intact."""
     if dist.get_rank() == 0:
         tqdm.write(f"fastmae: {text}", file=sys.stderr)
+
+
+class PlainProgress:
+    """The training progress where stderr is not a terminal (a log file, a batch job): a plain line each time the run
+    has gone another tenth of the way, from the train records, instead of a bar redrawn with carriage returns (which a
+    log file keeps as one long line). The same calls as tqdm's bar."""
+
+    def __init__(self, total: int, initial: int):
+        self.total, self.n, self.start, self.initial = total, initial, time.perf_counter(), initial
+        self.next_line = initial + max(1, total // 10)
+
+    def update(self, steps: int) -> None:
+        self.n += steps
+
+    def set_postfix(self, loss: str, tok_s: str) -> None:
+        """At a train record: the line, when the run has crossed its next tenth."""
+        if self.n < self.next_line and self.n < self.total:
+            return
+        elapsed = time.perf_counter() - self.start
+        left = elapsed / max(self.n - self.initial, 1) * (self.total - self.n)
+        log_line(f"step {self.n:,}/{self.total:,} ({100 * self.n // self.total}%): train loss {loss}, {tok_s} "
+                 f"tokens/s, {tqdm.format_interval(elapsed)} elapsed, ~{tqdm.format_interval(left)} left")
+        self.next_line = self.n + max(1, self.total // 10)
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, initial: int):
+    """Rank 0's progress through `total` optimizer steps: tqdm's bar on a terminal, `PlainProgress` elsewhere; other
+    ranks show none."""
+    if dist.get_rank() != 0:
+        return tqdm(total=total, disable=True)
+    if sys.stderr.isatty():
+        return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, mininterval=1.0)
+    return PlainProgress(total, initial)
 
 
 def checkpoint_to_resume(root: Path, resume: str | None) -> Path | None:

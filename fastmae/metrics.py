@@ -100,3 +100,11 @@ class LogWindow:
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.start - self.paused_s
+
+
+def eval_table(evals: list[dict]) -> str:
+    """Held-out records as a Markdown table, one column per evaluation (the table README shows for the demo)."""
+    return "\n".join(["| step | " + " | ".join(f"{e['step']:,}" for e in evals) + " |",
+                      "|---|" + "---|" * len(evals),
+                      "| held-out loss (nats) | " + " | ".join(f"{e['loss']:.2f}" for e in evals) + " |",
+                      "| accuracy | " + " | ".join(f"{e['accuracy']:.3f}" for e in evals) + " |"])

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"fastmae train: error: {err}", file=sys.stderr)
         return 2
+    from fastmae.noise import quiet_known_noise
+
+    quiet_known_noise()
     from fastmae.distributed import set_world_of_one_env
 
     set_world_of_one_env()

@@ -21,7 +21,6 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from . import __version__, checkpoint
 from .atomic import atomic_write_bytes
@@ -36,6 +35,7 @@ from .distributed import (
     checkpoint_to_resume,
     job_peak_flops,
     log_line,
+    progress_bar,
     rank_device,
     ranks_on_node,
 )
@@ -47,7 +47,7 @@ from .flops import plan_budget
 from .graphs import plan_graphs
 from .hardware import PeakFlops, cpu_cores, device_name, format_flops
 from .masking import masked_ahead
-from .metrics import LogWindow, MetricsWriter, peak_memory_mib
+from .metrics import LogWindow, MetricsWriter, eval_table, peak_memory_mib, read_metrics
 from .model import MaskedLM
 from .plot import plot_run
 from .step import StepStats, train_step
@@ -123,6 +123,19 @@ def write_run_files(config: RunConfig, ds_config: dict, run_info: dict) -> None:
     (run_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=1))
     (run_dir / "run_info.json").write_text(json.dumps(run_info, indent=1))
     atomic_write_bytes(run_dir / TOKENIZER_FILE, (config.data.directory / TOKENIZER_FILE).read_bytes())
+
+
+def held_out_summary(records: list[dict]) -> list[str]:
+    """The run's held-out evaluations as the table README shows, with their unigram baselines (none: no lines)."""
+    evals = [r for r in records if r["kind"] == "eval"]
+    if not evals:
+        return []
+    last = evals[-1]
+    return ["held-out masked-token loss and accuracy:", *eval_table(evals).splitlines(),
+            f"unigram baselines of these {last['predicted_tokens']:,} tokens: entropy {last['unigram_entropy']:.2f} "
+            f"nats, most frequent token {last['unigram_accuracy']:.3f} (the last evaluation: "
+            f"{last['unigram_entropy'] - last['loss']:.2f} nats below the entropy, "
+            f"{last['accuracy'] / max(last['unigram_accuracy'], 1e-9):.1f}x that accuracy)"]
 
 
 def closing_lines(run_dir: Path, graphs, finished: bool) -> list[str]:
@@ -267,8 +280,7 @@ class Trainer:
     def run(self) -> None:
         """Train until config.train.steps optimizer steps; checkpoint at the end (or on SIGTERM/SIGINT)."""
         self.stop.install_signal_handlers()
-        bar = tqdm(total=self.config.train.steps, initial=self.counters.step, disable=self.rank != 0, desc="train",
-                   dynamic_ncols=True, mininterval=1.0)
+        bar = progress_bar(self.config.train.steps, self.counters.step)
         try:
             self._loop(bar)
         finally:
@@ -276,6 +288,9 @@ class Trainer:
         finished = self.counters.step == self.config.train.steps
         if finished:
             self.export_weights(self.run_dir / checkpoint.WEIGHTS)
+            if self.metrics is not None:
+                for line in held_out_summary(read_metrics(self.run_dir)):
+                    log_line(line)
         for line in closing_lines(self.run_dir, self.engine.module.graphs, finished):
             log_line(line)
         if self.metrics is not None:
@@ -355,7 +370,7 @@ class Trainer:
             record["mfu_spec"] = flops / elapsed / self.spec_peak_flops
         if self.metrics is not None:
             self.metrics.write(record)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
 
     def evaluate(self) -> dict:
         """Collective: the held-out record at this step, written and logged by rank 0."""

@@ -6,4 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . "${FASTMAE_VENV:-.venv}/bin/activate"
-exec deepspeed --num_gpus "${FASTMAE_DEMO_RANKS:-2}" fastmae/train.py --config configs/tiny-cpu.yaml "$@"
+# Where no GPU is visible DeepSpeed is told the CPU is its accelerator (else it warns so in every process); its
+# launcher logs warnings, not its INFO lines (the command it runs, CUDA_VISIBLE_DEVICES, each process it spawns).
+command -v nvidia-smi > /dev/null 2>&1 || export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+exec deepspeed --log_level warning --num_gpus "${FASTMAE_DEMO_RANKS:-2}" fastmae/train.py \
+  --config configs/tiny-cpu.yaml "$@"
