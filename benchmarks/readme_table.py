@@ -51,8 +51,8 @@ def demo() -> str:
     speeds = sorted(r["tokens_per_s"] for r in train)
     mfus = sorted(r["mfu"] for r in train)
     return (f"On {info['ranks']} ranks of a {info['device']}, trained in {info['precision']} (`precision: auto` "
-            "picks bf16 on a CPU that multiplies it natively and faster, fp32 elsewhere: on the other CPU kind the "
-            "figures differ a little):\n\n" + eval_table(evals) + "\n\n"
+            "picks bf16 on a CPU that multiplies it natively and faster, fp32 elsewhere, so the figures depend on "
+            "the CPU kind):\n\n" + eval_table(evals) + "\n\n"
             f"Held-out: the same {last['predicted_tokens']:,} hidden tokens of {last['sequences']} sequences at every "
             f"evaluation. Their unigram baselines: **{last['unigram_entropy']:.2f} nats** (entropy of these tokens' "
             f"own frequencies) and **{last['unigram_accuracy']:.3f}** (always guessing the most frequent of them): "
