@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     precision, line = choose_precision(args.dtype, device)
     if line:
         print(line, flush=True)
-    peak = PeakFlops(matmul_flops(device, DTYPES[precision]), lambda: matmul_flops(device, DTYPES[precision]))
+    peak = PeakFlops(matmul_flops(device, DTYPES[precision]), lambda: matmul_flops(device, DTYPES[precision]),
+                     log=lambda line: print(line, flush=True))
     print(f"{device} GEMM peak in {precision}: {peak.flops / 1e9:.1f} GFLOP/s", flush=True)
 
     runs = [(system, None) for system in systems]
@@ -357,11 +358,9 @@ def main(argv: list[str] | None = None) -> int:
             name = system if variant is None else f"{system} [{variant}{note}]"
             result = _run_isolated(system, size, sequences, precision, warmup, repeats, variant)
             size_rows.append({"system": name, "size": size, "dtype": precision, **result})
-            _, peak_raised = peak.mfu(result["flops_per_step"] / result["step_s"], name)
-            if peak_raised:
-                print(peak_raised, flush=True)
+            mfu = peak.mfu(result["flops_per_step"] / result["step_s"], name)
             print(f"{size:>5} {name:>16}: {result['tokens_per_s']:8.1f} tokens/s  step {result['step_s']:.3f} s  "
-                  f"MFU {result['flops_per_step'] / result['step_s'] / peak.flops:.3f}  peak memory "
+                  f"MFU {mfu:.3f}  peak memory "
                   f"{result['peak_memory_mib']:.0f} MiB", flush=True)
         reference = next((row["tokens_per_s"] for row in size_rows if row["system"] == "hf-roberta"), None)
         for row in size_rows:

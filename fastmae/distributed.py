@@ -26,7 +26,7 @@ from tqdm import tqdm
 from . import checkpoint
 from .config import PRECISIONS
 from .errors import FastmaeError
-from .hardware import DTYPES, all_cpu_cores, choose_precision, matmul_flops, spec_peak_flops
+from .hardware import DTYPES, PeakFlops, all_cpu_cores, choose_precision, format_flops, matmul_flops, spec_peak_flops
 
 
 def set_world_of_one_env() -> None:
@@ -231,3 +231,15 @@ def job_peak_flops(device: torch.device, precision: str) -> tuple[float, float |
     dist.all_reduce(totals)
     measured, spec, unknown = totals.tolist()
     return measured, (spec if spec and not unknown else None)
+
+
+def job_mfu_peak(device: torch.device, precision: str,
+                 read_as: Callable[[float], float] = float) -> tuple[PeakFlops, float | None]:
+    """Collective: the peak MFU divides by (`job_peak_flops`, measured again over the job when a logged window beats
+    it: `hardware.PeakFlops`) and the data sheet's peak or None; the log says which. `read_as` is the test hook
+    that makes the start-up measurement read as on a busy machine (`FaultHooks.startup_peak`)."""
+    measured, spec = job_peak_flops(device, precision)
+    peak = PeakFlops(read_as(measured), remeasure=lambda: job_peak_flops(device, precision)[0], log=log_line)
+    log_line(f"MFU divides by the {peak.source} over the job in {precision}"
+             + (f" (and mfu_spec by the data sheet's {format_flops(spec)})" if spec else ""))
+    return peak, spec

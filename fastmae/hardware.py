@@ -92,19 +92,20 @@ class PeakFlops:
     GFLOP/s in fp32 against ~100 idle), and MFU against it read 1.16-1.39. So when a rate achieved in training beats
     the peak, the peak is measured again, and where that still falls short the achieved rate itself (which the
     hardware demonstrably reached) becomes the peak.
-    `remeasure` may be collective: call `mfu` with the same achieved rate on every rank.
+    `remeasure` may be collective: call `mfu` with the same achieved rate on every rank. `log` gets a line saying so
+    each time the peak is raised.
     """
 
-    def __init__(self, measured: float, remeasure: Callable[[], float]):
-        self.remeasure = remeasure
+    def __init__(self, measured: float, remeasure: Callable[[], float], log: Callable[[str], None]):
+        self.remeasure, self.log = remeasure, log
         self.flops = measured
         self.source = f"matmul peak {format_flops(self.flops)} (measured at start-up, the best of several GEMMs)"
 
-    def mfu(self, achieved: float, where: str) -> tuple[float, str | None]:
-        """(achieved / peak, None), or, where `achieved` (FLOP/s) beat the peak, the fraction after raising the peak
-        and a line saying why (`where`: e.g. "step 40")."""
+    def mfu(self, achieved: float, where: str) -> float:
+        """achieved / peak for `achieved` FLOP/s, the peak raised first where `achieved` beat it (`where`, e.g.
+        "step 40", goes into the log line)."""
         if achieved <= self.flops:
-            return achieved / self.flops, None
+            return achieved / self.flops
         old, remeasured = self.flops, self.remeasure()
         self.flops = max(old, remeasured, achieved)
         if remeasured >= achieved:
@@ -112,8 +113,9 @@ class PeakFlops:
         else:
             self.source = (f"{format_flops(self.flops)}, the rate achieved at {where} (a GEMM re-measured there gave "
                            f"only {format_flops(remeasured)})")
-        return achieved / self.flops, (f"{where}: {format_flops(achieved)} achieved beat the matmul peak "
-                                       f"{format_flops(old)} measured earlier; MFU now divides by {self.source}")
+        self.log(f"{where}: {format_flops(achieved)} achieved beat the matmul peak {format_flops(old)} measured "
+                 f"earlier; MFU now divides by {self.source}")
+        return achieved / self.flops
 
 
 def _time_product(product, a: torch.Tensor, b: torch.Tensor) -> float:

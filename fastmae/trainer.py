@@ -33,7 +33,7 @@ from .distributed import (
     StopAgreement,
     agreed_precision,
     checkpoint_to_resume,
-    job_peak_flops,
+    job_mfu_peak,
     log_line,
     progress_bar,
     rank_device,
@@ -45,7 +45,7 @@ from .evaluation import Evaluator, HeldOutSet
 from .faults import FaultHooks
 from .flops import plan_budget
 from .graphs import plan_graphs
-from .hardware import PeakFlops, cpu_cores, device_name, format_flops
+from .hardware import cpu_cores, device_name
 from .masking import masked_ahead
 from .metrics import LogWindow, MetricsWriter, eval_table, peak_memory_mib, read_metrics
 from .model import MaskedLM
@@ -125,6 +125,19 @@ def write_run_files(config: RunConfig, ds_config: dict, run_info: dict) -> None:
     atomic_write_bytes(run_dir / TOKENIZER_FILE, (config.data.directory / TOKENIZER_FILE).read_bytes())
 
 
+def held_out_evaluator(config: RunConfig, eval_steps, rank: int, world: int, device: torch.device) -> Evaluator | None:
+    """The run's evaluator (the same held-out tokens and masks for every objective), or None when it never
+    evaluates (`eval_steps`: the FLOP budget's planned evaluation steps, if any)."""
+    if config.eval.every <= 0 and not eval_steps:
+        return None
+    data = config.data
+    held_out = HeldOutSet(data.directory, max_seq_len=config.model.max_seq_len, packing=data.packing,
+                          tokens_per_batch=data.tokens_per_micro_batch, sequences=config.eval.sequences,
+                          mask_rate=config.eval.mask_rate, seed=config.eval.seed, rank=rank, world_size=world,
+                          verify_checksum=data.verify_checksums)
+    return Evaluator(held_out, config.model, config.eval.every, eval_steps, config.train.steps, device)
+
+
 def held_out_summary(records: list[dict]) -> list[str]:
     """The run's held-out evaluations as the table README shows, with their unigram baselines (none: no lines)."""
     evals = [r for r in records if r["kind"] == "eval"]
@@ -138,11 +151,12 @@ def held_out_summary(records: list[dict]) -> list[str]:
             f"{last['accuracy'] / max(last['unigram_accuracy'], 1e-9):.1f}x that accuracy)"]
 
 
-def closing_lines(run_dir: Path, graphs, finished: bool) -> list[str]:
+def closing_lines(run_dir: Path, graphs, finished: bool, records: list[dict]) -> list[str]:
     """What a run's log ends with: what its CUDA graphs did (`fastmae.graphs.StepGraphs` or None) and, when it
-    finished, what to run next."""
+    finished, its held-out table (from `records`, its metrics) and what to run next."""
     lines = [] if graphs is None else [graphs.summary()]
     if finished:
+        lines += held_out_summary(records)
         lines.append(f"next: fastmae export {run_dir} exports/{run_dir.name} (a Hugging Face directory), or "
                      f"fastmae finetune --model {run_dir} --task TASK --data GLUE_DIR --out ft/{run_dir.name}")
     return lines
@@ -201,14 +215,7 @@ class Trainer:
         config, eval_steps = with_budget_planned(config, self.loader)
         self.config = config
         train = config.train
-        self.evaluator = None
-        if config.eval.every > 0 or eval_steps:  # the same held-out tokens and masks for every objective
-            held_out = HeldOutSet(data.directory, max_seq_len=config.model.max_seq_len, packing=data.packing,
-                                  tokens_per_batch=data.tokens_per_micro_batch, sequences=config.eval.sequences,
-                                  mask_rate=config.eval.mask_rate, seed=config.eval.seed, rank=self.rank,
-                                  world_size=self.world, verify_checksum=data.verify_checksums)
-            self.evaluator = Evaluator(held_out, config.model, config.eval.every, eval_steps, train.steps,
-                                       device)
+        self.evaluator = held_out_evaluator(config, eval_steps, self.rank, self.world, device)
         self.precision = agreed_precision(train.precision, device)
         # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)
         self.non_finite = torch.zeros((), dtype=torch.float32, device=device)
@@ -217,12 +224,7 @@ class Trainer:
         self.graph_plan = plan_graphs(config, device, self.precision)  # build_engine installs its recordings
         log_line(f"cuda graphs: {self.graph_plan.reason}")
         self.faults = FaultHooks.from_environment(device)
-        measured, self.spec_peak_flops = job_peak_flops(device, self.precision)
-        self.peak = PeakFlops(self.faults.startup_peak(measured),
-                              remeasure=lambda: job_peak_flops(device, self.precision)[0])
-        log_line(f"MFU divides by the {self.peak.source} over the job in {self.precision}"
-                 + (f" (and mfu_spec by the data sheet's {format_flops(self.spec_peak_flops)})"
-                    if self.spec_peak_flops else ""))
+        self.peak, self.spec_peak_flops = job_mfu_peak(device, self.precision, self.faults.startup_peak)
         self.counters = RunCounters(torch.zeros((), dtype=torch.float32, device=device),
                                     torch.zeros((), dtype=torch.float32, device=device))
         self.stop = StopAgreement(device, log_line)
@@ -288,10 +290,8 @@ class Trainer:
         finished = self.counters.step == self.config.train.steps
         if finished:
             self.export_weights(self.run_dir / checkpoint.WEIGHTS)
-            if self.metrics is not None:
-                for line in held_out_summary(read_metrics(self.run_dir)):
-                    log_line(line)
-        for line in closing_lines(self.run_dir, self.engine.module.graphs, finished):
+        records = read_metrics(self.run_dir) if self.metrics is not None else []  # rank 0's
+        for line in closing_lines(self.run_dir, self.engine.module.graphs, finished, records):
             log_line(line)
         if self.metrics is not None:
             self.metrics.close()
@@ -347,14 +347,11 @@ class Trainer:
                             dtype=torch.float64, device=self.device)
         totals = torch.cat([window.sums, host])
         dist.all_reduce(totals)
-        # the step flags were agreed across ranks, so every rank holds the same counters: read, not reduced
+        # the step flags were agreed across ranks, so every rank holds the same counters: read, not reduced; elapsed
+        # is the ranks' mean, so that every rank takes the same rate to the (collective) peak check
         values = torch.cat([totals, counters.bad_streak_device.double()[None], counters.skipped_device.double()[None]])
-        # elapsed: the ranks' mean, so that every rank takes the same rate to the (collective) peak check
         (loss_sum, predicted, correct, scored, tokens, flops, flops_done, tokens_seen, digest, elapsed, bad_streak,
          skipped) = values.tolist()
-        mfu, peak_raised = self.peak.mfu(flops / elapsed, f"step {counters.step}")
-        if peak_raised:
-            log_line(peak_raised)
         averaged = window.steps - (int(skipped) - counters.skipped_logged)  # less the window's skipped steps
         counters.check_bad_streak(int(bad_streak), int(skipped), self.config.train.max_bad_steps)
         grad_norm = gradient_norm(self.engine)
@@ -362,8 +359,9 @@ class Trainer:
                   "averaged_steps": averaged,  # since the last record (or the resume), skipped ones left out
                   "accuracy": correct / max(scored, 1),
                   "lr": self.engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                  "tokens_per_s": tokens / elapsed, "mfu": mfu, "peak_flops": self.peak.flops,
-                  "memory_mib": peak_memory_mib(self.device), "tokens_seen": int(tokens_seen),
+                  "tokens_per_s": tokens / elapsed, "mfu": self.peak.mfu(flops / elapsed, f"step {counters.step}"),
+                  "peak_flops": self.peak.flops, "memory_mib": peak_memory_mib(self.device),
+                  "tokens_seen": int(tokens_seen),
                   "flops": flops_done, "skipped": counters.skipped_logged, "epoch": self.loader.epoch,
                   "data_digest": int(digest) % DIGEST_MODULUS}
         if self.spec_peak_flops:
