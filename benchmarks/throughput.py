@@ -185,7 +185,8 @@ def _fastmae_step(config: ModelConfig, tokens: torch.Tensor | list, device: torc
     from fastmae.batch import to_device_ahead
     from fastmae.flops import masked_training_flops
     from fastmae.graphs import StepGraphs, plan_graphs
-    from fastmae.masking import mask_batch, masked_ahead
+    from fastmae.masking import mask_batch
+    from fastmae.pipeline import masked_ahead
     from fastmae.step import train_step
 
     model = MaskedLM(config)

@@ -11,21 +11,17 @@ host from the batch's host counts, so every shape below is known without a devic
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from . import kernels, ops
 from .attention import VarlenMeta
-from .batch import PackedBatch, ahead_in_thread, byte_offsets, pack_bytes, unpack_bytes
+from .batch import PackedBatch, byte_offsets, pack_bytes, unpack_bytes
 from .config import NUM_SPECIAL_TOKENS, UNMASKABLE_IDS, ModelConfig
 from .kernels import MaskSelection, mask_key
 from .positions import rotary_tables
-
-if TYPE_CHECKING:
-    from .padding import ShapeLadder
 
 
 def _round_half_up(x: torch.Tensor) -> torch.Tensor:
@@ -262,20 +258,3 @@ def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, ra
         max_seqlen=batch.max_seqlen,
     )
     return MaskedBatch(batch=batch, counts=counts, selection=selection, config=config)
-
-
-def masked_ahead(batches: Iterator[PackedBatch], config: ModelConfig, seed: int, depth: int = 2,
-                 pin_memory: bool = False, shapes: ShapeLadder | None = None) -> Iterator[MaskedBatch]:
-    """The data loader's host batches masked on the host for (seed, each batch's index), with the layouts the model
-    reads, packed into one buffer (page-locked with `pin_memory`: for CUDA), by a background thread up to `depth`
-    ahead (ARCHITECTURE.md section 2): the training step then finds masks and layouts ready and moves each micro-batch
-    in one copy (`MaskedBatch.to`). With `shapes` each masked batch is padded to the first of its shapes it fits
-    (`fastmae.padding`; one that fits none stays as it is)."""
-
-    def mask(batch: PackedBatch) -> MaskedBatch:
-        masked = mask_batch(batch, config, seed, batch.index, host=True)
-        if shapes is not None:
-            masked = shapes.pad(masked)
-        return masked.packed(pin_memory)
-
-    return ahead_in_thread(map(mask, batches), depth)

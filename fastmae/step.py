@@ -58,7 +58,7 @@ def train_step(engine, micro_batches: list[PackedBatch | MaskedBatch], *, seed: 
     """Run one optimizer step of `engine` (a DeepSpeed engine around a MaskedLM) on this rank's micro-batches.
 
     Each micro-batch is masked for (seed, its index in the run), so masks do not depend on the rank count: the
-    trainer's come masked already (`masking.masked_ahead`, on the host), a PackedBatch is masked here, on its device.
+    trainer's come masked already (`pipeline.masked_ahead`, on the host), a PackedBatch is masked here, on its device.
     `non_finite` is the engine's skip flag (`build_engine(found_inf=...)`): it is set on the device when any rank's
     loss is not finite, and the optimizer then leaves the weights as they were.
     """

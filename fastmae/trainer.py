@@ -46,9 +46,9 @@ from .faults import FaultHooks
 from .flops import plan_budget
 from .graphs import plan_graphs
 from .hardware import cpu_cores, device_name
-from .masking import masked_ahead
 from .metrics import LogWindow, MetricsWriter, eval_table, peak_memory_mib, read_metrics
 from .model import MaskedLM
+from .pipeline import masked_ahead
 from .plot import plot_run
 from .step import StepStats, train_step
 

@@ -175,7 +175,7 @@ def test_full_packing_gives_every_micro_batch_of_full_length_sequences_the_same_
     (partly filled)."""
     from conftest import tiny_config
 
-    from fastmae.masking import masked_ahead
+    from fastmae.pipeline import masked_ahead
 
     directory, _ = dataset
     loader = PackedLoader(directory, max_seq_len=32, packing="full", tokens_per_batch=128, seed=1)

@@ -14,9 +14,9 @@ from fastmae.config import RunConfig
 from fastmae.errors import ConfigError
 from fastmae.flat import FlatParameters
 from fastmae.graphs import StepGraphs, plan_graphs, signature
-from fastmae.masking import masked_ahead
 from fastmae.optim import decay_groups
 from fastmae.padding import ShapeLadder
+from fastmae.pipeline import masked_ahead
 
 CUDA = torch.device("cuda")
 

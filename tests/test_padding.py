@@ -13,8 +13,9 @@ from fastmae.config import MASK_ID
 from fastmae.data.loader import PackedLoader
 from fastmae.flops import masked_training_flops
 from fastmae.graphs import signature
-from fastmae.masking import mask_batch, masked_ahead
+from fastmae.masking import mask_batch
 from fastmae.padding import IGNORED_LABEL, ShapeLadder, pad
+from fastmae.pipeline import masked_ahead
 
 TOKENS_PER_BATCH = 384
 PRESETS = [("mlm", {}), ("3ml", {}), ("mae-lm", {"relative_attention_bias": True}),

@@ -653,7 +653,7 @@ for stage, (weights, norm) in enumerate(trained[1:], 1):
 # the micro-batches padded to a fixed shape (fastmae/padding.py, as doc packing's are) the step counts the same
 # tokens, FLOPs and predicted rows, and its losses (the second step's after an update) agree to bf16's rounding
 from fastmae.graphs import StepGraphs
-from fastmae.masking import masked_ahead
+from fastmae.pipeline import masked_ahead
 from fastmae.padding import ShapeLadder
 trained = []
 for graphs, shapes in ((False, None), (True, None), (True, ShapeLadder(config, 64))):

@@ -48,7 +48,8 @@ def test_masks_and_layouts_made_on_the_host_are_the_devices(preset, extra, monke
 
     from fastmae.attention import VarlenMeta
     from fastmae.batch import to_device_ahead
-    from fastmae.masking import mask_batch, masked_ahead
+    from fastmae.masking import mask_batch
+    from fastmae.pipeline import masked_ahead
 
     monkeypatch.setenv("FASTMAE_KERNELS", "triton")
     config = tiny_config(preset, **extra)
