@@ -5,6 +5,8 @@ The trainer and benchmarks/throughput.py build their engines here, so both time 
 
 from __future__ import annotations
 
+import importlib.util
+
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -77,6 +79,27 @@ def deepspeed_config(config: RunConfig, precision: str) -> dict:
     return deep_merge(derived, config.deepspeed)
 
 
+def lamb_obstacle(device: torch.device) -> str | None:
+    """Why DeepSpeed's fused LAMB cannot run on `device`, or None. It is CUDA only, and unless DeepSpeed was installed
+    with it prebuilt it is compiled at its first use, which needs nvcc: found out here, before DeepSpeed starts,
+    rather than as a build failure inside deepspeed.initialize."""
+    if device.type != "cuda":
+        return "DeepSpeed's fused LAMB runs on CUDA only; use train.optimizer=adamw on this device"
+    from deepspeed.ops.op_builder.fused_lamb import FusedLambBuilder
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    builder = FusedLambBuilder()
+    if importlib.util.find_spec(builder.absolute_name()) is not None:  # prebuilt (DS_BUILD_FUSED_LAMB=1)
+        return None
+    if not builder.is_compatible():
+        return "DeepSpeed's fused LAMB builder says this CUDA setup cannot build it; use train.optimizer=adamw"
+    if CUDA_HOME is None:
+        return ("DeepSpeed's fused LAMB is not prebuilt in this install and compiling it at first use needs nvcc, "
+                "which is not here (no CUDA_HOME); use train.optimizer=adamw, or install DeepSpeed with "
+                "DS_BUILD_FUSED_LAMB=1 where nvcc is")
+    return None
+
+
 def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, device: torch.device,
                  found_inf: torch.Tensor | None = None, load_universal: bool = False):
     """(engine, DeepSpeed config) for `model`: the one call of deepspeed.initialize, shared by the trainer
@@ -97,8 +120,8 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
     if train.optimizer == "adamw":
         optimizer = ClippingAdamW(param_groups(model, train.weight_decay), lr=train.lr, betas=tuple(train.betas),
                                   eps=train.eps, max_norm=train.clip, found_inf=found_inf)
-    elif device.type != "cuda":
-        raise FastmaeError("train.optimizer=lamb needs DeepSpeed's CUDA LAMB; use adamw on CPU")
+    elif (obstacle := lamb_obstacle(device)) is not None:
+        raise FastmaeError(f"train.optimizer=lamb: {obstacle}")
     ds_config = deepspeed_config(config, precision)
     if load_universal:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}

@@ -58,18 +58,22 @@ def plan_graphs(config: RunConfig, device: torch.device, precision: str) -> Grap
     train = config.train
     if train.cuda_graphs == "never":
         return GraphPlan(False, "train.cuda_graphs=never")
+    model = config.model
+    backend = None if device.type != "cuda" else resolve_backend(
+        None, device, model.attention_dropout, DTYPES[precision], biased=model.relative_attention_bias)
     obstacles = [
         (device.type != "cuda", f"the device is {device.type}, not CUDA"),
         (train.zero_stage == 3, "train.zero_stage=3 gathers parameters module by module during the forward"),
         (train.activation_checkpointing, "train.activation_checkpointing recomputes layers inside the backward"),
         (train.compile, "train.compile: compiled layers guard and recompile on the host"),
+        (backend == "flex", "attention backend flex (the relative position bias without attention dropout) builds a "
+                            "dense block mask and compiles flex_attention inside the forward, which a capture cannot "
+                            "hold"),
+        # padded batches lay every sequence out max_seq_len long
+        (config.data.packing == "doc" and backend in UNPADDABLE_BACKENDS,
+         f"data.packing=doc with attention backend {backend}: padded to fixed shapes, its micro-batches would attend "
+         "over sequence capacity x max_seq_len rows (flash-attn's varlen kernel reads the packed rows)"),
     ]
-    if config.data.packing == "doc":  # padded batches lay every sequence out max_seq_len long
-        backend = resolve_backend(None, device, config.model.attention_dropout, DTYPES[precision],
-                                  biased=config.model.relative_attention_bias)
-        obstacles.append((backend in UNPADDABLE_BACKENDS, f"data.packing=doc with attention backend {backend}: padded "
-                          "to fixed shapes, its micro-batches would attend over sequence capacity x max_seq_len "
-                          "rows (flash-attn's varlen kernel reads the packed rows)"))
     reasons = [reason for blocked, reason in obstacles if blocked]
     if not reasons:
         shapes = ShapeLadder.for_run(config) if config.data.packing == "doc" else None

@@ -44,10 +44,17 @@ class PaddedShape(NamedTuple):
     removed: int
 
 
+MAX_RUNGS = 3
+"""Rungs of a ladder: sequence capacities b0, 2 b0, 4 b0."""
+
+
 class ShapeLadder:
     """The shapes micro-batches of at most `tokens_per_batch` rows are padded to under `config`'s masking: sequence
-    capacities B_cap = b0, 2 b0, 4 b0, ... from b0 = ceil(tokens_per_batch / max_seq_len) + 2 (full-length pieces and
-    two fillers) up to the most sequences such a micro-batch can hold (3 rows each)."""
+    capacities B_cap = b0, 2 b0, 4 b0 from b0 = ceil(tokens_per_batch / max_seq_len) + 2 (full-length pieces and
+    two fillers), and no more than the most sequences such a micro-batch can hold (3 rows each). The ladder stops at
+    4 b0 (`MAX_RUNGS`): a batch of more, shorter documents stays unpadded and runs eagerly, because the
+    top rungs would hand the attention kernels tens of thousands of zero-length sequences (43,692 at 131,072 tokens),
+    which neither flash-attn's nor torch's varlen backward has run over."""
 
     def __init__(self, config: ModelConfig, tokens_per_batch: int):
         self.config, self.tokens_per_batch = config, tokens_per_batch
@@ -60,7 +67,7 @@ class ShapeLadder:
             removed = min(predicted, math.floor(share * predicted + capacity / 2))
             tokens = -(-(tokens_per_batch + 3 * capacity) // ROW_MULTIPLE) * ROW_MULTIPLE
             shapes.append(PaddedShape(tokens, capacity, predicted, removed))
-            if capacity >= tokens_per_batch // 3 + 2:
+            if capacity >= tokens_per_batch // 3 + 2 or len(shapes) == MAX_RUNGS:
                 break
             capacity *= 2
         self.shapes: tuple[PaddedShape, ...] = tuple(shapes)

@@ -49,6 +49,15 @@ def test_the_plan_names_what_stops_graphs(monkeypatch):
     monkeypatch.setattr("fastmae.attention._HAS_FLASH_ATTN", False)
     assert "attention backend padded" in plan_graphs(doc, CUDA, "bf16").reason
     assert plan_graphs(run_config(), CUDA, "bf16").enabled
+    # the relative bias without attention dropout runs FlexAttention: a block mask built and a kernel compiled inside
+    # the forward, neither of which a capture holds
+    biased = run_config()
+    biased.model = dataclasses.replace(biased.model, relative_attention_bias=True, attention_dropout=0.0)
+    assert plan_graphs(biased, CUDA, "bf16") == (False, "eager: attention backend flex (the relative position bias "
+                                                 "without attention dropout) builds a dense block mask and compiles "
+                                                 "flex_attention inside the forward, which a capture cannot hold", None)
+    biased.model = dataclasses.replace(biased.model, attention_dropout=0.1)  # padded SDPA with its bias: captured
+    assert plan_graphs(biased, CUDA, "bf16").enabled
     with pytest.raises(ConfigError, match="cuda_graphs=always, but train.activation_checkpointing"):
         plan_graphs(run_config(cuda_graphs="always", activation_checkpointing=True), CUDA, "bf16")
     with pytest.raises(ConfigError, match="train.cuda_graphs"):

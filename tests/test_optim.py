@@ -4,6 +4,8 @@ gradient."""
 import pytest
 import torch
 
+from fastmae import MaskedLM, ModelConfig
+from fastmae.config import load_run_config
 from fastmae.optim import ClippingAdamW
 
 
@@ -43,3 +45,26 @@ def test_a_non_finite_gradient_sets_the_skip_flag_and_changes_nothing():
     ClippingAdamW(params, lr=1e-2, max_norm=2.0, found_inf=found_inf).step()
     assert found_inf.item() == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, params))
+
+
+def test_lamb_is_refused_where_deepspeed_cannot_build_it(monkeypatch):
+    """DeepSpeed's fused LAMB is CUDA only and, unless prebuilt, compiled at first use with nvcc: refused before
+    DeepSpeed starts, with the reason, instead of a build failure inside deepspeed.initialize."""
+    from deepspeed.ops.op_builder.fused_lamb import FusedLambBuilder
+    from torch.utils import cpp_extension
+
+    from fastmae.engine import build_engine, lamb_obstacle
+    from fastmae.errors import FastmaeError
+
+    assert "CUDA only" in lamb_obstacle(torch.device("cpu"))
+    config = load_run_config(None, ["train.optimizer=lamb"])
+    with pytest.raises(FastmaeError, match="train.optimizer=lamb: DeepSpeed's fused LAMB runs on CUDA only"):
+        build_engine(MaskedLM(ModelConfig.preset("mlm", hidden_size=16, num_heads=2, encoder_layers=1,
+                                                 vocab_size=64)), config, "fp32", torch.device("cpu"))
+    monkeypatch.setattr(FusedLambBuilder, "is_compatible", lambda self, verbose=False: True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    assert "needs nvcc" in lamb_obstacle(torch.device("cuda"))
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    assert lamb_obstacle(torch.device("cuda")) is None
+    monkeypatch.setattr(FusedLambBuilder, "is_compatible", lambda self, verbose=False: False)
+    assert "cannot build it" in lamb_obstacle(torch.device("cuda"))

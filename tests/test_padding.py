@@ -14,7 +14,7 @@ from fastmae.data.loader import PackedLoader
 from fastmae.flops import masked_training_flops
 from fastmae.graphs import signature
 from fastmae.masking import mask_batch
-from fastmae.padding import IGNORED_LABEL, ShapeLadder, pad
+from fastmae.padding import IGNORED_LABEL, MAX_RUNGS, ShapeLadder, pad
 from fastmae.pipeline import masked_ahead
 
 TOKENS_PER_BATCH = 384
@@ -28,14 +28,18 @@ def doc_batch(seed: int, num_sequences: int, min_len: int, max_len: int, index: 
     return dataclasses.replace(tiny_batch(num_sequences, seed=seed, min_len=min_len, max_len=max_len), index=index)
 
 
-BATCHES = [(0, 3, 100, 126), (1, 7, 5, 40), (2, 12, 1, 20), (3, 1, 126, 126), (4, 40, 1, 6)]
+BATCHES = [(0, 3, 100, 126), (1, 7, 5, 40), (2, 12, 1, 20), (3, 1, 126, 126), (4, 14, 1, 6)]
 
 
 @pytest.mark.parametrize("preset, extra", PRESETS)
 def test_a_padded_batch_has_its_shape_and_its_own_masks(preset, extra):
     config = tiny_model(preset, **extra).config
     ladder = ShapeLadder(config, TOKENS_PER_BATCH)
-    assert 3 <= len(ladder.shapes) <= 8 and all(s.tokens % 64 == 0 for s in ladder.shapes)
+    first = -(-TOKENS_PER_BATCH // 128) + 2  # b0, 2 b0, 4 b0: no rung of tens of thousands of empty sequences
+    assert [s.sequences for s in ladder.shapes] == [first, 2 * first, 4 * first] and len(ladder.shapes) == MAX_RUNGS
+    assert all(s.tokens % 64 == 0 for s in ladder.shapes)
+    many = mask_batch(doc_batch(9, 4 * first + 1, 1, 6), config, seed=5, step=9, host=True)
+    assert ladder.shape_for(many) is None and ladder.pad(many) is many  # more documents than the top rung: eager
     for seed, count, low, high in BATCHES:
         masked = mask_batch(doc_batch(seed, count, low, high), config, seed=5, step=seed, host=True)
         shape = ladder.shape_for(masked)
@@ -80,16 +84,16 @@ def test_batches_of_one_shape_share_one_signature_and_others_do_not():
     assert signature(many) != signature(padded[0])
 
 
-def test_a_batch_whose_counts_its_documents_cap_takes_a_larger_shape_and_one_too_large_none():
+def test_a_batch_whose_documents_cap_its_counts_fits_no_shape_and_stays_unpadded():
     # documents made mostly of <mask> ids: their maskable tokens cap the predicted rows far below the ladder's bound,
-    # so the dummy rows need more spare rows than the shape for 3 sequences has
+    # so the dummy rows need more spare rows than any rung has: the batch runs as it is (eagerly)
     config = tiny_model("3ml").config
     ladder = ShapeLadder(config, TOKENS_PER_BATCH)
     masks = PackedBatch.from_sequences([[1] + [MASK_ID] * 120 + [5, 2]] * 3)
     masked = mask_batch(dataclasses.replace(masks, index=0), config, seed=0, step=0, host=True)
-    assert masked.num_predicted == 3 and ladder.shape_for(masked).sequences > ladder.shapes[0].sequences
+    assert masked.num_predicted == 3 and ladder.shape_for(masked) is None and ladder.pad(masked) is masked
     with pytest.raises(ValueError, match="does not fit"):
-        pad(masked, ladder.shapes[0])
+        pad(masked, ladder.shapes[-1])
     smaller = ShapeLadder(config, 128)  # micro-batches of at most 128 rows: this one is larger than every shape
     assert smaller.shape_for(masked) is None and smaller.pad(masked) is masked
 
