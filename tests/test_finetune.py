@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import CUDA_HEADS, tiny_model
 from synthetic import keyword_split, word_tokenizer_bytes, write_run_dir
 
 from fastmae.data.tokenizer import Tokenizer
@@ -23,7 +23,7 @@ def run_dir(tmp_path_factory):
     """A tiny randomly initialised `mae-lm` model with a word-level tokenizer, as a run directory."""
     model_bytes = word_tokenizer_bytes(WORDS, 40)
     model = tiny_model("mae-lm", vocab_size=Tokenizer(model_bytes).vocab_size, max_seq_len=64, dropout=0.1,
-                       attention_dropout=0.1, decoder_layers=1)
+                       attention_dropout=0.1, decoder_layers=1, **CUDA_HEADS)  # its bf16 case runs on CUDA too
     return write_run_dir(tmp_path_factory.mktemp("ft") / "run", model, model_bytes)
 
 

@@ -6,9 +6,10 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import tiny_batch, tiny_model
+from conftest import CUDA_HEADS, tiny_batch, tiny_config, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fastmae.attention import FLASH_KERNEL_BACKENDS, check_flash_head_dim, resolve_backend
 from fastmae.batch import pack_bytes
 from fastmae.config import RunConfig
 from fastmae.errors import ConfigError
@@ -188,13 +189,32 @@ def test_loading_a_moved_batch_is_one_copy_and_no_allocation():
         assert torch.equal(static, tensor)
 
 
+CAPTURED = [("3ml", {}), ("mlm", {"norm_position": "pre"}),
+            ("mae-lm", {"decoder_kind": "cross", "position_embedding": "rotary"})]
+
+
+def test_the_cuda_tests_models_fit_the_flash_kernels(monkeypatch):
+    """The models the CUDA tests build (captures here, fine-tuning's bf16 case) have a head dimension the CUDA flash
+    kernels take, whichever backend resolves on a GPU machine, with flash-attn installed or not."""
+    configs = [tiny_config(preset, **CUDA_HEADS, **extra) for preset, extra in CAPTURED]
+    configs.append(tiny_config("mae-lm", **CUDA_HEADS, attention_dropout=0.1))  # tests/test_finetune.py's run_dir
+    with pytest.raises(ValueError, match="multiple of 8"):  # what TINY's heads would meet
+        check_flash_head_dim(tiny_config().hidden_size // tiny_config().num_heads, "torch_varlen")
+    for has_flash in (True, False):
+        monkeypatch.setattr("fastmae.attention._HAS_FLASH_ATTN", has_flash)
+        for config in configs:
+            for dtype in (torch.float32, torch.bfloat16):
+                backend = resolve_backend(None, CUDA, config.attention_dropout, dtype)
+                if backend in FLASH_KERNEL_BACKENDS:
+                    check_flash_head_dim(config.hidden_size // config.num_heads, backend)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("preset, extra", [("3ml", {}), ("mlm", {"norm_position": "pre"}),
-                                           ("mae-lm", {"decoder_kind": "cross", "position_embedding": "rotary"})])
+@pytest.mark.parametrize("preset, extra", CAPTURED)
 def test_captured_graphs_compute_what_the_model_computes(preset, extra, dtype):
     # dropout off: a replay draws its dropout masks from the graph's own generator offsets
-    eager, captured = (flat_model(preset, 0, CUDA, dtype, dropout=0.0, **extra) for _ in range(2))
+    eager, captured = (flat_model(preset, 0, CUDA, dtype, dropout=0.0, **CUDA_HEADS, **extra) for _ in range(2))
     graphs = StepGraphs(captured, capture=True)
     micro_batches = same_shaped(eager.config, 5, device=CUDA)
     expected, got = accumulate(eager, micro_batches), accumulate(captured, micro_batches)
@@ -211,7 +231,7 @@ def test_captured_graphs_compute_what_the_model_computes(preset, extra, dtype):
 def test_captured_graphs_replay_doc_batches_padded_to_one_shape(preset, dtype):
     # zero-length filler sequences in the varlen kernels (bf16: flash-attn or torch's varlen_attn; fp32: padded
     # SDPA), the device-side count of the predicted rows
-    eager, captured = (flat_model(preset, 0, CUDA, dtype, dropout=0.0) for _ in range(2))
+    eager, captured = (flat_model(preset, 0, CUDA, dtype, dropout=0.0, **CUDA_HEADS) for _ in range(2))
     graphs = StepGraphs(captured, capture=True)
     padded, unpadded = doc_shaped(eager.config, 5, device=CUDA)
     expected, got = accumulate(eager, unpadded), accumulate(captured, padded)
