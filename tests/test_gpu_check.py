@@ -1,55 +1,130 @@
-"""scripts/gpu_check.sh on a machine without a GPU: its dry run names every step, and each step's files and training
-overrides are valid (so the first run on a GPU does not fail on a typo)."""
+"""scripts/gpu_check.sh on a machine without a GPU: the plan, each phase's commands and the files it would write, and
+that every step's files, selections and training overrides are valid (so the first lent GPU does not fail on a typo);
+the phase runner itself (records after every step, copies under $OUT, a step cut by the phase's budget, a phase done
+for a commit skipped) on stand-in steps."""
 
+import importlib.util
+import json
+import os
+import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from fastmae.config import load_run_config
 from fastmae.train import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
 
 
-def test_dry_run_names_every_step_and_its_inputs_are_valid():
-    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+def script(*args, env_extra=None):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run(["bash", "scripts/gpu_check.sh", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_the_plan_puts_what_decides_first_and_every_phase_fits_a_command():
+    done = script("--plan")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    names = [line.split()[0] for line in lines]
+    assert names[:2] == ["smoke", "headline"] and len(names) == len(set(names)) >= 5
+    for line, name in zip(lines, names):
+        minutes, unit, *command = line.split("   #")[0].split()[1:]
+        assert unit == "min" and 1 <= int(minutes) <= 8 and command == ["bash", "scripts/gpu_check.sh", name]
+
+
+def dry_run(phase: str) -> tuple[dict, list[str]]:
+    done = script("--dry-run", phase)
     assert done.returncode == 0, done.stderr
     steps = {line.split("]", 1)[0][3:]: shlex.split(line.split("] ", 1)[1])
              for line in done.stdout.splitlines() if line.startswith("+ [")}
-    assert list(steps) == ["device", "kernel_tests", "kernel_tests_large", "attention_tests", "relative_bias_tests",
-                           "sync_tests", "graph_tests", "finetune_tests", "host_overhead_benchmark",
-                           "host_overhead_graphs_benchmark", "kernel_benchmark", "attention_benchmark",
-                           "throughput_benchmark", "throughput_recipe_benchmark", "micro_batch", "train_3ml_base"]
-    # compiled kernels at realistic shapes too
-    for name, marks in (("kernel_tests", "not large"), ("kernel_tests_large", "large"),
-                        ("attention_tests", "large or not large")):
-        assert steps[name][-3:-1] == ["-m", marks] and (ROOT / steps[name][-1]).exists()
-    for name, selected in (("sync_tests", "steady_state"), ("relative_bias_tests", "relative_bias"),
-                           ("finetune_tests", "bf16")):
-        assert steps[name][-2:] == ["-k", selected] and (ROOT / steps[name][-3]).is_file()
-    assert all((ROOT / steps[name][-1]).is_file() for name in ("kernel_benchmark", "attention_benchmark",
-                                                              "host_overhead_benchmark", "graph_tests"))
-    graphs = steps["host_overhead_graphs_benchmark"]
-    assert "--cuda-graphs" in graphs and (ROOT / graphs[1]).is_file()
-    throughput = steps["throughput_benchmark"]
-    assert throughput[throughput.index("--size") + 1] == "base" and (ROOT / throughput[1]).is_file()
-    command = steps["train_3ml_base"]
-    assert command[:3] == ["deepspeed", "--num_gpus", "1"] and (ROOT / command[3]).is_file()
-    args = build_parser().parse_args(command[4:])
-    config = load_run_config(str(ROOT / args.config), args.overrides)
-    model = config.model
-    assert (model.objective, model.hidden_size, model.encoder_layers, model.max_seq_len) == ("3ml", 768, 12, 512)
-    assert config.train.steps == 50 and config.data.path == "builtin" and args.resume == "none"
-    assert config.for_world(1).train.grad_accum == 1  # one GPU, one micro-batch of the recipe's size per step
-    recipe = steps["throughput_recipe_benchmark"]
-    assert int(recipe[recipe.index("--sequences") + 1]) * 512 == load_run_config(
+    writes = [path for line in done.stdout.splitlines() if line.startswith("  writes: ") for path in line.split()[1:]]
+    return steps, writes
+
+
+def test_every_phase_names_real_files_and_valid_runs():
+    seen = []
+    for phase in gpu_check.PHASES:
+        steps, writes = dry_run(phase.name)
+        assert list(steps) == [step.name for step in phase.steps]
+        seen += list(steps)
+        for name, command in steps.items():
+            while re.fullmatch(r"[A-Z_]+=\S*", command[0]):  # the step's environment
+                command = command[1:]
+            assert Path(command[0]).name.startswith("python")
+            if command[1:3] == ["-m", "pytest"]:
+                assert any((ROOT / part).exists() for part in command if part.startswith("tests")), name
+            elif command[1:3] == ["-m", "fastmae.train"]:
+                args = build_parser().parse_args(command[3:])
+                config = load_run_config(str(ROOT / args.config), args.overrides)
+                model = config.model
+                assert (model.objective, model.hidden_size, model.encoder_layers) == ("3ml", 768, 12), name
+                assert config.for_world(1).train.grad_accum == 1 and args.resume == "none"
+            else:
+                assert (ROOT / command[1]).is_file(), name
+        # each step's log, the files it keeps, and the phase's record, all under the device's directory
+        assert all(path.startswith(f"benchmarks/results/gpu/DEVICE/{phase.name}/") for path in writes)
+        assert f"benchmarks/results/gpu/DEVICE/{phase.name}/phase.json" in writes
+    assert {"graph_tests", "sync_tests", "sync_step_3ml_base", "throughput_headline", "kernel_tests",
+            "kernel_tests_large", "attention_tests", "train_3ml_base"} <= set(seen)
+    smoke, _ = dry_run("smoke")
+    assert smoke["graph_tests"][-2:] == ["-k", "captured"] and smoke["sync_tests"][-2:] == ["-k", "steady_state"]
+    assert smoke["sync_step_3ml_base"][0] == "FASTMAE_SYNC_DEBUG=1"  # one replayed base step under sync debug
+    headline, _ = dry_run("headline")
+    throughput = headline["throughput_headline"]
+    assert throughput[throughput.index("--systems") + 1] == "hf-roberta,mlm,3ml" and "--eager" in throughput
+    assert "--compile" not in throughput  # compiled rows take minutes each: not in a headline phase
+    assert int(throughput[throughput.index("--sequences") + 1]) * 512 == load_run_config(
         str(ROOT / "configs/roberta-base.yaml"), ["model.vocab_size=32000"]).data.tokens_per_micro_batch
-    assert (ROOT / steps["micro_batch"][1]).is_file()
-    assert "benchmarks/results/gpu/DEVICE" in done.stdout
     assert not (ROOT / "benchmarks" / "results" / "gpu" / "DEVICE").exists()  # a dry run writes nothing
 
 
-def test_unknown_argument_is_refused():
-    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--bogus"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 2 and "usage:" in done.stderr
+def test_unknown_arguments_are_refused():
+    assert script("--bogus").returncode == 2
+    done = script("smok")
+    assert done.returncode == 1 and "unknown phase 'smok'" in done.stderr
+
+
+def test_a_phase_records_every_step_mirrors_it_and_is_skipped_once_done(tmp_path, monkeypatch, capsys):
+    results, out = tmp_path / "gpu" / "TEST", tmp_path / "out"
+    monkeypatch.setattr(gpu_check, "RESULTS", tmp_path / "gpu")
+    monkeypatch.setattr(gpu_check, "set_up", lambda: {"device": "stand-in"})
+    monkeypatch.setattr(gpu_check, "PHASE_BUDGET_S", 8)
+    monkeypatch.setattr(gpu_check, "RECORD_MARGIN_S", 1)
+    monkeypatch.setenv("OUT", str(out))
+    quick = gpu_check.Step("quick", (gpu_check.PY, "-c", "print('measured')"))
+    slow = gpu_check.Step("slow", (gpu_check.PY, "-c", "import time; time.sleep(30)"))
+    cut = gpu_check.Phase("cut", 1, "stand-in", (quick, slow, quick))
+    assert not gpu_check.run_phase(cut, results, "abc", force=False)
+    record = json.loads((results / "cut" / "phase.json").read_text())
+    assert record["commit"] == "abc" and record["machine"] == {"device": "stand-in"} and not record["complete"]
+    statuses = [step["status"] for step in record["steps"]]
+    assert statuses[0] == "exit 0" and statuses[1].startswith("cut after") and statuses[2].startswith("not run")
+    assert (results / "cut" / "quick.log").read_text() == "measured\n"
+    mirrored = out / "benchmarks" / "results" / "gpu" / "TEST" / "cut"
+    assert json.loads((mirrored / "phase.json").read_text()) == record and (mirrored / "quick.log").is_file()
+
+    whole = gpu_check.Phase("whole", 1, "stand-in", (quick,))
+    assert gpu_check.run_phase(whole, results, "abc", force=False)
+    assert json.loads((results / "whole" / "phase.json").read_text())["complete"]
+    capsys.readouterr()
+    assert gpu_check.run_phase(whole, results, "abc", force=False)  # done for this commit: skipped
+    assert "whole is done for commit abc" in capsys.readouterr().out
+    assert not gpu_check.done_for(results / "cut", "abc") and not gpu_check.done_for(results / "whole", "def")
+
+
+@pytest.mark.parametrize("phase", ["smoke"])
+def test_a_phase_done_for_the_commit_is_skipped_from_the_command_line(tmp_path, phase):
+    directory = tmp_path / "TEST" / phase
+    directory.mkdir(parents=True)
+    (directory / "phase.json").write_text(json.dumps({"commit": "abc", "complete": True}))
+    done = script(phase, env_extra={"FASTMAE_GPU_RESULTS": str(tmp_path), "FASTMAE_GPU_DEVICE": "TEST",
+                                    "FASTMAE_COMMIT": "abc"})
+    assert done.returncode == 0 and f"{phase} is done for commit abc" in done.stdout, done.stderr

@@ -1,0 +1,322 @@
+"""The GPU check in phases: each one command of at most 8 minutes on a lent machine, its set-up included, in the order
+of what they decide (a lent machine gives 30 minutes in all, 10 per command, and is gone 30 s after a command ends).
+
+    bash scripts/gpu_check.sh --plan               # one line per phase: name, expected minutes on an H100, command
+    bash scripts/gpu_check.sh PHASE [--force]      # run one phase (skipped when already done for this commit)
+    bash scripts/gpu_check.sh --dry-run PHASE      # the phase's steps, their commands and files; runs nothing
+    bash scripts/gpu_check.sh all                  # every phase not yet done, in order (no per-command limit)
+
+A phase first installs what the machine lacks, offline: the wheels `scripts/gpu_wheels.sh` put in .whl/ (carried with
+the tree) for the modules that are missing, then fastmae itself with --no-deps (the image's torch stays as it is),
+and names any module fastmae imports that is still missing. Then its steps run in order, each within what is left of
+the phase's 8 minutes (a step past it is stopped and recorded as cut). Everything lands in
+benchmarks/results/gpu/DEVICE/PHASE/: each step's log, the files it wrote, and phase.json (the commit measured, each
+step's exit status and seconds), rewritten after every step and copied under $OUT when $OUT is set (the device tool
+brings $OUT back), so a cut phase keeps what it measured. A phase whose phase.json says it completed for this commit
+is skipped. The commit comes from FASTMAE_COMMIT (a lent machine's copy of the tree has no .git), else git.
+Standard library only: it runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(os.environ.get("FASTMAE_GPU_RESULTS", ROOT / "benchmarks" / "results" / "gpu"))
+WHEELS = ROOT / ".whl"
+PHASE_BUDGET_S = 8 * 60
+RECORD_MARGIN_S = 10  # kept back from the last step, to write the phase's record
+PY = "{python}"  # stands for the interpreter running this script
+
+# Modules a phase needs, with the distribution that provides each. Those in CARRIED install from .whl/ when missing;
+# a missing one of the others is named and the phase stops.
+CARRIED = {"setuptools": "setuptools", "wheel": "wheel", "deepspeed": "deepspeed", "hjson": "hjson",
+           "pydantic": "pydantic", "pydantic_core": "pydantic-core", "annotated_types": "annotated-types",
+           "typing_inspection": "typing-inspection", "zstandard": "zstandard", "einops": "einops",
+           "msgpack": "msgpack", "cpuinfo": "py-cpuinfo", "ninja": "ninja"}
+IMAGE = {"torch": "torch", "triton": "triton", "numpy": "numpy", "tqdm": "tqdm", "yaml": "pyyaml",
+         "sentencepiece": "sentencepiece", "safetensors": "safetensors", "psutil": "psutil",
+         "matplotlib": "matplotlib", "pytest": "pytest", "transformers": "transformers", "packaging": "packaging"}
+
+RUN_3ML_BASE = ["--config", "configs/3ml-base.yaml", "--resume", "none", "data.path=builtin",
+                "data.builtin_vocab_size=8000", "train.warmup_steps=1", "checkpoint.keep=1"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    name: str
+    command: tuple[str, ...]
+    keeps: tuple[str, ...] = ()  # files the command writes, copied into the phase's directory
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    name: str
+    minutes: int  # expected on an H100, set-up included
+    decides: str
+    steps: tuple[Step, ...]
+
+
+def _pytest(*args: str) -> tuple[str, ...]:
+    return (PY, "-m", "pytest", "-q", *args)
+
+
+PHASES = (
+    Phase("smoke", 6, "captured graphs compute what eager computes; no host-device sync in a steady step", (
+        Step("graph_tests", _pytest("tests/test_graphs.py", "-k", "captured")),
+        Step("sync_tests", _pytest("tests/test_train.py", "-k", "steady_state")),
+        # one 3ml base step replayed from its recording under set_sync_debug_mode("error"): step 3 of 4 (the second
+        # sight records, the last step is logged and runs eagerly), at 65,536 tokens before the recipe's 131,072
+        Step("sync_step_3ml_base", (PY, "-m", "fastmae.train", *RUN_3ML_BASE, "train.steps=4",
+                                    "train.tokens_per_step=65536", "data.tokens_per_micro_batch=65536",
+                                    "eval.every=0", "checkpoint.every=1000", "log.every=4",
+                                    "log.dir=runs/gpu-check/sync-3ml-base"),
+             keeps=("runs/gpu-check/sync-3ml-base/metrics.jsonl", "runs/gpu-check/sync-3ml-base/run_info.json"),
+             env=(("FASTMAE_SYNC_DEBUG", "1"),)),
+    )),
+    Phase("headline", 7, "3ml and mlm against Hugging Face RoBERTa at base size: tokens/s, MFU, GPU busy", (
+        Step("throughput_headline", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
+                                     "--systems", "hf-roberta,mlm,3ml", "--eager", "--name", "throughput_headline"),
+             keeps=tuple(f"benchmarks/results/throughput_headline.{ext}" for ext in ("json", "md", "png"))),
+    )),
+    Phase("kernels", 6, "every Triton kernel compiled for this GPU against its torch reference; their speed", (
+        Step("kernel_tests", _pytest("-n", "8", "-m", "not large", "tests/kernels")),
+        Step("kernel_benchmark", (PY, "benchmarks/kernels.py"),
+             keeps=("benchmarks/results/kernels.json", "benchmarks/results/kernels.md")),
+    )),
+    Phase("attention", 6, "every attention backend against the naive reference; their speed", (
+        Step("attention_tests", _pytest("-m", "large or not large", "tests/test_attention.py")),
+        Step("relative_bias_tests", _pytest("tests/test_model.py", "-k", "relative_bias")),
+        Step("attention_benchmark", (PY, "benchmarks/attention.py"),
+             keeps=("benchmarks/results/attention.json", "benchmarks/results/attention.md")),
+    )),
+    Phase("overhead", 5, "device ops, launches and syncs per step, eager and replayed; bf16 fine-tuning", (
+        Step("host_overhead_benchmark", (PY, "benchmarks/host_overhead.py"),
+             keeps=("benchmarks/results/host_overhead.json", "benchmarks/results/host_overhead.md")),
+        Step("host_overhead_graphs_benchmark", (PY, "benchmarks/host_overhead.py", "--zero-stage", "2",
+                                                "--cuda-graphs", "--name", "host_overhead_zero2_graphs"),
+             keeps=("benchmarks/results/host_overhead_zero2_graphs.json",
+                    "benchmarks/results/host_overhead_zero2_graphs.md")),
+        Step("finetune_tests", _pytest("tests/test_finetune.py", "-k", "bf16")),
+    )),
+    Phase("large_kernels", 7, "the kernels at realistic shapes (up to 14 GB each)", (
+        Step("kernel_tests_large", _pytest("-m", "large", "tests/kernels")),
+    )),
+    Phase("recipe", 7, "the recipes' micro-batch from measured memory; 50 steps of 3ml-base", (
+        Step("micro_batch", (PY, "benchmarks/micro_batch.py", "--device-dir", "{results}/headline"),
+             keeps=("benchmarks/results/micro_batch.json", "benchmarks/results/micro_batch.md")),
+        Step("train_3ml_base", (PY, "-m", "fastmae.train", *RUN_3ML_BASE, "train.steps=50",
+                                "train.tokens_per_step=131072", "eval.every=50", "eval.sequences=256",
+                                "checkpoint.every=50", "log.every=5", "log.dir=runs/gpu-check/3ml-base"),
+             keeps=tuple(f"runs/gpu-check/3ml-base/{name}" for name in
+                         ("metrics.jsonl", "curves.png", "config.yaml", "run_info.json"))),
+    )),
+)
+
+
+def phase_named(name: str) -> Phase:
+    for phase in PHASES:
+        if phase.name == name:
+            return phase
+    raise SystemExit(f"gpu_check: unknown phase {name!r}; phases: {', '.join(p.name for p in PHASES)}")
+
+
+def command_line(step: Step, results: Path) -> list[str]:
+    return [part.replace(PY, sys.executable).replace("{results}", str(results)) for part in step.command]
+
+
+def plan_lines() -> list[str]:
+    return [f"{phase.name} {phase.minutes} min bash scripts/gpu_check.sh {phase.name}   # {phase.decides}"
+            for phase in PHASES]
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def dry_run_lines(phase: Phase, results: Path) -> list[str]:
+    lines = []
+    for step in phase.steps:
+        env = "".join(f"{key}={value} " for key, value in step.env)
+        lines.append(f"+ [{step.name}] {env}{shlex.join(command_line(step, results))}")
+        writes = [results / phase.name / f"{step.name}.log", *(results / phase.name / Path(kept).name
+                                                               for kept in step.keeps)]
+        lines.append("  writes: " + " ".join(map(_shown, writes)))
+    lines.append(f"  writes: {_shown(results / phase.name / 'phase.json')}")
+    return lines
+
+
+def current_commit() -> str:
+    if os.environ.get("FASTMAE_COMMIT"):
+        return os.environ["FASTMAE_COMMIT"]
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def device_directory() -> str:
+    """The GPU's name as a directory name (FASTMAE_GPU_DEVICE overrides it)."""
+    if os.environ.get("FASTMAE_GPU_DEVICE"):
+        return os.environ["FASTMAE_GPU_DEVICE"]
+    done = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0) "
+                           "if torch.cuda.is_available() else '')"], capture_output=True, text=True)
+    name = done.stdout.strip()
+    if not name:
+        raise SystemExit("gpu_check: no CUDA device visible to torch (a GPU machine, with a CUDA build of torch?)")
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", name)
+
+
+MACHINE = """
+import importlib.metadata as m, json, torch
+versions = {}
+for name in ("torch", "triton", "deepspeed", "transformers", "flash-attn"):
+    try:
+        versions[name] = m.version(name)
+    except m.PackageNotFoundError:
+        versions[name] = None
+print(json.dumps({"device": torch.cuda.get_device_name(0), "cuda": torch.version.cuda, "versions": versions}))
+"""
+
+
+def set_up() -> dict:
+    """Install the carried wheels of the missing modules, then fastmae (no dependencies); name what is still missing.
+    Returns what the machine is (device, CUDA, versions)."""
+    missing = sorted({dist for module, dist in CARRIED.items() if importlib.util.find_spec(module) is None})
+    if missing:
+        if not WHEELS.is_dir():
+            raise SystemExit(f"gpu_check: missing {', '.join(missing)} and no .whl/ to install them from: run "
+                             "`bash scripts/gpu_wheels.sh` where a registry is in reach and carry .whl/ here")
+        _pip("install", "--no-deps", "--no-index", "--find-links", str(WHEELS), *missing)
+    installed = subprocess.run([sys.executable, "-c", "import fastmae; print(fastmae.__file__)"],
+                               capture_output=True, text=True, cwd="/")
+    if installed.returncode != 0 or not installed.stdout.strip().startswith(str(ROOT)):
+        _pip("install", "--no-deps", "--no-build-isolation", "--no-index", "-e", str(ROOT))
+    check = ("import importlib.util, sys; missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]; "
+             "print(' '.join(missing))")
+    done = subprocess.run([sys.executable, "-c", check, *IMAGE, *CARRIED, "fastmae"], capture_output=True, text=True)
+    if done.stdout.strip():
+        names = [IMAGE.get(module, CARRIED.get(module, module)) for module in done.stdout.split()]
+        raise SystemExit(f"gpu_check: this machine lacks {', '.join(names)} (imported by fastmae or its steps)")
+    machine = subprocess.run([sys.executable, "-c", MACHINE], capture_output=True, text=True)
+    return json.loads(machine.stdout) if machine.returncode == 0 else {"error": machine.stderr[-2000:]}
+
+
+def _pip(*args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "pip", "-q", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"gpu_check: pip {' '.join(args)} failed:\n{done.stdout}{done.stderr}")
+
+
+class PhaseRecord:
+    """phase.json of one phase's directory, written after every step and mirrored under $OUT."""
+
+    def __init__(self, phase: Phase, directory: Path, commit: str, machine: dict):
+        self.directory, self.path = directory, directory / "phase.json"
+        self.data = {"phase": phase.name, "commit": commit, "started": _now(), "machine": machine,
+                     "complete": False, "steps": []}
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def add(self, step: Step, status: str, seconds: float) -> None:
+        self.data["steps"].append({"name": step.name, "status": status, "seconds": round(seconds, 1)})
+        self.write()
+
+    def finish(self, phase: Phase) -> None:
+        statuses = [s["status"] for s in self.data["steps"]]
+        self.data["complete"] = len(statuses) == len(phase.steps) and all(s == "exit 0" for s in statuses)
+        self.write()
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=1) + "\n")
+        if os.environ.get("OUT"):  # as benchmarks/results/gpu/DEVICE/PHASE under $OUT
+            mirror = Path(os.environ["OUT"], "benchmarks", "results", "gpu", self.directory.relative_to(RESULTS))
+            shutil.copytree(self.directory, mirror, dirs_exist_ok=True)
+
+
+def done_for(directory: Path, commit: str) -> bool:
+    record = directory / "phase.json"
+    if not record.is_file():
+        return False
+    data = json.loads(record.read_text())
+    return data.get("commit") == commit and data.get("complete", False)
+
+
+def run_phase(phase: Phase, results: Path, commit: str, force: bool) -> bool:
+    """Run `phase` (unless done for `commit`); True when every step exited 0."""
+    directory = results / phase.name
+    if not force and done_for(directory, commit):
+        print(f"gpu_check: {phase.name} is done for commit {commit} ({_shown(directory / 'phase.json')}); --force "
+              "runs it again")
+        return True
+    deadline = time.monotonic() + PHASE_BUDGET_S
+    record = PhaseRecord(phase, directory, commit, set_up())
+    for step in phase.steps:
+        left = deadline - time.monotonic() - RECORD_MARGIN_S
+        if left <= 0:
+            record.add(step, "not run: the phase's 8 minutes were spent", 0.0)
+            continue
+        started = time.monotonic()
+        status = _run_step(step, command_line(step, results), directory / f"{step.name}.log", left)
+        for kept in step.keeps:
+            if (ROOT / kept).is_file():
+                shutil.copy2(ROOT / kept, directory / Path(kept).name)
+        record.add(step, status, time.monotonic() - started)
+        print(f"gpu_check: [{phase.name}] {step.name}: {status} ({time.monotonic() - started:.0f} s)", flush=True)
+    record.finish(phase)
+    return record.data["complete"]
+
+
+def _run_step(step: Step, command: list[str], log: Path, timeout_s: float) -> str:
+    print(f"+ [{step.name}] {shlex.join(command)}", flush=True)
+    env = {**os.environ, **dict(step.env), "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as out:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            return f"exit {process.wait(timeout=timeout_s)}"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return f"cut after {timeout_s:.0f} s (the phase's budget)"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bash scripts/gpu_check.sh", description=__doc__.split("\n\n")[0])
+    parser.add_argument("phase", nargs="?", help=f"one of {', '.join(p.name for p in PHASES)}, or all")
+    parser.add_argument("--plan", action="store_true", help="print the phases in order, with minutes and commands")
+    parser.add_argument("--dry-run", action="store_true", help="print the phase's steps and files; run nothing")
+    parser.add_argument("--force", action="store_true", help="run a phase already done for this commit")
+    args = parser.parse_args(argv)
+    if args.plan:
+        print("\n".join(plan_lines()))
+        return 0
+    if not args.phase:
+        parser.error("name a phase (or --plan)")
+    phases = PHASES if args.phase == "all" else (phase_named(args.phase),)
+    if args.dry_run:
+        for phase in phases:
+            print("\n".join(dry_run_lines(phase, RESULTS / "DEVICE")))
+        return 0
+    results, commit = RESULTS / device_directory(), current_commit()
+    outcomes = [run_phase(phase, results, commit, args.force) for phase in phases]
+    return 0 if all(outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
