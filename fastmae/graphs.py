@@ -238,8 +238,10 @@ class StepGraphs:
         return self.eager_forward(batch)
 
     def _recording(self, batch) -> Recording | None:
-        """The recording that serves this training forward, recorded now if its time has come; None: run eagerly."""
-        if not isinstance(batch, MaskedBatch):
+        """The recording that serves this training forward, recorded now if its time has come; None: run eagerly.
+        Only packed batches (the trainer's) are recorded: one masked on the device (`train_step` given PackedBatches)
+        would build its layouts inside the capture."""
+        if not isinstance(batch, MaskedBatch) or not batch.is_packed():
             return None
         key = signature(batch)
         recording = self.recordings.get(key)

@@ -129,6 +129,11 @@ class MaskedBatch:
         return ("full",) + (("visible",) if cfg.insert_layer > 0 else ()) + (
             ("masked",) if cfg.decoder_kind == "cross" and cfg.decoder_layers else ())
 
+    def is_packed(self) -> bool:
+        """Whether every layout the model reads is built and every device tensor views one buffer (`packed`): then a
+        forward builds nothing (a CUDA graph capture cannot hold the host copies a layout is built with)."""
+        return self.buffer is not None and all(name in self.__dict__ for name in self.layouts_read())
+
     def device_tensors(self) -> list[torch.Tensor]:
         """Every device tensor of the batch, its selection and the layouts built so far (rotary tables excepted)."""
         layouts = [self.__dict__[name] for name in ("full", "visible", "masked") if name in self.__dict__]

@@ -9,12 +9,14 @@ import torch
 from conftest import CUDA_HEADS, tiny_batch, tiny_config, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fastmae import masking
 from fastmae.attention import FLASH_KERNEL_BACKENDS, check_flash_head_dim, resolve_backend
 from fastmae.batch import pack_bytes
 from fastmae.config import RunConfig
 from fastmae.errors import ConfigError
 from fastmae.flat import FlatParameters
 from fastmae.graphs import StepGraphs, plan_graphs, signature
+from fastmae.masking import mask_batch
 from fastmae.optim import decay_groups
 from fastmae.padding import ShapeLadder
 from fastmae.pipeline import masked_ahead
@@ -187,6 +189,22 @@ def test_loading_a_moved_batch_is_one_copy_and_no_allocation():
     assert ops.names == ["copy_.default"]
     for static, tensor in zip(recording.views, moved.device_tensors()):
         assert torch.equal(static, tensor)
+
+
+def test_only_packed_batches_are_recorded_and_a_recording_builds_no_layout(monkeypatch):
+    """A batch masked on its device (`train_step` given PackedBatches: the API's path) builds its stream layouts
+    lazily, inside the forward, with host copies a CUDA capture cannot hold: it runs eagerly, however often its shape
+    is seen. The trainer's packed batches are recorded, and no layout is built while their recording runs."""
+    model = flat_model("3ml", 0, dropout=0.0)
+    graphs = StepGraphs(model, capture=False)
+    batches = [dataclasses.replace(tiny_batch(num_sequences=4, seed=i, min_len=30, max_len=30), index=i)
+               for i in range(3)]
+    accumulate(model, [mask_batch(b, model.config, seed=0, step=b.index) for b in batches])
+    assert not graphs.recordings and graphs.eager_batches == 3
+    packed, built, real = same_shaped(model.config, 3), [], masking.stream_meta
+    monkeypatch.setattr(masking, "stream_meta", lambda *args, **kwargs: built.append(args) or real(*args, **kwargs))
+    accumulate(model, packed)
+    assert len(graphs.recordings) == 1 and graphs.replayed_batches == 2 and not built
 
 
 CAPTURED = [("3ml", {}), ("mlm", {"norm_position": "pre"}),
