@@ -12,6 +12,8 @@ least-squares line through them when a system was measured at two micro-batch si
 token summed over the layers and by width (marked as such until a GPU run measures it): that rule predicts 3ml's
 measured base slope from mlm's 8% low, well inside the budget's margin.
 
+Where CUDA graphs replay (the recipes' default on a GPU), two activation sets count: the recording's private pool
+keeps one for good, and a micro-batch of another shape (a shard's last piece) runs eagerly beside it.
 The choice is the largest power of two whose predicted peak stays within --budget of the device's memory (0.4: room
 for the allocator's fragmentation, `doc` packing's uneven micro-batches, evaluation, and GPUs with half the memory),
 at most RoBERTa's 8,192 x 512 tokens per step over 8 GPUs. Writes benchmarks/results/micro_batch.{json,md}; the
@@ -72,6 +74,8 @@ def measured_points(gpu_dir: Path) -> dict[tuple[str, str], list[tuple[int, floa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=0.4, help="fraction of the device's memory a step may peak at")
+    parser.add_argument("--eager", action="store_true",
+                        help="size for eager steps (one activation set) instead of replayed CUDA graphs (two)")
     parser.add_argument("--device-dir", default=None,
                         help="benchmarks/results/gpu/DEVICE with the measurements (default: the one whose name says "
                              "80GB)")
@@ -82,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_dir = gpu_dirs[0]
     device_gib = float(re.search(r"(\d+)GB", gpu_dir.name).group(1))
     points = measured_points(gpu_dir)
+    activation_sets = 1 if args.eager else 2
     rows, slopes, measured_slopes = [], {}, {}
     for recipe in RECIPES:
         config = recipe_model(recipe)
@@ -106,20 +111,23 @@ def main(argv: list[str] | None = None) -> int:
         if measured:
             measured_slopes[recipe] = slope
         limit_mib = args.budget * device_gib * 1024
+        per_token = slope * activation_sets
         tokens = 1 << 10
-        while tokens * 2 <= MAX_TOKENS and fixed_mib + slope * tokens * 2 <= limit_mib:
+        while tokens * 2 <= MAX_TOKENS and fixed_mib + per_token * tokens * 2 <= limit_mib:
             tokens *= 2
         rows.append({"recipe": recipe, "objective": config.objective, "parameters": params,
                      "fixed_mib": fixed_mib, "mib_per_token": slope, "slope_from": source,
-                     "chosen_tokens": tokens, "predicted_peak_mib": fixed_mib + slope * tokens,
-                     "predicted_peak_fraction": (fixed_mib + slope * tokens) / (device_gib * 1024)})
+                     "chosen_tokens": tokens, "activation_sets": activation_sets,
+                     "predicted_peak_mib": fixed_mib + per_token * tokens,
+                     "predicted_peak_fraction": (fixed_mib + per_token * tokens) / (device_gib * 1024)})
         print(f"{recipe:>14}: {tokens:>6} tokens per micro-batch, predicted peak "
               f"{rows[-1]['predicted_peak_mib'] / 1024:.1f} GiB ({source})")
     notes = (f"Peak memory of a bf16 ZeRO training step on one {gpu_dir.name} ({device_gib:.0f} GB) = fixed "
-             f"({FIXED_BYTES_PER_PARAMETER} bytes per parameter) + mib_per_token x tokens, the slope from the "
+             f"({FIXED_BYTES_PER_PARAMETER} bytes per parameter) + activation_sets x mib_per_token x tokens (two sets "
+             "where CUDA graphs replay: the recording's pool and an eager micro-batch beside it), the slope from the "
              f"measurements in benchmarks/results/gpu/{gpu_dir.name}/throughput*.json; chosen: the largest power of "
              f"two within {args.budget:.0%} of the device, at most {MAX_TOKENS} (benchmarks/micro_batch.py).")
-    columns = ["recipe", "parameters", "fixed_mib", "mib_per_token", "slope_from", "chosen_tokens",
+    columns = ["recipe", "parameters", "fixed_mib", "mib_per_token", "slope_from", "activation_sets", "chosen_tokens",
                "predicted_peak_mib", "predicted_peak_fraction"]
     path = write_results("micro_batch", rows, columns, "Tokens per micro-batch that fill the GPU", notes,
                          {"budget": args.budget, "device_gib": device_gib, "measurements": str(gpu_dir.name)})

@@ -138,7 +138,10 @@ class Recording:
 
     def _capture(self) -> None:
         """Warm up on a side stream, then capture the forward and the backward into one memory pool (replayed in
-        that order, as `torch.cuda.make_graphed_callables` does)."""
+        that order, as `torch.cuda.make_graphed_callables` does). The caching allocator's free blocks go back to the
+        device first: blocks cached for the current stream would not serve the side stream, and the warm-up would
+        hold a second activation set beside them."""
+        torch.cuda.empty_cache()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with _syncs_allowed(), torch.cuda.stream(side):
@@ -175,11 +178,12 @@ class Recording:
 
     def __call__(self, masked: MaskedBatch):
         """The model's output for `masked` (a MaskedLMOutput), its loss differentiable through `_Replayed`;
-        `encoder_states` is the recording's, valid until its next replay."""
+        `encoder_states` and `head_states` are the recording's, valid until its next replay."""
         self.load(masked)
         loss = _Replayed.apply(self, *self.params)
         return self.output._replace(loss=loss, num_predicted=masked.num_predicted, masked=masked,
-                                    encoder_states=self.output.encoder_states.detach())
+                                    encoder_states=self.output.encoder_states.detach(),
+                                    head_states=self.output.head_states.detach())
 
 
 class _Replayed(torch.autograd.Function):
@@ -204,8 +208,9 @@ class StepGraphs:
     """Installs itself as `model.forward` (and `model.graphs`): training forwards of a recorded signature replay
     their recording, every other call runs the model's own forward. A signature is recorded the second time it is
     seen (the first run is eager, so lazy initialisation happens outside any recording), at most `max_recordings` of
-    them (each holds its own activation memory). Training forwards that run eagerly (other signatures, logged steps'
-    accuracy) are counted in `eager_batches`, replays in `replayed_batches`."""
+    them (each holds its own activation memory). Logged steps replay too, their accuracy counted from the replayed
+    rows. Training forwards that run eagerly (other signatures) are counted in `eager_batches`, replays in
+    `replayed_batches`."""
 
     def __init__(self, model: torch.nn.Module, capture: bool, max_recordings: int = 1):
         self.model = model
@@ -220,12 +225,15 @@ class StepGraphs:
 
     def forward(self, batch, seed: int = 0, step: int = 0, rank: int = 0, compute_accuracy: bool = False):
         training = self.model.training and torch.is_grad_enabled()
-        recording = self._recording(batch) if training and not compute_accuracy else None
+        recording = self._recording(batch) if training else None
         if recording is None:
             self.eager_batches += training
             return self.eager_forward(batch, seed, step, rank, compute_accuracy)
         self.replayed_batches += 1
-        return recording(batch)
+        out = recording(batch)
+        # a logged step's accuracy: counted from the replayed rows (an eager forward would hold a second activation
+        # set beside the recording's)
+        return out._replace(num_correct=self.model.correct_predictions(out)) if compute_accuracy else out
 
     def summary(self) -> str:
         """What the run's recordings did, for its log."""

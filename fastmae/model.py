@@ -162,6 +162,7 @@ class MaskedLMOutput(NamedTuple):
     """loss: scalar fp32 mean cross-entropy over predicted rows. num_predicted: host int (T_m).
     masked: the masking of the batch. encoder_states: [T_v, H] (k > 0) or [T, H] (k = 0), the encoder output.
     num_correct: scalar int64 tensor of predicted rows whose argmax is the label (only with compute_accuracy).
+    head_states: [T_m, H] the LM head's transformed predicted rows (what `correct_predictions` projects).
 
     A NamedTuple, not a dataclass: wrappers that hook a module's output tensors (ZeRO-3 re-gathers parameters for
     backward that way) look inside tuples, lists and dicts only."""
@@ -171,6 +172,7 @@ class MaskedLMOutput(NamedTuple):
     masked: MaskedBatch
     encoder_states: torch.Tensor
     num_correct: torch.Tensor | None = None
+    head_states: torch.Tensor | None = None
 
 
 class MaskedLM(nn.Module):
@@ -354,9 +356,15 @@ class MaskedLM(nn.Module):
         # every batch of its shape, whatever their counts
         num_counted = masked.num_predicted if masked.filler is None else None
         loss = ops.linear_cross_entropy(hidden, weight, self.head.bias, labels, num_counted=num_counted)
-        num_correct = count_correct(hidden, weight, self.head.bias, labels) if compute_accuracy else None
-        return MaskedLMOutput(loss=loss, num_predicted=masked.num_predicted, masked=masked,
-                              encoder_states=encoder_states, num_correct=num_correct)
+        out = MaskedLMOutput(loss=loss, num_predicted=masked.num_predicted, masked=masked,
+                             encoder_states=encoder_states, head_states=hidden)
+        return out._replace(num_correct=self.correct_predictions(out)) if compute_accuracy else out
+
+    def correct_predictions(self, out: MaskedLMOutput) -> torch.Tensor:
+        """Scalar int64 tensor: `out`'s predicted rows whose most likely token is the label (no gradient; a padded
+        batch's dummy rows, labelled as ignored, never count). CUDA graphs' replays count from the replayed rows."""
+        return count_correct(out.head_states.detach(), self.embeddings.tokens.weight, self.head.bias,
+                             out.masked.selection.labels)
 
 
 @torch.no_grad()

@@ -80,10 +80,10 @@ PHASES = (
         Step("graph_tests", _pytest("tests/test_graphs.py", "-k", "captured")),
         Step("sync_tests", _pytest("tests/test_train.py", "-k", "steady_state")),
         # one 3ml base step replayed from its recording under set_sync_debug_mode("error"): step 3 of 4 (the second
-        # sight records, the last step is logged and runs eagerly), at 65,536 tokens before the recipe's 131,072
+        # sight records; the last step is logged), at the recipe's 65,536 tokens per micro-batch
         Step("sync_step_3ml_base", (PY, "-m", "fastmae.train", *RUN_3ML_BASE, "train.steps=4",
-                                    "train.tokens_per_step=65536", "data.tokens_per_micro_batch=65536",
-                                    "eval.every=0", "checkpoint.every=1000", "log.every=4",
+                                    "train.tokens_per_step=65536", "eval.every=0", "checkpoint.every=1000",
+                                    "log.every=4",
                                     "log.dir=runs/gpu-check/sync-3ml-base"),
              keeps=("runs/gpu-check/sync-3ml-base/metrics.jsonl", "runs/gpu-check/sync-3ml-base/run_info.json"),
              env=(("FASTMAE_SYNC_DEBUG", "1"),)),

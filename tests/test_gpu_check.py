@@ -66,7 +66,9 @@ def test_every_phase_names_real_files_and_valid_runs():
                 config = load_run_config(str(ROOT / args.config), args.overrides)
                 model = config.model
                 assert (model.objective, model.hidden_size, model.encoder_layers) == ("3ml", 768, 12), name
-                assert config.for_world(1).train.grad_accum == 1 and args.resume == "none"
+                # the sync step: one micro-batch a step; the 50-step run: two, accumulated (replayed both)
+                assert config.for_world(1).train.grad_accum == {"sync_step_3ml_base": 1, "train_3ml_base": 2}[name]
+                assert args.resume == "none" and config.data.tokens_per_micro_batch == 65536
             else:
                 assert (ROOT / command[1]).is_file(), name
         # each step's log, the files it keeps, and the phase's record, all under the device's directory
@@ -82,7 +84,7 @@ def test_every_phase_names_real_files_and_valid_runs():
     assert throughput[throughput.index("--systems") + 1] == "hf-roberta,mlm,3ml" and "--eager" in throughput
     assert "--compile" not in throughput  # compiled rows take minutes each: not in a headline phase
     assert int(throughput[throughput.index("--sequences") + 1]) * 512 == load_run_config(
-        str(ROOT / "configs/roberta-base.yaml"), ["model.vocab_size=32000"]).data.tokens_per_micro_batch
+        str(ROOT / "configs/3ml-base.yaml"), ["model.vocab_size=32000"]).data.tokens_per_micro_batch
     assert not (ROOT / "benchmarks" / "results" / "gpu" / "DEVICE").exists()  # a dry run writes nothing
 
 

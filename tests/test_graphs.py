@@ -159,22 +159,29 @@ def test_the_cpu_twin_replays_doc_batches_padded_to_one_shape(preset, extra):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6 * float(b.grad.abs().max()), msg=name)
 
 
-def test_only_training_forwards_of_a_recorded_shape_replay():
+def test_only_training_forwards_of_a_recorded_shape_replay_logged_steps_included():
     model = flat_model("3ml", seed=0)
     graphs = StepGraphs(model, capture=False)
     first, second, third = same_shaped(model.config, 3)
+    labels = third.selection.labels
+    favoured = int(labels.mode().values)  # a head that always predicts one of the labels: a count that can be wrong
+    with torch.no_grad():
+        model.head.bias[favoured] = 1e4
     model(first), model(second)
     recording = next(iter(graphs.recordings.values()))
     buffer = recording.buffer.data_ptr()
     shorter = dataclasses.replace(tiny_batch(4, seed=9, min_len=20, max_len=20), index=0)  # another signature
     model(next(masked_ahead(iter([shorter]), model.config, seed=0)))
-    model(third, compute_accuracy=True)  # logged steps count accuracy eagerly
+    # a logged step replays too (an eager forward would hold a second activation set): its accuracy is counted from
+    # the replayed rows
+    logged = model(third, compute_accuracy=True)
+    assert int(logged.num_correct) == int((labels == favoured).sum()) > 0
     with torch.no_grad():
         model(third)
     model.eval()(third)
-    assert (graphs.replayed_batches, graphs.eager_batches) == (1, 3)
+    assert (graphs.replayed_batches, graphs.eager_batches) == (2, 2)
     model.train()(third)
-    assert graphs.replayed_batches == 2 and recording.buffer.data_ptr() == buffer
+    assert graphs.replayed_batches == 3 and recording.buffer.data_ptr() == buffer
 
 
 def test_loading_a_moved_batch_is_one_copy_and_no_allocation():

@@ -374,9 +374,9 @@ def test_model_vocabulary_comes_from_the_dataset(tmp_path):
     assert (builtin.vocab_size, builtin.objective) == (700, "mae-lm")
 
 
-@pytest.mark.parametrize("name, micro, accum_by_world", [("roberta-base", 65536, {8: 8, 64: 1}),
-                                                          ("roberta-large", 16384, {8: 32, 64: 4}),
-                                                          ("mae-lm-base", 65536, {8: 2, 16: 1})])
+@pytest.mark.parametrize("name, micro, accum_by_world", [("roberta-base", 32768, {8: 16, 64: 2}),
+                                                          ("roberta-large", 8192, {8: 64, 64: 8}),
+                                                          ("mae-lm-base", 32768, {8: 4, 32: 1})])
 def test_recipes_fix_tokens_per_step_whatever_the_gpu_count(name, micro, accum_by_world):
     config = load_run_config(str(ROOT / "configs" / f"{name}.yaml"), ["model.vocab_size=32000"])
     assert config.data.tokens_per_micro_batch == micro
@@ -388,13 +388,13 @@ def test_recipes_fix_tokens_per_step_whatever_the_gpu_count(name, micro, accum_b
 def test_tokens_per_step_that_does_not_divide_names_the_values():
     config = load_run_config(str(ROOT / "configs" / "roberta-base.yaml"), ["model.vocab_size=32000"])
     with pytest.raises(ValueError, match=r"train.tokens_per_step=4194304 is not a multiple of 3 rank\(s\) x "
-                                         r"data.tokens_per_micro_batch=65536 = 196608"):
+                                         r"data.tokens_per_micro_batch=32768 = 98304"):
         config.for_world(3)
     clash = load_run_config(str(ROOT / "configs" / "roberta-base.yaml"),
                             ["train.grad_accum=4", "model.vocab_size=32000"])
-    with pytest.raises(ValueError, match=r"train.grad_accum=4 disagrees .* \(which gives 8\)"):
+    with pytest.raises(ValueError, match=r"train.grad_accum=4 disagrees .* \(which gives 16\)"):
         clash.for_world(8)
-    assert clash.for_world(16).train.grad_accum == 4  # 4,194,304 / (16 x 65,536): the value given agrees
+    assert clash.for_world(32).train.grad_accum == 4  # 4,194,304 / (32 x 32,768): the value given agrees
     plain = load_run_config(str(ROOT / "configs" / "tiny-cpu.yaml"))
     assert plain.for_world(2) is plain  # no tokens_per_step: grad_accum as written
 
