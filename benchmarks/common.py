@@ -37,6 +37,12 @@ def median_time(fn, warmup: int = 2, repeats: int = 5, host_only: bool = False) 
 def gpu_kernel_time(fn, label: str, repeats: int = 3, top: int = 8) -> float:
     """GPU kernel seconds per call of fn, from the profiler (against the wall time: how busy fn keeps the GPU);
     prints the `top` busiest kernels under `label`."""
+    return gpu_kernel_profile(fn, label, repeats, top)[0]
+
+
+def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[float, float]:
+    """(GPU kernel seconds, kernels the profiler saw) per call of fn; prints the `top` busiest kernels under `label`.
+    The count tells whether the profile saw the kernels of CUDA graph replays or only their launches."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()  # one call outside the profile, as each measured one follows others
@@ -45,13 +51,15 @@ def gpu_kernel_time(fn, label: str, repeats: int = 3, top: int = 8) -> float:
         for _ in range(repeats):
             fn()
         torch.cuda.synchronize()
-    kernels = sorted(((e.device_time_total / 1e6 / repeats, e.key) for e in prof.key_averages()
-                      if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0), reverse=True)
+    events = [e for e in prof.key_averages()
+              if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+    kernels = sorted(((e.device_time_total / 1e6 / repeats, e.key) for e in events), reverse=True)
     busy = sum(seconds for seconds, _ in kernels)
+    count = sum(e.count for e in events) / repeats
     print(f"{label}: {1e3 * busy:.3f} ms of GPU kernels per call; busiest:", flush=True)
     for seconds, key in kernels[:top]:
         print(f"  {1e3 * seconds:8.3f} ms  {key[:110]}", flush=True)
-    return busy
+    return busy, count
 
 
 def stamp() -> dict:
