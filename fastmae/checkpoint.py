@@ -8,7 +8,10 @@
                                    /universal/           made on a resume by another number of ranks
 Everything is first written under `.partial-stepN` and renamed once every rank has finished, so only directories with
 a COMPLETE marker count, and a checkpoint is resumed only if every file matches its manifest (`verify`): a damaged
-newest checkpoint is skipped for the one before. The trainer's state loads with `weights_only=True`.
+newest checkpoint is skipped for the one before. An old checkpoint is dropped by renaming it to `.deleting-stepN`
+first, so a kill mid-deletion never leaves a half-deleted one that looks complete; what a killed run left (partial
+and deleting directories, temporary files, unsealed eval weights) is cleared when the run starts again
+(`clear_leftovers`). The trainer's state loads with `weights_only=True`.
 """
 
 from __future__ import annotations
@@ -200,9 +203,40 @@ def save(engine, root: Path, step: int, trainer_state: dict, keep: int, metadata
             shutil.rmtree(final)
         partial.rename(final)
         for _, old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
+            doomed = old.with_name(f".deleting-{old.name}")
+            old.rename(doomed)
+            shutil.rmtree(doomed)
     dist.barrier()
     return final
+
+
+LEFTOVER_DIRS = (".partial-*", ".deleting-*")
+LEFTOVER_FILES = ".*.tmp-*"  # fastmae.atomic's temporary names
+
+
+def leftovers(run_dir: Path) -> list[Path]:
+    """What a killed run left half-written in `run_dir`: partial and half-deleted checkpoint directories, atomic
+    writes' temporary files, eval weights without their COMPLETE marker. None of it is ever resumed."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    owned = [run_dir / "checkpoints", run_dir / EVAL_WEIGHTS]  # only what fastmae writes there
+    found = [path for tree in owned for pattern in LEFTOVER_DIRS for path in tree.rglob(pattern) if path.is_dir()]
+    found += [path for path in (run_dir / EVAL_WEIGHTS).glob("step*") if not (path / "COMPLETE").is_file()]
+    files = [path for tree in owned for path in tree.rglob(LEFTOVER_FILES) if path.is_file()]
+    files += [path for path in run_dir.glob(LEFTOVER_FILES) if path.is_file()]
+    return found + [path for path in files if not any(folder in path.parents for folder in found)]
+
+
+def clear_leftovers(run_dir: Path) -> list[Path]:
+    """Rank 0, before a run starts or resumes in `run_dir`: remove its `leftovers`; returns them."""
+    found = leftovers(run_dir)
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return found
 
 
 def saved_world_size(directory: Path) -> int:

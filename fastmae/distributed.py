@@ -185,9 +185,12 @@ def progress_bar(total: int, initial: int):
 
 def checkpoint_to_resume(root: Path, resume: str | None) -> Path | None:
     """Collective: the verified checkpoint `--resume` names, chosen by rank 0 (which reads every file of the newest
-    once) and broadcast, so that a bad choice is the same one-line error on every rank."""
+    once, after clearing what a killed run left in the run directory) and broadcast, so that a bad choice is the same
+    one-line error on every rank."""
     choice: list = [None, None]  # path, error
     if dist.get_rank() == 0:
+        for path in checkpoint.clear_leftovers(root.parent):
+            log_line(f"removed {path}, left half-written by an earlier run")
         try:
             found = checkpoint.resolve_resume(root, resume, log_line)
             choice[0] = str(found) if found is not None else None

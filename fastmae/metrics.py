@@ -28,6 +28,7 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        drop_torn_record(self.path)
         self.tb = None
         if tensorboard:
             try:
@@ -50,11 +51,24 @@ class MetricsWriter:
             self.tb.close()
 
 
+def drop_torn_record(path: Path) -> None:
+    """Cut a JSONL file back to its last complete line: a process killed while appending leaves a torn record."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("r+b") as handle:
+            handle.truncate(data.rfind(b"\n") + 1)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The records of RUN/metrics.jsonl (a run resumed after a crash may repeat steps: the last record wins)."""
+    """The records of RUN/metrics.jsonl (a run resumed after a crash may repeat steps: the last record wins; a last
+    line torn by a kill is left out)."""
     path = Path(run_dir) / "metrics.jsonl"
     records = {}
-    for line in path.read_text().splitlines():
+    text = path.read_text()
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+    for line in lines:
         if line.strip():
             record = json.loads(line)
             records[(record.get("kind"), record["step"])] = record

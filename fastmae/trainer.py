@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import __version__, checkpoint
-from .atomic import atomic_write_bytes
+from .atomic import atomic_write_bytes, atomic_write_text
 from .batch import to_device_ahead
 from .config import RunConfig
 from .data import PackedLoader
@@ -118,10 +118,10 @@ def write_run_files(config: RunConfig, ds_config: dict, run_info: dict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     arguments = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher's, not the user's
     run_info = {**run_info, "command": shlex.join(["fastmae/train.py", *arguments]), "fastmae_version": __version__}
-    (run_dir / "config.yaml").write_text(config.to_yaml())
-    (run_dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(config.model), indent=1))
-    (run_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=1))
-    (run_dir / "run_info.json").write_text(json.dumps(run_info, indent=1))
+    atomic_write_text(run_dir / "config.yaml", config.to_yaml())
+    atomic_write_text(run_dir / "model_config.json", json.dumps(dataclasses.asdict(config.model), indent=1))
+    atomic_write_text(run_dir / "deepspeed_config.json", json.dumps(ds_config, indent=1))
+    atomic_write_text(run_dir / "run_info.json", json.dumps(run_info, indent=1))
     atomic_write_bytes(run_dir / TOKENIZER_FILE, (config.data.directory / TOKENIZER_FILE).read_bytes())
 
 

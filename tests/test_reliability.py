@@ -155,3 +155,37 @@ def test_the_failing_rank_names_itself_and_its_peer_does_not_bury_it(tmp_path):
     assert any(line.startswith("fastmae train [rank 1 of 2]: error: ") and "token id 999 is outside" in line
                for line in lines), run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
+
+
+def test_what_a_killed_run_left_half_written_is_cleared_and_nothing_else(tmp_path):
+    """A kill can land inside a checkpoint write, between a deletion's first and last file, inside an atomic write or
+    between eval weights and their marker: `clear_leftovers` removes exactly those, before the run resumes."""
+    from fastmae.checkpoint import clear_leftovers
+
+    run = tmp_path / "run"
+    kept = [run / "checkpoints" / "step00000004" / "COMPLETE", run / "checkpoints" / "step00000004" / "x.pt",
+            run / "eval_weights" / "step00000004" / "COMPLETE", run / "metrics.jsonl", run / "config.yaml"]
+    left = [run / "checkpoints" / ".partial-step00000006" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            run / "checkpoints" / ".deleting-step00000002" / "COMPLETE",
+            run / "checkpoints" / "step00000004" / ".partial-universal" / "x",
+            run / "checkpoints" / ".partial-step00000006" / ".model.safetensors.tmp-123",
+            run / "eval_weights" / "step00000006" / "model.safetensors", run / ".config.yaml.tmp-77"]
+    for path in kept + left:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    removed = clear_leftovers(run)
+    assert all(path.exists() for path in kept) and not any(path.exists() for path in left)
+    assert {p.name for p in removed} >= {".partial-step00000006", ".deleting-step00000002", ".partial-universal",
+                                         "step00000006", ".config.yaml.tmp-77"}
+    assert clear_leftovers(run) == [] and clear_leftovers(tmp_path / "absent") == []
+
+
+def test_a_record_torn_by_a_kill_is_dropped(tmp_path):
+    from fastmae.metrics import MetricsWriter, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "train", "step": 2, "lo')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]  # read before the run resumes: the torn line left out
+    writer = MetricsWriter(tmp_path, tensorboard=False)  # the resumed run appends after the last whole record
+    writer.write({"kind": "train", "step": 2, "loss": 1.5})
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0), (2, 1.5)]
