@@ -16,6 +16,7 @@ Every figure README.md states as fastmae's measurement sits between `<!-- result
     data         benchmarks/results/data.json                   python benchmarks/data.py
     gpu          benchmarks/results/gpu/*/{throughput,kernels}.json    bash scripts/gpu_check.sh (on a GPU)
     doc_padding  benchmarks/results/doc_padding.json            python benchmarks/doc_padding.py
+    chaos        benchmarks/results/chaos.json                  python benchmarks/chaos.py
 """
 
 from __future__ import annotations
@@ -228,6 +229,22 @@ def gpu() -> str:
     return "\n".join(blocks)
 
 
+def chaos() -> str:
+    """Random kills and resumes per ZeRO stage: identical final weights, where the kills landed, what was left."""
+    result = _json(RESULTS_DIR / "chaos.json")
+    rows = ["| ZeRO | trials | final weights identical | killed in start-up / training / a checkpoint write / after "
+            "the end | fell back past a damaged checkpoint | processes left | half-written files left | "
+            "checkpoint.keep honoured | time lost per kill (median) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["results"]:
+        rows.append(f"| {r['zero_stage']} | {r['trials']} | {r['identical']} / {r['trials']} | "
+                    f"{r['killed in start-up']} / {r['killed in training']} / {r['killed in checkpoint write']} / "
+                    f"{r['killed in after the end']} | {r['fallbacks']} | {r['processes_left']} | "
+                    f"{r['leftover_files']} | {r['keep_honoured']} / {r['trials']} | {r['median_lost_s']:.0f} s "
+                    f"(uninterrupted run {r['reference_s']:.0f} s) |")
+    return (f"{result['device']}, {_stamp(result)}, seed {result['seed']}, {result['steps']} steps "
+            "(`benchmarks/results/chaos.md`, every trial in `chaos.json`):\n\n" + "\n".join(rows) + "\n")
+
+
 def host_overhead() -> str:
     """What the host issues per optimizer step: ZeRO-2 (the recipes'), ZeRO-2 replaying CUDA graphs (their CPU twin
     here) and ZeRO-1 side by side."""
@@ -270,7 +287,7 @@ def doc_padding() -> str:
 
 GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth, "throughput": throughput,
               "budget": budget, "attention": attention, "data_scale": data_scale, "data": data, "gpu": gpu,
-              "host_overhead": host_overhead, "doc_padding": doc_padding}
+              "host_overhead": host_overhead, "doc_padding": doc_padding, "chaos": chaos}
 
 
 def render(text: str) -> tuple[str, list[str]]:

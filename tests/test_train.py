@@ -6,6 +6,7 @@ Each launch costs ~20 s (process start, DeepSpeed init), so the runs are few and
 import base64
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -200,23 +201,69 @@ def test_mfu_stays_a_fraction_when_the_peak_was_measured_on_a_busy_machine(datas
     assert peaks == sorted(peaks)  # raised, never lowered
 
 
-def test_zero3_bf16_matches_zero2_and_mfu_is_a_fraction(dataset, tmp_path):
-    # the same bf16 run sharded two ways (on an AVX2-only CPU bf16 is emulated: a narrow model keeps it short)
-    size = {"model.preset": "3ml", "model.hidden_size": 64, "model.num_heads": 4, "model.intermediate_size": 256,
-            "train.precision": "bf16", "eval.every": 0}
-    runs = {}
+BF16_SIZE = {"model.preset": "3ml", "model.hidden_size": 64, "model.num_heads": 4, "model.intermediate_size": 256,
+             "train.precision": "bf16", "eval.every": 0}
+
+
+def bf16_args(dataset, run_dir, stage):
+    return overrides(dataset, run_dir, steps=4, **BF16_SIZE, **{"train.zero_stage": stage})
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(dataset, tmp_path_factory):
+    """The same bf16 run sharded two ways (on an AVX2-only CPU bf16 is emulated: a narrow model keeps it short):
+    {stage: run directory}."""
+    root = tmp_path_factory.mktemp("bf16")
     for stage in (2, 3):
-        run = launch(overrides(dataset, tmp_path / f"z{stage}", steps=4, **size, **{"train.zero_stage": stage}))
+        run = launch(bf16_args(dataset, root / f"z{stage}", stage))
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        runs[stage] = train_losses(tmp_path / f"z{stage}")
+    return {stage: root / f"z{stage}" for stage in (2, 3)}
+
+
+@pytest.mark.xdist_group("zero3")
+def test_zero3_bf16_matches_zero2_and_mfu_is_a_fraction(bf16_runs, tmp_path):
+    runs = {stage: train_losses(run_dir) for stage, run_dir in bf16_runs.items()}
     assert sorted(runs[3]) == [1, 2, 3, 4]
     check_pinned("3ml-2-ranks-bf16", runs[2], other_machine_rel=1e-2)  # bf16: emulated on some CPUs
     for step, loss in runs[2].items():  # bf16 keeps 8 mantissa bits: the losses agree to well within 1%
         assert abs(runs[3][step] - loss) <= 5e-3 * abs(loss), (step, runs[2], runs[3])
-    records = [json.loads(line) for line in (tmp_path / "z2" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (bf16_runs[2] / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < r["mfu"] <= 1 for r in records if r["kind"] == "train"), [r["mfu"] for r in records]
     for stage in (2, 3):
-        check_weights_and_export(tmp_path / f"z{stage}", tmp_path / f"hf{stage}")
+        check_weights_and_export(bf16_runs[stage], tmp_path / f"hf{stage}")
+
+
+def chaos_trial(args, run_dir, seed):
+    """benchmarks/chaos.py's trial at a fixed seed: SIGKILL at a moment drawn uniformly over the first 12 s (a run
+    here takes 10-20 s) to the whole group or to rank 1 alone, then the same command until it finishes."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import chaos
+
+    draw = random.Random(seed)
+    kill_after, whole_group = draw.uniform(0, 12), draw.random() < 0.5
+    return chaos.trial(args, run_dir, kill_after, whole_group), chaos.weights_sha256
+
+
+@pytest.mark.xdist_group("fault")
+def test_a_run_killed_at_a_random_moment_resumes_to_the_same_weights_zero2(dataset, straight_with_dropout,
+                                                                           budget_plan, tmp_path):
+    """ZeRO-2 with dropout: killed anywhere (seed 3), resumed until it ends, bit-identical to the run never killed;
+    no process and no half-written file left, no more checkpoints than checkpoint.keep."""
+    run_dir = tmp_path / "killed"
+    record, digest = chaos_trial(budget_args(dataset, run_dir, budget_plan[0]), run_dir, seed=3)
+    assert record["landed"] in ("start-up", "training", "checkpoint write", "after the end"), record
+    assert digest(run_dir) == digest(straight_with_dropout[0]), record
+    assert record["processes_left"] == 0 and record["leftover_files"] == [] and record["checkpoints_kept"] <= 4
+    assert records_of(run_dir).keys() == records_of(straight_with_dropout[0]).keys()
+
+
+@pytest.mark.xdist_group("zero3")
+def test_a_run_killed_at_a_random_moment_resumes_to_the_same_weights_zero3(dataset, bf16_runs, tmp_path):
+    """The same under bf16 ZeRO-3 (seed 5), against the uninterrupted ZeRO-3 run."""
+    run_dir = tmp_path / "killed"
+    record, digest = chaos_trial(bf16_args(dataset, run_dir, 3), run_dir, seed=5)
+    assert digest(run_dir) == digest(bf16_runs[3]), record
+    assert record["processes_left"] == 0 and record["leftover_files"] == [] and record["checkpoints_kept"] <= 2
 
 
 def test_relative_bias_trains_under_zero3_bf16(dataset, tmp_path):
