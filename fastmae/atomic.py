@@ -16,16 +16,18 @@ from .errors import FastmaeError
 
 
 @contextlib.contextmanager
-def named_disk_errors(path: str | Path) -> Iterator[None]:
-    """Turn a full disk met while writing `path` (a file or a directory of files) into a FastmaeError naming the
-    directory and the file, whatever library was writing (Python's OSError; torch's and safetensors' RuntimeErrors
-    such as "basic_ios::clear: iostream error", counted as a full disk only if the disk has < 1 MiB free)."""
+def named_disk_errors(path: str | Path, needed: int | None = None) -> Iterator[None]:
+    """Turn a full disk met while writing `path` (a file or a directory of files; `needed` bytes, where known) into a
+    FastmaeError naming the directory, the file and the space it needed, whatever library was writing (Python's
+    OSError; torch's and safetensors' RuntimeErrors such as "basic_ios::clear: iostream error", counted as a full
+    disk only if the disk has < 1 MiB free)."""
     path = Path(path)
     try:
         yield
     except OSError as err:
         if err.errno == errno.ENOSPC:
-            raise FastmaeError(f"no space left on {path.parent} while writing {path.name}") from None
+            raise FastmaeError(f"no space left on {path.parent} while writing {path.name}{_space(path, needed)}") \
+                from None
         raise
     except RuntimeError as err:
         parent = next((p for p in (path, *path.parents) if p.is_dir()), Path("/"))
@@ -34,14 +36,21 @@ def named_disk_errors(path: str | Path) -> Iterator[None]:
         raise
 
 
+def _space(path: Path, needed: int | None) -> str:
+    if needed is None:
+        return ""
+    parent = next((p for p in (path, *path.parents) if p.is_dir()), Path("/"))
+    return f" ({needed:,} bytes needed, {shutil.disk_usage(parent).free:,} free)"
+
+
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | Path, needed: int | None = None) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on normal exit it is fsynced and renamed to `path`. A full disk is a
-    FastmaeError naming the directory and the file."""
+    FastmaeError naming the directory, the file and the `needed` bytes where known."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with named_disk_errors(path):
+        with named_disk_errors(path, needed):
             path.parent.mkdir(parents=True, exist_ok=True)
             yield tmp
             if tmp.is_file():
@@ -54,7 +63,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write `data` to `path` atomically."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path, needed=len(data)) as tmp:
         tmp.write_bytes(data)
 
 

@@ -5,14 +5,20 @@ production code that names this module.
   checkpoint when one is due, as a killed node would.
 - FASTMAE_SYNC_DEBUG=1 (CUDA): `torch.cuda.set_sync_debug_mode("error")` around every steady-state step, so any
   host-device synchronisation raises.
+- FASTMAE_FAULT_ENOSPC=RANK:STEP: that rank's disk fills up while it writes its own part of step STEP's checkpoint
+  (half its trainer state lands, then ENOSPC), as a node's local disk would; the other ranks' writes succeed.
 - FASTMAE_FAULT_STARTUP_PEAK=F: the matmul peak measured at start-up reads F times what it measured (F < 1: as on
   a machine far busier than a test can make it reliably), so the first logged window beats it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -22,12 +28,14 @@ class FaultHooks:
     exit_after_step: int = 0  # 0: never
     sync_debug: bool = False
     startup_peak_factor: float = 1.0
+    full_disk_at: tuple[int, int] | None = None  # (rank, step)
 
     @classmethod
     def from_environment(cls, device: torch.device) -> FaultHooks:
         return cls(exit_after_step=int(os.environ.get("FASTMAE_FAULT_AT_STEP", "0")),
                    sync_debug=device.type == "cuda" and os.environ.get("FASTMAE_SYNC_DEBUG") == "1",
-                   startup_peak_factor=float(os.environ.get("FASTMAE_FAULT_STARTUP_PEAK", "1")))
+                   startup_peak_factor=float(os.environ.get("FASTMAE_FAULT_STARTUP_PEAK", "1")),
+                   full_disk_at=_rank_step(os.environ.get("FASTMAE_FAULT_ENOSPC")))
 
     def startup_peak(self, measured: float) -> float:
         """The matmul peak measured at start-up, as FASTMAE_FAULT_STARTUP_PEAK has it read."""
@@ -38,7 +46,30 @@ class FaultHooks:
         if self.sync_debug:
             torch.cuda.set_sync_debug_mode("error" if on else "default")
 
+    @contextlib.contextmanager
+    def disk(self, rank: int, step: int):
+        """Around the save of step `step`: where FASTMAE_FAULT_ENOSPC names this rank and step, writing bytes to a
+        file fails half-way with ENOSPC."""
+        if self.full_disk_at != (rank, step):
+            yield
+            return
+
+        def full(path: Path, data: bytes) -> int:
+            with path.open("wb") as handle:
+                handle.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+        with mock.patch.object(Path, "write_bytes", full):
+            yield
+
     def after_step(self, step: int) -> None:
         """Die hard after step FASTMAE_FAULT_AT_STEP."""
         if self.exit_after_step and step == self.exit_after_step:
             os._exit(17)
+
+
+def _rank_step(value: str | None) -> tuple[int, int] | None:
+    if not value:
+        return None
+    rank, step = value.split(":")
+    return int(rank), int(step)

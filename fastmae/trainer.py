@@ -274,8 +274,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Collective: a complete checkpoint of this step (DeepSpeed's state, every rank's own, the fp32 weights)."""
-        path = self.checkpointer.save(self.engine, self.counters.step, self._trainer_state(),
-                                      master_weights(self.engine))
+        with self.faults.disk(self.rank, self.counters.step):
+            path = self.checkpointer.save(self.engine, self.counters.step, self._trainer_state(),
+                                          master_weights(self.engine))
         log_line(f"saved {path}")
 
     # ------------------------------------------------------------------------------------------------- loop

@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -163,6 +164,30 @@ def test_killed_run_with_damaged_checkpoints_resumes_from_the_newest_intact_one(
     expected, got = records_of(straight), records_of(run_dir)
     assert {s: r["loss"] for s, r in got.items()} == {s: r["loss"] for s, r in expected.items()}
     assert {s: r["flops"] for s, r in got.items()} == {s: r["flops"] for s, r in expected.items()}
+    a, b = load_file(straight / "model.safetensors"), load_file(run_dir / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.xdist_group("fault")
+def test_a_full_disk_on_one_rank_stops_the_run_and_the_resume_is_bit_identical(dataset, straight_with_dropout,
+                                                                                budget_plan, tmp_path):
+    """Rank 1's disk fills up half-way through its part of step 5's checkpoint (FASTMAE_FAULT_ENOSPC) while rank 0's
+    writes succeed: the run stops (no rank waits in a collective) with one line naming the rank, the directory and
+    the space it needed; the half-written checkpoint is cleared and never chosen, the resume starts from step 4 and
+    ends bit-identical to the run that never failed."""
+    straight, budget = straight_with_dropout[0], budget_plan[0]
+    run_dir = tmp_path / "full"
+    failed = launch(budget_args(dataset, run_dir, budget), env_extra={"FASTMAE_FAULT_ENOSPC": "1:5"}, timeout=240)
+    assert failed.returncode != 0
+    partial = run_dir / "checkpoints" / ".partial-step00000005"
+    assert re.search(rf"fastmae train \[rank 1 of 2\]: error: no space left on {re.escape(str(partial))} while "
+                     r"writing fastmae_rank1\.pt \([0-9,]+ bytes needed, [0-9,]+ free\)", failed.stderr), \
+        failed.stderr[-3000:]
+    assert partial.is_dir() and not (run_dir / "checkpoints" / "step00000005").exists()
+    resumed = launch(budget_args(dataset, run_dir, budget))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"removed {partial}, left half-written by an earlier run" in resumed.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / 'step00000004'} at step 4" in resumed.stderr
     a, b = load_file(straight / "model.safetensors"), load_file(run_dir / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
