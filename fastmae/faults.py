@@ -7,6 +7,8 @@ production code that names this module.
   host-device synchronisation raises.
 - FASTMAE_FAULT_ENOSPC=RANK:STEP: that rank's disk fills up while it writes its own part of step STEP's checkpoint
   (half its trainer state lands, then ENOSPC), as a node's local disk would; the other ranks' writes succeed.
+- FASTMAE_FAULT_NAN=RANK:FIRST-LAST: that rank's losses are NaN in optimizer steps FIRST to LAST (its gradients
+  too), as a bad batch or an overflow on one rank would make them; the ranks must skip those steps alike.
 - FASTMAE_FAULT_STARTUP_PEAK=F: the matmul peak measured at start-up reads F times what it measured (F < 1: as on
   a machine far busier than a test can make it reliably), so the first logged window beats it.
 """
@@ -29,13 +31,27 @@ class FaultHooks:
     sync_debug: bool = False
     startup_peak_factor: float = 1.0
     full_disk_at: tuple[int, int] | None = None  # (rank, step)
+    nan_at: tuple[int, int, int] | None = None  # (rank, first step, last step)
 
     @classmethod
     def from_environment(cls, device: torch.device) -> FaultHooks:
         return cls(exit_after_step=int(os.environ.get("FASTMAE_FAULT_AT_STEP", "0")),
                    sync_debug=device.type == "cuda" and os.environ.get("FASTMAE_SYNC_DEBUG") == "1",
                    startup_peak_factor=float(os.environ.get("FASTMAE_FAULT_STARTUP_PEAK", "1")),
-                   full_disk_at=_rank_step(os.environ.get("FASTMAE_FAULT_ENOSPC")))
+                   full_disk_at=_rank_step(os.environ.get("FASTMAE_FAULT_ENOSPC")),
+                   nan_at=_rank_steps(os.environ.get("FASTMAE_FAULT_NAN")))
+
+    def poison_losses(self, model: torch.nn.Module, rank: int, step) -> None:
+        """Where FASTMAE_FAULT_NAN names this rank: its model's training loss is NaN while `step()` (the optimizer
+        step being run, from 1) is in the named range."""
+        if self.nan_at is None or self.nan_at[0] != rank:
+            return
+        first, last = self.nan_at[1:]
+
+        def poison(module, args, out):
+            return out._replace(loss=out.loss * float("nan")) if first <= step() <= last and module.training else out
+
+        model.register_forward_hook(poison)
 
     def startup_peak(self, measured: float) -> float:
         """The matmul peak measured at start-up, as FASTMAE_FAULT_STARTUP_PEAK has it read."""
@@ -73,3 +89,11 @@ def _rank_step(value: str | None) -> tuple[int, int] | None:
         return None
     rank, step = value.split(":")
     return int(rank), int(step)
+
+
+def _rank_steps(value: str | None) -> tuple[int, int, int] | None:
+    if not value:
+        return None
+    rank, steps = value.split(":")
+    first, last = steps.split("-")
+    return int(rank), int(first), int(last)

@@ -191,8 +191,9 @@ class RunCounters:
                      f"({skipped} so far)")
         self.skipped_logged = skipped
         if bad_streak >= max_bad_steps:
-            raise FastmaeError(f"{bad_streak} optimizer steps in a row with a non-finite loss, up to step "
-                               f"{self.step}: stopping (lower train.lr, check the data, or raise train.max_bad_steps)")
+            raise FastmaeError(f"{bad_streak} optimizer steps in a row with a non-finite loss (steps "
+                               f"{self.step - bad_streak + 1}-{self.step}): stopping, the checkpoints before them "
+                               "kept (lower train.lr, check the data, or raise train.max_bad_steps)")
 
 
 class Trainer:
@@ -225,6 +226,7 @@ class Trainer:
         log_line(f"cuda graphs: {self.graph_plan.reason}")
         self.faults = FaultHooks.from_environment(device)
         self.peak, self.spec_peak_flops = job_mfu_peak(device, self.precision, self.faults.startup_peak)
+        self.faults.poison_losses(self.engine.module, self.rank, lambda: self.counters.step + 1)
         self.counters = RunCounters(torch.zeros((), dtype=torch.float32, device=device),
                                     torch.zeros((), dtype=torch.float32, device=device))
         self.stop = StopAgreement(device, log_line)

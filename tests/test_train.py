@@ -192,6 +192,29 @@ def test_a_full_disk_on_one_rank_stops_the_run_and_the_resume_is_bit_identical(d
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_non_finite_losses_on_one_rank_are_skipped_on_every_rank_alike(dataset, budget_plan, tmp_path):
+    """NaN losses (and gradients) in steps 3-4 on rank 1 only, or on rank 0 only (FASTMAE_FAULT_NAN): every rank skips
+    those steps (counted in the records), so both runs end with the same weights; a burst longer than
+    train.max_bad_steps stops the run naming the steps, with the checkpoints before them kept."""
+    budget = budget_plan[0]
+    weights = {}
+    for rank in (1, 0):
+        run_dir = tmp_path / f"nan-on-rank{rank}"
+        run = launch(budget_args(dataset, run_dir, budget), env_extra={"FASTMAE_FAULT_NAN": f"{rank}:3-4"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "non-finite loss: 1 step(s) skipped up to step 3 (1 so far)" in run.stderr
+        assert "non-finite loss: 1 step(s) skipped up to step 4 (2 so far)" in run.stderr
+        assert records_of(run_dir)[4]["skipped"] == 2
+        weights[rank] = load_file(run_dir / "model.safetensors")
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    run_dir = tmp_path / "burst"
+    run = launch(budget_args(dataset, run_dir, budget) + ["train.max_bad_steps=3"],
+                 env_extra={"FASTMAE_FAULT_NAN": "1:3-9"})
+    assert run.returncode != 0
+    assert "3 optimizer steps in a row with a non-finite loss (steps 3-5): stopping" in run.stderr, run.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "step00000002" / "COMPLETE").is_file()  # the last good one is kept
+
+
 BUSY = "import torch\na = torch.randn(512, 512)\nwhile True:\n    a @ a"
 """Another job's work: matmuls on every core (one thread spinning in Python barely slows a GEMM down)."""
 
