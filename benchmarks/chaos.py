@@ -133,11 +133,15 @@ def kill(process: subprocess.Popen, whole_group: bool) -> str:
     return target
 
 
-def trial(args: list[str], run_dir: Path, kill_after_s: float, whole_group: bool, max_runs: int = 4) -> dict:
-    """One kill at `kill_after_s`, then the same command until a run of it exits cleanly. Returns what happened
-    (module docstring)."""
+def trial(args: list[str], run_dir: Path, kill_after_s: float, whole_group: bool, max_runs: int = 4,
+          clock_from: Path | None = None) -> dict:
+    """One kill `kill_after_s` after the start (or after `clock_from` appears: a moment inside training whatever the
+    machine's start-up time), then the same command until a run of it exits cleanly. Returns what happened (module
+    docstring)."""
     began = time.perf_counter()
     process = start(args)
+    while clock_from is not None and not clock_from.exists() and process.poll() is None:
+        time.sleep(0.05)
     try:
         process.communicate(timeout=kill_after_s)
         target, landed = "none", "after the end"  # the run finished first
