@@ -215,7 +215,9 @@ def set_up() -> dict:
 
 
 def _pip(*args: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "pip", "-q", *args], capture_output=True, text=True)
+    # an image's system Python may be marked externally managed (PEP 668); older pips ignore the variable
+    env = {**os.environ, "PIP_BREAK_SYSTEM_PACKAGES": "1"}
+    done = subprocess.run([sys.executable, "-m", "pip", "-q", *args], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"gpu_check: pip {' '.join(args)} failed:\n{done.stdout}{done.stderr}")
 
