@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -95,12 +96,23 @@ def weights_sha256(run_dir: Path) -> str:
 
 
 def processes_of(run_dir: Path) -> list[int]:
-    """PIDs whose command line names `run_dir` (the launcher and ranks of a run there)."""
-    found = []
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        if any(str(run_dir) in part for part in (process.info["cmdline"] or [])):
-            found.append(process.info["pid"])
-    return found
+    """PIDs of live processes whose command line names `run_dir` (the launcher and ranks of a run there)."""
+    return [process.pid for process in psutil.process_iter() if str(run_dir) in " ".join(_cmdline(process))]
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:  # the launcher has exited already
+        return []
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    """A process's command line; empty for one that has exited (or is a zombie) meanwhile."""
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
 
 
 def kill_phase(run_dir: Path) -> str:
@@ -118,8 +130,7 @@ def kill(process: subprocess.Popen, whole_group: bool) -> str:
     """SIGKILL to `process`'s whole group, or to its rank 1 alone (the whole group while no rank has started yet);
     returns which, after the launcher has exited."""
     target = "group"
-    rank = None if whole_group else next(
-        (c for c in psutil.Process(process.pid).children(recursive=True) if "--local_rank=1" in c.cmdline()), None)
+    rank = None if whole_group else next((c for c in _children(process.pid) if "--local_rank=1" in _cmdline(c)), None)
     if rank is None:
         os.killpg(process.pid, signal.SIGKILL)
     else:
@@ -151,7 +162,8 @@ def trial(args: list[str], run_dir: Path, kill_after_s: float, whole_group: bool
     time.sleep(1.0)  # the launcher has exited; its ranks get a moment to follow
     left_alive = processes_of(run_dir)
     for pid in left_alive:
-        psutil.Process(pid).kill()
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
     runs, fallback = 0, False
     while landed != "after the end":
         runs += 1
