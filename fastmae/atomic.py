@@ -18,7 +18,8 @@ from .errors import FastmaeError
 @contextlib.contextmanager
 def named_disk_errors(path: str | Path, needed: int | None = None) -> Iterator[None]:
     """Turn a full disk met while writing `path` (a file or a directory of files; `needed` bytes, where known) into a
-    FastmaeError naming the directory, the file and the space it needed, whatever library was writing (Python's
+    FastmaeError naming the directory, the file and the space it needed (and a directory turned read-only or
+    forbidden into one naming it), whatever library was writing (Python's
     OSError; torch's and safetensors' RuntimeErrors such as "basic_ios::clear: iostream error", counted as a full
     disk only if the disk has < 1 MiB free)."""
     path = Path(path)
@@ -28,6 +29,9 @@ def named_disk_errors(path: str | Path, needed: int | None = None) -> Iterator[N
         if err.errno == errno.ENOSPC:
             raise FastmaeError(f"no space left on {path.parent} while writing {path.name}{_space(path, needed)}") \
                 from None
+        if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise FastmaeError(f"{path.parent} cannot be written ({os.strerror(err.errno).lower()}) while writing "
+                               f"{path.name}") from None
         raise
     except RuntimeError as err:
         parent = next((p for p in (path, *path.parents) if p.is_dir()), Path("/"))

@@ -26,6 +26,16 @@ def test_a_full_disk_names_the_directory_and_the_file(tmp_path, monkeypatch):
     assert not target.exists() and not list((tmp_path / "ckpt").iterdir())  # no temporary left behind
 
 
+def test_a_directory_turned_read_only_is_named(tmp_path, monkeypatch):
+    def read_only(self, data):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    with pytest.raises(FastmaeError, match=f"^{tmp_path / 'ckpt'} cannot be written \\(read-only file system\\) "
+                                           "while writing fastmae_rank1.pt$"):
+        atomic_write_bytes(tmp_path / "ckpt" / "fastmae_rank1.pt", b"x")
+
+
 def test_a_library_write_error_counts_as_a_full_disk_only_when_the_disk_is_full(tmp_path, monkeypatch):
     def failing_save(obj, path):
         raise RuntimeError("basic_ios::clear: iostream error")
