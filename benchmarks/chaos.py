@@ -55,18 +55,24 @@ def run_args(data: Path, run_dir: Path, zero_stage: int, steps: int, extra: dict
     return ["--config", str(REPO / "configs" / "tiny-cpu.yaml"), *(f"{k}={v}" for k, v in values.items())]
 
 
-def start(args: list[str], ranks: int = 2) -> subprocess.Popen:
-    """The run under DeepSpeed's per-node launcher (what `deepspeed --num_gpus N` starts on one node), in a new
-    process group; its output in the returned process's stderr (text)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
-    env["PYTHONUNBUFFERED"] = "1"
-    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(ranks))}).encode()).decode()
+def free_port() -> int:
+    """A loopback port no process listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def start(args: list[str], ranks: int = 2, env_extra: dict | None = None,
+          stdout=subprocess.DEVNULL) -> subprocess.Popen:
+    """`ranks` ranks of fastmae/train.py under DeepSpeed's per-node launcher (what `deepspeed --num_gpus N` starts on
+    one node, minus that command's own process), in a new process group; its stderr (text) in the returned process
+    (the suite's launches start here too)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
+    env.update({"PYTHONUNBUFFERED": "1", **(env_extra or {})})
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(ranks))}).encode()).decode()
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
-           "--master_addr=127.0.0.1", f"--master_port={port}", str(REPO / "fastmae" / "train.py"), *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / "fastmae" / "train.py"), *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 

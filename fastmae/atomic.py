@@ -18,10 +18,10 @@ from .errors import FastmaeError
 @contextlib.contextmanager
 def named_disk_errors(path: str | Path, needed: int | None = None) -> Iterator[None]:
     """Turn a full disk met while writing `path` (a file or a directory of files; `needed` bytes, where known) into a
-    FastmaeError naming the directory, the file and the space it needed (and a directory turned read-only or
-    forbidden into one naming it), whatever library was writing (Python's
-    OSError; torch's and safetensors' RuntimeErrors such as "basic_ios::clear: iostream error", counted as a full
-    disk only if the disk has < 1 MiB free)."""
+    FastmaeError naming the directory, the file and the space it needed, and a directory turned read-only or
+    forbidden into one naming it, whatever library was writing (Python's OSError; torch's and safetensors'
+    RuntimeErrors such as "basic_ios::clear: iostream error", counted as a full disk only if the disk has < 1 MiB
+    free)."""
     path = Path(path)
     try:
         yield
@@ -34,17 +34,20 @@ def named_disk_errors(path: str | Path, needed: int | None = None) -> Iterator[N
                                f"{path.name}") from None
         raise
     except RuntimeError as err:
-        parent = next((p for p in (path, *path.parents) if p.is_dir()), Path("/"))
-        if shutil.disk_usage(parent).free < 2**20:
+        if shutil.disk_usage(_existing_dir(path)).free < 2**20:
             raise FastmaeError(f"no space left on {path.parent} while writing {path.name} ({err})") from None
         raise
+
+
+def _existing_dir(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists as a directory (whose disk it is written to)."""
+    return next((p for p in (path, *path.parents) if p.is_dir()), Path("/"))
 
 
 def _space(path: Path, needed: int | None) -> str:
     if needed is None:
         return ""
-    parent = next((p for p in (path, *path.parents) if p.is_dir()), Path("/"))
-    return f" ({needed:,} bytes needed, {shutil.disk_usage(parent).free:,} free)"
+    return f" ({needed:,} bytes needed, {shutil.disk_usage(_existing_dir(path)).free:,} free)"
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ class FaultHooks:
     exit_after_step: int = 0  # 0: never
     sync_debug: bool = False
     startup_peak_factor: float = 1.0
-    full_disk_at: tuple[int, int] | None = None  # (rank, step)
+    full_disk_at: tuple[int, int, int] | None = None  # (rank, step, step)
     nan_at: tuple[int, int, int] | None = None  # (rank, first step, last step)
 
     @classmethod
@@ -38,8 +38,8 @@ class FaultHooks:
         return cls(exit_after_step=int(os.environ.get("FASTMAE_FAULT_AT_STEP", "0")),
                    sync_debug=device.type == "cuda" and os.environ.get("FASTMAE_SYNC_DEBUG") == "1",
                    startup_peak_factor=float(os.environ.get("FASTMAE_FAULT_STARTUP_PEAK", "1")),
-                   full_disk_at=_rank_step(os.environ.get("FASTMAE_FAULT_ENOSPC")),
-                   nan_at=_rank_steps(os.environ.get("FASTMAE_FAULT_NAN")))
+                   full_disk_at=_rank_and_steps(os.environ.get("FASTMAE_FAULT_ENOSPC")),
+                   nan_at=_rank_and_steps(os.environ.get("FASTMAE_FAULT_NAN")))
 
     def poison_losses(self, model: torch.nn.Module, rank: int, step) -> None:
         """Where FASTMAE_FAULT_NAN names this rank: its model's training loss is NaN while `step()` (the optimizer
@@ -66,7 +66,7 @@ class FaultHooks:
     def disk(self, rank: int, step: int):
         """Around the save of step `step`: where FASTMAE_FAULT_ENOSPC names this rank and step, writing bytes to a
         file fails half-way with ENOSPC."""
-        if self.full_disk_at != (rank, step):
+        if self.full_disk_at != (rank, step, step):
             yield
             return
 
@@ -84,16 +84,10 @@ class FaultHooks:
             os._exit(17)
 
 
-def _rank_step(value: str | None) -> tuple[int, int] | None:
-    if not value:
-        return None
-    rank, step = value.split(":")
-    return int(rank), int(step)
-
-
-def _rank_steps(value: str | None) -> tuple[int, int, int] | None:
+def _rank_and_steps(value: str | None) -> tuple[int, int, int] | None:
+    """`RANK:STEP` or `RANK:FIRST-LAST` as (rank, first, last)."""
     if not value:
         return None
     rank, steps = value.split(":")
-    first, last = steps.split("-")
-    return int(rank), int(first), int(last)
+    first, _, last = steps.partition("-")
+    return int(rank), int(first), int(last or first)

@@ -192,8 +192,8 @@ class RunCounters:
         self.skipped_logged = skipped
         if bad_streak >= max_bad_steps:
             raise FastmaeError(f"{bad_streak} optimizer steps in a row with a non-finite loss (steps "
-                               f"{self.step - bad_streak + 1}-{self.step}): stopping, the checkpoints before them "
-                               "kept (lower train.lr, check the data, or raise train.max_bad_steps)")
+                               f"{self.step - bad_streak + 1}-{self.step}): stopping (lower train.lr, check the data, "
+                               "or raise train.max_bad_steps)")
 
 
 class Trainer:
