@@ -22,6 +22,7 @@ import io
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -298,10 +299,29 @@ class Checkpointer:
     def __init__(self, root: Path, every: int, keep: int, last_step: int, model_config: dict):
         self.root, self.every, self.keep, self.last_step = Path(root), every, keep, last_step
         self.model_config = model_config
+        self.root_identity = _identity(self.root)  # None until the directory exists
 
-    def due(self, step: int, stopping: bool) -> bool:
-        return step % self.every == 0 or step == self.last_step or stopping
+    def due(self, step: int, stopping: bool, inside_bad_streak: Callable[[], bool] = lambda: False) -> bool:
+        """Whether to checkpoint after `step`: on a stop, at the last step, and every `every` steps unless
+        `inside_bad_streak()` (skipped steps leave the weights of the checkpoint before them)."""
+        return stopping or step == self.last_step or (step % self.every == 0 and not inside_bad_streak())
 
     def save(self, engine, step: int, trainer_state: dict, weights: dict[str, torch.Tensor] | None) -> Path:
-        """Collective: `save` with this run's settings (`weights`: the gathered fp32 masters on rank 0)."""
-        return save(engine, self.root, step, trainer_state, self.keep, {"model_config": self.model_config}, weights)
+        """Collective: `save` with this run's settings (`weights`: the gathered fp32 masters on rank 0). Raises
+        FastmaeError, before writing, where the checkpoint directory this rank saw has gone or been replaced."""
+        if self.root_identity is not None and _identity(self.root) != self.root_identity:
+            raise FastmaeError(f"{self.root}: vanished during the run (deleted, moved, or its file system unmounted), "
+                               "and the checkpoints this run wrote there with it; not re-created, so that no "
+                               "checkpoint lands where a resume would not look: restore it and resume")
+        path = save(engine, self.root, step, trainer_state, self.keep, {"model_config": self.model_config}, weights)
+        self.root_identity = _identity(self.root)
+        return path
+
+
+def _identity(directory: Path) -> tuple[int, int] | None:
+    """(device, inode) of `directory`, None where it does not exist."""
+    try:
+        stat = directory.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino

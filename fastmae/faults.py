@@ -9,6 +9,9 @@ production code that names this module.
   (half its trainer state lands, then ENOSPC), as a node's local disk would; the other ranks' writes succeed.
 - FASTMAE_FAULT_NAN=RANK:FIRST-LAST: that rank's losses are NaN in optimizer steps FIRST to LAST (its gradients
   too), as a bad batch or an overflow on one rank would make them; the ranks must skip those steps alike.
+- FASTMAE_FAULT_HOLD=STEP:FILE: every rank waits after optimizer step STEP (and its checkpoint) until FILE exists,
+  while the data loader's thread has read ahead as far as it may: a test changes the world (a shard vanishes)
+  at a known point of the run, not at a moment it has to guess.
 - FASTMAE_FAULT_STARTUP_PEAK=F: the matmul peak measured at start-up reads F times what it measured (F < 1: as on
   a machine far busier than a test can make it reliably), so the first logged window beats it.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -32,6 +36,7 @@ class FaultHooks:
     startup_peak_factor: float = 1.0
     full_disk_at: tuple[int, int, int] | None = None  # (rank, step, step)
     nan_at: tuple[int, int, int] | None = None  # (rank, first step, last step)
+    hold_at: tuple[int, Path] | None = None  # (step, the file that releases it)
 
     @classmethod
     def from_environment(cls, device: torch.device) -> FaultHooks:
@@ -39,7 +44,8 @@ class FaultHooks:
                    sync_debug=device.type == "cuda" and os.environ.get("FASTMAE_SYNC_DEBUG") == "1",
                    startup_peak_factor=float(os.environ.get("FASTMAE_FAULT_STARTUP_PEAK", "1")),
                    full_disk_at=_rank_and_steps(os.environ.get("FASTMAE_FAULT_ENOSPC")),
-                   nan_at=_rank_and_steps(os.environ.get("FASTMAE_FAULT_NAN")))
+                   nan_at=_rank_and_steps(os.environ.get("FASTMAE_FAULT_NAN")),
+                   hold_at=_step_and_file(os.environ.get("FASTMAE_FAULT_HOLD")))
 
     def poison_losses(self, model: torch.nn.Module, rank: int, step) -> None:
         """Where FASTMAE_FAULT_NAN names this rank: its model's training loss is NaN while `step()` (the optimizer
@@ -79,9 +85,14 @@ class FaultHooks:
             yield
 
     def after_step(self, step: int) -> None:
-        """Die hard after step FASTMAE_FAULT_AT_STEP."""
+        """Die hard after step FASTMAE_FAULT_AT_STEP; wait after step FASTMAE_FAULT_HOLD for its file (5 minutes
+        at most)."""
         if self.exit_after_step and step == self.exit_after_step:
             os._exit(17)
+        if self.hold_at is not None and step == self.hold_at[0]:
+            deadline = time.monotonic() + 300
+            while not self.hold_at[1].exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def _rank_and_steps(value: str | None) -> tuple[int, int, int] | None:
@@ -91,3 +102,11 @@ def _rank_and_steps(value: str | None) -> tuple[int, int, int] | None:
     rank, steps = value.split(":")
     first, _, last = steps.partition("-")
     return int(rank), int(first), int(last or first)
+
+
+def _step_and_file(value: str | None) -> tuple[int, Path] | None:
+    """`STEP:FILE` as (step, path)."""
+    if not value:
+        return None
+    step, path = value.split(":", 1)
+    return int(step), Path(path)

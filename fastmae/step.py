@@ -1,4 +1,5 @@
-"""One optimizer step: the function the trainer, benchmarks/throughput.py and (through the trainer) the study run.
+"""One optimizer step: the function the trainer, benchmarks/throughput.py and (through the trainer) the study run,
+and the counters (`RunCounters`) the trainer keeps of its steps.
 
     mask every micro-batch (host counts give w), then
     for each micro-batch:  forward -> backward (loss x its predicted tokens x w) -> engine.step
@@ -18,7 +19,8 @@ import torch.distributed as dist
 
 from .batch import PackedBatch
 from .data.order import DIGEST_MODULUS, sequences_digest
-from .distributed import agree_on_flag
+from .distributed import agree_on_flag, log_line
+from .errors import FastmaeError
 from .flops import masked_training_flops
 from .masking import MaskedBatch, mask_batch
 
@@ -95,3 +97,45 @@ def train_step(engine, micro_batches: list[PackedBatch | MaskedBatch], *, seed: 
             digest = (digest + sequences_digest(batch.dataset_ids)) % DIGEST_MODULUS
         flops += masked_training_flops(model_config, masked)
     return StepStats(sums=sums, non_finite=non_finite, tokens=tokens, flops=flops, digest=digest)
+
+
+@dataclass
+class RunCounters:
+    """Where the run stands: optimizer steps done, this rank's shares of the tokens and FLOPs, and the skipped steps
+    (total and the current streak, counted on the device so the flag is never read back; `skipped_logged` is the
+    count the last train record reported)."""
+
+    skipped_device: torch.Tensor
+    bad_streak_device: torch.Tensor
+    step: int = 0
+    tokens_seen: int = 0
+    flops_done: int = 0
+    skipped_logged: int = 0
+
+    def add(self, stats: StepStats) -> None:
+        self.skipped_device += stats.non_finite
+        self.bad_streak_device.mul_(stats.non_finite).add_(stats.non_finite)
+        self.step += 1
+        self.tokens_seen += stats.tokens
+        self.flops_done += stats.flops
+
+    def check_bad_streak(self, bad_streak: int, skipped: int, max_bad_steps: int) -> None:
+        """On logged steps, with the counts read back: report skipped steps, and stop after `max_bad_steps` of
+        them in a row."""
+        if skipped > self.skipped_logged:
+            log_line(f"non-finite loss: {skipped - self.skipped_logged} step(s) skipped up to step {self.step} "
+                     f"({skipped} so far)")
+        self.skipped_logged = skipped
+        if bad_streak >= max_bad_steps:
+            raise FastmaeError(f"{bad_streak} optimizer steps in a row with a non-finite loss (steps "
+                               f"{self.step - bad_streak + 1}-{self.step}): stopping; the checkpoints written before "
+                               "them are kept (lower train.lr, check the data, or raise train.max_bad_steps)")
+
+    def inside_bad_streak(self) -> bool:
+        """Whether the last step was skipped (non-finite loss), read back (checkpoint steps ask): no periodic
+        checkpoint is written then, since its weights are the newest checkpoint's and rotating by checkpoint.keep
+        could drop the last one from before the streak before train.max_bad_steps stops the run."""
+        streak = int(self.bad_streak_device.item())  # agreed over ranks: every rank reads the same
+        if streak:
+            log_line(f"step {self.step}: no checkpoint written inside a streak of {streak} skipped step(s)")
+        return streak > 0

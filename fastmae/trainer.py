@@ -50,7 +50,7 @@ from .metrics import LogWindow, MetricsWriter, eval_table, peak_memory_mib, read
 from .model import MaskedLM
 from .pipeline import masked_ahead
 from .plot import plot_run
-from .step import StepStats, train_step
+from .step import RunCounters, train_step
 
 
 # -------------------------------------------------------------------------------------------------------- setup
@@ -163,39 +163,6 @@ def closing_lines(run_dir: Path, graphs, finished: bool, records: list[dict]) ->
 
 
 # -------------------------------------------------------------------------------------------------------- trainer
-@dataclasses.dataclass
-class RunCounters:
-    """Where the run stands: optimizer steps done, this rank's shares of the tokens and FLOPs, and the skipped steps
-    (total and the current streak, counted on the device so the flag is never read back; `skipped_logged` is the
-    count the last train record reported)."""
-
-    skipped_device: torch.Tensor
-    bad_streak_device: torch.Tensor
-    step: int = 0
-    tokens_seen: int = 0
-    flops_done: int = 0
-    skipped_logged: int = 0
-
-    def add(self, stats: StepStats) -> None:
-        self.skipped_device += stats.non_finite
-        self.bad_streak_device.mul_(stats.non_finite).add_(stats.non_finite)
-        self.step += 1
-        self.tokens_seen += stats.tokens
-        self.flops_done += stats.flops
-
-    def check_bad_streak(self, bad_streak: int, skipped: int, max_bad_steps: int) -> None:
-        """On logged steps, with the counts read back: report skipped steps, and stop after `max_bad_steps` of
-        them in a row."""
-        if skipped > self.skipped_logged:
-            log_line(f"non-finite loss: {skipped - self.skipped_logged} step(s) skipped up to step {self.step} "
-                     f"({skipped} so far)")
-        self.skipped_logged = skipped
-        if bad_streak >= max_bad_steps:
-            raise FastmaeError(f"{bad_streak} optimizer steps in a row with a non-finite loss (steps "
-                               f"{self.step - bad_streak + 1}-{self.step}): stopping (lower train.lr, check the data, "
-                               "or raise train.max_bad_steps)")
-
-
 class Trainer:
     """Builds data, model and engine for this rank, then runs, evaluates and checkpoints."""
 
@@ -335,7 +302,7 @@ class Trainer:
             with window.paused():  # evaluation and checkpoints do not count as training time
                 if self.evaluator is not None and self.evaluator.due(counters.step):
                     self.evaluate()
-                if self.checkpointer.due(counters.step, stop):
+                if self.checkpointer.due(counters.step, stop, counters.inside_bad_streak):
                     self.save_checkpoint()
             self.faults.after_step(counters.step)
             if stop:

@@ -454,6 +454,31 @@ def test_corrupt_shard_content_is_caught_by_checksum(dataset, tmp_path):
         PackedLoader(directory, verify_checksum=True)
 
 
+@pytest.mark.parametrize("change", ["vanished", "rewritten"])
+def test_a_shard_that_vanishes_or_changes_mid_run_is_named(dataset, tmp_path, change):
+    """A shard deleted (its map may still be open: the old bytes would still read) or rewritten with other ids after
+    the loader checked it: the next batch that reads it stops with the file named, and a loader opened on the
+    restored file draws the same batches as before."""
+    directory = copy_dataset(dataset[0], tmp_path)
+    tokens_file = shard_files(directory, "train", "shard_00002")[0]
+    original = tokens_file.read_bytes()
+    steps = PackedLoader(directory, max_seq_len=32, tokens_per_batch=128).planner.steps_per_epoch()
+    expected = [b.tokens.tolist() for b in drain(PackedLoader(directory, max_seq_len=32, tokens_per_batch=128), steps)]
+    loader = PackedLoader(directory, max_seq_len=32, tokens_per_batch=128)
+    drain(loader, 1)
+    if change == "vanished":
+        tokens_file.unlink()
+        message = f"{tokens_file}: vanished during the run"
+    else:
+        tokens_file.write_bytes(bytes(b ^ 0x01 for b in original))  # same size, other ids
+        message = f"{tokens_file}: changed during the run"
+    with pytest.raises(FastmaeError, match=message):
+        drain(loader, steps)
+    tokens_file.write_bytes(original)
+    restored = drain(PackedLoader(directory, max_seq_len=32, tokens_per_batch=128), steps)
+    assert [b.tokens.tolist() for b in restored] == expected
+
+
 def test_corrupt_document_index_is_named(dataset, tmp_path):
     directory = copy_dataset(dataset[0], tmp_path)
     docs_file = shard_files(directory, "train", "shard_00003")[1]

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,17 @@ def launch(args, env_extra=None, ranks=2, timeout=300):
 
 
 _free_port = chaos.free_port
+
+
+def running_until(process: subprocess.Popen, until: Path, timeout=240) -> subprocess.Popen:
+    """`process` (a run, stderr piped), left running once `until` exists."""
+    deadline = time.monotonic() + timeout
+    while not until.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise AssertionError(f"{until} never appeared:\n{process.communicate()[1][-3000:]}")
+        time.sleep(0.05)
+    return process
 
 
 def train_losses(run_dir):
@@ -190,6 +202,33 @@ def test_a_full_disk_on_one_rank_stops_the_run_and_the_resume_is_bit_identical(d
     assert f"resumed from {run_dir / 'checkpoints' / 'step00000004'} at step 4" in resumed.stderr
     a, b = load_file(straight / "model.safetensors"), load_file(run_dir / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.xdist_group("fault")
+def test_a_shard_that_vanishes_mid_run_stops_it_named_and_a_resume_once_restored_is_bit_identical(
+        dataset, straight_with_dropout, budget_plan, tmp_path):
+    """The training shard moved away while the ranks wait after step 1 (FASTMAE_FAULT_HOLD; the loader thread has
+    read at most 4 steps ahead of the 7-9 planned): the run stops with the shard named, not with the old bytes of a
+    map still open; moved back, the run resumes from its newest checkpoint and ends bit-identical to the run that
+    never lost it."""
+    data, run_dir = tmp_path / "data", tmp_path / "vanished"
+    shutil.copytree(dataset, data)
+    shard = data / "train" / "shard_00000.tokens"
+    args = budget_args(data, run_dir, budget_plan[0])
+    release = tmp_path / "release"
+    run = running_until(chaos.start(args, 2, {"FASTMAE_FAULT_HOLD": f"1:{release}"}),
+                        run_dir / "checkpoints" / "step00000001")
+    shard.rename(tmp_path / "aside")
+    release.touch()
+    _, stderr = run.communicate(timeout=240)
+    assert run.returncode != 0
+    assert f"error: {shard}: vanished during the run; restore it and resume" in stderr, stderr[-3000:]
+    (tmp_path / "aside").rename(shard)
+    resumed = launch(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    checkpoints = re.escape(str(run_dir / "checkpoints"))
+    assert re.search(rf"resumed from {checkpoints}/step0000000[1-5] at step", resumed.stderr), resumed.stderr[-3000:]
+    assert chaos.weights_sha256(run_dir) == chaos.weights_sha256(straight_with_dropout[0])
 
 
 def test_non_finite_losses_on_one_rank_are_skipped_on_every_rank_alike(dataset, budget_plan, tmp_path):
@@ -588,6 +627,33 @@ def single_process(args, timeout=300, env_extra=None, **popen):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
+def test_a_checkpoint_directory_that_vanishes_mid_run_stops_it_named_not_recreated(dataset, tmp_path):
+    """The run's checkpoint directory moved away while the run waits after step 2 (FASTMAE_FAULT_HOLD), as a deleted
+    directory or an unmounted file system would leave it: the next save stops the run naming it, and nothing is
+    created in its place (checkpoints would land where the resume does not look); moved back, the run resumes from
+    its step-2 checkpoint and finishes."""
+    run_dir, release = tmp_path / "run", tmp_path / "release"
+    checkpoints = run_dir / "checkpoints"
+    args = overrides(dataset, run_dir, steps=4, **{"checkpoint.every": 1, "eval.every": 0})
+    run = running_until(single_process(args, env_extra={"FASTMAE_FAULT_HOLD": f"2:{release}"}),
+                        checkpoints / "step00000002")
+    checkpoints.rename(tmp_path / "aside")
+    release.touch()
+    _, stderr = run.communicate(timeout=240)
+    assert run.returncode == 1, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        f"fastmae train: error: {checkpoints}: vanished during the run (deleted, moved, or its file system "
+        "unmounted), and the checkpoints this run wrote there with it; not re-created, so that no checkpoint lands "
+        "where a resume would not look: restore it and resume")
+    assert not checkpoints.exists()
+    (tmp_path / "aside").rename(checkpoints)
+    resumed = single_process(args)
+    _, stderr = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert f"resumed from {checkpoints / 'step00000002'} at step 2" in stderr
+    assert sorted(records_of(run_dir)) == [1, 2, 3, 4]
+
+
 def test_a_mistyped_data_path_is_an_error_not_the_embedded_corpus(tmp_path):
     """The demo config builds the embedded corpus only for `data.path: builtin`; any other missing path stops."""
     typo = tmp_path / "runs" / "data" / "bultin-v1000"
@@ -620,16 +686,25 @@ def test_train_records_say_how_many_steps_they_average(dataset, tmp_path):
 
 
 def test_non_finite_losses_are_skipped_then_stop_the_run(dataset, tmp_path):
-    # an absurd learning rate blows the weights up within a few steps; every later loss is non-finite
-    proc = single_process(overrides(dataset, tmp_path / "nan", steps=50, **{
-        "train.lr": 1e12, "train.clip": 0.0, "train.warmup_steps": 0, "train.max_bad_steps": 3, "eval.every": 0}))
+    """An absurd learning rate blows the weights up within a few steps; every later loss is non-finite. A checkpoint
+    every step, 2 kept, 4 bad steps allowed in a row: the run stops naming the 4 steps, and the newest checkpoint
+    left is the one from the step before them (written inside the streak, checkpoints would rotate it out)."""
+    run_dir = tmp_path / "nan"
+    proc = single_process(overrides(dataset, run_dir, steps=50, **{
+        "train.lr": 1e12, "train.clip": 0.0, "train.warmup_steps": 0, "train.max_bad_steps": 4, "eval.every": 0,
+        "checkpoint.every": 1, "checkpoint.keep": 2}))
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1, stderr[-2000:]
     assert "step(s) skipped" in stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("fastmae train: error: ") and "optimizer steps in a row with a non-finite loss" in last
-    steps = re.search(r"(\d+) optimizer steps in a row with a non-finite loss \(steps (\d+)-(\d+)\): stopping", last)
-    assert steps and int(steps[1]) == 3 and int(steps[3]) - int(steps[2]) == 2, last  # the steps named
+    steps = re.search(r"(\d+) optimizer steps in a row with a non-finite loss \(steps (\d+)-(\d+)\): stopping; "
+                      "the checkpoints written before them are kept", last)
+    assert steps and int(steps[1]) == 4 and int(steps[3]) - int(steps[2]) == 3, last  # the steps named
+    first_bad = int(steps[2])
+    assert first_bad > 1, stderr[-2000:]  # a checkpoint before the streak exists to be kept
+    kept = sorted(int(p.name.removeprefix("step")) for p in (run_dir / "checkpoints").glob("step*"))
+    assert kept[-1] == first_bad - 1, (kept, last)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device synchronisation is a CUDA matter")

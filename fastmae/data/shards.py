@@ -90,8 +90,25 @@ class Shard:
 
     @property
     def tokens(self) -> np.ndarray:
-        """[num_tokens] uint16/uint32 ids, memory-mapped; at most MAX_OPEN_SHARDS maps stay open (LRU)."""
+        """[num_tokens] uint16/uint32 ids, memory-mapped; at most MAX_OPEN_SHARDS maps stay open (LRU). Raises
+        FastmaeError naming the file when it has vanished or changed since it was checked (`check_unchanged`)."""
+        self.check_unchanged()
         return _token_map(self.path, self.dtype, self.num_tokens, self.version)
+
+    def check_unchanged(self) -> None:
+        """Raise FastmaeError naming the tokens file if it has gone, or been rewritten, truncated or replaced since
+        `open_shard` checked it: a map still open would serve the old bytes or, past a truncation, kill the
+        process with SIGBUS; a run stops instead, and resumes bit-identically once the file is restored."""
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            raise FastmaeError(f"{self.path}: vanished during the run; restore it and resume (the newest checkpoint "
+                               "was written before it went)") from None
+        expected = self.num_tokens * np.dtype(self.dtype).itemsize
+        if (stat.st_ino, stat.st_mtime_ns) != self.version or stat.st_size != expected:
+            raise FastmaeError(f"{self.path}: changed during the run ({stat.st_size} bytes, expected {expected}; "
+                               "rewritten or replaced since start-up): corrupt or from another dataset; restore it "
+                               "and resume, or re-run fastmae prepare and start afresh")
 
     @property
     def num_documents(self) -> int:
