@@ -28,8 +28,11 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        # pyarrow: the Parquet reader's tests; transformers + protobuf: the export tests (the hf extra)
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.5", "pyarrow>=14", "transformers>=4.40", "protobuf>=3.20"],
+        # pyarrow: the Parquet reader's tests; transformers + protobuf: the export tests (the hf extra). pytest 9.2
+        # keeps node ids where pytest-xdist 3.8 cannot tag them, so --dist loadgroup stops grouping: tests sharing
+        # an expensive run (xdist_group) would then repeat it on both workers
+        "dev": ["pytest>=8,<9.2", "pytest-xdist>=3.5", "ruff>=0.5", "pyarrow>=14", "transformers>=4.40",
+                "protobuf>=3.20"],
         # flash-attn builds only with CUDA; NVIDIA apex is never a pip requirement (PyPI's `apex` is another project).
         "gpu": ["flash-attn>=2.5"],
         # `fastmae export` and the Hugging Face benchmark; protobuf reads the sentencepiece model's pieces
