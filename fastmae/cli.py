@@ -12,6 +12,8 @@ SUBCOMMANDS = {
     "export": ("fastmae.export", "write the encoder as a Hugging Face RoBERTa, RoFormer or ESM-2 directory with its "
                                  "tokenizer and a model card (needs the hf extra)"),
     "finetune": ("fastmae.finetune", "fine-tune on GLUE-format classification or regression data, median of seeds"),
+    "glue": ("fastmae.glue", "fine-tune every GLUE task found, the papers' grid or ModernBERT's settings, several "
+                             "models side by side"),
     "analyze": ("fastmae.analyze", "effective rank of token representations per layer, with and without <mask>"),
     "study": ("fastmae.study", "train objectives under one FLOP budget, then compare loss, fine-tuning and ranks"),
 }

@@ -13,8 +13,9 @@ Without --lr the learning rate follows the model's width (`width_learning_rate`)
 runs under bf16 autocast where the device multiplies bf16 natively (CUDA sm_80+), fp32 elsewhere; each epoch logs
 its training tokens/s.
 
-    OUT/results.json             task, metric, per_seed (best epoch, its scores, the history with tokens/s), median
-                                 per metric, the config as asked and as resolved (lr, precision), mean tokens/s
+    OUT/results.json             task, metric, per_seed (best epoch, its scores, the history with tokens/s, why it
+                                 did not train if it did not), median per metric (MNLI's mismatched dev beside),
+                                 the config as asked and as resolved (lr, precision), mean tokens/s
     OUT/seed{S}/best.safetensors the classifier at seed S's best dev score
 """
 
@@ -146,10 +147,40 @@ def predict(model: SequenceClassifier, task: Task, sequences: list[list[int]], b
     return torch.cat(out).float().cpu().numpy() if task.is_regression else torch.cat(out).cpu().numpy()
 
 
+CHANCE_SHARE = 0.98
+"""A fine-tune whose last training loss is above this share of the loss of predicting the training labels' own
+frequencies (their entropy; for regression their variance) did not train."""
+
+
+def chance_loss(task: Task, labels: np.ndarray) -> float:
+    """The training loss of a classifier that ignores its input: the entropy of the labels' frequencies (ln of the
+    class count when they are balanced), or for regression the labels' variance (MSE of predicting their mean)."""
+    if task.is_regression:
+        return float(np.var(labels.astype(np.float64)))
+    p = np.bincount(labels, minlength=task.num_outputs) / len(labels)
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum())
+
+
+def did_not_train(task: Task, history: list[dict], best_epoch: int, chance: float) -> str | None:
+    """Why a fine-tune's result says nothing about its encoder, or None: its dev predictions at the best epoch are one
+    class (a constant, for regression), or its last training loss stayed at the chance loss (`chance_loss`)."""
+    best = history[best_epoch - 1]
+    if best["distinct_predictions"] <= 1:
+        return f"predicts one {'value' if task.is_regression else 'class'} for every dev example"
+    last = history[-1]["train_loss"]
+    if last >= CHANCE_SHARE * chance:
+        return f"training loss {last:.4f} stayed at chance ({chance:.4f}, the labels' own " + (
+            "variance)" if task.is_regression else "entropy)")
+    return None
+
+
 def train_one_seed(pretrained: Pretrained, task: Task, train: tuple[list, np.ndarray], dev: tuple[list, np.ndarray],
-                   config: FinetuneConfig, seed: int, device: torch.device, best_file: Path) -> dict:
-    """Fine-tune from the pretrained weights with `seed`; score dev after every epoch; write the best epoch's
-    classifier to `best_file`. Returns {seed, best_epoch, scores (at the best epoch), history}."""
+                   config: FinetuneConfig, seed: int, device: torch.device, best_file: Path | None,
+                   other_devs: dict[str, tuple[list, np.ndarray]] | None = None) -> dict:
+    """Fine-tune from the pretrained weights with `seed`; score dev (and each of `other_devs`, its scores named
+    `NAME_METRIC`) after every epoch; write the best epoch's classifier to `best_file` (None: not kept). Returns
+    {seed, best_epoch, scores (at the best epoch), history, did_not_train (None, or why its scores mean nothing)}."""
     torch.manual_seed(seed)
     model = SequenceClassifier(pretrained.encoder(), task.num_outputs).to(device)
     model.train()
@@ -185,20 +216,28 @@ def train_one_seed(pretrained: Pretrained, task: Task, train: tuple[list, np.nda
         tokens_per_s = tokens / (time.perf_counter() - started)
         predictions = predict(model, task, dev[0], config.batch_size, device, config.precision)
         scores = {metric: score(metric, predictions, dev[1]) for metric in task.metrics}
+        for name, (sequences, labels) in (other_devs or {}).items():
+            other = predict(model, task, sequences, config.batch_size, device, config.precision)
+            scores.update({f"{name}_{metric}": score(metric, other, labels) for metric in task.metrics})
         if not math.isfinite(train_loss):
             raise FastmaeError(f"seed {seed}, epoch {epoch}: training loss is {train_loss}; lower --lr")
-        history.append({"epoch": epoch, "train_loss": train_loss, "tokens_per_s": round(tokens_per_s, 1), **scores})
+        distinct = len(np.unique(predictions.round(6) if task.is_regression else predictions))
+        history.append({"epoch": epoch, "train_loss": train_loss, "tokens_per_s": round(tokens_per_s, 1),
+                        "distinct_predictions": distinct, **scores})
         bar.set_postfix(loss=f"{train_loss:.3f}", tokens_per_s=f"{tokens_per_s:.0f}",
                         **{primary: f"{scores[primary]:.4f}"})
         if best is None or scores[primary] > best["scores"][primary]:
             best = {"epoch": epoch, "scores": scores}
+            if best_file is None:
+                continue
             from safetensors.torch import save_file
 
             with atomic_path(best_file) as tmp:
                 save_file({k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()},
                           str(tmp), metadata={"task": task.name, "seed": str(seed), "epoch": str(epoch)})
     bar.close()
-    return {"seed": seed, "best_epoch": best["epoch"], "scores": best["scores"], "history": history}
+    return {"seed": seed, "best_epoch": best["epoch"], "scores": best["scores"], "history": history,
+            "did_not_train": did_not_train(task, history, best["epoch"], chance_loss(task, train[1]))}
 
 
 def training_attention(config: ModelConfig, device: torch.device, precision: str) -> str:
@@ -212,7 +251,8 @@ def training_attention(config: ModelConfig, device: torch.device, precision: str
 
 
 def resolve_task(args) -> tuple[Task, Path, Path]:
-    """(task, train file, dev file) from the command line, every file checked to exist."""
+    """(task, train file, dev file) from the command line, every file checked to exist (further dev sets:
+    `other_dev_sets`)."""
     if args.task == "custom":
         if not (args.train and args.dev and args.text_fields and args.label_field and args.problem):
             raise FastmaeError("--task custom needs --train, --dev, --text-fields, --label-field and --problem")
@@ -227,6 +267,12 @@ def resolve_task(args) -> tuple[Task, Path, Path]:
         raise FastmaeError(f"--data {data}: no such directory")
     dev = next((data / name for name in task.dev_files if (data / name).is_file()), data / task.dev_files[0])
     return task, data / "train.tsv", dev
+
+
+def other_dev_sets(task: Task, dev_file: Path) -> dict[str, Path]:
+    """{name: file} of the task's further dev sets found beside `dev_file` (MNLI's mismatched one)."""
+    return {name: dev_file.parent / file for name, file in task.other_dev_files
+            if (dev_file.parent / file).is_file()}
 
 
 def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Path, out: Path,
@@ -256,14 +302,19 @@ def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Pat
     tokenizer = pretrained.tokenizer
     train = (frame(tokenizer, train_split.texts, max_len), train_split.labels)
     dev = (frame(tokenizer, dev_split.texts, max_len), dev_split.labels)
+    others = {name: load_split(file, task) for name, file in other_dev_sets(task, dev_file).items()}
+    others = {name: (frame(tokenizer, split.texts, max_len), split.labels) for name, split in others.items()}
     out = Path(out)
     started = time.time()
-    per_seed = [train_one_seed(pretrained, task, train, dev, config, seed, device, out / f"seed{seed}" /
-                               "best.safetensors") for seed in tqdm(range(config.seeds), desc="seeds", unit="seed")]
+    per_seed = [train_one_seed(pretrained, task, train, dev, config, seed, device,
+                               out / f"seed{seed}" / "best.safetensors", others)
+                for seed in tqdm(range(config.seeds), desc="seeds", unit="seed")]
+    metrics = [*task.metrics, *(f"{name}_{m}" for name in others for m in task.metrics)]
     results = {
         "task": task.name, "metric": task.metrics[0],
-        "median": {m: float(np.median([s["scores"][m] for s in per_seed])) for m in task.metrics},
-        "per_seed": per_seed, "model": str(model_path), "weights": str(pretrained.weights_file),
+        "median": {m: float(np.median([s["scores"][m] for s in per_seed])) for m in metrics},
+        "per_seed": per_seed, "did_not_train": [s["seed"] for s in per_seed if s["did_not_train"]],
+        "model": str(model_path), "weights": str(pretrained.weights_file),
         "pretraining_step": pretrained.step, "objective": pretrained.config.objective,
         "train": {"file": str(train_file), "examples": len(train[0])},
         "dev": {"file": str(dev_file), "examples": len(dev[0])},
@@ -301,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         task, train_file, dev_file = resolve_task(args)
         results = finetune(args.model, task, train_file, dev_file, Path(args.out), config)
         median = ", ".join(f"{k} {v:.4f}" for k, v in results["median"].items())
+        for seed in results["per_seed"]:
+            if seed["did_not_train"]:
+                print(f"fastmae finetune: seed {seed['seed']} did not train: {seed['did_not_train']} (its score "
+                      "says nothing about the encoder; try another --lr)", file=sys.stderr)
         print(f"fastmae finetune: {task.name}, median of {config.seeds} seeds: {median}, "
               f"{results['tokens_per_s']:.0f} training tokens/s "
               f"(wrote {Path(args.out) / 'results.json'}); next: fastmae analyze --model {args.model} --data "

@@ -25,7 +25,8 @@ class Task:
     text_fields: one (single sentence) or two (pair) column names. label_field: the label's column.
     labels: the label set in class-index order (None: regression). positional: column indices of
     (text fields..., label) for files without a header row (None: a header is required).
-    metrics: names of the scores; the first picks the best checkpoint and the median.
+    metrics: names of the scores; the first picks the best checkpoint and the median. dev_files: the first that
+    exists is the dev set; other_dev_files: (name, file) of dev sets scored beside it where they exist.
     """
 
     name: str
@@ -35,6 +36,7 @@ class Task:
     metrics: tuple[str, ...]
     positional: tuple[int, ...] | None = None
     dev_files: tuple[str, ...] = ("dev.tsv",)
+    other_dev_files: tuple[tuple[str, str], ...] = ()  # (name, file): further dev sets scored beside, e.g. MNLI-mm
 
     @property
     def is_regression(self) -> bool:
@@ -54,11 +56,17 @@ GLUE_TASKS = {
     "stsb": Task("stsb", ("sentence1", "sentence2"), "score", None, ("pearson", "spearman")),
     "qqp": Task("qqp", ("question1", "question2"), "is_duplicate", BINARY, ("f1", "accuracy")),
     "mnli": Task("mnli", ("sentence1", "sentence2"), "gold_label", ("contradiction", "entailment", "neutral"),
-                 ("accuracy",), dev_files=("dev.tsv", "dev_matched.tsv")),
+                 ("accuracy",), dev_files=("dev_matched.tsv", "dev.tsv"),
+                 other_dev_files=(("mismatched", "dev_mismatched.tsv"),)),
     "qnli": Task("qnli", ("question", "sentence"), "label", ENTAILMENT, ("accuracy",)),
     "rte": Task("rte", ("sentence1", "sentence2"), "label", ENTAILMENT, ("accuracy",)),
     "wnli": Task("wnli", ("sentence1", "sentence2"), "label", BINARY, ("accuracy",)),
 }
+
+
+GLUE_DIRS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "qqp": "QQP", "mnli": "MNLI",
+             "qnli": "QNLI", "rte": "RTE", "wnli": "WNLI"}
+"""Each task's directory as the GLUE download names it."""
 
 
 @dataclass

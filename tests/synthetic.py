@@ -79,3 +79,41 @@ def keyword_split(path, words: list[str], n: int, seed: int, header: str = "sent
         rows.append(f"{' '.join(sentence)}\t{label}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(rows) + "\n")
+
+
+def write_glue(root, words: list[str], n_train: int, n_dev: int, seed: int = 0):
+    """A GLUE directory of generated tasks in the benchmark's own layouts (CoLA without a header, MRPC's columns,
+    STS-B's scores, MNLI with matched and mismatched dev sets, RTE's pairs, SST-2): each label says whether "cat" is
+    in the (first) sentence, STS-B's score is 5 x that, MNLI's three classes also use "dog"; returns `root`."""
+    rng = np.random.default_rng(seed)
+    others = [w for w in words if w not in ("cat", "dog")]
+
+    def sentence(*keys):
+        body = list(rng.choice(others, size=int(rng.integers(3, 8)))) + list(keys)
+        rng.shuffle(body)
+        return " ".join(body)
+
+    def rows(n, make):
+        return [make(int(rng.integers(3))) for _ in range(n)]
+
+    layouts = {
+        "CoLA": ("", lambda c: f"src\t{c % 2}\t\t{sentence(*['cat'] * (c % 2))}"),
+        "SST-2": ("sentence\tlabel", lambda c: f"{sentence(*['cat'] * (c % 2))}\t{c % 2}"),
+        "MRPC": ("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String",
+                 lambda c: f"{c % 2}\t1\t2\t{sentence(*['cat'] * (c % 2))}\t{sentence()}"),
+        "STS-B": ("index\tgenre\tsentence1\tsentence2\tscore",
+                  lambda c: f"0\tnews\t{sentence(*['cat'] * (c % 2))}\t{sentence()}\t{5.0 * (c % 2):.3f}"),
+        "RTE": ("index\tsentence1\tsentence2\tlabel", lambda c: f"0\t{sentence(*['cat'] * (c % 2))}\t{sentence()}\t"
+                                                             f"{('not_entailment', 'entailment')[c % 2]}"),
+        "MNLI": ("index\tsentence1\tsentence2\tgold_label",
+                 lambda c: f"0\t{sentence(*(['cat'], ['dog'], [])[c])}\t{sentence()}\t"
+                           f"{('entailment', 'contradiction', 'neutral')[c]}"),
+    }
+    for name, (header, make) in layouts.items():
+        directory = root / name
+        directory.mkdir(parents=True, exist_ok=True)
+        devs = ("dev_matched.tsv", "dev_mismatched.tsv") if name == "MNLI" else ("dev.tsv",)
+        for file, n in (("train.tsv", n_train), *((d, n_dev) for d in devs)):
+            lines = ([header] if header else []) + rows(n, make)
+            (directory / file).write_text("\n".join(lines) + "\n")
+    return root

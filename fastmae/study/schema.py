@@ -43,6 +43,7 @@ class FinetuneResult:
     spread: float | None  # max - min over the runs; None with one run
     runs: int
     scores: list[float]
+    did_not_train: list[str] = dataclasses.field(default_factory=list)  # per fine-tune that did not: which and why
 
 
 @dataclass

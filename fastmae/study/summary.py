@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 
+from ..claims import compare, spread
 from .objectives import Objective
 from .runs import Run, eval_curve
 from .schema import EvalPoint, FinetuneResult, MatchedRanks, ObjectiveResult, Ranks, SeedResult
@@ -68,11 +69,6 @@ def ranks_of(records: list[dict]) -> Ranks:
                  last("centred_epsilon_rank"))
 
 
-def spread(values: list[float]) -> float | None:
-    """max - min over seeds (None with one seed: the noise was not measured)."""
-    return float(max(values) - min(values)) if len(values) > 1 else None
-
-
 def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned: dict, analyses: dict,
               task_label: str | None, matched: dict[str, MatchedRanks] | None = None) -> dict[str, ObjectiveResult]:
     """Each objective's results over its seeds (means, per-seed values, spreads, ranks at the end of the budget and,
@@ -102,8 +98,11 @@ def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned
             results = finetuned[objective.label]
             metric = results[0]["metric"]
             scores = [s["scores"][metric] for r in results for s in r["per_seed"]]
+            failed = [f"pretraining seed {run.seed}, fine-tuning seed {s['seed']}: {s['did_not_train']}"
+                      for run, r in zip(runs[objective.label], results) for s in r["per_seed"]
+                      if s.get("did_not_train")]
             finetune = FinetuneResult(task=task_label, metric=metric, median=float(np.median(scores)),
-                                      spread=spread(scores), runs=len(scores), scores=scores)
+                                      spread=spread(scores), runs=len(scores), scores=scores, did_not_train=failed)
         out[objective.label] = ObjectiveResult(
             flops=float(np.mean([s.flops for s in per_seed])),
             final_eval_loss=float(np.mean(losses)),
@@ -126,23 +125,6 @@ def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned
             ranks_at_matched_loss=(matched or {}).get(objective.label),
             finetune=finetune)
     return out
-
-
-def compare(name: str, a: list[float], b: list[float], unit: str, higher_is: str) -> str:
-    """One sentence comparing per-seed values `a` (objective) and `b` (mlm) that never claims a difference smaller
-    than the seed spread (the larger of the two ranges)."""
-    diff = float(np.mean(a) - np.mean(b))
-    values = f"{np.mean(a):.4g} vs mlm's {np.mean(b):.4g}" + (f" {unit}" if unit else "")
-    noise = [s for s in (spread(a), spread(b)) if s is not None]
-    if not noise:
-        return f"{name}: {values}; one seed each, so the seed noise is unmeasured and no difference is claimed"
-    noise_level = max(noise)
-    if abs(diff) <= noise_level:
-        return (f"{name}: {values}: the difference ({diff:+.3g}) is within the seed spread ({noise_level:.3g}); no "
-                "difference is claimed")
-    direction = "higher" if diff > 0 else "lower"
-    verdict = "better" if (direction == higher_is) else "worse"
-    return f"{name}: {values}: {direction} by {abs(diff):.3g}, beyond the seed spread ({noise_level:.3g}) - {verdict}"
 
 
 def findings(summary: dict[str, ObjectiveResult]) -> list[str]:
@@ -181,10 +163,20 @@ def findings(summary: dict[str, ObjectiveResult]) -> list[str]:
                              "dimensions", "higher"))
         lines += _matched_findings(label, entry.ranks_at_matched_loss, mlm.ranks_at_matched_loss)
         if entry.finetune is not None and mlm.finetune is not None:
-            ft = entry.finetune
-            lines.append(compare(f"`{label}` fine-tuned {ft.task} {ft.metric} (mean of every pretraining x "
-                                 "fine-tuning seed)", ft.scores, mlm.finetune.scores, "", "higher"))
+            lines.append(_finetune_finding(label, entry.finetune, mlm.finetune))
     return lines
+
+
+def _finetune_finding(label: str, ft: FinetuneResult, mlm: FinetuneResult) -> str:
+    """The fine-tuning comparison, or why none is made: a fine-tune that did not train (one class predicted, or
+    its training loss at chance) scores the classifier's failure, not the encoder."""
+    parts = [f"`{name}`: {len(result.did_not_train)} of its {result.runs} ({result.did_not_train[0]})"
+             for name, result in ((label, ft), ("mlm", mlm)) if result.did_not_train]
+    if parts:
+        return (f"`{label}` fine-tuned {ft.task} {ft.metric}: no comparison is made, because fine-tunes did not "
+                f"train - {'; '.join(parts)}.")
+    return compare(f"`{label}` fine-tuned {ft.task} {ft.metric} (mean of every pretraining x fine-tuning seed)",
+                   ft.scores, mlm.scores, "", "higher")
 
 
 def _matched_findings(label: str, matched: MatchedRanks | None, reference: MatchedRanks | None) -> list[str]:

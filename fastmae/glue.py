@@ -1,0 +1,364 @@
+"""`fastmae glue`: every GLUE task found under a directory, fine-tuned the way the papers report it, several encoders
+side by side.
+
+    fastmae glue --model RUN_OR_EXPORT [--model OTHER ...] --data GLUE_DIR --out DIR
+                 [--protocol papers|modernbert] [--from-mnli] [--seeds 5] [--max-cells N | --budget-hours H] [--quick]
+
+GLUE_DIR holds the benchmark's own directories (CoLA, SST-2, MRPC, STS-B, QQP, MNLI, QNLI, RTE, WNLI; any subset).
+A *cell* is one fine-tune: (model, task, learning rate, batch size, seed), scored on dev after every epoch (MNLI on
+its matched and mismatched dev sets) and kept at its best epoch. The protocols:
+
+- `papers` (RoBERTa's GLUE recipe, which 3ML and MAE-LM follow): learning rates {1e-5, 2e-5, 3e-5} scaled by the
+  model's width as `fastmae finetune` scales its default (`width_learning_rate`), batch sizes {16, 32}, 10 epochs,
+  6% warm-up then linear decay, AdamW (0.9, 0.98, eps 1e-6, weight decay 0.1). A task's score is the median over
+  seeds of its best grid cell on dev.
+- `modernbert`: the settings of ModernBERT's `glue_jobs.py`, one cell per task and seed (MNLI 2 epochs at batch 64
+  and 5e-5; RTE 3 at 16 and 1e-5; SST-2 3 at 16 and 3e-5; QQP 5 at 16 and 3e-5; QNLI 10 at 16 and 1e-5; CoLA 10 at
+  32 and 5e-5; MRPC 10 at 32 and 8e-5; STS-B 10 at 32 and 3e-5; its decoupled weight decay converted to AdamW's),
+  unscaled, so a fastmae encoder stands beside ModernBERT's reported scores. ModernBERT has no WNLI job.
+
+`--from-mnli` starts RTE, MRPC and STS-B from the encoder of the model's best MNLI cell (its median seed), as
+RoBERTa did. Every finished cell is a file under DIR/cells; a rerun skips them. `--max-cells` or `--budget-hours`
+plans the largest part of the grid that fits, smallest tasks first, and says what it leaves out.
+
+    DIR/glue.json   every cell (task, lr, batch, seed, metric per epoch, whether it trained) and each model's scores
+    DIR/glue.md     one row per model: each task's score and the GLUE average (WNLI left out, as the papers average)
+    DIR/glue.png    each task's score per model, with the range over seeds
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .atomic import atomic_write_text
+from .errors import FastmaeError, run_command
+from .finetune import FinetuneConfig, frame, other_dev_sets, train_one_seed, width_learning_rate
+from .hardware import choose_precision
+from .pretrained import Pretrained, load_pretrained
+from .tasks import GLUE_DIRS, GLUE_TASKS, Task, load_split
+
+HEADLINE = {"cola": "matthews_correlation", "stsb": "spearman"}
+"""The metric each task counts with in the GLUE average (accuracy where not named), as RoBERTa's, COCO-LM's and
+MAE-LM's dev tables report them; MNLI counts its matched accuracy (mismatched shown beside)."""
+
+FROM_MNLI = ("rte", "mrpc", "stsb")
+PAPERS_RATES = (1e-5, 2e-5, 3e-5)
+PAPERS_BATCHES = (16, 32)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One grid cell's hyper-parameters (the seed apart)."""
+
+    lr: float
+    batch_size: int
+    epochs: int
+    weight_decay: float = 0.1
+
+
+MODERNBERT = {  # task: (epochs, batch, lr, decoupled weight decay) from ModernBERT's glue_jobs.py
+    "mnli": (2, 64, 5e-5, 1e-6), "rte": (3, 16, 1e-5, 1e-5), "sst2": (3, 16, 3e-5, 3e-6), "qqp": (5, 16, 3e-5, 3e-6),
+    "qnli": (10, 16, 1e-5, 1e-6), "cola": (10, 32, 5e-5, 5e-6), "mrpc": (10, 32, 8e-5, 8e-6),
+    "stsb": (10, 32, 3e-5, 3e-6)}
+
+
+def grid(task: str, width: int, protocol: str, quick: bool = False) -> list[Setting]:
+    """The (lr, batch, epochs) cells of `task` for a model of `width` under `protocol`; `quick`: the middle rate at
+    batch 16 for one epoch (a check that everything runs, not a score)."""
+    if protocol == "modernbert":
+        if task not in MODERNBERT:
+            return []
+        epochs, batch, lr, decay = MODERNBERT[task]
+        # Composer's DecoupledAdamW subtracts decay x (lr_t / lr_0) x w; torch's AdamW subtracts lr_t x wd x w
+        return [Setting(lr, batch, 1 if quick else epochs, decay / lr)]
+    scale = width_learning_rate(width) / 2e-5
+    if quick:
+        return [Setting(PAPERS_RATES[1] * scale, PAPERS_BATCHES[0], 1)]
+    return [Setting(lr * scale, batch, 10) for lr in PAPERS_RATES for batch in PAPERS_BATCHES]
+
+
+@dataclass(frozen=True)
+class TaskData:
+    """One task's files under GLUE_DIR: train, dev and any further dev sets (MNLI's mismatched)."""
+
+    task: Task
+    train: Path
+    dev: Path
+    other_devs: dict[str, Path]
+    train_examples: int
+
+
+def find_tasks(glue_dir: Path) -> dict[str, TaskData]:
+    """The GLUE tasks present under `glue_dir`, smallest training set first; an error naming what was expected when
+    none is."""
+    glue_dir = Path(glue_dir)
+    if not glue_dir.is_dir():
+        raise FastmaeError(f"--data {glue_dir}: no such directory")
+    present = {p.name.lower().replace("-", ""): p for p in glue_dir.iterdir() if p.is_dir()}
+    found = {}
+    for name, standard in GLUE_DIRS.items():
+        directory = present.get(name)
+        if directory is None:
+            continue
+        task = GLUE_TASKS[name]
+        dev = next((directory / f for f in task.dev_files if (directory / f).is_file()), None)
+        if not (directory / "train.tsv").is_file() or dev is None:
+            raise FastmaeError(f"{directory}: {standard} needs train.tsv and {' or '.join(task.dev_files)}")
+        lines = sum(1 for line in (directory / "train.tsv").open(encoding="utf-8-sig") if line.strip())
+        found[name] = TaskData(task, directory / "train.tsv", dev, other_dev_sets(task, dev), lines)
+    if not found:
+        raise FastmaeError(f"{glue_dir}: no GLUE task directory (expected any of {', '.join(GLUE_DIRS.values())})")
+    return dict(sorted(found.items(), key=lambda item: item[1].train_examples))
+
+
+# ----------------------------------------------------------------------------------------------------- cells
+@dataclass(frozen=True)
+class Cell:
+    """One fine-tune of the plan."""
+
+    model: str
+    task: str
+    setting: Setting
+    seed: int
+
+    def file(self, out: Path) -> Path:
+        """Where its finished record lives."""
+        s = self.setting
+        return (out / "cells" / model_key(self.model) / self.task /
+                f"lr{s.lr:.3g}-b{s.batch_size}-e{s.epochs}-wd{s.weight_decay:.3g}-seed{self.seed}.json")
+
+
+def model_key(model: str) -> str:
+    """A directory name for a model: its own name and a hash of its resolved path."""
+    path = Path(model).resolve()
+    return f"{path.name}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+
+
+def plan(models: list[str], tasks: dict[str, TaskData], widths: dict[str, int], protocol: str, seeds: int,
+         quick: bool, from_mnli: bool) -> list[Cell]:
+    """Every cell: tasks smallest first (MNLI first with `from_mnli`, since tasks start from it), then grid setting,
+    seed and model, so that a plan cut short still compares the models on the same cells."""
+    order = sorted(tasks, key=lambda t: (not (from_mnli and t == "mnli"), tasks[t].train_examples))
+    grids = {(m, t): grid(t, widths[m], protocol, quick) for m in models for t in order}
+    return [Cell(m, t, grids[m, t][i], seed) for t in order for i in range(len(grids[models[0], t]))
+            for seed in range(seeds) for m in models]
+
+
+def cell_cost(cell: Cell, tasks: dict[str, TaskData]) -> float:
+    """A cell's work in training examples (each dev pass counted as a third of a training pass over it)."""
+    return cell.setting.epochs * tasks[cell.task].train_examples * 4 / 3
+
+
+def within_budget(cells: list[Cell], done: set[Cell], tasks: dict[str, TaskData], max_cells: int,
+                  budget_s: float, examples_per_s: float) -> tuple[list[Cell], list[str]]:
+    """(the cells to run, in order, finished ones free; lines naming what the budget leaves out per task)."""
+    kept, spent, left = [], 0.0, {}
+    for cell in cells:
+        if cell in done:
+            kept.append(cell)
+            continue
+        cost = cell_cost(cell, tasks) / examples_per_s if budget_s else 0.0
+        new = sum(c not in done for c in kept)
+        if (max_cells and new >= max_cells) or (budget_s and spent + cost > budget_s):
+            left[cell.task] = left.get(cell.task, 0) + 1
+            continue
+        kept.append(cell)
+        spent += cost
+    totals = {t: sum(c.task == t for c in cells) for t in left}
+    return kept, [f"{GLUE_DIRS[t]}: {n} of its {totals[t]} cells left out" for t, n in left.items()]
+
+
+# -------------------------------------------------------------------------------------------------- running
+class Encoders:
+    """Each model's pretrained weights and its tokenised tasks, read once; with `from_mnli`, the encoder of its best
+    MNLI cell for the tasks that start from it."""
+
+    def __init__(self, tasks: dict[str, TaskData], max_seq_len: int):
+        self.tasks, self.max_seq_len = tasks, max_seq_len
+        self._pretrained: dict[str, Pretrained] = {}
+        self._framed: dict[tuple[str, str], tuple] = {}
+
+    def pretrained(self, model: str) -> Pretrained:
+        if model not in self._pretrained:
+            self._pretrained[model] = load_pretrained(model)
+        return self._pretrained[model]
+
+    def data(self, model: str, task: str) -> tuple[tuple, tuple, dict[str, tuple]]:
+        """(train, dev, other devs) of `task` in `model`'s tokens, each (sequences, labels)."""
+        if (model, task) not in self._framed:
+            files, pretrained = self.tasks[task], self.pretrained(model)
+            length = min(self.max_seq_len or pretrained.config.max_seq_len, pretrained.config.max_seq_len)
+
+            def framed(path: Path) -> tuple:
+                split = load_split(path, files.task)
+                return frame(pretrained.tokenizer, split.texts, length), split.labels
+
+            self._framed[model, task] = (framed(files.train), framed(files.dev),
+                                         {name: framed(path) for name, path in files.other_devs.items()})
+        return self._framed[model, task]
+
+    def from_mnli(self, model: str, records: list[dict]) -> tuple[Pretrained, str]:
+        """`model` with the encoder of its best MNLI cell's median seed, and that cell's file name."""
+        best = task_scores([r for r in records if r["model"] == model], "mnli")
+        if best is None:
+            raise FastmaeError(f"--from-mnli: {model} has no finished MNLI cell to start from (is MNLI under --data, "
+                               "and inside the budget?)")
+        weights_file = Path(best["median_cell"]).with_suffix(".safetensors")
+        from safetensors.torch import load_file
+
+        classifier = load_file(str(weights_file))
+        weights = {k.removeprefix("encoder."): v for k, v in classifier.items() if k.startswith("encoder.")}
+        return dataclasses.replace(self.pretrained(model), weights=weights, weights_file=weights_file), \
+            weights_file.name
+
+
+def run_cell(cell: Cell, encoders: Encoders, out: Path, precision: str, device: torch.device, records: list[dict],
+             from_mnli: bool) -> dict:
+    """Fine-tune one cell and write its record (MNLI cells keep their classifier when others start from it)."""
+    pretrained, init = encoders.pretrained(cell.model), "pretrained"
+    if from_mnli and cell.task in FROM_MNLI:
+        pretrained, init = encoders.from_mnli(cell.model, records)
+    train, dev, others = encoders.data(cell.model, cell.task)
+    s = cell.setting
+    config = FinetuneConfig(seeds=1, epochs=s.epochs, lr=s.lr, batch_size=s.batch_size, weight_decay=s.weight_decay,
+                            precision=precision)
+    file = cell.file(out)
+    keep = file.with_suffix(".safetensors") if from_mnli and cell.task == "mnli" else None
+    started = time.perf_counter()
+    result = train_one_seed(pretrained, encoders.tasks[cell.task].task, train, dev, config, cell.seed, device, keep,
+                            others)
+    record = {"model": cell.model, "task": cell.task, **dataclasses.asdict(s), "seed": cell.seed, "init": init,
+              "file": str(file), "seconds": round(time.perf_counter() - started, 2),
+              "cost_examples": cell_cost(cell, encoders.tasks), **result}
+    atomic_write_text(file, json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def read_record(cell: Cell, out: Path) -> dict | None:
+    """A finished cell's record, or None."""
+    file = cell.file(out)
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+# --------------------------------------------------------------------------------------------------- scores
+def task_scores(records: list[dict], task: str) -> dict | None:
+    """One model's score on `task` from its finished cells: the grid setting whose median over seeds of the primary
+    metric is best, with every metric's median and per-seed values there; None without a finished cell."""
+    rows = [r for r in records if r["task"] == task]
+    if not rows:
+        return None
+    primary = GLUE_TASKS[task].metrics[0]
+    by_setting: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by_setting.setdefault((r["lr"], r["batch_size"], r["epochs"], r["weight_decay"]), []).append(r)
+    setting, cells = max(by_setting.items(), key=lambda item: np.median([r["scores"][primary] for r in item[1]]))
+    cells = sorted(cells, key=lambda r: r["scores"][primary])
+    metrics = list(cells[0]["scores"])
+    headline = HEADLINE.get(task, "accuracy")
+    return {"lr": setting[0], "batch_size": setting[1], "epochs": setting[2], "seeds": len(cells),
+            "median": {m: float(np.median([r["scores"][m] for r in cells])) for m in metrics},
+            "per_seed": {m: [r["scores"][m] for r in cells] for m in metrics},
+            "headline_metric": headline, "headline": float(np.median([r["scores"][headline] for r in cells])),
+            "did_not_train": [f"seed {r['seed']}: {r['did_not_train']}" for r in cells if r["did_not_train"]],
+            "median_cell": cells[(len(cells) - 1) // 2]["file"]}
+
+
+def model_scores(records: list[dict], model: str, tasks: list[str]) -> dict:
+    """{task: task_scores} of one model, and its GLUE average over the tasks it has, WNLI left out."""
+    mine = [r for r in records if r["model"] == model]
+    scores = {t: task_scores(mine, t) for t in tasks}
+    counted = [t for t, v in scores.items() if v is not None and t != "wnli"]
+    average = float(np.mean([scores[t]["headline"] for t in counted])) if counted else None
+    return {"tasks": {t: v for t, v in scores.items() if v is not None}, "average": average,
+            "average_over": counted}
+
+
+# -------------------------------------------------------------------------------------------------- command
+def glue(models: list[str], data: Path, out: Path, protocol: str = "papers", seeds: int = 5, from_mnli: bool = False,
+         max_cells: int = 0, budget_hours: float = 0.0, quick: bool = False, max_seq_len: int = 0,
+         precision: str = "auto") -> dict:
+    """Plan, run (skipping finished cells) and report; returns what glue.json holds."""
+    from .glue_report import write_report
+
+    out = Path(out)
+    tasks = find_tasks(data)
+    encoders = Encoders(tasks, max_seq_len)
+    widths = {m: encoders.pretrained(m).config.hidden_size for m in models}  # every model read before any work
+    cells = plan(models, tasks, widths, protocol, seeds, quick, from_mnli)
+    records = {c: r for c in cells if (r := read_record(c, out)) is not None}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision, line = choose_precision(precision, device)
+    if line:
+        log(line)
+    if budget_hours and not records:  # the first cell measures the speed the rest are planned at
+        records[cells[0]] = run_cell(cells[0], encoders, out, precision, device, [], from_mnli)
+    rate = sum(r["cost_examples"] for r in records.values()) / max(sum(r["seconds"] for r in records.values()), 1e-9)
+    kept, left_out = within_budget(cells, set(records), tasks, max_cells, budget_hours * 3600, rate)
+    for line in left_out:
+        log(f"left out by the budget: {line}")
+    todo = [c for c in kept if c not in records]
+    log(f"{len(kept)} cells planned ({len(kept) - len(todo)} finished before), {len(todo)} to run; {len(tasks)} "
+        f"task(s): {', '.join(GLUE_DIRS[t] for t in tasks)}")
+    for cell in tqdm(todo, desc="cells", unit="cell", dynamic_ncols=True):
+        records[cell] = run_cell(cell, encoders, out, precision, device, list(records.values()), from_mnli)
+    finished = [records[c] for c in kept]
+    result = {"protocol": protocol, "from_mnli": from_mnli, "seeds": seeds, "quick": quick, "precision": precision,
+              "device": str(device), "tasks": list(tasks), "left_out": left_out,
+              "models": {m: model_scores(finished, m, list(tasks)) for m in models}, "cells": finished}
+    for path in write_report(out, result):
+        log(f"wrote {path}")
+    return result
+
+
+def log(line: str) -> None:
+    print(f"fastmae glue: {line}", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastmae glue", description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--model", action="append", required=True,
+                        help="a fastmae run, checkpoint or export directory; repeat for models side by side")
+    parser.add_argument("--data", required=True, type=Path, help="GLUE directory (CoLA/, SST-2/, ... any subset)")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (cells/, glue.json, glue.md)")
+    parser.add_argument("--protocol", choices=["papers", "modernbert"], default="papers",
+                        help="papers: RoBERTa's grid of rates x batch sizes, 10 epochs (default); modernbert: "
+                             "ModernBERT's per-task settings")
+    parser.add_argument("--seeds", type=int, default=5, help="fine-tuning seeds per grid cell (default 5)")
+    parser.add_argument("--from-mnli", action="store_true", help="start RTE, MRPC and STS-B from the best MNLI cell")
+    parser.add_argument("--max-cells", type=int, default=0, help="run at most N new cells, smallest tasks first")
+    parser.add_argument("--budget-hours", type=float, default=0.0,
+                        help="run the new cells that fit in H hours (at the speed of the cells run so far)")
+    parser.add_argument("--quick", action="store_true", help="one rate, batch 16, one epoch: checks that it runs")
+    parser.add_argument("--max-seq-len", type=int, default=0, help="longest input (0: the model's)")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def go():
+        if args.seeds < 1 or args.max_cells < 0 or args.budget_hours < 0:
+            raise FastmaeError("--seeds must be positive, --max-cells and --budget-hours not negative")
+        result = glue(args.model, args.data, args.out, args.protocol, args.seeds, args.from_mnli, args.max_cells,
+                      args.budget_hours, args.quick, args.max_seq_len, args.precision)
+        for model, entry in result["models"].items():
+            average = "-" if entry["average"] is None else f"{100 * entry['average']:.1f}"
+            log(f"{model}: GLUE average {average} over {len(entry['average_over'])} task(s)")
+
+    return run_command("fastmae glue", go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
