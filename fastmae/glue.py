@@ -73,9 +73,11 @@ MODERNBERT = {  # task: (epochs, batch, lr, decoupled weight decay) from ModernB
     "stsb": (10, 32, 3e-5, 3e-6)}
 
 
-def grid(task: str, width: int, protocol: str, quick: bool = False) -> list[Setting]:
+def grid(task: str, width: int, protocol: str, quick: bool = False, epochs: int = 0,
+         batch_sizes: tuple[int, ...] = ()) -> list[Setting]:
     """The (lr, batch, epochs) cells of `task` for a model of `width` under `protocol`; `quick`: the middle rate at
-    batch 16 for one epoch (a check that everything runs, not a score)."""
+    batch 16 for one epoch (a check that everything runs, not a score). `epochs` and `batch_sizes` replace the
+    papers' 10 epochs and {16, 32} (the study's presets size them to their budget)."""
     if protocol == "modernbert":
         if task not in MODERNBERT:
             return []
@@ -85,7 +87,7 @@ def grid(task: str, width: int, protocol: str, quick: bool = False) -> list[Sett
     scale = width_learning_rate(width) / 2e-5
     if quick:
         return [Setting(PAPERS_RATES[1] * scale, PAPERS_BATCHES[0], 1)]
-    return [Setting(lr * scale, batch, 10) for lr in PAPERS_RATES for batch in PAPERS_BATCHES]
+    return [Setting(lr * scale, batch, epochs or 10) for lr in PAPERS_RATES for batch in batch_sizes or PAPERS_BATCHES]
 
 
 @dataclass(frozen=True)
@@ -146,11 +148,12 @@ def model_key(model: str) -> str:
 
 
 def plan(models: list[str], tasks: dict[str, TaskData], widths: dict[str, int], protocol: str, seeds: int,
-         quick: bool, from_mnli: bool) -> list[Cell]:
+         quick: bool, from_mnli: bool, **sizes) -> list[Cell]:
     """Every cell: tasks smallest first (MNLI first with `from_mnli`, since tasks start from it), then grid setting,
-    seed and model, so that a plan cut short still compares the models on the same cells."""
+    seed and model, so that a plan cut short still compares the models on the same cells. `sizes`: grid's epochs
+    and batch_sizes."""
     order = sorted(tasks, key=lambda t: (not (from_mnli and t == "mnli"), tasks[t].train_examples))
-    grids = {(m, t): grid(t, widths[m], protocol, quick) for m in models for t in order}
+    grids = {(m, t): grid(t, widths[m], protocol, quick, **sizes) for m in models for t in order}
     return [Cell(m, t, grids[m, t][i], seed) for t in order for i in range(len(grids[models[0], t]))
             for seed in range(seeds) for m in models]
 
@@ -252,21 +255,30 @@ def read_record(cell: Cell, out: Path) -> dict | None:
 
 
 # --------------------------------------------------------------------------------------------------- scores
-def task_scores(records: list[dict], task: str) -> dict | None:
-    """One model's score on `task` from its finished cells: the grid setting whose median over seeds of the primary
-    metric is best, with every metric's median and per-seed values there; None without a finished cell."""
-    rows = [r for r in records if r["task"] == task]
-    if not rows:
-        return None
+def best_cells(records: list[dict], task: str) -> list[dict]:
+    """One model's finished cells of `task` at the grid setting whose median over seeds of the task's primary metric
+    is best on dev (the papers' choice), ordered by that metric; [] without a finished cell."""
     primary = GLUE_TASKS[task].metrics[0]
     by_setting: dict[tuple, list[dict]] = {}
-    for r in rows:
-        by_setting.setdefault((r["lr"], r["batch_size"], r["epochs"], r["weight_decay"]), []).append(r)
-    setting, cells = max(by_setting.items(), key=lambda item: np.median([r["scores"][primary] for r in item[1]]))
-    cells = sorted(cells, key=lambda r: r["scores"][primary])
+    for r in records:
+        if r["task"] == task:
+            by_setting.setdefault((r["lr"], r["batch_size"], r["epochs"], r["weight_decay"]), []).append(r)
+    if not by_setting:
+        return []
+    cells = max(by_setting.values(), key=lambda rows: np.median([r["scores"][primary] for r in rows]))
+    return sorted(cells, key=lambda r: r["scores"][primary])
+
+
+def task_scores(records: list[dict], task: str) -> dict | None:
+    """One model's score on `task` from its finished cells (`best_cells`): every metric's median and per-seed values
+    there; None without a finished cell."""
+    cells = best_cells(records, task)
+    if not cells:
+        return None
     metrics = list(cells[0]["scores"])
     headline = HEADLINE.get(task, "accuracy")
-    return {"lr": setting[0], "batch_size": setting[1], "epochs": setting[2], "seeds": len(cells),
+    return {"lr": cells[0]["lr"], "batch_size": cells[0]["batch_size"], "epochs": cells[0]["epochs"],
+            "seeds": len(cells),
             "median": {m: float(np.median([r["scores"][m] for r in cells])) for m in metrics},
             "per_seed": {m: [r["scores"][m] for r in cells] for m in metrics},
             "headline_metric": headline, "headline": float(np.median([r["scores"][headline] for r in cells])),
@@ -287,15 +299,16 @@ def model_scores(records: list[dict], model: str, tasks: list[str]) -> dict:
 # -------------------------------------------------------------------------------------------------- command
 def glue(models: list[str], data: Path, out: Path, protocol: str = "papers", seeds: int = 5, from_mnli: bool = False,
          max_cells: int = 0, budget_hours: float = 0.0, quick: bool = False, max_seq_len: int = 0,
-         precision: str = "auto") -> dict:
-    """Plan, run (skipping finished cells) and report; returns what glue.json holds."""
+         precision: str = "auto", **sizes) -> dict:
+    """Plan, run (skipping finished cells) and report; returns what glue.json holds. `sizes`: `grid`'s epochs and
+    batch_sizes in place of the protocol's (the study's presets)."""
     from .glue_report import write_report
 
     out = Path(out)
     tasks = find_tasks(data)
     encoders = Encoders(tasks, max_seq_len)
     widths = {m: encoders.pretrained(m).config.hidden_size for m in models}  # every model read before any work
-    cells = plan(models, tasks, widths, protocol, seeds, quick, from_mnli)
+    cells = plan(models, tasks, widths, protocol, seeds, quick, from_mnli, **sizes)
     records = {c: r for c in cells if (r := read_record(c, out)) is not None}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision, line = choose_precision(precision, device)

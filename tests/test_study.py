@@ -2,12 +2,13 @@
 loss, claims held to the seed spread), and the `--quick` command end to end (shapes, FLOP accounting, reuse)."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
 from conftest import tiny_batch, tiny_config
-from synthetic import keyword_split, prepare_word_dataset
+from synthetic import keyword_split, prepare_word_dataset, write_glue
 
 from fastmae.config import ModelConfig
 from fastmae.data import PackedLoader
@@ -164,7 +165,7 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
         assert entry["final_eval_loss"] == curve[-1]["loss"] and np.isfinite(entry["final_eval_loss"])
         percent = entry["percent_of_mlm_compute_to_match"]
         assert percent is None or 0 < percent <= 100 * flops[-1] / study["objectives"]["mlm"]["flops"] + 1e-9
-        assert entry["finetune"]["task"] == "word-order" and entry["finetune"]["runs"] == 2
+        assert [ft["task"] for ft in entry["finetune"]] == ["word-order"] and entry["finetune"][0]["runs"] == 2
         layers = study["models"][label]["encoder_layers"] + 1
         assert len(entry["effective_rank"]["real_unmasked_input"]) == layers
     assert 0 < study["objectives"]["mlm"]["percent_of_mlm_compute_to_match"] <= 100.0  # < 100 if its loss rose late
@@ -192,11 +193,36 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
     assert (out / "loss_vs_flops.png").stat().st_size > 10_000 and (out / "ranks.png").stat().st_size > 10_000
     capsys.readouterr()
 
+    # fine-tuning went through `fastmae glue`: each encoder at 3 rates x 2 seeds, scored at its best cell
+    glue = json.loads((out / "glue" / "glue.json").read_text())
+    assert len(study["setup"]["finetune"]["lrs"]) == 3 and len(glue["cells"]) == 2 * 3 * 2
+    for label in ("mlm", "3ml"):
+        cells = [c for c in glue["cells"] if c["model"] == str(out / "runs" / f"{label}-seed0")]
+        best = max({c["lr"] for c in cells}, key=lambda lr: np.median([c["scores"]["accuracy"] for c in cells
+                                                                       if c["lr"] == lr]))
+        scores = sorted(c["scores"]["accuracy"] for c in cells if c["lr"] == best)
+        assert sorted(study["objectives"][label]["finetune"][0]["scores"]) == scores
+    assert "Per encoder (rows: runs)" in report and "SST-2 (acc)" in report
+
     # the same arguments again: every run, fine-tuning and analysis is reused, the numbers are the same
     assert study_main(args) == 0
-    assert "fastmae study: training" not in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "fastmae study: training" not in said and "12 cells planned (12 finished before), 0 to run" in said
     again = json.loads((out / "study.json").read_text())
     assert again["objectives"] == study["objectives"]
+
+    # a GLUE directory of several tasks: the trained encoders are reused, each task fine-tuned and reported
+    glue_dir = write_glue(tmp_path / "glue-data", WORDS, n_train=48, n_dev=24)
+    for name in ("CoLA", "SST-2", "MRPC", "MNLI"):
+        shutil.rmtree(glue_dir / name)
+    task = args.index("--task")
+    assert study_main([*args[:task], "--task", str(glue_dir), *args[task + 2:]]) == 0
+    said = capsys.readouterr().err
+    assert "fastmae study: training" not in said
+    several = json.loads((out / "study.json").read_text())
+    for label in ("mlm", "3ml"):
+        assert sorted(ft["task"] for ft in several["objectives"][label]["finetune"]) == ["rte", "stsb"]
+    assert "RTE (acc)" in (out / "report.md").read_text() and "STS-B (Spearman)" in (out / "report.md").read_text()
 
     # other settings for the same --out are refused before anything runs
     assert study_main([*args, "model.hidden_size=32"]) == 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shlex
 import sys
@@ -13,7 +12,9 @@ import yaml
 
 from ..atomic import atomic_write_text
 from ..errors import FastmaeError, run_command
-from ..tasks import GLUE_TASKS, write_word_order_task
+from ..glue import best_cells, glue
+from ..glue_report import glue_table
+from ..tasks import GLUE_DIRS, GLUE_TASKS, write_word_order_task
 from .objectives import STUDY_PRESETS, parse_objectives, resolve_budget
 from .report import plot_curves, plot_ranks, shared_settings, write_report
 from .runs import (
@@ -22,7 +23,6 @@ from .runs import (
     default_ranks,
     device_text,
     eval_curve,
-    finetune_run,
     launch_command,
     model_facts,
     run_config_text,
@@ -44,13 +44,9 @@ def study(args) -> dict:
     if not (data / "meta.json").is_file():
         raise FastmaeError(f"--data {data}: not a prepared dataset (no meta.json); run `fastmae prepare` first")
     out = Path(args.out)
-    task_name = task_dir = task_label = None
-    if args.task == "generated":  # read as SST-2: one sentence, labels 0/1, accuracy
-        task_name, task_dir = "sst2", write_word_order_task(data, out / "task" / "word-order", *preset.generated_task)
-        task_label = "word-order"
-    elif args.task:
-        task_name, task_dir = task_name_of(Path(args.task), args.task_name), Path(args.task)
-        task_label = task_name
+    task_dir = task_label = None
+    if args.task:
+        task_dir, task_label = glue_tasks(args, out, data, preset)
     ranks = args.ranks or default_ranks()
     flops_per_step = {o.label: step_flops(o, args, preset, ranks) for o in objectives}  # each config checked here
     if preset.mlm_steps:
@@ -65,15 +61,21 @@ def study(args) -> dict:
     for rs in runs.values():
         for run in rs:
             train(run, configs[run.name], ranks)
-    finetuned = {}
-    ft_config = dataclasses.replace(preset.finetune, **({"seeds": args.finetune_seeds} if args.finetune_seeds else {}))
-    if task_name:
-        finetuned = {label: [finetune_run(run, task_dir, task_name, ft_config) for run in rs]
-                     for label, rs in runs.items()}
+    ft = preset.finetune
+    ft_setup = {"seeds": args.finetune_seeds or ft.seeds, "epochs": ft.epochs, "batch_size": ft.batch_size}
+    finetuned, glue_result = {}, None
+    if task_dir:
+        glue_result = glue([str(run.dir) for rs in runs.values() for run in rs], task_dir, out / "glue",
+                           seeds=ft_setup["seeds"], precision=ft.precision, epochs=ft.epochs,
+                           batch_sizes=(ft.batch_size,))
+        cells = glue_result["cells"]
+        finetuned = {label: {(task_label if task_label != "glue" else task): [
+            best_cells([c for c in cells if c["model"] == str(run.dir)], task) for run in rs]
+            for task in glue_result["tasks"]} for label, rs in runs.items()}
+        ft_setup["lrs"] = sorted({c["lr"] for c in cells})
     sequences = preset.analyze_sequences
     analyses = {label: [analyze_run(run, data, sequences) for run in rs] for label, rs in runs.items()}
-    summary = summarize(objectives, runs, finetuned, analyses, task_label,
-                        ranks_at_matched_loss(runs, data, sequences))
+    summary = summarize(objectives, runs, finetuned, analyses, ranks_at_matched_loss(runs, data, sequences))
     first = runs["mlm"][0]
     facts = {label: {**model_facts(rs[0]), "flops_per_step": flops_per_step[label],
                      "flops_per_step_vs_mlm": flops_per_step[label] / flops_per_step["mlm"]}
@@ -90,8 +92,9 @@ def study(args) -> dict:
                   "analyze_sequences": sequences, "hidden_size": facts["mlm"]["hidden_size"],
                   "encoder_layers": facts["mlm"]["encoder_layers"], "ranks": ranks, "device": device_text(first),
                   "task": str(task_dir) if task_dir else None, "task_name": task_label,
-                  "finetune": dataclasses.asdict(ft_config),
+                  "finetune": ft_setup,
                   "shared": shared_settings(resolved, lr_per_objective=bool(lr_grid))},
+        "glue_table": glue_table(glue_result["models"], glue_result["tasks"]) if glue_result else None,
         "command": shlex.join(["fastmae", "study", *args.argv]),
         "commands": {label: [shlex.join(launch_command(run, ranks)) for run in rs] for label, rs in runs.items()},
         "configs": [str(run.config_file.relative_to(out)) for rs in runs.values() for run in rs],
@@ -102,6 +105,25 @@ def study(args) -> dict:
     plot_ranks(summary, facts["mlm"]["hidden_size"], out)
     write_report(result, out)
     return result
+
+
+def glue_tasks(args, out: Path, data: Path, preset) -> tuple[Path, str]:
+    """(a GLUE directory for `fastmae glue`, the task's label) from --task: a GLUE directory as it is ("glue"), one
+    task's directory, or `generated` (word order, read as SST-2), each linked into OUT/task/glue under its GLUE
+    name."""
+    if args.task != "generated" and any(p.is_dir() and p.name.lower().replace("-", "") in GLUE_DIRS
+                                        for p in Path(args.task).iterdir()):
+        return Path(args.task), "glue"
+    if args.task == "generated":
+        name, source = "sst2", write_word_order_task(data, out / "task" / "word-order", *preset.generated_task)
+    else:
+        name, source = task_name_of(Path(args.task), args.task_name), Path(args.task).resolve()
+    link = out / "task" / "glue" / GLUE_DIRS[name]
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.is_symlink() or link.resolve() != source.resolve():
+        link.unlink(missing_ok=True)
+        link.symlink_to(source.resolve(), target_is_directory=True)
+    return link.parent, "word-order" if args.task == "generated" else name
 
 
 def checked_configs(runs: list[Run], args, budget: float, preset) -> dict[str, str]:
@@ -168,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"training FLOPs per run, or a preset ({presets}); default cpu-30min")
     parser.add_argument("--quick", action="store_true", help="the CI-sized preset (same as --budget quick)")
     parser.add_argument("--out", required=True, help="output directory (study.json, report.md, runs/, ...)")
-    parser.add_argument("--task", help="a GLUE task directory (train.tsv, dev.tsv) to fine-tune each encoder on, or "
-                        "`generated`: word order (10 words as written, or shuffled) from --data's own text")
+    parser.add_argument("--task", help="a GLUE task directory (train.tsv, dev.tsv), a GLUE directory of several "
+                        "(CoLA/, RTE/, ...) to fine-tune each encoder on through `fastmae glue`, or `generated`: word "
+                        "order (10 words as written, or shuffled) from --data's own text")
     parser.add_argument("--task-name", choices=sorted(GLUE_TASKS), help="the task, when the directory name does "
                         "not say it")
     parser.add_argument("--seeds", type=int, default=0, help="pretraining seeds per objective (default: the "

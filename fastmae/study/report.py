@@ -60,6 +60,7 @@ def _fmt(value, spec: str = ".4g", missing: str = "-") -> str:
 def write_report(study: dict, out: Path) -> Path:
     """report.md from what study.json holds (its `objectives` as `ObjectiveResult`s)."""
     summary, setup = study["objectives"], study["setup"]
+    rates = ", ".join(f"{lr:.3g}" for lr in setup["finetune"].get("lrs", []))
     lines = ["# fastmae study", "",
              f"Data `{setup['data']}`; budget **{setup['budget']:.4g} training FLOPs per run** "
              f"(fastmae/flops.py: forward + backward of every layer and the head, embeddings and norms ignored); "
@@ -78,11 +79,9 @@ def write_report(study: dict, out: Path) -> Path:
                                              if e.final_eval_loss_spread is not None else "")
         percent = ("not reached" if e.percent_of_mlm_compute_to_match is None
                    else f"{e.percent_of_mlm_compute_to_match:.1f}%")
-        tuned = "-"
-        if e.finetune is not None:
-            ft = e.finetune
-            tuned = f"{ft.task} {ft.metric} {ft.median:.3f}" + (
-                f" (range {ft.spread:.3f}, {ft.runs} runs)" if ft.spread is not None else "")
+        tuned = "; ".join(f"{ft.task} {ft.metric} {ft.median:.3f}" + (
+            f" (range {ft.spread:.3f}, {ft.runs} runs)" if ft.spread is not None else "")
+            + (f", {len(ft.did_not_train)} did not train" if ft.did_not_train else "") for ft in e.finetune) or "-"
         ranks = e.effective_rank
         layers = (f"{model['encoder_layers']} / {model['decoder_layers']} (k={model['insert_layer']}); a step costs "
                   f"{model['flops_per_step_vs_mlm']:.2f}x mlm's")
@@ -96,10 +95,15 @@ def write_report(study: dict, out: Path) -> Path:
               f"of {setup['analyze_sequences']} held-out sequences with 15% of their tokens replaced by `<mask>` "
               f"and without; width {setup['hidden_size']}. Centred: the same rows minus their mean (a pre-LN "
               "residual stream's shared mean direction alone can hold most of the uncentred energy).", "",
-              *([f"Fine-tuning: {setup['task_name']} from `{setup['task']}`, {setup['finetune']['seeds']} seed(s) per "
-                 f"encoder, {setup['finetune']['epochs']} epoch(s), lr {setup['finetune']['lr']:g}, batch "
-                 f"{setup['finetune']['batch_size']}; the score is the median over every (pretraining seed, "
-                 "fine-tuning seed) pair and the range is over the same runs.", ""] if setup["task"] else []),
+              *([f"Fine-tuning: {setup['task_name']} from `{setup['task']}` through `fastmae glue` (its cells in "
+                 f"`glue/`): per encoder a grid of learning rates {rates} "
+                 f"(RoBERTa's, scaled to the width), batch {setup['finetune']['batch_size']}, "
+                 f"{setup['finetune']['epochs']} epoch(s), {setup['finetune']['seeds']} seed(s) per cell; each "
+                 "encoder counts at its best cell on dev, and the score is the median over every (pretraining seed, "
+                 "fine-tuning seed) pair there, the range over the same runs. A fine-tune that predicted one class "
+                 "or kept its training loss at chance did not train: no claim is made from it.", "",
+                 "Per encoder (rows: runs), the median over fine-tuning seeds of its best cell:", "",
+                 study["glue_table"], ""] if setup["task"] else []),
               "## What the numbers say", "",
               "A difference is claimed only when it exceeds the spread between seeds.", ""]
     lines += [f"- {line}" for line in study["findings"]]

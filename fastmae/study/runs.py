@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import os
 import re
@@ -21,7 +19,6 @@ from ..checkpoint import WEIGHTS, kept_eval_weights, weights_metadata
 from ..config import ModelConfig, RunConfig, load_run_config
 from ..data import PackedLoader
 from ..errors import FastmaeError
-from ..finetune import FinetuneConfig
 from ..flops import plan_budget
 from ..metrics import read_metrics
 from ..tasks import GLUE_TASKS
@@ -52,10 +49,6 @@ class Run:
     @property
     def dir(self) -> Path:
         return self.out / "runs" / self.name
-
-    @property
-    def finetune_dir(self) -> Path:
-        return self.out / "finetune" / self.name
 
     @property
     def analysis_dir(self) -> Path:
@@ -123,19 +116,6 @@ def train(run: Run, config_text: str, ranks: int) -> None:
                            + "\n".join(tail))
     atomic_write_text(run.dir / "study_run.json", json.dumps({"seconds": round(time.time() - started, 1),
                                                                "command": shlex.join(command)}) + "\n")
-
-
-def finetune_run(run: Run, task_dir: Path, task_name: str, config: FinetuneConfig) -> dict:
-    """Fine-tune `run`'s encoder (reusing results of the same weights and config)."""
-    from ..finetune import finetune, resolve_task
-
-    results_file = run.finetune_dir / "results.json"
-    if results_file.is_file():
-        results = json.loads(results_file.read_text())
-        if results.get("config") == dataclasses.asdict(config) and results.get("weights") == str(run.dir / WEIGHTS):
-            return results
-    task, train_file, dev_file = resolve_task(argparse.Namespace(task=task_name, data=str(task_dir)))
-    return finetune(run.dir, task, train_file, dev_file, run.finetune_dir, config)
 
 
 def analyze_run(run: Run, data: Path, sequences: int, step: int | None = None) -> dict:

@@ -35,7 +35,8 @@ class SeedResult:
 
 @dataclass
 class FinetuneResult:
-    """Fine-tuned scores of an objective's encoders: every (pretraining seed, fine-tuning seed) pair."""
+    """Fine-tuned scores of an objective's encoders on one task: every (pretraining seed, fine-tuning seed) pair at
+    each encoder's best cell of the fine-tuning grid (`fastmae glue`)."""
 
     task: str | None
     metric: str
@@ -88,11 +89,11 @@ class ObjectiveResult:
     centred_effective_rank: dict[str, list[float]]
     effective_rank_last_layer_per_seed: dict[str, list[float]]
     ranks_at_matched_loss: MatchedRanks | None = None
-    finetune: FinetuneResult | None = None
+    finetune: list[FinetuneResult] = dataclasses.field(default_factory=list)  # one per task fine-tuned
 
     def to_json(self) -> dict:
         """study.json's entry (no `finetune` key without a task)."""
         out = dataclasses.asdict(self)
-        if self.finetune is None:
+        if not self.finetune:
             del out["finetune"]
         return out

@@ -8,6 +8,7 @@ import json
 import numpy as np
 
 from ..claims import compare, spread
+from ..tasks import GLUE_TASKS
 from .objectives import Objective
 from .runs import Run, eval_curve
 from .schema import EvalPoint, FinetuneResult, MatchedRanks, ObjectiveResult, Ranks, SeedResult
@@ -69,10 +70,21 @@ def ranks_of(records: list[dict]) -> Ranks:
                  last("centred_epsilon_rank"))
 
 
+def finetune_result(task: str, cells: list[list[dict]], seeds: list[int]) -> FinetuneResult:
+    """An objective's scores on `task` from each of its encoders' best grid cells (`glue.best_cells`; one list per
+    pretraining seed, in `seeds` order)."""
+    metric = GLUE_TASKS[cells[0][0]["task"]].metrics[0]
+    scores = [c["scores"][metric] for rows in cells for c in rows]
+    failed = [f"pretraining seed {seed}, fine-tuning seed {c['seed']}: {c['did_not_train']}"
+              for seed, rows in zip(seeds, cells) for c in rows if c.get("did_not_train")]
+    return FinetuneResult(task=task, metric=metric, median=float(np.median(scores)), spread=spread(scores),
+                          runs=len(scores), scores=scores, did_not_train=failed)
+
+
 def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned: dict, analyses: dict,
-              task_label: str | None, matched: dict[str, MatchedRanks] | None = None) -> dict[str, ObjectiveResult]:
+              matched: dict[str, MatchedRanks] | None = None) -> dict[str, ObjectiveResult]:
     """Each objective's results over its seeds (means, per-seed values, spreads, ranks at the end of the budget and,
-    with `matched`, at a common held-out loss, fine-tuning)."""
+    with `matched`, at a common held-out loss, and `finetuned`: {label: {task: each run's best grid cells}})."""
     curves = {o.label: [eval_curve(r) for r in runs[o.label]] for o in objectives}
     mlm_final = [curve[-1] for curve in curves["mlm"]]
     out = {}
@@ -93,16 +105,8 @@ def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned
         percents = [s.percent_of_mlm_compute_to_match for s in per_seed]
         records = analyses[objective.label]
         layers = range(len(records[0]["layers"]))
-        finetune = None
-        if finetuned.get(objective.label):
-            results = finetuned[objective.label]
-            metric = results[0]["metric"]
-            scores = [s["scores"][metric] for r in results for s in r["per_seed"]]
-            failed = [f"pretraining seed {run.seed}, fine-tuning seed {s['seed']}: {s['did_not_train']}"
-                      for run, r in zip(runs[objective.label], results) for s in r["per_seed"]
-                      if s.get("did_not_train")]
-            finetune = FinetuneResult(task=task_label, metric=metric, median=float(np.median(scores)),
-                                      spread=spread(scores), runs=len(scores), scores=scores, did_not_train=failed)
+        finetune = [finetune_result(task, cells, [run.seed for run in runs[objective.label]])
+                    for task, cells in finetuned.get(objective.label, {}).items()]
         out[objective.label] = ObjectiveResult(
             flops=float(np.mean([s.flops for s in per_seed])),
             final_eval_loss=float(np.mean(losses)),
@@ -162,8 +166,8 @@ def findings(summary: dict[str, ObjectiveResult]) -> list[str]:
                              "of the budget", ranks["real_unmasked_input"], reference["real_unmasked_input"],
                              "dimensions", "higher"))
         lines += _matched_findings(label, entry.ranks_at_matched_loss, mlm.ranks_at_matched_loss)
-        if entry.finetune is not None and mlm.finetune is not None:
-            lines.append(_finetune_finding(label, entry.finetune, mlm.finetune))
+        for ft, reference in zip(entry.finetune, mlm.finetune):
+            lines.append(_finetune_finding(label, ft, reference))
     return lines
 
 
