@@ -25,7 +25,12 @@ share_j = mask rows' sum of squared deviations / all rows' in dimension j; a dim
 share_j >= --dominance (the share `<mask>` rows would have by their count alone is reported as `share_by_count`).
 Accumulates X^T X per group in float64, so any number of sequences fits in memory.
 
-    DIR/analysis.json   per layer: ranks, row counts, mask-dominated dimensions; the definitions; the inputs
+and whether the encoder learned context at all, asked of the encoder alone (a held-out loss below the unigram
+entropy can come from a decoder): a linear probe of each layer's states for the token's right neighbour against the
+bigram table of the token itself (`neighbour_probe`).
+
+    DIR/analysis.json   per layer: ranks, row counts, mask-dominated dimensions; the neighbour probe; the
+                        definitions; the inputs
     DIR/ranks.png       effective ranks per layer (Figure 5 style)
     DIR/mask_dims.png   mask-dominated dimensions per layer and the last layer's shares (Figure 1 style)
 """
@@ -136,16 +141,53 @@ def read_sequences(path: Path, pretrained: Pretrained, count: int) -> list[np.nd
     return [np.asarray([BOS_ID, *ids[:max_len - 2], EOS_ID]) for ids in pretrained.tokenizer.encode(lines)]
 
 
+PROBE_TOKENS = 32768
+"""At most this many (token, right neighbour) pairs feed the neighbour probe."""
+
+
+def neighbour_probe(states: list[np.ndarray], tokens: np.ndarray, neighbours: np.ndarray, train: np.ndarray,
+                    vocab_size: int, ridge: float = 1e-2) -> dict:
+    """Whether an encoder learned context, asked of the encoder alone: does a token's state tell more about its right
+    neighbour than the token itself does? Per layer, a ridge-regression linear probe from the states (rows of each
+    of `states`, [N, H]) to the neighbour's one-hot id, fitted on the `train` rows and scored (argmax accuracy) on
+    the others, against the bigram baseline (the most frequent neighbour of each token in the train rows, the best
+    any function of the token alone can do there; the most frequent neighbour overall for a token unseen). A
+    context-free encoder (a state made of the token and its position) cannot beat the bigram table; one that beats
+    it by more than 3 binomial standard errors at some layer has `learned_context`."""
+    test = ~train
+    table = np.zeros((vocab_size, vocab_size), dtype=np.int64)
+    np.add.at(table, (tokens[train], neighbours[train]), 1)
+    fallback = int(np.bincount(neighbours[train], minlength=vocab_size).argmax())
+    guess = np.where(table[tokens[test]].sum(1) > 0, table[tokens[test]].argmax(1), fallback)
+    bigram = float((guess == neighbours[test]).mean())
+    targets = np.zeros((int(train.sum()), vocab_size))
+    targets[np.arange(len(targets)), neighbours[train]] = 1.0
+    per_layer = []
+    for x in states:
+        x = np.concatenate([x.astype(np.float64), np.ones((len(x), 1))], axis=1)
+        gram = x[train].T @ x[train]
+        weights = np.linalg.solve(gram + ridge * np.trace(gram) / len(gram) * np.eye(len(gram)), x[train].T @ targets)
+        per_layer.append(float(((x[test] @ weights).argmax(1) == neighbours[test]).mean()))
+    best = max(per_layer)
+    standard_error = float(np.sqrt(max(bigram * (1 - bigram), 1e-12) / max(int(test.sum()), 1)))
+    return {"probe_accuracy": [round(a, 4) for a in per_layer], "bigram_accuracy": round(bigram, 4),
+            "best_layer": int(np.argmax(per_layer)), "test_pairs": int(test.sum()),
+            "standard_error": round(standard_error, 5),
+            "learned_context": bool(best > bigram + 3 * standard_error)}
+
+
 @torch.no_grad()
 def analyze(pretrained: Pretrained, sequences: list[np.ndarray], config: AnalyzeConfig,
             device: torch.device) -> dict:
-    """Run the sequences with and without `<mask>` inputs and return the per-layer record (module doc)."""
+    """Run the sequences with and without `<mask>` inputs and return the per-layer record (module doc), with the
+    neighbour probe of the states without `<mask>` (`neighbour_probe`)."""
     model = pretrained.encoder().to(device).eval()
     normalise = pretrained.config.norm_position == "pre"
     layers, hidden = pretrained.config.encoder_layers + 1, pretrained.config.hidden_size
     stats = LayerStatistics(layers, hidden)
     lengths = np.array([len(s) for s in sequences])
     plan = cut_by_budget(lengths, max(config.tokens_per_batch, int(lengths.max())))
+    probe_states, probe_pairs = [[] for _ in range(layers)], []
     for part in tqdm(plan, desc="analyze", unit="batch", dynamic_ncols=True):
         ids = np.arange(len(sequences))[part]
         batch = PackedBatch.from_packed(np.concatenate([sequences[i] for i in ids]), lengths[ids])
@@ -161,7 +203,18 @@ def analyze(pretrained: Pretrained, sequences: list[np.ndarray], config: Analyze
         for layer, (a, b) in enumerate(zip(with_mask, without_mask)):
             for group, x in enumerate((a[real], a[mask_rows], b[real], b[unmasked_rows])):
                 stats.add(layer, group, x)
-    return {**_record(stats, config, hidden), "normalised": normalise}
+        # (token, right neighbour) pairs of real tokens, the sequence's index telling the probe's halves apart
+        tokens = batch.tokens.long()
+        pair = (~special[:-1] & ~special[1:]).nonzero()[:, 0]
+        if sum(len(p) for p in probe_pairs) < PROBE_TOKENS and len(pair):
+            sequence = torch.repeat_interleave(torch.from_numpy(ids), batch.seqlens.long())[pair]
+            probe_pairs.append(np.stack([tokens[pair].numpy(), tokens[pair + 1].numpy(), sequence.numpy()], 1))
+            for layer, b in enumerate(without_mask):
+                probe_states[layer].append(b[pair.to(device)].float().cpu().numpy())
+    pairs = np.concatenate(probe_pairs)
+    probe = neighbour_probe([np.concatenate(s) for s in probe_states], pairs[:, 0], pairs[:, 1], pairs[:, 2] % 2 == 0,
+                            pretrained.config.vocab_size)
+    return {**_record(stats, config, hidden), "normalised": normalise, "neighbour_probe": probe}
 
 
 def normalised(states: list[torch.Tensor], normalise: bool) -> list[torch.Tensor]:

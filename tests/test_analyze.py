@@ -99,3 +99,23 @@ def test_command_on_a_dataset_and_a_text_file(tokenizer_bytes, tmp_path, capsys)
     assert analyze_main(["--model", str(other), "--data", str(dataset), "--out", str(tmp_path / "c")]) == 1
     assert "does not match the shards" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+def test_the_neighbour_probe_tells_context_from_a_context_free_encoder():
+    """States built from the token alone (its embedding, any layer) cannot beat the bigram table at telling its
+    right neighbour; states that hold the neighbour (what attending to it gives) do, by far more than the noise."""
+    from fastmae.analyze import neighbour_probe
+
+    rng = np.random.default_rng(0)
+    vocab, hidden, n = 50, 16, 6000
+    tokens = rng.integers(0, vocab, n)
+    neighbours = (tokens * 7 + rng.integers(0, 5, n)) % vocab  # the token says a little, the neighbour the rest
+    embedding = rng.normal(size=(vocab, hidden))
+    train = np.arange(n) % 2 == 0
+    context_free = neighbour_probe([embedding[tokens]], tokens, neighbours, train, vocab)
+    assert not context_free["learned_context"], context_free
+    with_neighbour = embedding[tokens] + np.eye(vocab, hidden * 4)[neighbours][:, :hidden] + embedding[neighbours]
+    in_context = neighbour_probe([embedding[tokens], with_neighbour], tokens, neighbours, train, vocab)
+    assert in_context["learned_context"] and in_context["best_layer"] == 1, in_context
+    assert in_context["probe_accuracy"][1] > in_context["bigram_accuracy"] + 0.3
+    assert in_context["bigram_accuracy"] == pytest.approx(context_free["bigram_accuracy"])

@@ -104,6 +104,9 @@ def test_ranks_are_matched_at_a_loss_every_learned_run_reached():
     assert "never left the unigram plateau" in points["mae-lm"]
     level, points = matched_points({"mlm": [curve(5.0, 4.95)]})
     assert level is None and isinstance(points["mlm"], str)
+    # 3ml's loss left the plateau, but (the neighbour probe) one seed's encoder learned no context: out, by name
+    level, points = matched_points(curves, {"mlm": [True, True], "3ml": [True, False], "mae-lm": [True, True]})
+    assert level == 3.2 and "tells no more about a token's neighbour" in points["3ml"]
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -125,6 +128,7 @@ def test_generated_word_order_task(dataset, tmp_path):
 
 
 def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypatch):
+    from fastmae import analyze
     from fastmae.study import summary
 
     data = dataset
@@ -134,11 +138,14 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
     args = ["--data", str(data), "--quick", "--objectives", "mlm,3ml", "--task", "generated", "--out", str(out),
             "--lr-grid", "2e-3", "--lr-grid-fraction", "0.5"]
     monkeypatch.setattr(summary, "PLATEAU_MARGIN", -10.0)  # 40 steps leave no plateau: count every run as learned
+    probe = analyze.neighbour_probe  # ... and every encoder as having learned context (its real answer kept)
+    monkeypatch.setattr(analyze, "neighbour_probe", lambda *a, **k: {**probe(*a, **k), "learned_context": True})
     assert study_main(args) == 0
     study = json.loads((out / "study.json").read_text())
     for label in ("mlm", "3ml"):
         grid = study["lr_grid"][label]
         assert grid["chosen"] == 2e-3 and set(grid["losses"]) == {"0.002"} and grid["fraction"] == 0.5
+        assert grid["left_plateau"] == {"0.002": True} and grid["chosen_on_plateau"] is False
         assert "lr: 0.002" in (out / "configs" / f"{label}-seed0.yaml").read_text()
         grid_run = out / "runs" / f"{label}-seed0-lrgrid0.002"
         assert (grid_run / "model.safetensors").is_file() and not (grid_run / "eval_weights").exists()

@@ -31,7 +31,7 @@ from .runs import (
     train,
 )
 from .schema import MatchedRanks
-from .summary import findings, matched_points, ranks_of, summarize
+from .summary import findings, left_plateau, matched_points, ranks_of, summarize
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -75,7 +75,8 @@ def study(args) -> dict:
         ft_setup["lrs"] = sorted({c["lr"] for c in cells})
     sequences = preset.analyze_sequences
     analyses = {label: [analyze_run(run, data, sequences) for run in rs] for label, rs in runs.items()}
-    summary = summarize(objectives, runs, finetuned, analyses, ranks_at_matched_loss(runs, data, sequences))
+    learned = {label: [r["neighbour_probe"]["learned_context"] for r in records] for label, records in analyses.items()}
+    summary = summarize(objectives, runs, finetuned, analyses, ranks_at_matched_loss(runs, data, sequences, learned))
     first = runs["mlm"][0]
     facts = {label: {**model_facts(rs[0]), "flops_per_step": flops_per_step[label],
                      "flops_per_step_vs_mlm": flops_per_step[label] / flops_per_step["mlm"]}
@@ -83,8 +84,9 @@ def study(args) -> dict:
     resolved = yaml.safe_load(configs[first.name])
     result = {
         "objectives": summary,
-        "findings": findings(summary),
-        "lr_grid": {label: {**grid, "losses": {f"{lr:g}": loss for lr, loss in grid["losses"].items()}}
+        "findings": findings(summary, {label: g["chosen_on_plateau"] for label, g in lr_grid.items()}),
+        "lr_grid": {label: {**grid, "losses": {f"{lr:g}": loss for lr, loss in grid["losses"].items()},
+                            "left_plateau": {f"{lr:g}": v for lr, v in grid["left_plateau"].items()}}
                     for label, grid in lr_grid.items()},
         "models": facts,
         "setup": {"data": str(data), "budget": budget, "preset": "quick" if args.quick else args.budget,
@@ -157,16 +159,21 @@ def learning_rate_grid(objectives, args, budget: float, preset, ranks: int) -> d
             train(run, configs[run.name], ranks)
         losses = {run.grid_lr: eval_curve(run)[-1]["loss"] for run in rs}
         best = min(losses, key=losses.get)
-        chosen[label] = {"fraction": args.lr_grid_fraction, "flops": short, "losses": losses, "chosen": best}
+        learned = {run.grid_lr: left_plateau(eval_curve(run)) for run in rs}
+        chosen[label] = {"fraction": args.lr_grid_fraction, "flops": short, "losses": losses, "chosen": best,
+                         "left_plateau": learned, "chosen_on_plateau": not any(learned.values())}
         print(f"fastmae study: {label}: learning rate {best:g} (held-out loss after {short:.3g} FLOPs: "
               + ", ".join(f"lr {lr:g} {loss:.3f}" for lr, loss in losses.items()) + ")", file=sys.stderr)
     return chosen
 
 
-def ranks_at_matched_loss(runs: dict[str, list[Run]], data: Path, sequences: int) -> dict[str, MatchedRanks]:
-    """Each objective's ranks at the held-out loss every run that left the unigram plateau reached: analyze's
-    records of the weights each seed kept at its evaluation nearest that level (`summary.matched_points`)."""
-    level, points = matched_points({label: [eval_curve(run) for run in rs] for label, rs in runs.items()})
+def ranks_at_matched_loss(runs: dict[str, list[Run]], data: Path, sequences: int,
+                          encoder_learned: dict[str, list[bool]]) -> dict[str, MatchedRanks]:
+    """Each objective's ranks at the held-out loss every run that learned reached (its loss left the unigram plateau
+    and, `encoder_learned`, its encoder learned context): analyze's records of the weights each seed kept at its
+    evaluation nearest that level (`summary.matched_points`)."""
+    level, points = matched_points({label: [eval_curve(run) for run in rs] for label, rs in runs.items()},
+                                   encoder_learned)
     matched = {}
     for label, rs in runs.items():
         if isinstance(points[label], str):

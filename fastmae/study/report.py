@@ -160,7 +160,8 @@ def _matched_section(summary: dict[str, ObjectiveResult], encoder_layers: int) -
         if matched.excluded:
             lines.append(f"| `{label}` | left out: {matched.excluded} |" + " |" * (encoder_layers + 2))
             continue
-        where = ", ".join(f"{step} ({loss:.3f})" for step, loss in zip(matched.steps, matched.losses))
+        where = ", ".join(f"{step} ({loss:.3f}, {loss - level:+.3f} from the level)"
+                          for step, loss in zip(matched.steps, matched.losses))
         for key, group, what in (("epsilon_rank", "real_unmasked_input", "without `<mask>`"),
                                  ("epsilon_rank", "real_masked_input", "with `<mask>`"),
                                  ("centred_epsilon_rank", "real_unmasked_input", "without `<mask>`, centred")):
@@ -182,9 +183,12 @@ def _lr_grid_section(lr_grid: dict) -> list[str]:
              "| objective | " + " | ".join(f"lr {r}" for r in rates) + " | chosen |",
              "|---|" + "---|" * (len(rates) + 1)]
     for label, grid in lr_grid.items():
-        lines.append(f"| `{label}` | " + " | ".join(f"{grid['losses'][r]:.3f}" for r in rates)
+        plateau = grid.get("left_plateau", {})
+        lines.append(f"| `{label}` | " + " | ".join(f"{grid['losses'][r]:.3f}" + ("" if plateau.get(r, True) else " ∘")
+                                                    for r in rates)
                      + f" | {grid['chosen']:g} |")
-    return lines
+    return lines + ["", "∘: the run had not left the unigram plateau; an objective whose every grid run is marked "
+                    "had its rate chosen blind, and the study makes no claim about it."]
 
 
 def shared_settings(resolved: dict, lr_per_objective: bool = False) -> str:

@@ -134,8 +134,8 @@ def analyze_run(run: Run, data: Path, sequences: int, step: int | None = None) -
     _, weights_step = weights_metadata(source / WEIGHTS)
     if record_file.is_file():
         record = json.loads(record_file.read_text())
-        if record.get("step") == weights_step and record.get("sequences") == sequences:
-            return record
+        if record.get("step") == weights_step and record.get("sequences") == sequences and "neighbour_probe" in record:
+            return record  # (records written before the neighbour probe existed are measured again)
     return analyze(source, data, out, AnalyzeConfig(sequences=sequences))
 
 

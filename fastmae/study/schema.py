@@ -90,6 +90,7 @@ class ObjectiveResult:
     effective_rank_last_layer_per_seed: dict[str, list[float]]
     ranks_at_matched_loss: MatchedRanks | None = None
     finetune: list[FinetuneResult] = dataclasses.field(default_factory=list)  # one per task fine-tuned
+    neighbour_probe: list[dict] = dataclasses.field(default_factory=list)  # per seed, at the end (fastmae analyze)
 
     def to_json(self) -> dict:
         """study.json's entry (no `finetune` key without a task)."""

@@ -39,17 +39,27 @@ def left_plateau(curve: list[dict]) -> bool:
     return min(r["loss"] for r in curve) < curve[-1]["unigram_entropy"] - PLATEAU_MARGIN
 
 
-def matched_points(curves: dict[str, list[list[dict]]]) -> tuple[float | None, dict[str, list[dict] | str]]:
-    """The held-out loss level every run that left the plateau reached (the highest of their lowest losses), and
-    per objective each seed's evaluation nearest that level, or why the objective is left out of the comparison."""
-    learned = {label: all(left_plateau(c) for c in runs) for label, runs in curves.items()}
+NO_CONTEXT = ("a seed's encoder tells no more about a token's neighbour than the token itself does (the neighbour "
+              "probe of `fastmae analyze`, at the end of the budget): its held-out loss came from its decoder")
+
+
+def matched_points(curves: dict[str, list[list[dict]]], encoder_learned: dict[str, list[bool]] | None = None
+                   ) -> tuple[float | None, dict[str, list[dict] | str]]:
+    """The held-out loss level every run that learned reached (the highest of their lowest losses), and per objective
+    each seed's evaluation nearest that level, or why the objective is left out of the comparison. A run learned
+    when its held-out loss left the unigram plateau and (`encoder_learned`, per seed) its encoder learned context."""
+    plateau = {label: all(left_plateau(c) for c in runs) for label, runs in curves.items()}
+    encoder = {label: all((encoder_learned or {}).get(label, [True])) for label in curves}
+    learned = {label: plateau[label] and encoder[label] for label in curves}
     reached = [min(r["loss"] for r in c) for label, runs in curves.items() if learned[label] for c in runs]
     level = max(reached) if reached else None
     points: dict[str, list[dict] | str] = {}
     for label, runs in curves.items():
-        if not learned[label]:
+        if not plateau[label]:
             points[label] = (f"a seed never left the unigram plateau (its held-out loss never fell {PLATEAU_MARGIN} "
                              "nats below the unigram entropy)")
+        elif not encoder[label]:
+            points[label] = NO_CONTEXT
         else:
             points[label] = [min(c, key=lambda r: abs(r["loss"] - level)) for c in runs]
     return level, points
@@ -107,6 +117,7 @@ def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned
         layers = range(len(records[0]["layers"]))
         finetune = [finetune_result(task, cells, [run.seed for run in runs[objective.label]])
                     for task, cells in finetuned.get(objective.label, {}).items()]
+        probes = [record.get("neighbour_probe", {"learned_context": True}) for record in records]
         out[objective.label] = ObjectiveResult(
             flops=float(np.mean([s.flops for s in per_seed])),
             final_eval_loss=float(np.mean(losses)),
@@ -127,22 +138,35 @@ def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned
             effective_rank_last_layer_per_seed={group: [rec["layers"][-1]["epsilon_rank"][group] for rec in records]
                                                 for group in ("real_masked_input", "real_unmasked_input")},
             ranks_at_matched_loss=(matched or {}).get(objective.label),
-            finetune=finetune)
+            finetune=finetune, neighbour_probe=probes)
     return out
 
 
-def findings(summary: dict[str, ObjectiveResult]) -> list[str]:
-    """The report's claims, each held to the seed spread."""
+def findings(summary: dict[str, ObjectiveResult], chosen_on_plateau: dict[str, bool] | None = None) -> list[str]:
+    """The report's claims, each held to the seed spread. An objective whose learning rate the grid chose among runs
+    that had all stayed on the unigram plateau (`chosen_on_plateau`) gets no comparison: its rate is not shown to
+    suit it, and a comparison would hold it to a rate chosen blind."""
     lines = []
     mlm = summary["mlm"]
+    blind_grid = sorted(label for label, flag in (chosen_on_plateau or {}).items() if flag)
+    for label in blind_grid:
+        lines.append(f"`{label}`'s learning rate was chosen among grid runs that all stayed on the unigram plateau: "
+                     "no rate was shown to suit it, so no claim is made about it"
+                     + (" (nor about any objective against it)" if label == "mlm" else "") + ".")
     for label, entry in summary.items():
         entropy = entry.per_seed[0].unigram_entropy
         if entry.final_eval_loss >= entropy:
             lines.append(f"`{label}` ended at or above the held-out unigram entropy ({entropy:.3f} nats): it had not "
                          "learned from context within the budget, so its other numbers (ranks, fine-tuning) say "
                          "little.")
+        blind = [s.seed for s, probe in zip(entry.per_seed, entry.neighbour_probe) if not probe["learned_context"]]
+        if blind:
+            lines.append(f"`{label}`'s encoder (seed(s) {', '.join(map(str, blind))}) tells no more about a "
+                         "token's right neighbour than the token itself does (a linear probe of every layer against "
+                         "the bigram table; the neighbour probe): whatever its held-out loss, its encoder had not "
+                         "learned context, so no claim about its encoder is made from it.")
     for label, entry in summary.items():
-        if label == "mlm":
+        if label == "mlm" or label in blind_grid or "mlm" in blind_grid:
             continue
         lines.append(compare(f"`{label}` final held-out loss", [s.final_eval_loss for s in entry.per_seed],
                              [s.final_eval_loss for s in mlm.per_seed], "nats", "lower"))
