@@ -78,19 +78,20 @@ def _study(directory: str) -> str:
     result = _json(RESULTS_DIR / directory / "study.json")
     setup, objectives = result["setup"], result["objectives"]
     rows = ["| objective | steps | held-out loss (mean ± half range) | accuracy | % of mlm's compute to reach mlm's "
-            "final loss | word-order accuracy (median) | last-layer epsilon rank, no `<mask>`: uncentred / centred |",
-            "|---|---|---|---|---|---|---|"]
+            "final loss | word-order accuracy (median) | encoder's neighbour probe vs bigram, per seed | last-layer "
+            "epsilon rank, no `<mask>`: uncentred / centred |",
+            "|---|---|---|---|---|---|---|---|"]
     for label, entry in objectives.items():
         spread = entry["final_eval_loss_spread"]
         loss = f"{entry['final_eval_loss']:.3f}" + (f" ± {spread / 2:.3f}" if spread is not None else "")
         percent = entry["percent_of_mlm_compute_to_match"]
-        tuned = entry.get("finetune", {}).get("median")
         ranks = entry["effective_rank"]["real_unmasked_input"][-1]
         centred = entry["centred_effective_rank"]["real_unmasked_input"][-1]
         rows.append(f"| `{label}` | {', '.join(f'{s:,}' for s in entry['steps'])} | {loss} | "
                     f"{entry['final_eval_accuracy']:.3f} | "
                     f"{'not reached' if percent is None else f'{percent:.1f}%'} | "
-                    f"{'-' if tuned is None else f'{tuned:.3f}'} | {ranks:.1f} / {centred:.1f} |")
+                    f"{_finetuned(entry.get('finetune'))} | {_probes(entry.get('neighbour_probe'))} | "
+                    f"{ranks:.1f} / {centred:.1f} |")
     first = next(iter(objectives.values()))["per_seed"][0]
     return ("\n".join(rows) + "\n\n"
             f"{setup['seeds']} seeds per objective, {setup['budget']:.3g} training FLOPs per run, width "
@@ -101,6 +102,22 @@ def _study(directory: str) -> str:
             + "\n".join(f"- {line}" for line in result["findings"]) + "\n\n"
             f"Artifact: `benchmarks/results/{directory}/` (`report.md`, `study.json`, `loss_vs_flops.png`, "
             "`ranks.png`).\n")
+
+
+def _finetuned(finetune) -> str:
+    """An objective's fine-tuned median (studies before several tasks held one dict), and how many fine-tunes did not
+    train (studies that counted them)."""
+    results = [finetune] if isinstance(finetune, dict) else finetune or []
+    return "; ".join(f"{ft['median']:.3f}" + (f" ({len(ft['did_not_train'])} of {ft['runs']} did not train)"
+                                              if ft.get("did_not_train") else "") for ft in results) or "-"
+
+
+def _probes(probes: list[dict] | None) -> str:
+    """Each seed's best-layer neighbour-probe accuracy against the bigram table's, and the verdict."""
+    if not probes:
+        return "-"
+    return ", ".join(f"{max(p['probe_accuracy']):.3f} vs {p['bigram_accuracy']:.3f} "
+                     f"({'context' if p['learned_context'] else 'none'})" for p in probes)
 
 
 def _lr_grid(grid: dict | None) -> str:
@@ -128,8 +145,10 @@ def _matched(objectives: dict) -> str:
         last = {key: matched["ranks"][key]["real_unmasked_input"][-1] for key in ("epsilon_rank",
                                                                                   "centred_epsilon_rank")}
         with_mask = matched["ranks"]["epsilon_rank"]["real_masked_input"][-1]
+        where = ", ".join(f"{step} ({loss - level:+.3f} nats from the level)"
+                          for step, loss in zip(matched["steps"], matched["losses"]))
         parts.append(f"`{label}` {last['epsilon_rank']:.1f} / {last['centred_epsilon_rank']:.1f} (with `<mask>` "
-                     f"{with_mask:.1f}; steps {', '.join(map(str, matched['steps']))})")
+                     f"{with_mask:.1f}; steps {where})")
     where = "no common level" if level is None else f"held-out loss {level:.3f}"
     return (f" Last-layer epsilon rank of real tokens without `<mask>` at matched {where}, uncentred / centred: "
             + "; ".join(parts) + ".")
