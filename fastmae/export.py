@@ -111,6 +111,10 @@ def model_card(pretrained: Pretrained, tensors: dict) -> str:
             lines.append(f"- held-out masked-token loss at step {held_out['step']}: {held_out['loss']:.3f} nats "
                          f"(unigram entropy of the same tokens {held_out['unigram_entropy']:.3f}; "
                          f"accuracy {held_out['accuracy']:.3f})")
+        if info.get("init_from"):
+            source = info["init_from"]
+            lines.append(f"- continued pretraining: started from `{source['weights']}` (step {source['step']} of a "
+                         f"`{source['objective']}` run), then trained as `{config.objective}`")
         lines.append(f"- trained on {info.get('ranks', '?')} x {info.get('device', '?')}, "
                      f"{info.get('precision', '?')}; each rank ran `{info.get('command', 'not recorded')}` "
                      f"(fastmae {info.get('fastmae_version', '?')})")

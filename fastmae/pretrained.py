@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 import yaml
 
 from .checkpoint import WEIGHTS, complete_checkpoints, read_weights, saved_model_config, weights_metadata
-from .config import ModelConfig
+from .config import ModelConfig, RunConfig
 from .data.tokenizer import TOKENIZER_FILE, Tokenizer
 from .errors import FastmaeError
 from .hf_format import read_hugging_face
@@ -33,6 +34,10 @@ class Pretrained:
     tokenizer: Tokenizer
     weights_file: Path
     step: int
+
+    def provenance(self) -> dict:
+        """Where these weights came from, as run_info.json and the model card name it."""
+        return {"weights": str(self.weights_file), "step": self.step, "objective": self.config.objective}
 
     def encoder(self) -> MaskedLM:
         """The pretrained network minus its decoder (what fine-tuning and `encode` run), with its weights loaded.
@@ -55,40 +60,63 @@ class Pretrained:
         return model
 
 
-def load_pretrained(path: str | Path) -> Pretrained:
-    """Read a run directory (its newest weights: the end-of-run file or a later checkpoint), a checkpoint
-    directory, or a directory written by `fastmae export`. Errors name the path and what is missing."""
-    path = Path(path)
+SOURCE_KINDS = ("export", "checkpoint", "run")
+
+
+def source_kind(path: Path) -> str:
+    """What a model directory is, told once from the file that marks it: `export` (config.json), `checkpoint`
+    (COMPLETE) or `run` (config.yaml); errors name the path and what was looked for."""
     if not path.is_dir():
         raise FastmaeError(f"{path}: no such directory (expected a run, checkpoint or exported directory)")
-    if (path / "config.json").is_file():
-        config, weights, step = read_hugging_face(path)
-        weights_file = path / WEIGHTS
-        tokenizer = _tokenizer(path / TOKENIZER_FILE, "the export")
-    elif (path / "COMPLETE").is_file():
-        weights_file = path / WEIGHTS
-        if not weights_file.is_file():
-            raise FastmaeError(f"{path}: checkpoint without {WEIGHTS} (written by an older fastmae); resume the "
-                               "run for a step and checkpoint again")
-        weights, config_dict, step = read_weights(weights_file)
-        config = saved_model_config(config_dict, weights_file)
-        tokenizer = _run_tokenizer(path.parent.parent)
-    elif (path / "config.yaml").is_file():
-        weights_file, step = _newest_weights(path)
-        weights, config_dict, _ = read_weights(weights_file)
-        config = saved_model_config(config_dict, weights_file)
-        tokenizer = _run_tokenizer(path)
-    else:
-        raise FastmaeError(f"{path}: not a fastmae run directory (no config.yaml), checkpoint directory (no "
-                           "COMPLETE) or exported directory (no config.json)")
+    for kind, marker in zip(SOURCE_KINDS, ("config.json", "COMPLETE", "config.yaml")):
+        if (path / marker).is_file():
+            return kind
+    raise FastmaeError(f"{path}: not a fastmae run directory (no config.yaml), checkpoint directory (no COMPLETE) or "
+                       "exported directory (no config.json)")
+
+
+def read_export(path: Path) -> Pretrained:
+    """A directory written by `fastmae export`: its config.json, weights and tokenizer."""
+    config, weights, step = read_hugging_face(path)
+    return Pretrained(config, weights, _tokenizer(path / TOKENIZER_FILE, "the export"), path / WEIGHTS, step)
+
+
+def read_checkpoint(path: Path) -> Pretrained:
+    """One complete checkpoint of a run: its fp32 weights, and the run's tokenizer."""
+    weights_file = path / WEIGHTS
+    if not weights_file.is_file():
+        raise FastmaeError(f"{path}: checkpoint without {WEIGHTS} (written by an older fastmae); resume the run for a "
+                           "step and checkpoint again")
+    weights, config_dict, step = read_weights(weights_file)
+    return Pretrained(saved_model_config(config_dict, weights_file), weights, _run_tokenizer(path.parent.parent),
+                      weights_file, step)
+
+
+def read_run(path: Path) -> Pretrained:
+    """A run directory: its newest weights (the end-of-run file or a later checkpoint) and its tokenizer."""
+    weights_file, step = _newest_weights(path)
+    weights, config_dict, _ = read_weights(weights_file)
+    return Pretrained(saved_model_config(config_dict, weights_file), weights, _run_tokenizer(path), weights_file,
+                      step)
+
+
+READERS = {"export": read_export, "checkpoint": read_checkpoint, "run": read_run}
+
+
+def load_pretrained(path: str | Path) -> Pretrained:
+    """Read a run directory, a checkpoint directory or a `fastmae export` (`source_kind` tells which; one reader per
+    kind), then check that the tokenizer and the embedding fit the model. Errors name the path and what is wrong."""
+    path = Path(path)
+    pretrained = READERS[source_kind(path)](path)
+    config, tokenizer, weights_file = pretrained.config, pretrained.tokenizer, pretrained.weights_file
     if tokenizer.vocab_size != config.vocab_size:
         raise FastmaeError(f"{tokenizer.source}: {tokenizer.vocab_size} tokens, but {weights_file} was trained with "
                            f"vocab_size {config.vocab_size}: the tokenizer is from another dataset")
-    rows = weights.get("embeddings.tokens.weight")
+    rows = pretrained.weights.get("embeddings.tokens.weight")
     if rows is not None and rows.shape[0] != config.vocab_size:
         raise FastmaeError(f"{weights_file}: token embedding has {rows.shape[0]} rows, vocab_size is "
                            f"{config.vocab_size}")
-    return Pretrained(config, weights, tokenizer, weights_file, step)
+    return pretrained
 
 
 def _newest_weights(run_dir: Path) -> tuple[Path, int]:
@@ -120,3 +148,44 @@ def _tokenizer(path: Path, what: str) -> Tokenizer:
     if not path.is_file():
         raise FastmaeError(f"{path}: missing ({what} has no sentencepiece tokenizer)")
     return Tokenizer.load(path)
+
+
+# ------------------------------------------------------------------------------------------ continued pretraining
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "encoder_layers", "max_seq_len",
+                "position_embedding", "rotary_base", "relative_attention_bias", "relative_attention_buckets",
+                "relative_attention_max_distance", "norm_position", "layer_norm_eps")
+"""The encoder's shape: what a continued run (train.init_from) takes from its source."""
+
+
+def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
+    """`config` with the encoder's shape of its train.init_from source, and that source (None without one). Refused,
+    naming both values: a model field the config sets itself to another value than the source's, and a dataset
+    tokenised with another tokenizer than the source's."""
+    if not config.train.init_from:
+        return config, None
+    source = load_pretrained(config.train.init_from)
+    where = f"train.init_from={config.train.init_from}"
+    data_tokenizer = config.data.directory / TOKENIZER_FILE
+    if data_tokenizer.is_file() and Tokenizer.load(data_tokenizer).sha256 != source.tokenizer.sha256:
+        raise FastmaeError(f"data.path={config.data.path} was tokenised with {data_tokenizer}, not the tokenizer of "
+                           f"{where} ({source.tokenizer.source}): prepare the data with `fastmae prepare --tokenizer "
+                           f"{source.tokenizer.source}`")
+    for name in SHAPE_FIELDS:
+        mine, theirs = getattr(config.model, name), getattr(source.config, name)
+        if name in config.model_given and mine != theirs:
+            raise FastmaeError(f"model.{name}={mine!r} but {where} is a model with {name}={theirs!r}: a continued run "
+                               f"keeps its source's shape (drop model.{name})")
+    # the preset again on the source's shape, so that what it derives from the shape (insert_layer = L) follows
+    given = {name: getattr(config.model, name) for name in config.model_given if name not in SHAPE_FIELDS}
+    model = ModelConfig.preset(config.model.objective, **given,
+                               **{name: getattr(source.config, name) for name in SHAPE_FIELDS})
+    return dataclasses.replace(config, model=model), source
+
+
+def initialise(model: MaskedLM, source: Pretrained) -> list[str]:
+    """Copy into `model` every weight of `source` it has under the same name and shape (the encoder, the LM head,
+    and a decoder of the same depth and kind); returns the names of the tensors it left as initialised."""
+    own = model.state_dict()
+    loaded = {k: v for k, v in source.weights.items() if k in own and own[k].shape == v.shape}
+    model.load_state_dict(loaded, strict=False)
+    return sorted(k for k in own if k not in loaded)

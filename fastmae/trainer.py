@@ -50,6 +50,7 @@ from .metrics import LogWindow, MetricsWriter, eval_table, peak_memory_mib, read
 from .model import MaskedLM
 from .pipeline import masked_ahead
 from .plot import plot_run
+from .pretrained import Pretrained, continued, initialise
 from .step import RunCounters, train_step
 
 
@@ -86,19 +87,24 @@ def with_budget_planned(config: RunConfig, loader: PackedLoader) -> tuple[RunCon
 
 
 def model_engine(config: RunConfig, precision: str, device: torch.device, non_finite: torch.Tensor,
-                 resume: str | None):
+                 resume: str | None, source: Pretrained | None = None):
     """Collective: (engine, DeepSpeed config, checkpoint to resume or None). The model gets identical initial weights
-    on every rank; a checkpoint saved by another number of ranks is made universal first. `non_finite` is the skip
-    flag the engine's optimizer reads."""
+    on every rank, the weights of `source` where it has them (train.init_from, a fresh start only); a checkpoint
+    saved by another number of ranks is made universal first. `non_finite` is the skip flag the engine's optimizer
+    reads."""
     train, rank, world = config.train, dist.get_rank(), dist.get_world_size()
     torch.manual_seed(train.seed)  # identical initial weights on every rank
     model = MaskedLM(config.model)
+    checkpoint_dir = checkpoint_to_resume(Path(config.log.dir) / "checkpoints", resume)
+    if source is not None and checkpoint_dir is None:
+        new = initialise(model, source)
+        log_line(f"initialised from {source.weights_file} (step {source.step}, {source.config.objective}); "
+                 f"new: {', '.join(sorted({name.split('.')[0] for name in new})) or 'nothing'}")
     model.activation_checkpointing = train.activation_checkpointing
     if train.zero_stage == 3:
         for param in model.functional_parameters():
             deepspeed.zero.register_external_parameter(model, param)
     torch.manual_seed(train.seed + rank)
-    checkpoint_dir = checkpoint_to_resume(Path(config.log.dir) / "checkpoints", resume)
     elastic = checkpoint_dir is not None and checkpoint.saved_world_size(checkpoint_dir) != world
     if elastic:  # saved by another number of ranks: DeepSpeed re-shards its universal form
         if rank == 0:
@@ -177,6 +183,7 @@ class Trainer:
             if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a CPU split its cores instead of oversubscribing
                 torch.set_num_threads(max(1, cpu_cores() // ranks_on_node()))
         prepare_builtin_data(config)
+        config, self.source = continued(config)  # train.init_from: the source's shape (and its weights, below)
         data = config.data
         self.loader = PackedLoader.for_run(config, self.rank, self.world, data.verify_checksums)
         self.loader.data.check_vocab(config.model.vocab_size, "model.vocab_size")
@@ -188,7 +195,7 @@ class Trainer:
         # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)
         self.non_finite = torch.zeros((), dtype=torch.float32, device=device)
         self.engine, ds_config, resumed_from = model_engine(config, self.precision, device,
-                                                            self.non_finite, resume)
+                                                            self.non_finite, resume, self.source)
         self.graph_plan = plan_graphs(config, device, self.precision)  # build_engine installs its recordings
         log_line(f"cuda graphs: {self.graph_plan.reason}")
         self.faults = FaultHooks.from_environment(device)
@@ -207,7 +214,8 @@ class Trainer:
         if self.rank == 0:
             write_run_files(config, ds_config, {
                 "device": device_name(device), "ranks": self.world, "precision": self.precision,
-                "peak_flops": self.peak.flops, "spec_peak_flops": self.spec_peak_flops})
+                "peak_flops": self.peak.flops, "spec_peak_flops": self.spec_peak_flops,
+                "init_from": self.source and self.source.provenance()})
 
     # ------------------------------------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:

@@ -109,6 +109,11 @@ class TrainConfig:
     where it cannot), `never`. Only micro-batches of a recorded shape replay; others run eagerly. Under `doc` packing
     micro-batches are then padded to a few fixed shapes (fastmae/padding.py; with a varlen attention kernel)."""
     seed: int = 0
+    init_from: str = ""
+    """Continued pretraining: start from the weights of this fastmae run, checkpoint or export directory instead of a
+    random initialisation. The model's shape comes from it (a shape field set to another value is refused) and
+    `model.preset` chooses the objective on top; weights the source lacks (a new decoder) start as in pretraining.
+    Not a resume: the optimizer, schedule and data position start afresh (fastmae.pretrained.continued)."""
     max_bad_steps: int = 20
     """Stop after this many non-finite losses in a row (each is skipped and counted)."""
     collective_timeout_s: int = 600
@@ -225,6 +230,9 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     deepspeed: dict = field(default_factory=dict)
     """Raw DeepSpeed config entries merged over the derived config (they win)."""
+    model_given: tuple[str, ...] = ()
+    """The model fields the YAML and its overrides set themselves (the rest came from the preset): a continued run
+    (train.init_from) refuses these where they differ from its source, and takes the source's for the others."""
 
     def to_yaml(self) -> str:
         """This config as YAML that `load_run_config` reads back to an equal config (the model as its preset name
@@ -232,6 +240,7 @@ class RunConfig:
         import yaml
 
         resolved = dataclasses.asdict(self)
+        del resolved["model_given"]
         model = {f.name: getattr(self.model, f.name) for f in dataclasses.fields(self.model) if f.init}
         resolved["model"] = {"preset": self.model.objective, **model}
         resolved["train"]["betas"] = list(resolved["train"]["betas"])
@@ -333,7 +342,9 @@ def load_run_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
     if unknown:
         raise ConfigError(f"{path or 'config'}: unknown section(s) {unknown}")
     sections = {name: apply_overrides(cls(), raw.get(name) or {}, name) for name, cls in SECTIONS.items()}
-    model = resolved_model(raw.get("model") or {"preset": "mae-lm"}, sections["data"])
-    config = RunConfig(model=model, deepspeed=dict(raw.get("deepspeed") or {}), **sections)
+    model_values = raw.get("model") or {"preset": "mae-lm"}
+    model = resolved_model(model_values, sections["data"])
+    config = RunConfig(model=model, deepspeed=dict(raw.get("deepspeed") or {}), **sections,
+                       model_given=tuple(sorted(k for k in model_values if k != "preset")))
     config.validate()
     return config

@@ -1,0 +1,115 @@
+"""Continued pretraining (train.init_from): the shape comes from the source and the objective from model.preset,
+the encoder computes the source's hidden states (and, for mlm, its loss) before any update, what cannot be mapped is
+refused naming both values, and a 2-rank DeepSpeed run switches an mlm encoder to 3ml."""
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+from synthetic import prepare_word_dataset, write_run_dir
+
+from fastmae import MaskedLM
+from fastmae.config import load_run_config
+from fastmae.data import PackedLoader
+from fastmae.data.tokenizer import TOKENIZER_FILE, Tokenizer
+from fastmae.errors import FastmaeError
+from fastmae.pretrained import SHAPE_FIELDS, continued, initialise, load_pretrained, source_kind
+
+WORDS = "the cat dog bird sat ran flew on under over a big small red green blue mat tree sky".split()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return prepare_word_dataset(tmp_path_factory.mktemp("continued"), WORDS, 300, 40, vocab_size=40,
+                                valid_fraction=0.1)
+
+
+@pytest.fixture(scope="module")
+def mlm_source(dataset, tmp_path_factory):
+    """An mlm encoder (rotary, pre-LN: not the presets' shape) with the dataset's tokenizer, as a run directory."""
+    vocab = Tokenizer.load(dataset / TOKENIZER_FILE).vocab_size
+    model = tiny_model("mlm", seed=3, vocab_size=vocab, max_seq_len=64, position_embedding="rotary",
+                       norm_position="pre", decoder_layers=0)
+    return write_run_dir(tmp_path_factory.mktemp("source") / "run", model,
+                         (dataset / TOKENIZER_FILE).read_bytes())
+
+
+def config_for(dataset, source, run_dir, *extra):
+    return load_run_config(None, [f"data.path={dataset}", f"log.dir={run_dir}", f"train.init_from={source}",
+                                  "data.tokens_per_micro_batch=256", *extra])
+
+
+def a_batch(dataset):
+    return next(iter(PackedLoader(dataset, max_seq_len=64, tokens_per_batch=256)))
+
+
+@pytest.mark.parametrize("preset", ["mlm", "3ml", "mae-lm"])
+def test_the_source_shape_and_weights_with_the_presets_objective(dataset, mlm_source, tmp_path, preset):
+    config, source = continued(config_for(dataset, mlm_source, tmp_path, f"model.preset={preset}"))
+    assert source_kind(mlm_source) == "run" and source.config.objective == "mlm"
+    assert config.model.objective == preset
+    assert all(getattr(config.model, f) == getattr(source.config, f) for f in SHAPE_FIELDS)
+    torch.manual_seed(0)
+    model = MaskedLM(config.model).eval()
+    new = initialise(model, source)
+    assert all(name.startswith("decoder") or name.startswith("insertion") for name in new), new
+    assert (preset == "mlm") == (not new)
+    batch = a_batch(dataset)
+    reference = source.encoder().eval()
+    with torch.no_grad():  # step 0: the source's hidden states, fp32
+        expected, got = reference.encode(batch), model.encode(batch)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if preset == "mlm":  # and its masked-LM loss on the same masks
+        original = MaskedLM(source.config).eval()
+        original.load_state_dict(source.weights)
+        with torch.no_grad():
+            torch.testing.assert_close(model(batch, seed=1, step=0).loss, original(batch, seed=1, step=0).loss,
+                                       rtol=1e-5, atol=1e-6)
+
+
+def test_what_cannot_be_mapped_is_refused_naming_both(dataset, mlm_source, tmp_path):
+    with pytest.raises(FastmaeError, match=rf"model.hidden_size=96 but train.init_from={mlm_source} is a model with "
+                                           r"hidden_size=48: a continued run keeps its source's shape"):
+        continued(config_for(dataset, mlm_source, tmp_path, "model.preset=3ml", "model.hidden_size=96"))
+    config, _ = continued(config_for(dataset, mlm_source, tmp_path, "model.preset=3ml", "model.hidden_size=48"))
+    assert config.model.hidden_size == 48  # the same value, set again: fine
+    (tmp_path / "other").mkdir()
+    other = prepare_word_dataset(tmp_path / "other", WORDS[:12], 200, 20, vocab_size=30, valid_fraction=0.1)
+    with pytest.raises(FastmaeError, match=r"was tokenised with .*, not the tokenizer of train.init_from="):
+        continued(config_for(other, mlm_source, tmp_path, "model.preset=3ml"))
+    with pytest.raises(FastmaeError, match="not a fastmae run directory"):
+        continued(config_for(dataset, tmp_path, tmp_path, "model.preset=3ml"))
+
+
+def test_a_two_rank_run_switches_an_mlm_encoder_to_3ml(dataset, mlm_source, tmp_path):
+    """Through DeepSpeed on 2 CPU ranks (ZeRO-2): 6 steps of 3ml from the mlm run; the run names its source, starts
+    from its encoder (the first held-out loss of the continued run is the source's encoder plus a new decoder) and
+    ends with weights fastmae's readers load as a 3ml model of the source's shape."""
+    from test_train import launch, overrides
+
+    run_dir = tmp_path / "continued"
+    args = overrides(dataset, run_dir, steps=6, **{"model.preset": "3ml", "model.decoder_layers": 1,
+                                                    "train.init_from": str(mlm_source), "eval.every": 0})
+    args = [a for a in args if a.split("=")[0] not in ("model.hidden_size", "model.num_heads",
+                                                         "model.encoder_layers", "model.intermediate_size",
+                                                         "model.max_seq_len")]
+    run = launch(args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "initialised from " in run.stderr and "new: decoder" in run.stderr
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["init_from"]["objective"] == "mlm" and info["init_from"]["weights"].startswith(str(mlm_source))
+    trained = load_pretrained(run_dir)
+    source = load_pretrained(mlm_source)
+    assert trained.config.objective == "3ml" and trained.config.position_embedding == "rotary"
+    assert all(getattr(trained.config, f) == getattr(source.config, f) for f in SHAPE_FIELDS)
+    moved = trained.weights["embeddings.tokens.weight"] - source.weights["embeddings.tokens.weight"]
+    assert 0 < moved.abs().max() < 0.1  # trained on from the source's embedding, not from a new one
+    again = launch(args)  # a rerun resumes from its own checkpoint, not from the source
+    assert again.returncode == 0 and "initialised from" not in again.stderr
+    pytest.importorskip("transformers")
+    pytest.importorskip("google.protobuf")
+    from fastmae.export import export
+
+    export(run_dir, tmp_path / "hf")  # the model card names the source
+    assert f"continued pretraining: started from `{source.weights_file}`" in (tmp_path / "hf" / "README.md").read_text()
