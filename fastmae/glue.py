@@ -309,6 +309,9 @@ def glue(models: list[str], data: Path, out: Path, protocol: str = "papers", see
     encoders = Encoders(tasks, max_seq_len)
     widths = {m: encoders.pretrained(m).config.hidden_size for m in models}  # every model read before any work
     cells = plan(models, tasks, widths, protocol, seeds, quick, from_mnli, **sizes)
+    if not cells:
+        raise FastmaeError(f"--data {data}: the {protocol} protocol has no settings for "
+                           f"{', '.join(GLUE_DIRS[t] for t in tasks)}")
     records = {c: r for c in cells if (r := read_record(c, out)) is not None}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision, line = choose_precision(precision, device)
