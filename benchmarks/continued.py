@@ -51,10 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source-budget", type=float, default=9e12, help="training FLOPs of the mlm source on A")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "continued")
+    parser.add_argument("--task", default="generated", help="the studies' --task, or `none`: no fine-tuning")
+    parser.add_argument("--reuse", action="store_true", help="keep --work: reuse finished data, runs and cells")
     args = parser.parse_args(argv)
     started = time.time()
-    shutil.rmtree(args.work, ignore_errors=True)
-    args.work.mkdir(parents=True)
+    if not args.reuse:
+        shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True, exist_ok=True)
     half_a, half_b = halves(args.work)
     data_a, data_b = args.work / "data_a", args.work / "data_b"
     fastmae("prepare", "--input", str(half_a), "--format", "jsonl", "--output", str(data_a), "--vocab-size", "1000",
@@ -67,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     source = source_study / "runs" / "mlm-seed0"
     continued = args.work / "continued"
     fastmae("study", "--data", str(data_b), "--objectives", "mlm,mae-lm,3ml", "--seeds", str(args.seeds),
-            "--budget", f"{args.budget:g}", "--task", "generated", "--out", str(continued),
-            f"train.init_from={source}")
+            "--budget", f"{args.budget:g}", *([] if args.task == "none" else ["--task", args.task]), "--out",
+            str(continued), f"train.init_from={source}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in ("report.md", "study.json", "loss_vs_flops.png", "ranks.png"):
         shutil.copy(continued / name, RESULTS / name)
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                          text=True).stdout.strip()
     (RESULTS / "run.md").write_text(
         f"# {continued}\n\n{time.strftime('%Y-%m-%d', time.gmtime())}, git {sha}: `python benchmarks/continued.py "
-        f"--budget {args.budget:g} --source-budget {args.source_budget:g} --seeds {args.seeds}`; "
+        f"--budget {args.budget:g} --source-budget {args.source_budget:g} --seeds {args.seeds} --task {args.task}"
+        f"{' --reuse' if args.reuse else ''}`; "
         f"{seconds // 60} min {seconds % 60} s from the command to its end. The source's own study report: "
         "source.md.\n")
     print(f"wrote {RESULTS}", flush=True)
