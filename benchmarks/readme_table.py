@@ -74,6 +74,11 @@ def study_base_depth() -> str:
     return _study("study_cpu_1h")
 
 
+def continued() -> str:
+    """Continued pretraining from one mlm encoder with each objective (benchmarks/continued.py)."""
+    return _study("continued_cpu")
+
+
 def _study(directory: str) -> str:
     result = _json(RESULTS_DIR / directory / "study.json")
     setup, objectives = result["setup"], result["objectives"]
@@ -304,7 +309,8 @@ def doc_padding() -> str:
             + "\n".join(rows) + "\n")
 
 
-GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth, "throughput": throughput,
+GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth, "continued": continued,
+              "throughput": throughput,
               "budget": budget, "attention": attention, "data_scale": data_scale, "data": data, "gpu": gpu,
               "host_overhead": host_overhead, "doc_padding": doc_padding, "chaos": chaos}
 
