@@ -230,9 +230,10 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     deepspeed: dict = field(default_factory=dict)
     """Raw DeepSpeed config entries merged over the derived config (they win)."""
-    model_given: tuple[str, ...] = ()
+    model_given: tuple[str, ...] = field(default=(), compare=False)
     """The model fields the YAML and its overrides set themselves (the rest came from the preset): a continued run
-    (train.init_from) refuses these where they differ from its source, and takes the source's for the others."""
+    (train.init_from) refuses these where they differ from its source, and takes the source's for the others. Not
+    part of the config's value: two configs that resolve alike are equal however they were written."""
 
     def to_yaml(self) -> str:
         """This config as YAML that `load_run_config` reads back to an equal config (the model as its preset name
