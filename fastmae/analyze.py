@@ -155,25 +155,38 @@ def neighbour_probe(states: list[np.ndarray], tokens: np.ndarray, neighbours: np
     context-free encoder (a state made of the token and its position) cannot beat the bigram table; one that beats
     it by more than 3 binomial standard errors at some layer has `learned_context`."""
     test = ~train
-    table = np.zeros((vocab_size, vocab_size), dtype=np.int64)
-    np.add.at(table, (tokens[train], neighbours[train]), 1)
     fallback = int(np.bincount(neighbours[train], minlength=vocab_size).argmax())
-    guess = np.where(table[tokens[test]].sum(1) > 0, table[tokens[test]].argmax(1), fallback)
+    guess = bigram_table(tokens[train], neighbours[train], vocab_size, fallback)[tokens[test]]
     bigram = float((guess == neighbours[test]).mean())
-    targets = np.zeros((int(train.sum()), vocab_size))
-    targets[np.arange(len(targets)), neighbours[train]] = 1.0
     per_layer = []
-    for x in states:
+    for x in states:  # a [V, H] accumulation and a [H, V] solve: nothing of [tokens, V] or [V, V] is held
         x = np.concatenate([x.astype(np.float64), np.ones((len(x), 1))], axis=1)
         gram = x[train].T @ x[train]
-        weights = np.linalg.solve(gram + ridge * np.trace(gram) / len(gram) * np.eye(len(gram)), x[train].T @ targets)
-        per_layer.append(float(((x[test] @ weights).argmax(1) == neighbours[test]).mean()))
+        x_y = np.zeros((vocab_size, x.shape[1]))
+        np.add.at(x_y, neighbours[train], x[train])  # x^T of the neighbours' one-hot targets, transposed
+        weights = np.linalg.solve(gram + ridge * np.trace(gram) / len(gram) * np.eye(len(gram)), x_y.T)
+        rows, wanted = x[test], neighbours[test]
+        hits = sum(int(((rows[i:i + 1024] @ weights).argmax(1) == wanted[i:i + 1024]).sum())
+                   for i in range(0, len(rows), 1024))
+        per_layer.append(hits / max(len(rows), 1))
     best = max(per_layer)
     standard_error = float(np.sqrt(max(bigram * (1 - bigram), 1e-12) / max(int(test.sum()), 1)))
     return {"probe_accuracy": [round(a, 4) for a in per_layer], "bigram_accuracy": round(bigram, 4),
             "best_layer": int(np.argmax(per_layer)), "test_pairs": int(test.sum()),
             "standard_error": round(standard_error, 5),
             "learned_context": bool(best > bigram + 3 * standard_error)}
+
+
+def bigram_table(tokens: np.ndarray, neighbours: np.ndarray, vocab_size: int, fallback: int) -> np.ndarray:
+    """[vocab_size]: each token's most frequent right neighbour among the pairs (the smallest id among ties),
+    `fallback` for a token never seen; counted over the distinct pairs only, never a [V, V] table."""
+    pairs, counts = np.unique(tokens.astype(np.int64) * vocab_size + neighbours, return_counts=True)
+    token, neighbour = np.divmod(pairs, vocab_size)
+    order = np.lexsort((neighbour, -counts, token))  # by token, then the highest count, then the smallest id
+    first = order[np.r_[True, token[order][1:] != token[order][:-1]]]
+    table = np.full(vocab_size, fallback, dtype=np.int64)
+    table[token[first]] = neighbour[first]
+    return table
 
 
 @torch.no_grad()

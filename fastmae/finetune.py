@@ -120,6 +120,11 @@ def frame(tokenizer: Tokenizer, texts: list[tuple[str, ...]], max_seq_len: int) 
     return sequences
 
 
+def framed_split(split: Examples, tokenizer: Tokenizer, max_seq_len: int) -> tuple[list[list[int]], np.ndarray]:
+    """(token ids of each example with its specials, labels) of one split (`frame`)."""
+    return frame(tokenizer, split.texts, max_seq_len), split.labels
+
+
 def _loss(task: Task, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if task.is_regression:
         return F.mse_loss(outputs[:, 0], labels)
@@ -300,10 +305,9 @@ def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Pat
     if not 4 < max_len <= pretrained.config.max_seq_len:
         raise FastmaeError(f"--max-seq-len {max_len}: must be in (4, {pretrained.config.max_seq_len}] (the model's)")
     tokenizer = pretrained.tokenizer
-    train = (frame(tokenizer, train_split.texts, max_len), train_split.labels)
-    dev = (frame(tokenizer, dev_split.texts, max_len), dev_split.labels)
-    others = {name: load_split(file, task) for name, file in other_dev_sets(task, dev_file).items()}
-    others = {name: (frame(tokenizer, split.texts, max_len), split.labels) for name, split in others.items()}
+    train, dev = framed_split(train_split, tokenizer, max_len), framed_split(dev_split, tokenizer, max_len)
+    others = {name: framed_split(load_split(file, task), tokenizer, max_len)
+              for name, file in other_dev_sets(task, dev_file).items()}
     out = Path(out)
     started = time.time()
     per_seed = [train_one_seed(pretrained, task, train, dev, config, seed, device,

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from .atomic import atomic_write_text
 from .errors import FastmaeError, run_command
-from .finetune import FinetuneConfig, frame, other_dev_sets, train_one_seed, width_learning_rate
+from .finetune import FinetuneConfig, framed_split, other_dev_sets, train_one_seed, width_learning_rate
 from .hardware import choose_precision
 from .pretrained import Pretrained, load_pretrained
 from .tasks import GLUE_DIRS, GLUE_TASKS, Task, load_split
@@ -101,13 +101,20 @@ class TaskData:
     train_examples: int
 
 
+def task_directories(glue_dir: Path) -> dict[str, Path]:
+    """{task: directory} of the GLUE task directories under `glue_dir` (CoLA, SST-2, ...: matched ignoring case and
+    hyphens), whatever they hold."""
+    directories = {p.name.lower().replace("-", ""): p for p in Path(glue_dir).iterdir() if p.is_dir()}
+    return {name: path for name, path in directories.items() if name in GLUE_DIRS}
+
+
 def find_tasks(glue_dir: Path) -> dict[str, TaskData]:
     """The GLUE tasks present under `glue_dir`, smallest training set first; an error naming what was expected when
     none is."""
     glue_dir = Path(glue_dir)
     if not glue_dir.is_dir():
         raise FastmaeError(f"--data {glue_dir}: no such directory")
-    present = {p.name.lower().replace("-", ""): p for p in glue_dir.iterdir() if p.is_dir()}
+    present = task_directories(glue_dir)
     found = {}
     for name, standard in GLUE_DIRS.items():
         directory = present.get(name)
@@ -166,18 +173,17 @@ def cell_cost(cell: Cell, tasks: dict[str, TaskData]) -> float:
 def within_budget(cells: list[Cell], done: set[Cell], tasks: dict[str, TaskData], max_cells: int,
                   budget_s: float, examples_per_s: float) -> tuple[list[Cell], list[str]]:
     """(the cells to run, in order, finished ones free; lines naming what the budget leaves out per task)."""
-    kept, spent, left = [], 0.0, {}
+    kept, new, spent, left = [], 0, 0.0, {}
     for cell in cells:
         if cell in done:
             kept.append(cell)
             continue
         cost = cell_cost(cell, tasks) / examples_per_s if budget_s else 0.0
-        new = sum(c not in done for c in kept)
         if (max_cells and new >= max_cells) or (budget_s and spent + cost > budget_s):
             left[cell.task] = left.get(cell.task, 0) + 1
             continue
         kept.append(cell)
-        spent += cost
+        new, spent = new + 1, spent + cost
     totals = {t: sum(c.task == t for c in cells) for t in left}
     return kept, [f"{GLUE_DIRS[t]}: {n} of its {totals[t]} cells left out" for t, n in left.items()]
 
@@ -204,8 +210,7 @@ class Encoders:
             length = min(self.max_seq_len or pretrained.config.max_seq_len, pretrained.config.max_seq_len)
 
             def framed(path: Path) -> tuple:
-                split = load_split(path, files.task)
-                return frame(pretrained.tokenizer, split.texts, length), split.labels
+                return framed_split(load_split(path, files.task), pretrained.tokenizer, length)
 
             self._framed[model, task] = (framed(files.train), framed(files.dev),
                                          {name: framed(path) for name, path in files.other_devs.items()})

@@ -60,7 +60,8 @@ class Pretrained:
         return model
 
 
-SOURCE_KINDS = ("export", "checkpoint", "run")
+SOURCE_MARKERS = {"export": "config.json", "checkpoint": "COMPLETE", "run": "config.yaml"}
+"""Each kind of model directory and the file that marks it, in the order they are told apart."""
 
 
 def source_kind(path: Path) -> str:
@@ -68,7 +69,7 @@ def source_kind(path: Path) -> str:
     (COMPLETE) or `run` (config.yaml); errors name the path and what was looked for."""
     if not path.is_dir():
         raise FastmaeError(f"{path}: no such directory (expected a run, checkpoint or exported directory)")
-    for kind, marker in zip(SOURCE_KINDS, ("config.json", "COMPLETE", "config.yaml")):
+    for kind, marker in SOURCE_MARKERS.items():
         if (path / marker).is_file():
             return kind
     raise FastmaeError(f"{path}: not a fastmae run directory (no config.yaml), checkpoint directory (no COMPLETE) or "

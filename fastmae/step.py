@@ -6,8 +6,9 @@ and the counters (`RunCounters`) the trainer keeps of its steps.
     (DeepSpeed steps the optimizer after the last micro-batch of the step; w makes the step's gradient the mean over
     every predicted token of the step, on every rank and micro-batch)
 
-Nothing here reads a device value back: the statistics stay on the device until the trainer logs them, and every
-count that decides a shape or a weight is a host count of the batch.
+`train_step` reads no device value back: the statistics stay on the device until the trainer logs them, and every
+count that decides a shape or a weight is a host count of the batch (`RunCounters` reads its bad-step streak on
+checkpoint steps only).
 """
 
 from __future__ import annotations

@@ -119,3 +119,18 @@ def test_the_neighbour_probe_tells_context_from_a_context_free_encoder():
     assert in_context["learned_context"] and in_context["best_layer"] == 1, in_context
     assert in_context["probe_accuracy"][1] > in_context["bigram_accuracy"] + 0.3
     assert in_context["bigram_accuracy"] == pytest.approx(context_free["bigram_accuracy"])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_bigram_table_is_the_dense_tables_argmax_without_the_dense_table(seed):
+    """Each token's most frequent neighbour (smallest id among ties; the fallback for an unseen token), counted over
+    distinct pairs, equals the argmax of the [V, V] count table it never builds (a real vocabulary's would not fit)."""
+    from fastmae.analyze import bigram_table
+
+    rng = np.random.default_rng(seed)
+    vocab = 40
+    tokens, neighbours = rng.integers(0, vocab - 5, 400), rng.integers(0, 6, 400)  # ties, and unseen tokens
+    dense = np.zeros((vocab, vocab), dtype=np.int64)
+    np.add.at(dense, (tokens, neighbours), 1)
+    expected = np.where(dense.sum(1) > 0, dense.argmax(1), 7)
+    np.testing.assert_array_equal(bigram_table(tokens, neighbours, vocab, fallback=7), expected)

@@ -12,7 +12,7 @@ import yaml
 
 from ..atomic import atomic_write_text
 from ..errors import FastmaeError, run_command
-from ..glue import best_cells, glue
+from ..glue import best_cells, glue, task_directories
 from ..glue_report import glue_table
 from ..tasks import GLUE_DIRS, GLUE_TASKS, write_word_order_task
 from .objectives import STUDY_PRESETS, parse_objectives, resolve_budget
@@ -113,8 +113,9 @@ def glue_tasks(args, out: Path, data: Path, preset) -> tuple[Path, str]:
     """(a GLUE directory for `fastmae glue`, the task's label) from --task: a GLUE directory as it is ("glue"), one
     task's directory, or `generated` (word order, read as SST-2), each linked into OUT/task/glue under its GLUE
     name."""
-    if args.task != "generated" and any(p.is_dir() and p.name.lower().replace("-", "") in GLUE_DIRS
-                                        for p in Path(args.task).iterdir()):
+    if args.task != "generated" and not Path(args.task).is_dir():
+        raise FastmaeError(f"--task {args.task}: no such directory (a GLUE task or GLUE directory, or `generated`)")
+    if args.task != "generated" and task_directories(Path(args.task)):
         return Path(args.task), "glue"
     if args.task == "generated":
         name, source = "sst2", write_word_order_task(data, out / "task" / "word-order", *preset.generated_task)
