@@ -300,11 +300,11 @@ def _step(system: str, sequences: int, seq_len: int, narrow: bool, precision: st
     model replays its forward and backward (captured on CUDA as the run config allows, else CUDA graphs' CPU twin)."""
     from throughput import GRAPHS_TWIN, _fastmae_step, _hf_step, make_tokens, model_config
 
-    from fastmae.config import EOS_ID
+    from fastmae.config import SpecialTokens
 
     config = model_config(system, "base").replace(max_seq_len=max(seq_len, 64), **(NARROW if narrow else {}))
     tokens = make_tokens(sequences)[:, :seq_len].clone()
-    tokens[:, -1] = EOS_ID
+    tokens[:, -1] = SpecialTokens().eos
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if system == "hf-roberta":
         return _hf_step(config, tokens, device, precision, run)[0]

@@ -28,9 +28,11 @@ from fastmae.kernels import (
 )
 
 from fastmae import PackedBatch
-from fastmae.config import MASK_ID, NUM_SPECIAL_TOKENS, UNMASKABLE_IDS
+from fastmae.config import SpecialTokens
 from fastmae.hardware import spec_peak_flops
 from fastmae.masking import MaskCounts
+
+FASTMAE = SpecialTokens()  # the special ids of the sentencepiece tokenizers fastmae trains
 
 # Peak DRAM bandwidth (GB/s) of devices we know, for the "% of peak" column.
 PEAK_BANDWIDTH = {"H100": 3350, "H200": 4800, "A100": 2039}
@@ -55,14 +57,14 @@ def cases(tokens: int, hidden: int, vocab: int, device, dtype):
     """(name, bytes moved by the ideal kernel, FLOPs, reference fn, kernel fn) for each op, forward + backward."""
     gen = torch.Generator().manual_seed(0)
     seqlen = 512
-    ids = torch.randint(NUM_SPECIAL_TOKENS, vocab, (tokens,), generator=gen, dtype=torch.int32)
+    ids = torch.randint(len(FASTMAE.as_dict()), vocab, (tokens,), generator=gen, dtype=torch.int32)
     batch = PackedBatch.from_packed(ids.numpy(), [seqlen] * (tokens // seqlen)).to(device)
     counts = MaskCounts.compute(batch.num_maskable, 0.5, 1.0, 0.0)
-    maskable = ~torch.isin(batch.tokens, torch.tensor(UNMASKABLE_IDS, dtype=torch.int32, device=device))
+    maskable = ~torch.isin(batch.tokens, torch.tensor(FASTMAE.unmaskable, dtype=torch.int32, device=device))
     mask_args = (batch.tokens, batch.cu_seqlens, batch.seq_ids, maskable, counts.removed.to(device),
                  counts.random.to(device), counts.predicted.to(device), int(counts.predicted.sum()),
-                 int(counts.removed.sum()), mask_key(0, 0), mask_key(0, 0, stream=1), vocab, MASK_ID,
-                 NUM_SPECIAL_TOKENS, batch.max_seqlen)
+                 int(counts.removed.sum()), mask_key(0, 0), mask_key(0, 0, stream=1), FASTMAE.mask,
+                 FASTMAE.ordinary_ids(vocab).to(device), batch.max_seqlen)
     sel = select_masked_reference(*mask_args)
     n_vis, n_masked = sel.visible_index.numel(), sel.masked_index.numel()
     elt = torch.finfo(dtype).bits // 8

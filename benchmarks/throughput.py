@@ -35,9 +35,11 @@ from pathlib import Path
 import torch
 from common import RESULTS_DIR, gpu_kernel_profile, median_time, write_results
 
-from fastmae.config import BOS_ID, EOS_ID, MASK_ID, NUM_SPECIAL_TOKENS, ModelConfig
+from fastmae.config import ROLES, ModelConfig, SpecialTokens
 from fastmae.flops import training_flops
 from fastmae.hardware import DTYPES, PeakFlops, choose_precision, matmul_flops
+
+FASTMAE = SpecialTokens()  # the special ids of the sentencepiece tokenizers fastmae trains
 
 SIZES = {  # (hidden, heads, encoder layers)
     "small": dict(hidden_size=512, num_heads=8, encoder_layers=6),
@@ -77,8 +79,8 @@ def model_config(system: str, size: str) -> ModelConfig:
 def make_tokens(sequences: int) -> torch.Tensor:
     """[sequences, SEQ_LEN] int64: <s>, random ordinary tokens, </s>; the same for every system."""
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(NUM_SPECIAL_TOKENS, VOCAB_SIZE, (sequences, SEQ_LEN), generator=gen)
-    ids[:, 0], ids[:, -1] = BOS_ID, EOS_ID
+    ids = torch.randint(len(ROLES), VOCAB_SIZE, (sequences, SEQ_LEN), generator=gen)
+    ids[:, 0], ids[:, -1] = FASTMAE.bos, FASTMAE.eos
     return ids
 
 
@@ -157,7 +159,7 @@ def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, pr
     hf = RobertaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                        num_hidden_layers=config.encoder_layers, num_attention_heads=config.num_heads,
                        intermediate_size=config.intermediate_size, max_position_embeddings=SEQ_LEN + 2,
-                       type_vocab_size=1, pad_token_id=0, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                       type_vocab_size=1, pad_token_id=0, bos_token_id=FASTMAE.bos, eos_token_id=FASTMAE.eos,
                        hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.attention_dropout,
                        layer_norm_eps=config.layer_norm_eps, attn_implementation="sdpa")
     engine = _engine(RobertaForMaskedLM(hf), precision, device, run=run)
@@ -165,7 +167,7 @@ def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, pr
     chosen = torch.rand(tokens.shape, generator=gen) < config.mask_rate
     chosen[:, 0] = chosen[:, -1] = False
     labels = torch.where(chosen, tokens, -100).to(device)
-    inputs = torch.where(chosen, MASK_ID, tokens).to(device)
+    inputs = torch.where(chosen, FASTMAE.mask, tokens).to(device)
 
     def step():
         loss = engine(input_ids=inputs, labels=labels).loss

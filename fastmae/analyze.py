@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from .atomic import atomic_write_text
 from .batch import PackedBatch
-from .config import BOS_ID, EOS_ID, MASK_ID, add_arguments, from_arguments, option
+from .config import add_arguments, from_arguments, option
 from .data.loader import PackedLoader
 from .data.order import cut_by_budget
 from .data.shards import ShardSet
@@ -138,7 +138,8 @@ def read_sequences(path: Path, pretrained: Pretrained, count: int) -> list[np.nd
         raise FastmaeError(f"--data {path}: not UTF-8 ({err.reason} at byte {err.start})") from None
     if not lines:
         raise FastmaeError(f"--data {path}: no text")
-    return [np.asarray([BOS_ID, *ids[:max_len - 2], EOS_ID]) for ids in pretrained.tokenizer.encode(lines)]
+    tokenizer = pretrained.tokenizer
+    return [np.asarray(tokenizer.frame(ids[:max_len - 2])) for ids in tokenizer.encode(lines)]
 
 
 PROBE_TOKENS = 32768
@@ -197,20 +198,21 @@ def analyze(pretrained: Pretrained, sequences: list[np.ndarray], config: Analyze
     model = pretrained.encoder().to(device).eval()
     normalise = pretrained.config.norm_position == "pre"
     layers, hidden = pretrained.config.encoder_layers + 1, pretrained.config.hidden_size
+    specials = pretrained.config.special_tokens
     stats = LayerStatistics(layers, hidden)
     lengths = np.array([len(s) for s in sequences])
     plan = cut_by_budget(lengths, max(config.tokens_per_batch, int(lengths.max())))
     probe_states, probe_pairs = [[] for _ in range(layers)], []
     for part in tqdm(plan, desc="analyze", unit="batch", dynamic_ncols=True):
         ids = np.arange(len(sequences))[part]
-        batch = PackedBatch.from_packed(np.concatenate([sequences[i] for i in ids]), lengths[ids])
+        batch = PackedBatch.from_packed(np.concatenate([sequences[i] for i in ids]), lengths[ids], special=specials)
         masked = held_out_mask(batch.tokens.long(), batch.seqlens, torch.from_numpy(ids).long(), config.mask_rate,
-                               config.seed)
-        special = (batch.tokens == BOS_ID) | (batch.tokens == EOS_ID)
+                               config.seed, specials)
+        special = (batch.tokens == specials.bos) | (batch.tokens == specials.eos)
         real = (~masked & ~special).nonzero()[:, 0].to(device)
         mask_rows, unmasked_rows = masked.nonzero()[:, 0].to(device), (~special).nonzero()[:, 0].to(device)
-        masked_batch = PackedBatch.from_packed(np.where(masked.numpy(), MASK_ID, batch.tokens.numpy()),
-                                               lengths[ids]).to(device)
+        masked_batch = PackedBatch.from_packed(np.where(masked.numpy(), specials.mask, batch.tokens.numpy()),
+                                               lengths[ids], special=specials).to(device)
         with_mask = normalised(model.encode(masked_batch, all_layers=True), normalise)
         without_mask = normalised(model.encode(batch.to(device), all_layers=True), normalise)
         for layer, (a, b) in enumerate(zip(with_mask, without_mask)):

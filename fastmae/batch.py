@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from .config import UNMASKABLE_IDS
+from .config import SpecialTokens
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,8 @@ class PackedBatch:
     Device tensors (moved by `.to`): `tokens` [T] int32, `cu_seqlens` [B+1] int32 (leading 0), `positions` [T] int32
     (index of each token within its sequence), `seq_ids` [T] int32 (sequence of each token).
     Host values (stay on the CPU, so no step reads device memory back): `max_seqlen`, `seqlens` [B] int64,
-    `num_maskable` [B] int64 (tokens that may be predicted: everything but pad, bos, eos and mask), and for a batch
+    `num_maskable` [B] int64 (tokens that may be predicted: everything but the tokenizer's pad, bos, eos and mask;
+    `SpecialTokens.unmaskable`), and for a batch
     from the data loader `dataset_ids` [B] int64 (which sequences of the split these are) and `index`, the
     micro-batch's place in the run (step x micro-batches per step + its place in the step, whatever the rank
     count), which keys its masks.
@@ -65,8 +66,10 @@ class PackedBatch:
 
     @classmethod
     def from_sequences(cls, sequences: Sequence[Sequence[int]], vocab_size: int | None = None,
-                       device: torch.device | str | None = None) -> PackedBatch:
-        """Pack token-id lists (each a non-empty sequence, specials included) into one varlen batch.
+                       device: torch.device | str | None = None,
+                       special: SpecialTokens = SpecialTokens()) -> PackedBatch:
+        """Pack token-id lists (each a non-empty sequence, specials included) into one varlen batch; `special`: the
+        ids' special tokens (a fastmae-trained tokenizer's by default).
 
         Raises ValueError naming the sequence when it is empty or holds an id outside [0, vocab_size).
         """
@@ -80,12 +83,15 @@ class PackedBatch:
             if low < 0 or (vocab_size is not None and high >= vocab_size):
                 raise ValueError(f"PackedBatch.from_sequences: sequence {i} holds token id "
                                  f"{low if low < 0 else high} outside [0, {vocab_size})")
-        return cls.from_packed(np.concatenate(arrays), np.array([a.size for a in arrays]), device=device)
+        return cls.from_packed(np.concatenate(arrays), np.array([a.size for a in arrays]), device=device,
+                               special=special)
 
     @classmethod
     def from_packed(cls, tokens: np.ndarray, seqlens: np.ndarray, device=None,
-                    dataset_ids: np.ndarray | None = None, index: int | None = None) -> PackedBatch:
-        """Build from an already concatenated id array and its per-sequence lengths (the data loader's path)."""
+                    dataset_ids: np.ndarray | None = None, index: int | None = None,
+                    special: SpecialTokens = SpecialTokens()) -> PackedBatch:
+        """Build from an already concatenated id array and its per-sequence lengths (the data loader's path);
+        `special` as in `from_sequences`."""
         seqlens = np.asarray(seqlens, dtype=np.int64)
         tokens = np.asarray(tokens)
         if seqlens.ndim != 1 or seqlens.size == 0 or (seqlens <= 0).any() or seqlens.sum() != tokens.size:
@@ -95,7 +101,7 @@ class PackedBatch:
         np.cumsum(seqlens, out=cu[1:])
         seq_ids = np.repeat(np.arange(seqlens.size), seqlens)
         positions = np.arange(tokens.size) - cu[seq_ids]
-        maskable = ~np.isin(tokens, UNMASKABLE_IDS)
+        maskable = ~np.isin(tokens, special.unmaskable)
         num_maskable = np.bincount(seq_ids, weights=maskable, minlength=seqlens.size).astype(np.int64)
         as32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device)  # noqa: E731
         return cls(tokens=as32(tokens), cu_seqlens=as32(cu), positions=as32(positions), seq_ids=as32(seq_ids),

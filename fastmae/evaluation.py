@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .batch import PackedBatch
-from .config import UNMASKABLE_IDS, ModelConfig
+from .config import ModelConfig, SpecialTokens
 from .data.loader import PackedLoader
 from .data.order import cut_by_budget
 from .kernels import mask_key, rank_within_sequences, uniform_bits
@@ -32,14 +32,15 @@ EVAL_STREAM = 2  # training draws streams 0 (selection) and 1 (random replacemen
 
 
 def held_out_mask(tokens: torch.Tensor, seqlens: torch.Tensor, sequence_ids: torch.Tensor, rate: float,
-                  seed: int) -> torch.Tensor:
+                  seed: int, special: SpecialTokens) -> torch.Tensor:
     """[T] bool: the predicted tokens of packed sequences (host tensors: tokens [T], seqlens [B], sequence_ids [B]
-    int64, each sequence's index in the split). A pure function of (seed, sequence id, position, tokens)."""
+    int64, each sequence's index in the split), never one of `special.unmaskable`. A pure function of (seed,
+    sequence id, position, tokens)."""
     cu = torch.zeros(seqlens.numel() + 1, dtype=torch.int64)
     torch.cumsum(seqlens, 0, out=cu[1:])
     seq = torch.repeat_interleave(torch.arange(seqlens.numel()), seqlens)
     positions = torch.arange(tokens.numel()) - cu[seq]
-    maskable = ~torch.isin(tokens, torch.tensor(UNMASKABLE_IDS, dtype=tokens.dtype))
+    maskable = ~torch.isin(tokens, torch.tensor(special.unmaskable, dtype=tokens.dtype))
     sequence_keys = uniform_bits(sequence_ids, mask_key(seed, step=0, rank=0, stream=EVAL_STREAM))
     rank = rank_within_sequences(uniform_bits(positions, sequence_keys[seq]), seq, maskable, cu)
     num_maskable = torch.zeros(seqlens.numel(), dtype=torch.int64).index_add_(0, seq, maskable.long())
@@ -85,7 +86,7 @@ class HeldOutSet:
         self.num_sequences, self.num_tokens = len(ids), len(tokens)
         # every rank's predicted tokens (the mask is a pure function of the sequence), so all ranks agree
         predicted = held_out_mask(torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(lengths.astype(np.int64)),
-                                  torch.from_numpy(ids).long(), mask_rate, seed)
+                                  torch.from_numpy(ids).long(), mask_rate, seed, split.data.special_tokens)
         self.baselines = unigram_baselines(tokens[predicted.numpy()])
         self.mask_rate, self.seed = mask_rate, seed
         plan = cut_by_budget(split.sequence_lengths(ids), max(tokens_per_batch, max_seq_len))
@@ -97,8 +98,10 @@ class HeldOutSet:
     @staticmethod
     def _micro_batch(split: PackedLoader, ids: np.ndarray, rate: float, seed: int, weight: float) -> EvalBatch:
         tokens, lengths = split.tokens_of(ids)
-        batch = PackedBatch.from_packed(tokens, lengths)
-        predicted = held_out_mask(batch.tokens.long(), batch.seqlens, torch.from_numpy(ids).long(), rate, seed)
+        special = split.data.special_tokens
+        batch = PackedBatch.from_packed(tokens, lengths, special=special)
+        predicted = held_out_mask(batch.tokens.long(), batch.seqlens, torch.from_numpy(ids).long(), rate, seed,
+                                  special)
         return EvalBatch(batch, predicted, ids, weight)
 
 

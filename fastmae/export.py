@@ -3,8 +3,9 @@ post-LN encoders (learned or rotary positions), ESM-2 for pre-LN ones (fastmae.h
 
     OUTDIR/config.json             Roberta-, RoFormer- or EsmConfig (+ `fastmae_model_config`, so fastmae reads it back)
     OUTDIR/model.safetensors       fp32 master weights under Hugging Face's names (the LM head too for `mlm`)
-    OUTDIR/tokenizer.json ...      the sentencepiece tokenizer as a fast tokenizer: same ids, same specials
-    OUTDIR/tokenizer.model         the sentencepiece model itself (fastmae's own commands tokenise with it)
+    OUTDIR/tokenizer.json ...      the tokenizer as a fast tokenizer: same ids, same specials (a Hugging Face
+                                   tokenizer's own files; a sentencepiece model converted, and kept as tokenizer.model
+                                   for fastmae's own commands)
     OUTDIR/README.md               the model card: objective, size, data, tokens, FLOPs, held-out loss, command
 `transformers.AutoModel`, `AutoModelForMaskedLM` and `AutoTokenizer` load OUTDIR without `trust_remote_code`.
 
@@ -26,7 +27,7 @@ import yaml
 
 from . import __version__
 from .checkpoint import WEIGHTS
-from .data.tokenizer import TOKENIZER_FILE
+from .data.tokenizer import SentencePieceTokenizer
 from .errors import FastmaeError, run_command
 from .hf_format import hugging_face_architecture, hugging_face_config, hugging_face_tokenizer, to_hugging_face
 from .metrics import read_metrics
@@ -55,8 +56,9 @@ def export(source: str | Path, outdir: str | Path, overwrite: bool = False) -> P
         save_file(tensors, str(partial / WEIGHTS),
                   metadata={"format": "pt", "fastmae_source": str(pretrained.weights_file),
                             "fastmae_step": str(pretrained.step)})
-        hugging_face_tokenizer(pretrained.tokenizer, config.max_seq_len).save_pretrained(partial)
-        (partial / TOKENIZER_FILE).write_bytes(pretrained.tokenizer.model_bytes)
+        pretrained.tokenizer.save(partial)
+        if isinstance(pretrained.tokenizer, SentencePieceTokenizer):
+            hugging_face_tokenizer(pretrained.tokenizer, config.max_seq_len).save_pretrained(partial)
         (partial / "README.md").write_text(model_card(pretrained, tensors))
         if outdir.exists():
             shutil.rmtree(outdir)
@@ -113,12 +115,14 @@ def model_card(pretrained: Pretrained, tensors: dict) -> str:
                          f"accuracy {held_out['accuracy']:.3f})")
         if info.get("init_from"):
             source = info["init_from"]
-            lines.append(f"- continued pretraining: started from `{source['weights']}` (step {source['step']} of a "
-                         f"`{source['objective']}` run), then trained as `{config.objective}`")
+            start = (f"the Hugging Face {source['foreign']} encoder `{source['weights']}`" if source.get("foreign")
+                     else f"`{source['weights']}` (step {source['step']} of a `{source['objective']}` run)")
+            lines.append(f"- continued pretraining: started from {start}, then trained as `{config.objective}`")
         lines.append(f"- trained on {info.get('ranks', '?')} x {info.get('device', '?')}, "
                      f"{info.get('precision', '?')}; each rank ran `{info.get('command', 'not recorded')}` "
                      f"(fastmae {info.get('fastmae_version', '?')})")
         lines.append("")
+    sentencepiece = isinstance(pretrained.tokenizer, SentencePieceTokenizer)
     lines += ["## Limitations", "",
               "- Only the encoder is exported. " + (
                   "The MAE-LM / 3ML decoder and the LM head (trained on decoder states) are not: "
@@ -127,8 +131,10 @@ def model_card(pretrained: Pretrained, tensors: dict) -> str:
                   "The LM head is the one trained with it (`AutoModelForMaskedLM` predicts masked tokens)."),
               "- Small fastmae runs are for comparing objectives and checking pipelines; compare its held-out loss "
               "with the unigram entropy above before trusting it for anything else.",
-              "- `AutoTokenizer` loads the fast tokenizer built from `tokenizer.model` (the sentencepiece model "
-              "fastmae trained with): same ids, `<s> A </s></s> B </s>` for pairs.", ""]
+              "- `AutoTokenizer` loads " + (
+                  "the fast tokenizer built from `tokenizer.model` (the sentencepiece model fastmae trained with): "
+                  "same ids, `<s> A </s></s> B </s>` for pairs." if sentencepiece
+                  else "the tokenizer the model was trained with, its own files unchanged."), ""]
     return "\n".join(lines)
 
 

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from .atomic import atomic_path, atomic_write_text
 from .attention import PADDED_VIEW_BACKENDS, resolve_backend
 from .batch import PackedBatch
-from .config import BOS_ID, EOS_ID, ModelConfig, add_arguments, from_arguments, option
+from .config import ModelConfig, add_arguments, from_arguments, option
 from .data.tokenizer import Tokenizer
 from .dropout import Dropout
 from .errors import FastmaeError, run_command
@@ -109,14 +109,14 @@ def pair_lengths(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
 
 
 def frame(tokenizer: Tokenizer, texts: list[tuple[str, ...]], max_seq_len: int) -> list[list[int]]:
-    """Token ids of each example with its specials (`<s> A </s>` or `<s> A </s></s> B </s>`), at most
-    `max_seq_len` long."""
+    """Token ids of each example with its tokenizer's specials (`Tokenizer.frame`: `<s> A </s>` or
+    `<s> A </s></s> B </s>`, `[CLS] A [SEP] B [SEP]` for BERT's), at most `max_seq_len` long."""
     if len(texts[0]) == 1:
-        return [[BOS_ID, *ids[:max_seq_len - 2], EOS_ID] for ids in tokenizer.encode([t[0] for t in texts])]
+        return [tokenizer.frame(ids[:max_seq_len - 2]) for ids in tokenizer.encode([t[0] for t in texts])]
     sequences = []
     for a, b in zip(tokenizer.encode([t[0] for t in texts]), tokenizer.encode([t[1] for t in texts])):
-        len_a, len_b = pair_lengths(len(a), len(b), max_seq_len - 4)
-        sequences.append([BOS_ID, *a[:len_a], EOS_ID, EOS_ID, *b[:len_b], EOS_ID])
+        len_a, len_b = pair_lengths(len(a), len(b), max_seq_len - 2 - tokenizer.pair_separators)
+        sequences.append(tokenizer.frame(a[:len_a], b[:len_b]))
     return sequences
 
 

@@ -4,10 +4,13 @@
 
     config.json             RobertaConfig, RoFormerConfig or EsmConfig (+ `fastmae_model_config`)
     model.safetensors       fp32 weights under Hugging Face's names (the LM head too for `mlm`)
-    tokenizer.json ...      the sentencepiece tokenizer as a fast tokenizer: same ids, same specials
+    tokenizer.json ...      the tokenizer as a fast tokenizer: same ids, same specials
 
 The mapping is one table (`_name_pairs`) read both ways; fastmae's fused `qkv` projection is the row-wise
-concatenation of Hugging Face's query, key and value (kept fused: one GEMM instead of three in every layer).
+concatenation of Hugging Face's query, key and value (kept fused: one GEMM instead of three in every layer). The same
+table reads encoders fastmae did not write (`foreign_model_config`, `read_hugging_face`): RoBERTa, BERT (its
+position rows shifted behind fastmae's pad offset), ESM-2 and RoFormer, each token-type embedding's first row folded
+in (fastmae has no token types).
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint import WEIGHTS, saved_model_config
-from .config import BOS_ID, EOS_ID, ModelConfig
-from .data.tokenizer import Tokenizer
+from .config import ModelConfig, SpecialTokens
+from .data.tokenizer import SentencePieceTokenizer
 from .errors import FastmaeError
 from .positions import rotary_inverse_frequencies
 
@@ -59,23 +62,25 @@ _POST_LN_LAYER = (("attn_out", "attention.output.dense"), ("attn_norm", "attenti
                   ("ffn_in", "intermediate.dense"), ("ffn_out", "output.dense"), ("ffn_norm", "output.LayerNorm"))
 _LAYER_NAMES = {
     "roberta": _POST_LN_LAYER,
+    "bert": _POST_LN_LAYER,
     "roformer": _POST_LN_LAYER,
     "esm": (("attn_out", "attention.output.dense"), ("attn_norm", "attention.LayerNorm"),
             ("ffn_in", "intermediate.dense"), ("ffn_out", "output.dense"), ("ffn_norm", "LayerNorm")),
 }
-_EMBEDDING_NORM = {"roberta": "LayerNorm", "roformer": "LayerNorm", "esm": "layer_norm"}
+_EMBEDDING_NORM = {"roberta": "LayerNorm", "bert": "LayerNorm", "roformer": "LayerNorm", "esm": "layer_norm"}
 _HEAD_NAMES = {  # fastmae's LM head -> each architecture's
     "roberta": {"head.dense": "lm_head.dense", "head.norm": "lm_head.layer_norm", "head.bias": "lm_head.bias"},
     "esm": {"head.dense": "lm_head.dense", "head.norm": "lm_head.layer_norm", "head.bias": "lm_head.bias"},
     "roformer": {"head.dense": "cls.predictions.transform.dense", "head.norm": "cls.predictions.transform.LayerNorm",
                  "head.bias": "cls.predictions.bias"},
 }
+_HEAD_NAMES["bert"] = _HEAD_NAMES["roformer"]
 _HEADLESS_ROOTS = ("lm_head.", "cls.")
 
 
-def _name_pairs(config: ModelConfig, with_head: bool) -> list[tuple[str, str]]:
-    """(fastmae name, Hugging Face name) of every 1:1 tensor; the fused qkv is handled by the callers."""
-    arch = hugging_face_architecture(config)
+def _name_pairs(config: ModelConfig, with_head: bool, arch: str) -> list[tuple[str, str]]:
+    """(fastmae name, Hugging Face name of architecture `arch`) of every 1:1 tensor; the fused qkv is handled by the
+    callers."""
     embeddings = f"{arch}.embeddings"
     pairs = [("embeddings.tokens.weight", f"{embeddings}.word_embeddings.weight"),
              ("embeddings.norm.weight", f"{embeddings}.{_EMBEDDING_NORM[arch]}.weight"),
@@ -111,15 +116,15 @@ def to_hugging_face(config: ModelConfig, weights: dict[str, torch.Tensor]) -> di
     """fastmae weights -> Hugging Face names of `hugging_face_architecture`'s masked-LM model (the head only for
     k = 0, see the module doc)."""
     arch = hugging_face_architecture(config)
-    out = {theirs: weights[ours] for ours, theirs in _name_pairs(config, with_head=config.insert_layer == 0)}
+    out = {theirs: weights[ours] for ours, theirs in _name_pairs(config, config.insert_layer == 0, arch)}
     for i in range(config.encoder_layers):
         ours, theirs = _qkv_names(arch, i)
         for p in ("weight", "bias"):
             for name, part in zip(theirs, weights[f"{ours}.{p}"].chunk(3)):
                 rotated = arch == "roformer" and not name.endswith("value")
                 out[f"{name}.{p}"] = part[_interleaving(config)] if rotated else part
-    if arch in ("roberta", "roformer"):
-        out[f"{arch}.embeddings.token_type_embeddings.weight"] = torch.zeros(1, config.hidden_size)
+    if arch in ("roberta", "roformer"):  # two zero rows: a BERT tokenizer's pair segments index 1
+        out[f"{arch}.embeddings.token_type_embeddings.weight"] = torch.zeros(2, config.hidden_size)
     if arch == "roformer":  # RoFormer's own table (written, so that loading leaves nothing to fill)
         from transformers.models.roformer.modeling_roformer import RoFormerSinusoidalPositionalEmbedding
 
@@ -131,11 +136,23 @@ def to_hugging_face(config: ModelConfig, weights: dict[str, torch.Tensor]) -> di
     return {name: t.float().contiguous() for name, t in out.items()}
 
 
-def from_hugging_face(config: ModelConfig, hf: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
-    """Hugging Face names (with or without the architecture's prefix) -> fastmae weights; the inverse of
-    `to_hugging_face`. Raises FastmaeError naming the first missing tensor."""
-    arch = hugging_face_architecture(config)
-    hf = {(name if name.startswith((f"{arch}.", *_HEADLESS_ROOTS)) else f"{arch}.{name}"): t for name, t in hf.items()}
+def _canonical(name: str, arch: str) -> str:
+    """A Hugging Face tensor name with its architecture's prefix, and LayerNorm's legacy `gamma` / `beta` (older BERT
+    checkpoints; ESM as transformers 5 saves it) as `weight` / `bias`."""
+    name = name if name.startswith((f"{arch}.", *_HEADLESS_ROOTS)) else f"{arch}.{name}"
+    for legacy, current in ((".gamma", ".weight"), (".beta", ".bias")):
+        if name.endswith(legacy) and "LayerNorm" in name:
+            return name[:-len(legacy)] + current
+    return name
+
+
+def from_hugging_face(config: ModelConfig, hf: dict[str, torch.Tensor], source: Path,
+                      arch: str | None = None) -> dict[str, torch.Tensor]:
+    """Hugging Face names of architecture `arch` (by default the one `to_hugging_face` writes; with or without the
+    architecture's prefix) -> fastmae weights; the inverse of `to_hugging_face`. Raises FastmaeError naming the first
+    missing tensor."""
+    arch = arch or hugging_face_architecture(config)
+    hf = {_canonical(name, arch): t for name, t in hf.items()}
 
     def get(name):
         if name not in hf:
@@ -143,7 +160,7 @@ def from_hugging_face(config: ModelConfig, hf: dict[str, torch.Tensor], source: 
         return hf[name]
 
     with_head = f"{_HEAD_NAMES[arch]['head.dense']}.weight" in hf
-    weights = {ours: get(theirs) for ours, theirs in _name_pairs(config, with_head)}
+    weights = {ours: get(theirs) for ours, theirs in _name_pairs(config, with_head, arch)}
     order = torch.argsort(_interleaving(config))
     for i in range(config.encoder_layers):
         ours, theirs = _qkv_names(arch, i)
@@ -177,16 +194,17 @@ def hugging_face_config(config: ModelConfig):
     if arch == "roformer":
         from transformers import RoFormerConfig
 
-        return RoFormerConfig(**shared, embedding_size=config.hidden_size, hidden_act="gelu", type_vocab_size=1,
+        return RoFormerConfig(**shared, embedding_size=config.hidden_size, hidden_act="gelu", type_vocab_size=2,
                               rotary_value=False, architectures=["RoFormerForMaskedLM" if head else "RoFormerModel"])
     from transformers import RobertaConfig
 
-    return RobertaConfig(**shared, hidden_act="gelu", type_vocab_size=1, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    return RobertaConfig(**shared, hidden_act="gelu", type_vocab_size=2, bos_token_id=config.bos_token_id,
+                         eos_token_id=config.eos_token_id,
                          architectures=["RobertaForMaskedLM" if head else "RobertaModel"])
 
 
-def hugging_face_tokenizer(tokenizer: Tokenizer, max_seq_len: int):
-    """A `PreTrainedTokenizerFast` that splits text exactly as the sentencepiece model does.
+def hugging_face_tokenizer(tokenizer: SentencePieceTokenizer, max_seq_len: int):
+    """A `PreTrainedTokenizerFast` that splits text exactly as a sentencepiece model fastmae trained does.
 
     sentencepiece's pipeline, stage by stage: its compiled normaliser (NFKC and whitespace rules), runs of spaces
     collapsed and the ends trimmed, a `▁` before every word, then its unigram or BPE model over each word.
@@ -219,33 +237,123 @@ def hugging_face_tokenizer(tokenizer: Tokenizer, max_seq_len: int):
     rust.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     rust.add_special_tokens([AddedToken(piece, special=True, normalized=False) for piece in special])
     name = tokenizer.sp.id_to_piece
-    bos, eos = name(BOS_ID), name(EOS_ID)
+    special = tokenizer.special
+    bos, eos = name(special.bos), name(special.eos)
     rust.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} {eos} $B {eos}", special_tokens=[(bos, BOS_ID), (eos, EOS_ID)])
+        single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} {eos} $B {eos}",
+        special_tokens=[(bos, special.bos), (eos, special.eos)])
     return PreTrainedTokenizerFast(
         tokenizer_object=rust, bos_token=bos, eos_token=eos, cls_token=bos, sep_token=eos,
         unk_token=name(tokenizer.sp.unk_id()), pad_token=name(tokenizer.sp.pad_id()), mask_token="<mask>",
         model_max_length=max_seq_len, clean_up_tokenization_spaces=False)
 
 
-def read_hugging_face(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], int]:
-    """(model config, fastmae weights, step) of a directory written by `fastmae export`."""
+def config_json(directory: Path) -> dict:
+    """The parsed config.json of a Hugging Face directory; errors name the file."""
+    config_file = directory / "config.json"
+    try:
+        values = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FastmaeError(f"{config_file}: unreadable ({err})") from None
+    if not isinstance(values, dict):
+        raise FastmaeError(f"{config_file}: not a JSON object")
+    return values
+
+
+def _tensors(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, metadata) of a directory's model.safetensors; errors name the file."""
     from safetensors import SafetensorError, safe_open
 
-    config_file, weights_file = directory / "config.json", directory / WEIGHTS
-    try:
-        hf_config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise FastmaeError(f"{config_file}: unreadable ({err})") from None
-    if CONFIG_KEY not in hf_config:
-        raise FastmaeError(f"{config_file}: no {CONFIG_KEY} (not a directory written by `fastmae export`)")
-    config = saved_model_config(hf_config[CONFIG_KEY], config_file)
+    weights_file = directory / WEIGHTS
     if not weights_file.is_file():
-        raise FastmaeError(f"{weights_file}: missing")
+        raise FastmaeError(f"{weights_file}: missing" + (
+            " (this directory has pytorch_model.bin: save the model again with safe_serialization, the default of "
+            "save_pretrained)" if (directory / "pytorch_model.bin").is_file() else ""))
     try:
         with safe_open(str(weights_file), framework="pt") as handle:
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-            step = int((handle.metadata() or {}).get("fastmae_step", -1))
+            return {name: handle.get_tensor(name) for name in handle.keys()}, handle.metadata() or {}
     except (SafetensorError, OSError) as err:
         raise FastmaeError(f"{weights_file}: unreadable safetensors file ({err})") from None
-    return config, from_hugging_face(config, tensors, weights_file), step
+
+
+def read_hugging_face(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], int]:
+    """(model config, fastmae weights, step) of a directory written by `fastmae export`."""
+    hf_config = config_json(directory)
+    if CONFIG_KEY not in hf_config:
+        raise FastmaeError(f"{directory / 'config.json'}: no {CONFIG_KEY} (not written by `fastmae export`)")
+    config = saved_model_config(hf_config[CONFIG_KEY], directory / "config.json")
+    tensors, metadata = _tensors(directory)
+    return config, from_hugging_face(config, tensors, directory / WEIGHTS), int(metadata.get("fastmae_step", -1))
+
+
+FOREIGN_ARCHITECTURES = {"roberta": "RoBERTa", "bert": "BERT", "esm": "ESM-2", "roformer": "RoFormer"}
+"""The Hugging Face encoders fastmae reads (model_type in config.json -> name)."""
+
+
+def foreign_model_config(hf: dict, special: SpecialTokens, source: Path) -> ModelConfig:
+    """The ModelConfig (objective mlm) of a Hugging Face encoder fastmae did not write, from its config.json values
+    `hf` and its tokenizer's special ids. Refused, naming the field and what fastmae would need: a model type other
+    than RoBERTa, BERT, ESM-2 or RoFormer, and any setting fastmae's layers do not compute."""
+    arch = hf.get("model_type")
+    where = source / "config.json"
+    if arch not in FOREIGN_ARCHITECTURES:
+        raise FastmaeError(f"{where}: model_type {arch!r}: fastmae reads {', '.join(FOREIGN_ARCHITECTURES.values())} "
+                           "encoders and its own exports")
+
+    def refuse_unless(key: str, allowed: tuple, default=None):
+        if hf.get(key, default) not in allowed:
+            raise FastmaeError(f"{where}: {key}={hf.get(key, default)!r}: fastmae's {FOREIGN_ARCHITECTURES[arch]} "
+                               f"reader needs {' or '.join(map(repr, allowed))}")
+
+    refuse_unless("hidden_act", ("gelu",), "gelu")
+    if arch == "esm":
+        refuse_unless("emb_layer_norm_before", (True,))
+        refuse_unless("token_dropout", (False,))
+        refuse_unless("position_embedding_type", ("rotary", "absolute"), "absolute")
+    else:
+        refuse_unless("position_embedding_type", ("rotary",) if arch == "roformer" else ("absolute",),
+                      "rotary" if arch == "roformer" else "absolute")
+    if arch == "roformer":
+        refuse_unless("rotary_value", (False,), False)
+        refuse_unless("embedding_size", (hf.get("hidden_size"), None))
+    if hf.get("pad_token_id", special.pad) != special.pad:
+        raise FastmaeError(f"{where}: pad_token_id={hf['pad_token_id']} but the tokenizer's pad token is "
+                           f"{special.pad}: positions are counted from the pad id, so they must agree")
+    rotary = arch == "roformer" or hf.get("position_embedding_type") == "rotary"
+    offset = 0 if arch == "bert" else special.pad + 1  # where the first position's row is in the source's table
+    fields = dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_heads=hf["num_attention_heads"],
+                  intermediate_size=hf["intermediate_size"], encoder_layers=hf["num_hidden_layers"],
+                  max_seq_len=hf["max_position_embeddings"] - offset,
+                  position_embedding="rotary" if rotary else "learned",
+                  rotary_base=float(hf.get("rope_theta", 10000.0)) if arch == "esm" else 10000.0,
+                  norm_position="pre" if arch == "esm" else "post", layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+                  dropout=hf.get("hidden_dropout_prob", 0.1),
+                  attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
+                  initializer_range=hf.get("initializer_range", 0.02),
+                  **{f"{role}_token_id": token_id for role, token_id in special.as_dict().items()})
+    try:
+        return ModelConfig.preset("mlm", **fields)
+    except FastmaeError as err:
+        raise FastmaeError(f"{where}: {err}") from None
+
+
+def read_foreign(directory: Path, special: SpecialTokens) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(model config, fastmae weights) of a Hugging Face RoBERTa, BERT, ESM-2 or RoFormer directory (masked-LM or
+    base model), `special` its tokenizer's ids. The first row of a token-type table is folded into the position rows
+    (learned positions: exact) or into the token rows (RoFormer: the same hidden states; the tied LM head's logits
+    then move by one constant per row, so its probabilities are the same)."""
+    hf = config_json(directory)
+    config = foreign_model_config(hf, special, directory)
+    arch = hf["model_type"]
+    tensors, _ = _tensors(directory)
+    tensors = {_canonical(name, arch): t for name, t in tensors.items()}
+    weights = from_hugging_face(config, tensors, directory / WEIGHTS, arch)
+    types = tensors.get(f"{arch}.embeddings.token_type_embeddings.weight")
+    folded = torch.zeros(config.hidden_size) if types is None else types[0].float()
+    if config.position_embedding == "learned":
+        rows = weights["embeddings.positions.weight"]
+        shift = config.max_seq_len + config.position_offset - rows.shape[0]  # BERT counts positions from row 0
+        weights["embeddings.positions.weight"] = torch.cat([rows.new_zeros(shift, rows.shape[1]), rows]) + folded
+    else:
+        weights["embeddings.tokens.weight"] = weights["embeddings.tokens.weight"] + folded
+    return config, {name: t.float().contiguous() for name, t in weights.items()}

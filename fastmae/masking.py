@@ -19,7 +19,7 @@ import torch
 from . import kernels, ops
 from .attention import VarlenMeta
 from .batch import PackedBatch, byte_offsets, pack_bytes, unpack_bytes
-from .config import NUM_SPECIAL_TOKENS, UNMASKABLE_IDS, ModelConfig
+from .config import ModelConfig, SpecialTokens
 from .kernels import MaskSelection, mask_key
 from .positions import rotary_tables
 
@@ -236,6 +236,12 @@ def unmasked(batch: PackedBatch, config: ModelConfig) -> MaskedBatch:
     return MaskedBatch(batch=batch, counts=MaskCounts(zeros, zeros, zeros), selection=selection, config=config)
 
 
+@functools.lru_cache(maxsize=8)
+def ordinary_ids(special: SpecialTokens, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """`special.ordinary_ids(vocab_size)` on `device`, made once per device (no copy in the training step)."""
+    return special.ordinary_ids(vocab_size).to(device)
+
+
 def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, rank: int = 0,
                mask_rate: float | None = None, host: bool = False) -> MaskedBatch:
     """Select the predicted tokens of `batch` for (seed, step, rank) and lay out the streams.
@@ -248,9 +254,10 @@ def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, ra
     rate = config.mask_rate if mask_rate is None else mask_rate
     counts = MaskCounts.for_batch(batch, rate, config.mask_token_prob, config.random_token_prob)
     device = batch.device
+    special = config.special_tokens
     maskable = torch.ones_like(batch.tokens, dtype=torch.bool)
-    for special in UNMASKABLE_IDS:
-        maskable &= batch.tokens != special
+    for token_id in special.unmaskable:
+        maskable &= batch.tokens != token_id
     select = kernels.select_masked_reference if host else ops.select_masked
     selection = select(
         batch.tokens, batch.cu_seqlens, batch.seq_ids, maskable,
@@ -259,7 +266,7 @@ def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, ra
         num_predicted=counts.predicted.to(device, non_blocking=True),
         total_predicted=int(counts.predicted.sum()), total_removed=int(counts.removed.sum()),
         score_key=mask_key(seed, step, rank, stream=0), replace_key=mask_key(seed, step, rank, stream=1),
-        vocab_size=config.vocab_size, mask_token_id=config.mask_token_id, first_ordinary_id=NUM_SPECIAL_TOKENS,
+        mask_token_id=special.mask, ordinary_ids=ordinary_ids(special, config.vocab_size, device),
         max_seqlen=batch.max_seqlen,
     )
     return MaskedBatch(batch=batch, counts=counts, selection=selection, config=config)

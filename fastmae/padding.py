@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from .batch import PackedBatch
-from .config import PAD_ID, ModelConfig, RunConfig
+from .config import ModelConfig, RunConfig
 from .kernels import MaskSelection
 from .masking import Filler, MaskCounts, MaskedBatch
 
@@ -129,7 +129,7 @@ def pad(masked: MaskedBatch, shape: PaddedShape) -> MaskedBatch:
     cu_seqlens = torch.zeros(shape.sequences + 1, dtype=torch.int32)
     torch.cumsum(seqlens, 0, out=cu_seqlens[1:])
     padded_batch = PackedBatch(
-        tokens=_extended(batch.tokens, torch.full((spare,), PAD_ID)),
+        tokens=_extended(batch.tokens, torch.full((spare,), config.pad_token_id)),
         cu_seqlens=cu_seqlens,
         positions=_extended(batch.positions, filler_rows - starts[filler_sequence]),
         seq_ids=_extended(batch.seq_ids, own + filler_sequence),
@@ -142,7 +142,7 @@ def pad(masked: MaskedBatch, shape: PaddedShape) -> MaskedBatch:
         removed=torch.cat([counts.removed, first_rows_per_filler(dummy_removed), none]),
         random=torch.cat([counts.random, torch.zeros(shape.sequences - own, dtype=torch.int64)]))
     padded_selection = MaskSelection(
-        input_tokens=_extended(selection.input_tokens, torch.full((spare,), PAD_ID)),
+        input_tokens=_extended(selection.input_tokens, torch.full((spare,), config.pad_token_id)),
         masked_index=_extended(selection.masked_index, rows + filler_rows[:dummy_predicted]),
         labels=_extended(selection.labels, torch.full((dummy_predicted,), IGNORED_LABEL)),
         visible_index=_extended(selection.visible_index, rows + filler_rows[dummy_removed:]),

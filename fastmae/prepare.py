@@ -1,8 +1,10 @@
-"""`fastmae prepare`: text -> sentencepiece tokenizer -> memory-mapped token shards with a validation split.
+"""`fastmae prepare`: text -> tokenizer (sentencepiece, trained here, or any Hugging Face tokenizer directory) ->
+memory-mapped token shards with a validation split.
 
     fastmae prepare --format builtin --output data/builtin --vocab-size 8000
     fastmae prepare --input corpus/*.jsonl --format jsonl --field text --output data/web --vocab-size 50000
     fastmae prepare --input dumps/ --glob '*.jsonl.zst' --format jsonl --output data/web --tokenizer tok.model
+    fastmae prepare --input notes/ --format text --output data/notes --tokenizer path/to/roberta-base
 
 Re-running with the same inputs skips finished shards that verify (size, document index, sha256) and rebuilds the
 others. Every file is written atomically; a failure exits non-zero
@@ -26,11 +28,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .atomic import atomic_write_bytes, atomic_write_text
+from .atomic import atomic_write_text
 from .config import add_arguments, from_arguments, option
 from .data.readers import FORMATS, ReadStats, expand_inputs, read_documents
 from .data.shards import FORMAT_VERSION, SPLITS, finished_shard_problem, read_shard_meta, token_dtype, write_shard
-from .data.tokenizer import TOKENIZER_FILE, Tokenizer, train_sentencepiece
+from .data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer, tokenizer_from_files, train_sentencepiece
 from .errors import FastmaeError, run_command
 from .kernels.hashing import hash32_int
 
@@ -43,9 +45,9 @@ def is_validation(doc_index: int, fraction: float, seed: int) -> bool:
 _WORKER_TOKENIZER: Tokenizer | None = None
 
 
-def _init_worker(model_bytes: bytes) -> None:
+def _init_worker(files: dict[str, bytes], source: str) -> None:
     global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = Tokenizer(model_bytes)
+    _WORKER_TOKENIZER = tokenizer_from_files(files, source)
 
 
 def _tokenize_shard(job) -> tuple[int, dict, int]:
@@ -84,7 +86,8 @@ class PrepareOptions:
                             choices=("line", "paragraph"))
     glob: str = option("*", "which files of an input directory to read, at any depth (e.g. '*.jsonl.zst')")
     vocab_size: int = option(32000, "pieces of a newly trained tokenizer")
-    tokenizer_path: str = option("", "reuse this sentencepiece model instead of training one", flag="tokenizer")
+    tokenizer_path: str = option("", "use this tokenizer instead of training one: a sentencepiece model, or a Hugging "
+                                 "Face tokenizer directory (tokenizer.json + tokenizer_config.json)", flag="tokenizer")
     model_type: str = option("unigram", "sentencepiece model of a newly trained tokenizer", choices=("unigram", "bpe"))
     character_coverage: float = option(0.9995, "sentencepiece character coverage")
     input_sentence_size: int = option(2_000_000, "lines sampled for tokenizer training (large corpora)")
@@ -112,23 +115,24 @@ def prepare(inputs: list[Path], output: Path, progress: bool = True, **options) 
     output.mkdir(parents=True, exist_ok=True)
     read = lambda stats=None: read_documents(inputs, o.fmt, o.text_field, o.text_mode, o.on_decode_error, stats)  # noqa
 
-    model_path = output / TOKENIZER_FILE
+    saved = any((output / name).is_file() for name in ("tokenizer.model", "tokenizer.json"))
     if o.tokenizer_path:
-        tokenizer = Tokenizer.load(Path(o.tokenizer_path))
-    elif model_path.is_file():
-        tokenizer = Tokenizer.load(model_path)  # a re-run: keep the tokenizer the finished shards were made with
+        tokenizer = load_tokenizer(o.tokenizer_path)
+    elif saved:
+        tokenizer = load_tokenizer(output)  # a re-run: keep the tokenizer the finished shards were made with
     else:
         first = next(iter(read()), None)
         if first is None:
             raise FastmaeError(f"no documents in {[str(p) for p in inputs] or o.fmt}: nothing to prepare")
         started = time.perf_counter()
-        tokenizer = Tokenizer(train_sentencepiece(read(), o.vocab_size, o.model_type, o.character_coverage,
-                                                  o.input_sentence_size, o.seed), "trained tokenizer")
+        tokenizer = SentencePieceTokenizer(train_sentencepiece(read(), o.vocab_size, o.model_type,
+                                                               o.character_coverage, o.input_sentence_size, o.seed),
+                                           "trained tokenizer")
         if progress:
             print(f"trained a {o.model_type} tokenizer of {tokenizer.vocab_size} pieces in "
                   f"{time.perf_counter() - started:.1f}s", file=sys.stderr)
-    if o.tokenizer_path or not model_path.is_file():
-        atomic_write_bytes(model_path, tokenizer.model_bytes)
+    if o.tokenizer_path or not saved:
+        tokenizer.save(output)
 
     stats = ReadStats()
     shard_metas: dict[int, dict] = {}
@@ -144,7 +148,7 @@ def prepare(inputs: list[Path], output: Path, progress: bool = True, **options) 
 
     workers = max(1, o.workers or os.cpu_count() or 1)
     context = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
-    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer.model_bytes,)) as pool:
+    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer.files, tokenizer.source)) as pool:
         in_flight: collections.deque = collections.deque()  # at most 2 chunks per worker held in memory
         for index, first_doc, texts in _chunks(read(stats), o.docs_per_shard):
             name = f"shard_{index:05d}"
@@ -174,7 +178,8 @@ def prepare(inputs: list[Path], output: Path, progress: bool = True, **options) 
     if splits["train"]["tokens"] == 0:
         raise FastmaeError(f"{output}: the training split is empty (all documents held out or empty)")
     meta = {"format_version": FORMAT_VERSION, "tokenizer_sha256": tokenizer.sha256,
-            "vocab_size": tokenizer.vocab_size, "dtype": token_dtype(tokenizer.vocab_size).name, "splits": splits,
+            "vocab_size": tokenizer.vocab_size, "special_tokens": tokenizer.special.as_dict(),
+            "dtype": token_dtype(tokenizer.vocab_size).name, "splits": splits,
             "inputs": [str(p) for p in inputs] if o.fmt != "builtin" else ["builtin"], "format": o.fmt,
             "valid_fraction": o.valid_fraction, "seed": o.seed,
             "skipped": {"undecodable": stats.undecodable, "empty": stats.empty}}

@@ -1,10 +1,13 @@
-"""A pretrained encoder, from wherever it lives: a run directory, one of its checkpoints, or a Hugging Face export.
+"""A pretrained encoder, from wherever it lives: a run directory, one of its checkpoints, a fastmae export, or a
+Hugging Face encoder fastmae did not write.
 
-    RUN/                         config.yaml, model.safetensors (end of run), tokenizer.model, checkpoints/stepN/
+    RUN/                         config.yaml, model.safetensors (end of run), its tokenizer's files, checkpoints/stepN/
     RUN/checkpoints/stepN/       COMPLETE, model.safetensors (fp32 master weights of step N)
     RUN/eval_weights/stepN/      the same, kept at the evaluation of step N (eval.keep_weights)
-    EXPORT/                      config.json (RoBERTa + fastmae_model_config), model.safetensors, tokenizer.model
-`export`, `finetune` and `analyze` all start from `load_pretrained`; the weights are fp32 with fastmae's names.
+    EXPORT/                      config.json (+ fastmae_model_config), model.safetensors, tokenizer files
+    HF_MODEL/                    config.json (RoBERTa, BERT, ESM-2, RoFormer), model.safetensors, tokenizer.json ...
+`export`, `finetune`, `analyze`, `glue` and `train.init_from` all start from `load_pretrained`; the weights are fp32
+with fastmae's names.
 """
 
 from __future__ import annotations
@@ -18,26 +21,29 @@ import yaml
 
 from .checkpoint import WEIGHTS, complete_checkpoints, read_weights, saved_model_config, weights_metadata
 from .config import ModelConfig, RunConfig
-from .data.tokenizer import TOKENIZER_FILE, Tokenizer
+from .data.tokenizer import Tokenizer, load_tokenizer
 from .errors import FastmaeError
-from .hf_format import read_hugging_face
+from .hf_format import CONFIG_KEY, FOREIGN_ARCHITECTURES, config_json, read_foreign, read_hugging_face
 from .model import MaskedLM
 
 
 @dataclass
 class Pretrained:
     """config and fp32 weights (fastmae names) of a pretrained model, the tokenizer it was trained with, and where
-    they came from (`weights_file`, `step`)."""
+    they came from (`weights_file`, `step`, and `foreign`: the Hugging Face architecture of an encoder fastmae did
+    not train, else empty)."""
 
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     weights_file: Path
     step: int
+    foreign: str = ""
 
     def provenance(self) -> dict:
         """Where these weights came from, as run_info.json and the model card name it."""
-        return {"weights": str(self.weights_file), "step": self.step, "objective": self.config.objective}
+        return {"weights": str(self.weights_file), "step": self.step, "objective": self.config.objective,
+                "foreign": self.foreign}
 
     def encoder(self) -> MaskedLM:
         """The pretrained network minus its decoder (what fine-tuning and `encode` run), with its weights loaded.
@@ -61,25 +67,36 @@ class Pretrained:
 
 
 SOURCE_MARKERS = {"export": "config.json", "checkpoint": "COMPLETE", "run": "config.yaml"}
-"""Each kind of model directory and the file that marks it, in the order they are told apart."""
+"""Each kind of model directory and the file that marks it, in the order they are told apart (a config.json without
+fastmae's own config in it marks a `foreign` Hugging Face encoder)."""
 
 
 def source_kind(path: Path) -> str:
-    """What a model directory is, told once from the file that marks it: `export` (config.json), `checkpoint`
-    (COMPLETE) or `run` (config.yaml); errors name the path and what was looked for."""
+    """What a model directory is, told once from the file that marks it: `export` (config.json with fastmae's config),
+    `foreign` (another config.json), `checkpoint` (COMPLETE) or `run` (config.yaml); errors name the path and what was
+    looked for."""
     if not path.is_dir():
-        raise FastmaeError(f"{path}: no such directory (expected a run, checkpoint or exported directory)")
+        raise FastmaeError(f"{path}: no such directory (expected a run, checkpoint, exported or Hugging Face model "
+                           "directory)")
     for kind, marker in SOURCE_MARKERS.items():
         if (path / marker).is_file():
-            return kind
+            return kind if kind != "export" or CONFIG_KEY in config_json(path) else "foreign"
     raise FastmaeError(f"{path}: not a fastmae run directory (no config.yaml), checkpoint directory (no COMPLETE) or "
-                       "exported directory (no config.json)")
+                       "exported or Hugging Face model directory (no config.json)")
 
 
 def read_export(path: Path) -> Pretrained:
     """A directory written by `fastmae export`: its config.json, weights and tokenizer."""
     config, weights, step = read_hugging_face(path)
-    return Pretrained(config, weights, _tokenizer(path / TOKENIZER_FILE, "the export"), path / WEIGHTS, step)
+    return Pretrained(config, weights, _tokenizer(path, "the export"), path / WEIGHTS, step)
+
+
+def read_foreign_encoder(path: Path) -> Pretrained:
+    """A Hugging Face RoBERTa, BERT, ESM-2 or RoFormer directory with its tokenizer (`hf_format.read_foreign`)."""
+    tokenizer = _tokenizer(path, "the model directory")
+    config, weights = read_foreign(path, tokenizer.special)
+    architecture = FOREIGN_ARCHITECTURES[config_json(path)["model_type"]]
+    return Pretrained(config, weights, tokenizer, path / WEIGHTS, 0, architecture)
 
 
 def read_checkpoint(path: Path) -> Pretrained:
@@ -101,18 +118,22 @@ def read_run(path: Path) -> Pretrained:
                       step)
 
 
-READERS = {"export": read_export, "checkpoint": read_checkpoint, "run": read_run}
+READERS = {"export": read_export, "foreign": read_foreign_encoder, "checkpoint": read_checkpoint, "run": read_run}
 
 
 def load_pretrained(path: str | Path) -> Pretrained:
-    """Read a run directory, a checkpoint directory or a `fastmae export` (`source_kind` tells which; one reader per
-    kind), then check that the tokenizer and the embedding fit the model. Errors name the path and what is wrong."""
+    """Read a run directory, a checkpoint directory, a `fastmae export` or a Hugging Face encoder (`source_kind` tells
+    which; one reader per kind), then check that the tokenizer and the embedding fit the model. Errors name the path
+    and what is wrong."""
     path = Path(path)
     pretrained = READERS[source_kind(path)](path)
     config, tokenizer, weights_file = pretrained.config, pretrained.tokenizer, pretrained.weights_file
     if tokenizer.vocab_size != config.vocab_size:
         raise FastmaeError(f"{tokenizer.source}: {tokenizer.vocab_size} tokens, but {weights_file} was trained with "
                            f"vocab_size {config.vocab_size}: the tokenizer is from another dataset")
+    if tokenizer.special != config.special_tokens:
+        raise FastmaeError(f"{tokenizer.source}: special token ids {tokenizer.special.as_dict()}, but {weights_file} "
+                           f"was trained with {config.special_tokens.as_dict()}: the tokenizer is from another dataset")
     rows = pretrained.weights.get("embeddings.tokens.weight")
     if rows is not None and rows.shape[0] != config.vocab_size:
         raise FastmaeError(f"{weights_file}: token embedding has {rows.shape[0]} rows, vocab_size is "
@@ -135,27 +156,33 @@ def _newest_weights(run_dir: Path) -> tuple[Path, int]:
 
 def _run_tokenizer(run_dir: Path) -> Tokenizer:
     """The run's copy of its tokenizer, or (runs of older fastmae) the one in the dataset its config names."""
-    if (run_dir / TOKENIZER_FILE).is_file():
-        return Tokenizer.load(run_dir / TOKENIZER_FILE)
+    if _has_tokenizer(run_dir):
+        return load_tokenizer(run_dir)
     data_path = None
     if (run_dir / "config.yaml").is_file():
         data_path = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("data", {}).get("path")
     if data_path is None:
-        raise FastmaeError(f"{run_dir}: no {TOKENIZER_FILE} and no data.path in config.yaml to find one")
-    return _tokenizer(Path(data_path) / TOKENIZER_FILE, f"{run_dir}'s dataset")
+        raise FastmaeError(f"{run_dir}: no tokenizer and no data.path in config.yaml to find one")
+    return _tokenizer(Path(data_path), f"{run_dir}'s dataset")
 
 
-def _tokenizer(path: Path, what: str) -> Tokenizer:
-    if not path.is_file():
-        raise FastmaeError(f"{path}: missing ({what} has no sentencepiece tokenizer)")
-    return Tokenizer.load(path)
+def _has_tokenizer(directory: Path) -> bool:
+    return (directory / "tokenizer.model").is_file() or (directory / "tokenizer.json").is_file()
+
+
+def _tokenizer(directory: Path, what: str) -> Tokenizer:
+    if not _has_tokenizer(directory):
+        raise FastmaeError(f"{directory}: {what} has no tokenizer (tokenizer.model or tokenizer.json)")
+    return load_tokenizer(directory)
 
 
 # ------------------------------------------------------------------------------------------ continued pretraining
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "encoder_layers", "max_seq_len",
                 "position_embedding", "rotary_base", "relative_attention_bias", "relative_attention_buckets",
-                "relative_attention_max_distance", "norm_position", "layer_norm_eps")
-"""The encoder's shape: what a continued run (train.init_from) takes from its source."""
+                "relative_attention_max_distance", "norm_position", "layer_norm_eps", "pad_token_id", "bos_token_id",
+                "eos_token_id", "unk_token_id", "mask_token_id")
+"""The encoder's shape and its tokenizer's special ids: what a continued run (train.init_from) takes from its
+source."""
 
 
 def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
@@ -166,11 +193,11 @@ def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
         return config, None
     source = load_pretrained(config.train.init_from)
     where = f"train.init_from={config.train.init_from}"
-    data_tokenizer = config.data.directory / TOKENIZER_FILE
-    if data_tokenizer.is_file() and Tokenizer.load(data_tokenizer).sha256 != source.tokenizer.sha256:
-        raise FastmaeError(f"data.path={config.data.path} was tokenised with {data_tokenizer}, not the tokenizer of "
-                           f"{where} ({source.tokenizer.source}): prepare the data with `fastmae prepare --tokenizer "
-                           f"{source.tokenizer.source}`")
+    data = config.data.directory
+    if _has_tokenizer(data) and load_tokenizer(data).sha256 != source.tokenizer.sha256:
+        raise FastmaeError(f"data.path={config.data.path} was tokenised with {load_tokenizer(data).source}, not the "
+                           f"tokenizer of {where} ({source.tokenizer.source}): prepare the data with `fastmae prepare "
+                           f"--tokenizer {config.train.init_from}`")
     for name in SHAPE_FIELDS:
         mine, theirs = getattr(config.model, name), getattr(source.config, name)
         if name in config.model_given and mine != theirs:

@@ -233,9 +233,9 @@ def write_word_order_task(dataset: Path, out: Path, train_examples: int, dev_exa
     50%; telling them apart needs word order, i.e. context. Train sentences come from the train split, dev
     sentences from the valid split (train again if it has none). Returns `out`."""
     from .data.shards import ShardSet
-    from .data.tokenizer import TOKENIZER_FILE, Tokenizer
+    from .data.tokenizer import load_tokenizer
 
-    tokenizer = Tokenizer.load(Path(dataset) / TOKENIZER_FILE)
+    tokenizer = load_tokenizer(dataset)
     rng = np.random.default_rng(seed)
     for split, count, file in (("train", train_examples, "train.tsv"), ("valid", dev_examples, "dev.tsv")):
         shards = ShardSet(dataset, split)

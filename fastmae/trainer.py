@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from . import __version__, checkpoint
-from .atomic import atomic_write_bytes, atomic_write_text
+from .atomic import atomic_write_text
 from .batch import to_device_ahead
 from .config import RunConfig
 from .data import PackedLoader
 from .data.order import DIGEST_MODULUS
-from .data.tokenizer import TOKENIZER_FILE
+from .data.tokenizer import load_tokenizer
 from .distributed import (
     StopAgreement,
     agreed_precision,
@@ -128,7 +128,7 @@ def write_run_files(config: RunConfig, ds_config: dict, run_info: dict) -> None:
     atomic_write_text(run_dir / "model_config.json", json.dumps(dataclasses.asdict(config.model), indent=1))
     atomic_write_text(run_dir / "deepspeed_config.json", json.dumps(ds_config, indent=1))
     atomic_write_text(run_dir / "run_info.json", json.dumps(run_info, indent=1))
-    atomic_write_bytes(run_dir / TOKENIZER_FILE, (config.data.directory / TOKENIZER_FILE).read_bytes())
+    load_tokenizer(config.data.directory).save(run_dir)
 
 
 def held_out_evaluator(config: RunConfig, eval_steps, rank: int, world: int, device: torch.device) -> Evaluator | None:

@@ -61,9 +61,10 @@ def _mask_configs():
            dict(BLOCK_I=mask_select.RANK_BLOCK, BLOCK_J=mask_select.RANK_BLOCK), mask_select.RANK_NUM_WARPS)
     compact = dict(tokens="*i32", cu_seqlens="*i32", RANK="*i32", num_removed="*i64", num_random="*i64",
                    num_predicted="*i64", masked_start="*i64", removed_start="*i64", INPUT="*i32", MASKED_INDEX="*i32",
-                   LABELS="*i32", VISIBLE_INDEX="*i32", REMOVED_INDEX="*i32", replace_key="*i64", num_ordinary="i32")
+                   LABELS="*i32", VISIBLE_INDEX="*i32", REMOVED_INDEX="*i32", replace_key="*i64", ORDINARY="*i32",
+                   num_ordinary="i32", mask_token_id="i32")
     yield ("mask_select._compact_kernel", f"BLOCK={mask_select.COMPACT_BLOCK}", compact,
-           dict(MASK_ID=4, FIRST_ORDINARY=5, BLOCK=mask_select.COMPACT_BLOCK), 4)
+           dict(BLOCK=mask_select.COMPACT_BLOCK), 4)
 
 
 def _ce_configs():

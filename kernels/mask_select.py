@@ -70,8 +70,8 @@ def _rank_kernel(cu_seqlens, maskable_ptr, RANK, score_key, BLOCK_I: tl.constexp
 
 @triton.jit
 def _compact_kernel(tokens, cu_seqlens, RANK, num_removed, num_random, num_predicted, masked_start, removed_start,
-                    INPUT, MASKED_INDEX, LABELS, VISIBLE_INDEX, REMOVED_INDEX, replace_key, num_ordinary,
-                    MASK_ID: tl.constexpr, FIRST_ORDINARY: tl.constexpr, BLOCK: tl.constexpr):
+                    INPUT, MASKED_INDEX, LABELS, VISIBLE_INDEX, REMOVED_INDEX, replace_key, ORDINARY, num_ordinary,
+                    mask_token_id, BLOCK: tl.constexpr):
     seq = tl.program_id(0)
     start = tl.load(cu_seqlens + seq).to(tl.int64)
     length = tl.load(cu_seqlens + seq + 1).to(tl.int64) - start
@@ -91,9 +91,9 @@ def _compact_kernel(tokens, cu_seqlens, RANK, num_removed, num_random, num_predi
         randomised = valid & (rank >= n_removed) & (rank < n_changed)
         predicted = valid & (rank < n_predicted)
         visible = valid & (rank >= n_removed)
-        random_id = FIRST_ORDINARY + _row_bits(rows, replace_key) % num_ordinary
+        random_id = tl.load(ORDINARY + _row_bits(rows, replace_key) % num_ordinary, mask=randomised, other=0)
         new = tl.where(randomised, random_id.to(token.dtype), token)
-        new = tl.where(removed, MASK_ID, new)
+        new = tl.where(removed, mask_token_id, new)
         tl.store(INPUT + rows, new, mask=valid)
         # each kind's rows keep their order: slot = rows of that kind before this one
         p = predicted.to(tl.int32)
@@ -122,8 +122,8 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
 
 def select_masked(tokens: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, maskable: torch.Tensor,
                   num_removed: torch.Tensor, num_random: torch.Tensor, num_predicted: torch.Tensor,
-                  total_predicted: int, total_removed: int, score_key: int, replace_key: int, vocab_size: int,
-                  mask_token_id: int, first_ordinary_id: int, max_seqlen: int) -> MaskSelection:
+                  total_predicted: int, total_removed: int, score_key: int, replace_key: int,
+                  mask_token_id: int, ordinary_ids: torch.Tensor, max_seqlen: int) -> MaskSelection:
     """`select_masked_reference` as two Triton kernels: per-sequence ranks by pairwise comparison, then per-sequence
     compaction into the masked / visible / removed streams. Same arguments and bit-identical results;
     `max_seqlen` (host int) sizes the launch grid. seq_ids is not needed here (sequences are programs).
@@ -148,6 +148,6 @@ def select_masked(tokens: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch
     _compact_kernel[(batch,)](
         tokens, cu_seqlens, rank, num_removed, num_random, num_predicted, _exclusive_cumsum(num_predicted),
         _exclusive_cumsum(num_removed), out.input_tokens, out.masked_index, out.labels, out.visible_index,
-        out.removed_index, keys[1:], vocab_size - first_ordinary_id, MASK_ID=mask_token_id,
-        FIRST_ORDINARY=first_ordinary_id, BLOCK=COMPACT_BLOCK, num_warps=4)
+        out.removed_index, keys[1:], ordinary_ids, ordinary_ids.numel(), mask_token_id, BLOCK=COMPACT_BLOCK,
+        num_warps=4)
     return out

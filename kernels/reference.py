@@ -54,16 +54,17 @@ def rank_within_sequences(bits: torch.Tensor, seq_ids: torch.Tensor, maskable: t
 def select_masked_reference(tokens: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor,
                             maskable: torch.Tensor, num_removed: torch.Tensor, num_random: torch.Tensor,
                             num_predicted: torch.Tensor, total_predicted: int, total_removed: int,
-                            score_key: int, replace_key: int, vocab_size: int, mask_token_id: int,
-                            first_ordinary_id: int, max_seqlen: int) -> MaskSelection:
+                            score_key: int, replace_key: int, mask_token_id: int,
+                            ordinary_ids: torch.Tensor, max_seqlen: int) -> MaskSelection:
     """Choose, per sequence, exactly `num_predicted[b]` maskable rows uniformly at random (plain torch).
 
     tokens, seq_ids, maskable: [T] (int32, int32, bool). cu_seqlens: [B+1] int32.
     num_removed, num_random, num_predicted: [B] int64 on the tokens' device, with removed + random <= predicted
     <= maskable per sequence; total_predicted and total_removed are their sums, known on the host.
     Rows are ranked within their sequence by the hash of (row, score_key), unmaskable rows last, ties by row.
-    Ranks [0, removed) are removed (input <mask>), [removed, removed + random) get a random id in
-    [first_ordinary_id, vocab_size) drawn with replace_key, [.., predicted) keep their id; all of them are predicted.
+    Ranks [0, removed) are removed (input mask_token_id), [removed, removed + random) get a random id of
+    `ordinary_ids` (int32 on the tokens' device: the ids that are no special token) drawn with replace_key,
+    [.., predicted) keep their id; all of them are predicted.
     max_seqlen (host int) sizes the GPU kernels' launch; the reference does not need it.
     """
     num_rows = tokens.numel()
@@ -74,7 +75,7 @@ def select_masked_reference(tokens: torch.Tensor, cu_seqlens: torch.Tensor, seq_
     randomised = ~removed & (rank < (num_removed + num_random)[seq])
     predicted = rank < num_predicted[seq]
 
-    random_ids = first_ordinary_id + row_uniform_bits(num_rows, replace_key, device) % (vocab_size - first_ordinary_id)
+    random_ids = ordinary_ids[row_uniform_bits(num_rows, replace_key, device) % ordinary_ids.numel()]
     input_tokens = torch.where(randomised, random_ids.to(tokens.dtype), tokens)
     input_tokens = torch.where(removed, torch.full_like(tokens, mask_token_id), input_tokens)
     masked_index = _compact(predicted, total_predicted)

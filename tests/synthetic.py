@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastmae.config import BOS_ID, EOS_ID, NUM_SPECIAL_TOKENS
+from fastmae.config import ROLES, SpecialTokens
+
+FASTMAE = SpecialTokens()  # the special ids of the sentencepiece tokenizers fastmae trains
 
 
 def markov_documents(num_documents: int, vocab_size: int, min_len: int = 8, max_len: int = 64,
@@ -17,10 +19,10 @@ def markov_documents(num_documents: int, vocab_size: int, min_len: int = 8, max_
 
     Successors of each ordinary token are `branching` fixed random ordinary tokens, chosen uniformly.
     """
-    if vocab_size <= NUM_SPECIAL_TOKENS + branching:
+    if vocab_size <= len(ROLES) + branching:
         raise ValueError(f"markov_documents: vocab_size {vocab_size} is too small for branching {branching}")
     rng = np.random.default_rng(seed)
-    ordinary = np.arange(NUM_SPECIAL_TOKENS, vocab_size)
+    ordinary = np.arange(len(ROLES), vocab_size)
     successors = rng.choice(ordinary, size=(vocab_size, branching))
     docs = []
     for length in rng.integers(min_len, max_len + 1, size=num_documents):
@@ -29,7 +31,7 @@ def markov_documents(num_documents: int, vocab_size: int, min_len: int = 8, max_
         walk[0] = rng.choice(ordinary)
         for i in range(1, length):  # a host-side generator, not a training step
             walk[i] = successors[walk[i - 1], choices[i]]
-        docs.append([BOS_ID, *walk.tolist(), EOS_ID])
+        docs.append([FASTMAE.bos, *walk.tolist(), FASTMAE.eos])
     return docs
 
 
@@ -52,6 +54,13 @@ def word_tokenizer_bytes(words: list[str], vocab_size: int, model_type: str = "u
     rng = np.random.default_rng(seed)
     docs = [" ".join(rng.choice(words, size=12)) for _ in range(400)]
     return train_sentencepiece(docs, vocab_size, model_type=model_type)
+
+
+def vocab_of(tokenizer_bytes: bytes) -> int:
+    """The vocabulary size of a sentencepiece model's bytes."""
+    from fastmae.data.tokenizer import SentencePieceTokenizer
+
+    return SentencePieceTokenizer(tokenizer_bytes).vocab_size
 
 
 def write_run_dir(run_dir, model, tokenizer_bytes: bytes, step: int = 1):

@@ -7,13 +7,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
-from synthetic import prepare_word_dataset, word_tokenizer_bytes, write_run_dir
+from synthetic import prepare_word_dataset, vocab_of, word_tokenizer_bytes, write_run_dir
 
 from fastmae.analyze import AnalyzeConfig, LayerStatistics, analyze, effective_ranks
 from fastmae.analyze import main as analyze_main
-from fastmae.config import MASK_ID
-from fastmae.data.tokenizer import Tokenizer
+from fastmae.config import SpecialTokens
+from fastmae.data.tokenizer import load_tokenizer
 from fastmae.pretrained import load_pretrained
+
+FASTMAE = SpecialTokens()  # the special ids of the sentencepiece tokenizers fastmae trains
 
 WORDS = "the cat dog bird sat ran flew on under over a big small red green blue mat tree sky".split()
 
@@ -57,11 +59,11 @@ def tokenizer_bytes():
 
 
 def test_a_dimension_only_mask_rows_use_is_found(tokenizer_bytes, tmp_path):
-    vocab = Tokenizer(tokenizer_bytes).vocab_size
+    vocab = vocab_of(tokenizer_bytes)
     model = tiny_model("mlm", vocab_size=vocab, max_seq_len=64)
     with torch.no_grad():  # dimension 7 carries a large value for <mask> only, through the embedding LayerNorm
         model.embeddings.tokens.weight[:, 7] = 0.0
-        model.embeddings.tokens.weight[MASK_ID, 7] = 5.0
+        model.embeddings.tokens.weight[FASTMAE.mask, 7] = 5.0
         model.embeddings.norm.weight[7] = 5.0
     pretrained = load_pretrained(write_run_dir(tmp_path / "run", model, tokenizer_bytes))
     rng = np.random.default_rng(0)
@@ -78,7 +80,7 @@ def test_a_dimension_only_mask_rows_use_is_found(tokenizer_bytes, tmp_path):
 
 def test_command_on_a_dataset_and_a_text_file(tokenizer_bytes, tmp_path, capsys):
     dataset = prepare_word_dataset(tmp_path, WORDS, 60, 30, vocab_size=40, valid_fraction=0.2)
-    model = tiny_model("3ml", vocab_size=Tokenizer.load(dataset / "tokenizer.model").vocab_size, max_seq_len=64)
+    model = tiny_model("3ml", vocab_size=load_tokenizer(dataset / "tokenizer.model").vocab_size, max_seq_len=64)
     run = write_run_dir(tmp_path / "run", model, (dataset / "tokenizer.model").read_bytes())
     assert analyze_main(["--model", str(run), "--data", str(dataset), "--out", str(tmp_path / "a"),
                          "--sequences", "8"]) == 0
@@ -93,7 +95,7 @@ def test_command_on_a_dataset_and_a_text_file(tokenizer_bytes, tmp_path, capsys)
                          str(tmp_path / "b")]) == 0
     assert json.loads((tmp_path / "b" / "analysis.json").read_text())["sequences"] == 10
 
-    other = write_run_dir(tmp_path / "other", tiny_model("mlm", vocab_size=Tokenizer(tokenizer_bytes).vocab_size,
+    other = write_run_dir(tmp_path / "other", tiny_model("mlm", vocab_size=vocab_of(tokenizer_bytes),
                                                          max_seq_len=64), tokenizer_bytes)
     capsys.readouterr()
     assert analyze_main(["--model", str(other), "--data", str(dataset), "--out", str(tmp_path / "c")]) == 1

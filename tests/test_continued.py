@@ -9,10 +9,10 @@ import torch
 from conftest import tiny_model
 from synthetic import prepare_word_dataset, write_run_dir
 
-from fastmae import MaskedLM
+from fastmae import MaskedLM, PackedBatch
 from fastmae.config import load_run_config
 from fastmae.data import PackedLoader
-from fastmae.data.tokenizer import TOKENIZER_FILE, Tokenizer
+from fastmae.data.tokenizer import SENTENCEPIECE_FILE, load_tokenizer
 from fastmae.errors import FastmaeError
 from fastmae.pretrained import SHAPE_FIELDS, continued, initialise, load_pretrained, source_kind
 
@@ -28,11 +28,11 @@ def dataset(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mlm_source(dataset, tmp_path_factory):
     """An mlm encoder (rotary, pre-LN: not the presets' shape) with the dataset's tokenizer, as a run directory."""
-    vocab = Tokenizer.load(dataset / TOKENIZER_FILE).vocab_size
+    vocab = load_tokenizer(dataset / SENTENCEPIECE_FILE).vocab_size
     model = tiny_model("mlm", seed=3, vocab_size=vocab, max_seq_len=64, position_embedding="rotary",
                        norm_position="pre", decoder_layers=0)
     return write_run_dir(tmp_path_factory.mktemp("source") / "run", model,
-                         (dataset / TOKENIZER_FILE).read_bytes())
+                         (dataset / SENTENCEPIECE_FILE).read_bytes())
 
 
 def config_for(dataset, source, run_dir, *extra):
@@ -82,15 +82,28 @@ def test_what_cannot_be_mapped_is_refused_naming_both(dataset, mlm_source, tmp_p
         continued(config_for(dataset, tmp_path, tmp_path, "model.preset=3ml"))
 
 
-def test_a_two_rank_run_switches_an_mlm_encoder_to_3ml(dataset, mlm_source, tmp_path):
-    """Through DeepSpeed on 2 CPU ranks (ZeRO-2): 6 steps of 3ml from the mlm run; the run names its source, starts
-    from its encoder (the first held-out loss of the continued run is the source's encoder plus a new decoder) and
-    ends with weights fastmae's readers load as a 3ml model of the source's shape."""
+def test_a_two_rank_run_switches_a_roberta_to_3ml_and_its_export_fine_tunes(tmp_path):
+    """From a Hugging Face RoBERTa (random, small) and data prepared with its byte-level BPE tokenizer, through
+    DeepSpeed on 2 CPU ranks (ZeRO-2): 20 steps of 3ml. The run names its source and starts from its encoder; a rerun
+    resumes from its own checkpoint; the export loads in AutoModelForMaskedLM and AutoTokenizer (the RoBERTa's ids,
+    fastmae's hidden states) and fine-tunes."""
+    transformers = pytest.importorskip("transformers")
+    from synthetic import keyword_split
+    from test_foreign import TEXTS, byte_level_bpe, corpus, foreign_model
     from test_train import launch, overrides
 
+    from fastmae.export import export
+    from fastmae.finetune import main as finetune_main
+    from fastmae.prepare import prepare
+
+    roberta = foreign_model("roberta", byte_level_bpe(tmp_path / "bpe"), tmp_path / "roberta")
+    (tmp_path / "corpus.txt").write_text("\n".join(doc.replace("\n", " ") for doc in corpus(60)) + "\n")
+    dataset = tmp_path / "data"
+    prepare([tmp_path / "corpus.txt"], dataset, tokenizer_path=str(roberta), valid_fraction=0.1, progress=False)
     run_dir = tmp_path / "continued"
-    args = overrides(dataset, run_dir, steps=6, **{"model.preset": "3ml", "model.decoder_layers": 1,
-                                                    "train.init_from": str(mlm_source), "eval.every": 0})
+    args = overrides(dataset, run_dir, steps=20, **{"model.preset": "3ml", "model.decoder_layers": 1,
+                                                     "train.init_from": str(roberta), "eval.every": 0,
+                                                     "checkpoint.every": 10})
     args = [a for a in args if a.split("=")[0] not in ("model.hidden_size", "model.num_heads",
                                                          "model.encoder_layers", "model.intermediate_size",
                                                          "model.max_seq_len")]
@@ -98,18 +111,35 @@ def test_a_two_rank_run_switches_an_mlm_encoder_to_3ml(dataset, mlm_source, tmp_
     assert run.returncode == 0, run.stderr[-3000:]
     assert "initialised from " in run.stderr and "new: decoder" in run.stderr
     info = json.loads((run_dir / "run_info.json").read_text())
-    assert info["init_from"]["objective"] == "mlm" and info["init_from"]["weights"].startswith(str(mlm_source))
-    trained = load_pretrained(run_dir)
-    source = load_pretrained(mlm_source)
-    assert trained.config.objective == "3ml" and trained.config.position_embedding == "rotary"
+    assert info["init_from"]["foreign"] == "RoBERTa" and info["init_from"]["weights"].startswith(str(roberta))
+    trained, source = load_pretrained(run_dir), load_pretrained(roberta)
+    assert trained.config.objective == "3ml" and trained.tokenizer.sha256 == source.tokenizer.sha256
     assert all(getattr(trained.config, f) == getattr(source.config, f) for f in SHAPE_FIELDS)
+    assert trained.config.pad_token_id == 1 and trained.config.mask_token_id == source.tokenizer.vocab_size - 1
     moved = trained.weights["embeddings.tokens.weight"] - source.weights["embeddings.tokens.weight"]
-    assert 0 < moved.abs().max() < 0.1  # trained on from the source's embedding, not from a new one
+    assert 0 < moved.abs().max() < 0.1  # trained on from the RoBERTa's embedding, not from a new one
     again = launch(args)  # a rerun resumes from its own checkpoint, not from the source
     assert again.returncode == 0 and "initialised from" not in again.stderr
-    pytest.importorskip("transformers")
-    pytest.importorskip("google.protobuf")
-    from fastmae.export import export
 
-    export(run_dir, tmp_path / "hf")  # the model card names the source
-    assert f"continued pretraining: started from `{source.weights_file}`" in (tmp_path / "hf" / "README.md").read_text()
+    export(run_dir, tmp_path / "hf")
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert f"started from the Hugging Face RoBERTa encoder `{source.weights_file}`" in card
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = [hf_tokenizer(text).input_ids for text in TEXTS]
+    assert ids == [trained.tokenizer.frame(row) for row in trained.tokenizer.encode(TEXTS)]
+    hf_model = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "hf").eval()
+    batch = PackedBatch.from_sequences(ids, special=trained.config.special_tokens)
+    with torch.no_grad():
+        ours = trained.encoder().eval().encode(batch)
+        theirs = hf_model(**hf_tokenizer.pad({"input_ids": ids}, return_tensors="pt"),
+                          output_hidden_states=True).hidden_states[-1]
+    for i, row in enumerate(ids):
+        assert (theirs[i, :len(row)] - ours[int(batch.cu_seqlens[i]):int(batch.cu_seqlens[i + 1])]).abs().max() <= 1e-5
+
+    words = "the cat dog bird sat ran on under a big small red".split()
+    keyword_split(tmp_path / "sst2" / "train.tsv", words, 96, seed=0)
+    keyword_split(tmp_path / "sst2" / "dev.tsv", words, 32, seed=1)
+    assert finetune_main(["--model", str(tmp_path / "hf"), "--out", str(tmp_path / "ft"), "--task", "sst2", "--data",
+                          str(tmp_path / "sst2"), "--seeds", "1", "--epochs", "2", "--batch-size", "16"]) == 0
+    results = json.loads((tmp_path / "ft" / "results.json").read_text())
+    assert len(results["per_seed"][0]["history"]) == 2

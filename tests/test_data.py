@@ -7,14 +7,17 @@ import sys
 import numpy as np
 import pytest
 
-from fastmae.config import BOS_ID, EOS_ID, MASK_ID
-from fastmae.data import PackedLoader, ShardSet, Tokenizer
+from fastmae.config import SpecialTokens
+from fastmae.data import PackedLoader, ShardSet
 from fastmae.data.loader import CURSORS_KEPT
 from fastmae.data.order import EpochOrder, cut_by_budget
 from fastmae.data.sequences import SequenceIndex
 from fastmae.data.shards import shard_files
+from fastmae.data.tokenizer import load_tokenizer
 from fastmae.errors import FastmaeError
 from fastmae.prepare import prepare
+
+FASTMAE = SpecialTokens()  # the special ids of the sentencepiece tokenizers fastmae trains
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon "
          "phi chi psi omega red green blue cyan magenta yellow black white").split()
@@ -44,9 +47,9 @@ def test_prepare_writes_shards_tokenizer_and_metadata(dataset):
     assert meta["splits"]["train"]["shards"] == [f"shard_{i:05d}" for i in range(5)]  # 300 docs / 70 per shard
     assert meta["splits"]["train"]["documents"] + meta["splits"]["valid"]["documents"] == len(docs)
     assert 0 < meta["splits"]["valid"]["documents"] < 0.2 * len(docs)
-    tokenizer = Tokenizer.load(directory / "tokenizer.model")
+    tokenizer = load_tokenizer(directory / "tokenizer.model")
     assert tokenizer.sha256 == meta["tokenizer_sha256"]
-    assert tokenizer.sp.piece_to_id("<mask>") == MASK_ID
+    assert tokenizer.sp.piece_to_id("<mask>") == FASTMAE.mask
     train = ShardSet(directory, "train", verify_checksum=True)
     # documents round-trip through the shards
     decoded = {tokenizer.decode(train.shards[0].tokens[a:b].tolist())
@@ -152,7 +155,7 @@ def test_packing_covers_every_token_once_and_respects_limits(dataset, packing):
     for batch in drain(loader, loader.planner.steps_per_epoch()):
         tokens, cu = batch.tokens.numpy(), batch.cu_seqlens.numpy()
         assert batch.num_tokens <= 200 and batch.max_seqlen <= 32
-        assert (tokens[cu[:-1]] == BOS_ID).all() and (tokens[cu[1:] - 1] == EOS_ID).all()
+        assert (tokens[cu[:-1]] == FASTMAE.bos).all() and (tokens[cu[1:] - 1] == FASTMAE.eos).all()
     # one rank: the epoch's micro-batches hold every sequence exactly once
     order = np.concatenate(epoch_plan(loader))
     assert np.array_equal(np.sort(order), np.arange(loader.num_sequences))
@@ -161,7 +164,7 @@ def test_packing_covers_every_token_once_and_respects_limits(dataset, packing):
     cu = np.concatenate([[0], np.cumsum(lengths)])
     bodies = np.concatenate([tokens[a + 1:b - 1] for a, b in zip(cu[:-1], cu[1:])])
     data = ShardSet(directory)
-    separator = [EOS_ID] if packing == "full" else []  # full packing joins documents with </s>
+    separator = [FASTMAE.eos] if packing == "full" else []  # full packing joins documents with </s>
     stream = np.concatenate([np.concatenate([list(s.tokens[x:y]) + separator for x, y in zip(s.offsets[:-1],
                                                                                             s.offsets[1:])])
                              for s in data.shards])
@@ -188,8 +191,8 @@ def test_full_packing_gives_every_micro_batch_of_full_length_sequences_the_same_
             continue
         assert set(masked.layouts_read()) <= set(vars(masked))  # built on the host, ahead
         shapes.add(tuple(t.shape for t in masked.device_tensors()))
-        separators.add(int((batch.tokens == EOS_ID).sum()) - batch.num_sequences)  # </s> inside the sequences
-        assert (selection.labels != EOS_ID).all()  # never a separator
+        separators.add(int((batch.tokens == FASTMAE.eos).sum()) - batch.num_sequences)  # </s> inside the sequences
+        assert (selection.labels != FASTMAE.eos).all()  # never a separator
     assert len(shapes) == 1, shapes
     assert len(separators) > 3 and short <= len(ShardSet(directory).shards) + 1  # many separator counts, one shape
 
@@ -637,6 +640,7 @@ def test_more_shards_than_open_files_stay_within_the_open_file_limit(tmp_path):
 import resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 from fastmae.data import PackedLoader
+
 for split in ("train", "valid"):
     loader = PackedLoader({str(tmp_path / "ds")!r}, split=split, max_seq_len=32, tokens_per_batch=256)
     batches = iter(loader)

@@ -9,9 +9,11 @@ import torch
 from conftest import tiny_model
 from synthetic import prepare_word_dataset
 
-from fastmae.config import MASK_ID, UNMASKABLE_IDS
+from fastmae.config import SpecialTokens
 from fastmae.evaluation import HeldOutSet, unigram_baselines
 from fastmae.masking import mask_rows
+
+FASTMAE = SpecialTokens()  # the special ids of the sentencepiece tokenizers fastmae trains
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 
@@ -67,7 +69,7 @@ def test_every_objective_predicts_the_same_hidden_tokens(dataset, preset):
         assert torch.equal(sel.masked_index.long(), rows) and out.num_predicted == len(rows)
         assert torch.equal(sel.labels, item.batch.tokens[rows])
         # no predicted token reaches the encoder: removed (k > 0) or replaced by <mask> (k = 0), never kept or random
-        assert (sel.input_tokens[rows] == MASK_ID).all()
+        assert (sel.input_tokens[rows] == FASTMAE.mask).all()
         assert not set(sel.visible_index.tolist()) & set(rows.tolist())
         if model.config.insert_layer > 0:
             assert out.encoder_states.shape[0] == item.batch.num_tokens - len(rows)
@@ -90,4 +92,4 @@ def test_unigram_baselines_are_over_the_predicted_tokens_of_every_rank(dataset):
     assert sets[0].baselines == sets[1].baselines == unigram_baselines(predicted)
     every = np.concatenate([item.batch.tokens.numpy() for held_out in sets for item in held_out.micro_batches
                             if item.weight])
-    assert sets[0].baselines != unigram_baselines(every[~np.isin(every, UNMASKABLE_IDS)])  # not the maskable ones
+    assert sets[0].baselines != unigram_baselines(every[~np.isin(every, FASTMAE.unmaskable)])  # not the maskable ones

@@ -8,16 +8,18 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
-from synthetic import word_tokenizer_bytes, write_run_dir
+from synthetic import vocab_of, word_tokenizer_bytes, write_run_dir
 
 from fastmae import PackedBatch
-from fastmae.config import MASK_ID
-from fastmae.data.tokenizer import Tokenizer
+from fastmae.config import SpecialTokens
+from fastmae.data.tokenizer import SentencePieceTokenizer
 from fastmae.errors import FastmaeError
 from fastmae.export import export
 from fastmae.export import main as export_main
 from fastmae.finetune import frame
 from fastmae.pretrained import load_pretrained
+
+FASTMAE = SpecialTokens()  # the special ids of the sentencepiece tokenizers fastmae trains
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("google.protobuf")
@@ -56,7 +58,7 @@ PRE_LN_ROTARY = {"norm_position": "pre", "position_embedding": "rotary"}  # the 
 ])
 def test_hugging_face_computes_what_fastmae_computes(preset, overrides, model_type, tokenizer_bytes, tmp_path):
     # post-LN is RoBERTa (learned positions) or RoFormer (rotary); pre-LN (rotary or learned positions) is ESM-2
-    tokenizer = Tokenizer(tokenizer_bytes)
+    tokenizer = SentencePieceTokenizer(tokenizer_bytes)
     model = perturbed_model(preset, tokenizer.vocab_size, **overrides)
     out = export(write_run_dir(tmp_path / "run", model, tokenizer_bytes), tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
@@ -66,7 +68,7 @@ def test_hugging_face_computes_what_fastmae_computes(preset, overrides, model_ty
     texts = ["the quick brown fox jumps over a lazy dog", "seven zebras — 42 jolly pumas near Zürich, café!"]
     ids = [hf_tokenizer(t).input_ids for t in texts]
     assert ids == frame(tokenizer, [(t,) for t in texts], 64)
-    ids[1][3] = ids[1][6] = MASK_ID  # <mask> inputs: the k = 0 path and RoBERTa's agree on them too
+    ids[1][3] = ids[1][6] = FASTMAE.mask  # <mask> inputs: the k = 0 path and RoBERTa's agree on them too
     batch = PackedBatch.from_sequences(ids)
     with torch.no_grad():
         ours = model.encode(batch)
@@ -111,7 +113,7 @@ def test_auto_tokenizer_gives_sentencepiece_ids(model_type, tmp_path):
     words = [*WORDS, *("".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=rng.integers(2, 9)))
                        for _ in range(200))]
     model_bytes = word_tokenizer_bytes(words, 160, model_type=model_type)
-    tokenizer = Tokenizer(model_bytes)
+    tokenizer = SentencePieceTokenizer(model_bytes)
     model = tiny_model("mlm", vocab_size=tokenizer.vocab_size, max_seq_len=64)
     out = export(write_run_dir(tmp_path / "run", model, model_bytes), tmp_path / "hf")
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
@@ -131,7 +133,7 @@ def test_auto_tokenizer_gives_sentencepiece_ids(model_type, tmp_path):
     ({"insert_layer": 1, "decoder_layers": 0}, "insert_layer=1"),
 ])
 def test_what_no_hugging_face_encoder_expresses_is_refused(overrides, message, tokenizer_bytes, tmp_path, capsys):
-    model = tiny_model("mae-lm", vocab_size=Tokenizer(tokenizer_bytes).vocab_size, max_seq_len=64, **overrides)
+    model = tiny_model("mae-lm", vocab_size=vocab_of(tokenizer_bytes), max_seq_len=64, **overrides)
     run = write_run_dir(tmp_path / "run", model, tokenizer_bytes)
     assert export_main([str(run), str(tmp_path / "hf")]) == 1
     assert message in capsys.readouterr().err
@@ -144,14 +146,14 @@ def test_bad_sources_name_the_path(tokenizer_bytes, tmp_path):
     (tmp_path / "plain").mkdir()
     with pytest.raises(FastmaeError, match="not a fastmae run directory"):
         load_pretrained(tmp_path / "plain")
-    other_vocab = tiny_model("mlm", vocab_size=Tokenizer(tokenizer_bytes).vocab_size + 7, max_seq_len=64)
+    other_vocab = tiny_model("mlm", vocab_size=vocab_of(tokenizer_bytes) + 7, max_seq_len=64)
     run = write_run_dir(tmp_path / "run", other_vocab, tokenizer_bytes)
     with pytest.raises(FastmaeError, match="trained with vocab_size"):
         load_pretrained(run)
     (run / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(FastmaeError, match="model.safetensors: unreadable"):
         load_pretrained(run)
-    good = write_run_dir(tmp_path / "good", tiny_model("mlm", vocab_size=Tokenizer(tokenizer_bytes).vocab_size,
+    good = write_run_dir(tmp_path / "good", tiny_model("mlm", vocab_size=vocab_of(tokenizer_bytes),
                                                        max_seq_len=64), tokenizer_bytes)
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")

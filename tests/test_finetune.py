@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import CUDA_HEADS, tiny_model
-from synthetic import keyword_split, word_tokenizer_bytes, write_run_dir
+from synthetic import keyword_split, vocab_of, word_tokenizer_bytes, write_run_dir
 
-from fastmae.data.tokenizer import Tokenizer
 from fastmae.errors import FastmaeError
 from fastmae.finetune import main as finetune_main
 from fastmae.finetune import pair_lengths
@@ -22,7 +21,7 @@ WORDS = "the cat dog bird sat ran flew on under over a big small red green blue 
 def run_dir(tmp_path_factory):
     """A tiny randomly initialised `mae-lm` model with a word-level tokenizer, as a run directory."""
     model_bytes = word_tokenizer_bytes(WORDS, 40)
-    model = tiny_model("mae-lm", vocab_size=Tokenizer(model_bytes).vocab_size, max_seq_len=64, dropout=0.1,
+    model = tiny_model("mae-lm", vocab_size=vocab_of(model_bytes), max_seq_len=64, dropout=0.1,
                        attention_dropout=0.1, decoder_layers=1, **CUDA_HEADS)  # its bf16 case runs on CUDA too
     return write_run_dir(tmp_path_factory.mktemp("ft") / "run", model, model_bytes)
 
@@ -179,7 +178,7 @@ def test_a_model_with_the_relative_bias_fine_tunes_with_its_table(tmp_path):
     from safetensors.torch import load_file
 
     model_bytes = word_tokenizer_bytes(WORDS, 40)
-    model = tiny_model("mae-lm", vocab_size=Tokenizer(model_bytes).vocab_size, max_seq_len=64, dropout=0.1,
+    model = tiny_model("mae-lm", vocab_size=vocab_of(model_bytes), max_seq_len=64, dropout=0.1,
                        attention_dropout=0.1, decoder_layers=1, relative_attention_bias=True)
     with torch.no_grad():
         model.relative_bias.normal_(mean=3.0, std=1.0)  # far from a fresh init (std initializer_range)

@@ -8,9 +8,8 @@ import json
 import numpy as np
 import pytest
 from conftest import tiny_model
-from synthetic import word_tokenizer_bytes, write_glue, write_run_dir
+from synthetic import vocab_of, word_tokenizer_bytes, write_glue, write_run_dir
 
-from fastmae.data.tokenizer import Tokenizer
 from fastmae.finetune import chance_loss, did_not_train
 from fastmae.glue import Setting, TaskData, find_tasks, grid, plan, within_budget
 from fastmae.glue import main as glue_main
@@ -23,7 +22,7 @@ WORDS = "the cat dog bird sat ran flew on under over a big small red green blue 
 def models(tmp_path_factory):
     """Two tiny randomly initialised encoders (other seeds) with one word-level tokenizer, as run directories."""
     model_bytes = word_tokenizer_bytes(WORDS, 40)
-    vocab = Tokenizer(model_bytes).vocab_size
+    vocab = vocab_of(model_bytes)
     root = tmp_path_factory.mktemp("glue-models")
     return [str(write_run_dir(root / name, tiny_model("mae-lm", seed=seed, vocab_size=vocab, max_seq_len=64,
                                                       decoder_layers=1), model_bytes))

@@ -5,8 +5,10 @@ from fastmae.kernels import hash32
 from fastmae.kernels.hashing import hash32_int
 
 from fastmae import PackedBatch
-from fastmae.config import MASK_ID, NUM_SPECIAL_TOKENS, UNMASKABLE_IDS
+from fastmae.config import ROLES, SpecialTokens
 from fastmae.masking import MaskCounts, mask_batch
+
+FASTMAE = SpecialTokens()  # the special ids of the sentencepiece tokenizers fastmae trains
 
 
 def test_hash_matches_host_version_and_is_pinned():
@@ -34,7 +36,7 @@ def test_exact_counts_specials_excluded_and_partition(preset, rate, seed):
     assert counts.predicted.tolist() == expected
     assert per_sequence(sel.masked_index, batch) == expected
     assert per_sequence(sel.removed_index, batch) == counts.removed.tolist()
-    for special in UNMASKABLE_IDS:
+    for special in FASTMAE.unmaskable:
         assert not (sel.labels == special).any()
     assert torch.equal(sel.labels, batch.tokens[sel.masked_index.long()])
     # visible and removed rows partition the batch, both ascending
@@ -44,14 +46,14 @@ def test_exact_counts_specials_excluded_and_partition(preset, rate, seed):
         assert (index[1:] > index[:-1]).all()
     # removed rows are predicted rows; their input is <mask>
     assert torch.isin(sel.removed_index, sel.masked_index).all()
-    assert (sel.input_tokens[sel.removed_index.long()] == MASK_ID).all()
+    assert (sel.input_tokens[sel.removed_index.long()] == FASTMAE.mask).all()
     # rows that are not predicted keep their id
     unpredicted = torch.ones(batch.num_tokens, dtype=torch.bool)
     unpredicted[sel.masked_index.long()] = False
     assert torch.equal(sel.input_tokens[unpredicted], batch.tokens[unpredicted])
     # replacements are ordinary ids
-    assert ((sel.input_tokens >= NUM_SPECIAL_TOKENS) | (sel.input_tokens == batch.tokens)
-            | (sel.input_tokens == MASK_ID)).all()
+    assert ((sel.input_tokens >= len(ROLES)) | (sel.input_tokens == batch.tokens)
+            | (sel.input_tokens == FASTMAE.mask)).all()
 
 
 def test_corruption_split_is_exact():
@@ -62,7 +64,7 @@ def test_corruption_split_is_exact():
     batch = PackedBatch.from_sequences([list(range(5, 1005))])
     sel = mask_batch(batch, tiny_config("mlm", vocab_size=2000), seed=0, step=0).selection
     changed = sel.input_tokens != batch.tokens
-    assert int((sel.input_tokens == MASK_ID).sum()) == 120
+    assert int((sel.input_tokens == FASTMAE.mask).sum()) == 120
     assert 14 <= int(changed.sum()) - 120 <= 15  # a random id may equal the original one by chance
 
 

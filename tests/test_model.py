@@ -7,8 +7,10 @@ from conftest import tiny_batch, tiny_model
 from reference_model import embed, encoder_forward, layer_forward
 
 from fastmae import PackedBatch
-from fastmae.config import MASK_ID
+from fastmae.config import SpecialTokens
 from fastmae.masking import mask_batch
+
+FASTMAE = SpecialTokens()  # the special ids of the sentencepiece tokenizers fastmae trains
 
 
 def per_sequence(batch: PackedBatch, values: torch.Tensor):
@@ -59,7 +61,7 @@ def test_mlm_equals_replacing_by_mask_and_running_the_full_encoder(variant, seed
     out = model(batch, seed=seed, step=2)
     sel = out.masked.selection
     replaced = batch.tokens.clone()
-    replaced[sel.masked_index.long()] = MASK_ID
+    replaced[sel.masked_index.long()] = FASTMAE.mask
     assert torch.equal(sel.input_tokens, replaced)
     hidden = model.encode(PackedBatch.from_packed(replaced.numpy(), batch.seqlens.numpy()))
     head = model.head
@@ -93,7 +95,7 @@ def test_masked_slots_receive_the_mask_embedding_and_its_gradient(batch):
     sel, cfg = out.masked.selection, model.config
     removed = sel.removed_index.long()
     ins = model.insertion
-    mask_row = model.embeddings.tokens.weight[MASK_ID]
+    mask_row = model.embeddings.tokens.weight[FASTMAE.mask]
     expected = F.layer_norm(mask_row + ins.positions.weight[batch.positions[removed] + 1],
                             (cfg.hidden_size,), ins.norm.weight, ins.norm.bias, cfg.layer_norm_eps)
     torch.testing.assert_close(captured["x"][removed], expected)
@@ -102,7 +104,7 @@ def test_masked_slots_receive_the_mask_embedding_and_its_gradient(batch):
                                     (cfg.hidden_size,), ins.norm.weight, ins.norm.bias, cfg.layer_norm_eps)
     torch.testing.assert_close(captured["x"][visible], expected_visible)
     out.loss.backward()
-    assert model.embeddings.tokens.weight.grad[MASK_ID].abs().sum() > 0
+    assert model.embeddings.tokens.weight.grad[FASTMAE.mask].abs().sum() > 0
 
 
 def test_mask_row_gradient_is_the_sum_over_removed_rows(batch):
@@ -123,12 +125,13 @@ def test_mask_row_gradient_is_the_sum_over_removed_rows(batch):
     assert out.num_predicted == removed.numel() > 0
     out.loss.backward()
     w = model.embeddings.tokens.weight.detach().clone().requires_grad_()
-    rows = F.layer_norm(w[MASK_ID] + ins.positions.weight.detach()[batch.positions[removed] + 1], (cfg.hidden_size,),
-                        ins.norm.weight.detach(), ins.norm.bias.detach(), cfg.layer_norm_eps)
+    rows = F.layer_norm(w[FASTMAE.mask] + ins.positions.weight.detach()[batch.positions[removed] + 1],
+                        (cfg.hidden_size,), ins.norm.weight.detach(), ins.norm.bias.detach(), cfg.layer_norm_eps)
     logits = model.head.transform(captured["h"].detach()) @ w.T + model.head.bias
     loss = F.cross_entropy(logits, sel.labels.long())
     (grad_w,) = torch.autograd.grad([rows, loss], w, grad_outputs=[captured["x"].grad[removed], None])
-    torch.testing.assert_close(model.embeddings.tokens.weight.grad[MASK_ID], grad_w[MASK_ID], rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(model.embeddings.tokens.weight.grad[FASTMAE.mask], grad_w[FASTMAE.mask], rtol=1e-4,
+                               atol=1e-7)
 
 
 @pytest.mark.parametrize("preset, extra", [("mlm", {}), ("mae-lm", {}), ("3ml", {}), ("3ml", {"decoder_kind": "cross"}),

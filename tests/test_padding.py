@@ -9,13 +9,15 @@ from conftest import tiny_batch, tiny_model
 from synthetic import prepare_word_dataset
 
 from fastmae.batch import PackedBatch
-from fastmae.config import MASK_ID
+from fastmae.config import SpecialTokens
 from fastmae.data.loader import PackedLoader
 from fastmae.flops import masked_training_flops
 from fastmae.graphs import signature
 from fastmae.masking import mask_batch
 from fastmae.padding import IGNORED_LABEL, MAX_RUNGS, ShapeLadder, pad
 from fastmae.pipeline import masked_ahead
+
+FASTMAE = SpecialTokens()  # the special ids of the sentencepiece tokenizers fastmae trains
 
 TOKENS_PER_BATCH = 384
 PRESETS = [("mlm", {}), ("3ml", {}), ("mae-lm", {"relative_attention_bias": True}),
@@ -89,7 +91,7 @@ def test_a_batch_whose_documents_cap_its_counts_fits_no_shape_and_stays_unpadded
     # so the dummy rows need more spare rows than any rung has: the batch runs as it is (eagerly)
     config = tiny_model("3ml").config
     ladder = ShapeLadder(config, TOKENS_PER_BATCH)
-    masks = PackedBatch.from_sequences([[1] + [MASK_ID] * 120 + [5, 2]] * 3)
+    masks = PackedBatch.from_sequences([[1] + [FASTMAE.mask] * 120 + [5, 2]] * 3)
     masked = mask_batch(dataclasses.replace(masks, index=0), config, seed=0, step=0, host=True)
     assert masked.num_predicted == 3 and ladder.shape_for(masked) is None and ladder.pad(masked) is masked
     with pytest.raises(ValueError, match="does not fit"):

@@ -16,9 +16,8 @@ from .run import (
     load_run_config,
     parse_override,
 )
-from .tokens import BOS_ID, EOS_ID, MASK_ID, NUM_SPECIAL_TOKENS, PAD_ID, UNK_ID, UNMASKABLE_IDS
+from .tokens import ROLES, SpecialTokens
 
-__all__ = ["BOS_ID", "BUILTIN_ROOT", "EOS_ID", "MASK_ID", "NUM_SPECIAL_TOKENS", "PAD_ID", "PRECISIONS", "PRESETS",
-           "SECTIONS", "UNK_ID", "UNMASKABLE_IDS", "CheckpointConfig", "DataConfig", "EvalConfig", "LogConfig",
-           "ModelConfig", "RunConfig", "TrainConfig", "add_arguments", "apply_overrides", "from_arguments",
-           "load_run_config", "option", "parse_override"]
+__all__ = ["BUILTIN_ROOT", "PRECISIONS", "PRESETS", "ROLES", "SECTIONS", "CheckpointConfig", "DataConfig",
+           "EvalConfig", "LogConfig", "ModelConfig", "RunConfig", "SpecialTokens", "TrainConfig", "add_arguments",
+           "apply_overrides", "from_arguments", "load_run_config", "option", "parse_override"]

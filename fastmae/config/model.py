@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .fields import apply_overrides
-from .tokens import MASK_ID, NUM_SPECIAL_TOKENS, PAD_ID
+from .tokens import ROLES, SpecialTokens
 
 
 @dataclass
@@ -21,7 +21,7 @@ class ModelConfig:
     objective: str = "mlm"
     """Name of the preset this config came from (`mlm`, `mae-lm`, `3ml`); informational."""
     vocab_size: int = 32000
-    """Rows of the token-embedding table, specials included (ids 0-4: pad, bos, eos, unk, mask)."""
+    """Rows of the token-embedding table, specials included (the tokenizer's size)."""
     hidden_size: int = 768
     """Model width H."""
     num_heads: int = 12
@@ -69,8 +69,17 @@ class ModelConfig:
     """Share of the predicted tokens replaced by a random ordinary token (the rest keep their token)."""
     initializer_range: float = 0.02
     """Std of the normal init of linear and embedding weights."""
-    pad_token_id: int = field(default=PAD_ID, init=False)
-    mask_token_id: int = field(default=MASK_ID, init=False)
+    pad_token_id: int = SpecialTokens.pad
+    """The tokenizer's special ids (set from the dataset, like vocab_size): padding; learned positions start at
+    pad_token_id + 1, as in Hugging Face RoBERTa."""
+    bos_token_id: int = SpecialTokens.bos
+    """The token that starts every sequence (`<s>`, `[CLS]`); never masked."""
+    eos_token_id: int = SpecialTokens.eos
+    """The token that ends every sequence and separates documents and pair halves (`</s>`, `[SEP]`); never masked."""
+    unk_token_id: int = SpecialTokens.unk
+    """The unknown token: maskable, but never drawn as a random replacement."""
+    mask_token_id: int = SpecialTokens.mask
+    """`<mask>`: the input of a masked row at k = 0, and the embedding re-inserted at the insertion."""
 
     def __post_init__(self):
         if self.intermediate_size == 0:
@@ -87,8 +96,14 @@ class ModelConfig:
         for key in ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "encoder_layers", "max_seq_len"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
                 bad(key, "must be a positive integer")
-        if self.vocab_size <= NUM_SPECIAL_TOKENS:
-            bad("vocab_size", f"must exceed the {NUM_SPECIAL_TOKENS} special tokens")
+        if self.vocab_size <= len(ROLES):
+            bad("vocab_size", f"must exceed the {len(ROLES)} special tokens")
+        ids = self.special_tokens.as_dict()
+        for role, token_id in ids.items():
+            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                bad(f"{role}_token_id", f"must be a token id in [0, vocab_size={self.vocab_size})")
+        if len(set(ids.values())) < len(ids):
+            raise ConfigError(f"model special token ids {ids}: the five roles need five different ids")
         if self.hidden_size % self.num_heads:
             bad("hidden_size", f"must be divisible by num_heads={self.num_heads}")
         if self.position_embedding == "rotary" and (self.hidden_size // self.num_heads) % 2:
@@ -133,6 +148,12 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def special_tokens(self) -> SpecialTokens:
+        """The five special ids, by role."""
+        return SpecialTokens(self.pad_token_id, self.bos_token_id, self.eos_token_id, self.unk_token_id,
+                             self.mask_token_id)
+
+    @property
     def num_layers(self) -> int:
         """All layers, encoder and decoder."""
         return self.encoder_layers + self.decoder_layers
@@ -159,7 +180,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:
-        """The config saved as `dataclasses.asdict(config)` (derived fields such as mask_token_id are dropped)."""
+        """The config saved as `dataclasses.asdict(config)` (derived fields are dropped)."""
         return cls(**{k: v for k, v in values.items() if k in {f.name for f in dataclasses.fields(cls) if f.init}})
 
     @classmethod

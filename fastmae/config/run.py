@@ -11,6 +11,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from .fields import apply_overrides
 from .model import ModelConfig
+from .tokens import SpecialTokens
 
 # --------------------------------------------------------------------------------------------- training configs
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -274,34 +275,41 @@ SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "check
             "log": LogConfig}
 
 
-def dataset_vocab_size(data: DataConfig) -> int | None:
-    """The vocabulary of the run's dataset: data.builtin_vocab_size for the embedded corpus, else what the dataset's
-    meta.json records (None when data.path holds no dataset yet)."""
+def dataset_tokens(data: DataConfig) -> dict | None:
+    """What the run's dataset fixes of the model: {vocab_size, pad_token_id, ..., mask_token_id}, from the dataset's
+    meta.json (its tokenizer's; datasets from before special ids were recorded, and the embedded corpus at
+    data.builtin_vocab_size, have fastmae's own), or None when data.path holds no dataset yet."""
     if data.path == "builtin":
-        return data.builtin_vocab_size
+        return {"vocab_size": data.builtin_vocab_size, **_token_fields({})}
     meta = data.directory / "meta.json"
     try:
-        return int(json.loads(meta.read_text(encoding="utf-8"))["vocab_size"])
+        values = json.loads(meta.read_text(encoding="utf-8"))
+        return {"vocab_size": int(values["vocab_size"]), **_token_fields(values.get("special_tokens", {}))}
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{meta}: unreadable dataset metadata ({type(err).__name__}: {err})") from None
 
 
+def _token_fields(special: dict) -> dict:
+    return {f"{role}_token_id": token_id for role, token_id in SpecialTokens(**special).as_dict().items()}
+
+
 def resolved_model(values: dict, data: DataConfig) -> ModelConfig:
-    """The `model:` section as a ModelConfig: `preset` plus field overrides. vocab_size is the dataset's (which a
-    value written here must equal); a dataset not prepared yet needs model.vocab_size written."""
+    """The `model:` section as a ModelConfig: `preset` plus field overrides. vocab_size and the special ids are the
+    dataset's (which values written here must equal); a dataset not prepared yet needs model.vocab_size written."""
     values = dict(values)
     preset = values.pop("preset", None)
     if preset is None:
         raise ConfigError("model.preset is missing (mlm, mae-lm or 3ml)")
-    dataset_vocab = dataset_vocab_size(data)
-    if dataset_vocab is None and "vocab_size" not in values:
+    fixed = dataset_tokens(data)
+    if fixed is None and "vocab_size" not in values:
         raise ConfigError(f"data.path: {data.directory / 'meta.json'}: missing; run `fastmae prepare --output "
                           f"{data.directory}` first (or set model.vocab_size to load this config without its data)")
-    if dataset_vocab is not None and values.setdefault("vocab_size", dataset_vocab) != dataset_vocab:
-        raise ConfigError(f"model.vocab_size={values['vocab_size']} but the dataset of data.path={data.path} has a "
-                          f"vocabulary of {dataset_vocab}")
+    for name, value in (fixed or {}).items():
+        if values.setdefault(name, value) != value:
+            what = f"a vocabulary of {value}" if name == "vocab_size" else f"{name} {value} (its tokenizer's)"
+            raise ConfigError(f"model.{name}={values[name]} but the dataset of data.path={data.path} has {what}")
     return ModelConfig.preset(preset, **values)
 
 

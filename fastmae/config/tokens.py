@@ -1,7 +1,39 @@
-"""The special-token ids, fixed for every tokenizer and model fastmae makes."""
+"""The special tokens a tokenizer defines and a model is trained with: their ids travel with the dataset (meta.json),
+the model config (so checkpoints and exports) and the tokenizer; nothing else assumes them (ARCHITECTURE.md
+section 7)."""
 
-# Fixed special-token ids, shared by the tokenizer (data pipeline) and the model.
-PAD_ID, BOS_ID, EOS_ID, UNK_ID, MASK_ID = 0, 1, 2, 3, 4
-NUM_SPECIAL_TOKENS = 5
-# Tokens that are never selected for prediction. `<unk>` is an ordinary (maskable) token, as in RoBERTa.
-UNMASKABLE_IDS = (PAD_ID, BOS_ID, EOS_ID, MASK_ID)
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+ROLES = ("pad", "bos", "eos", "unk", "mask")
+"""The special tokens fastmae needs, by role: `bos` starts a sequence (RoBERTa's `<s>`, BERT's `[CLS]`), `eos` ends
+it and separates a pair's halves (`</s>`, `[SEP]`)."""
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The ids of the five special roles; the defaults are those of the sentencepiece tokenizers fastmae trains."""
+
+    pad: int = 0
+    bos: int = 1
+    eos: int = 2
+    unk: int = 3
+    mask: int = 4
+
+    @property
+    def unmaskable(self) -> tuple[int, ...]:
+        """Ids never selected for prediction. `unk` is an ordinary (maskable) token, as in RoBERTa."""
+        return (self.pad, self.bos, self.eos, self.mask)
+
+    def ordinary_ids(self, vocab_size: int):
+        """[vocab_size - 5] int32 tensor: the ids a random replacement draws from (every id but the five specials)."""
+        import torch
+
+        keep = torch.ones(vocab_size, dtype=torch.bool)
+        keep[list(asdict(self).values())] = False
+        return keep.nonzero()[:, 0].to(torch.int32)
+
+    def as_dict(self) -> dict[str, int]:
+        """{role: id}, as meta.json and config files hold them."""
+        return asdict(self)

@@ -126,7 +126,8 @@ class PackedLoader:
                 tokens, lengths = self.tokens_of(sequences)
                 if tokens.max() >= self.vocab_size:  # a damaged shard: stop here, not in an embedding lookup
                     self._out_of_vocabulary(tokens, lengths, sequences)
-                yield PackedBatch.from_packed(tokens, lengths, dataset_ids=sequences, index=first_index + place)
+                yield PackedBatch.from_packed(tokens, lengths, dataset_ids=sequences, index=first_index + place,
+                                              special=self.data.special_tokens)
 
     def _out_of_vocabulary(self, tokens: np.ndarray, lengths: np.ndarray, sequences: np.ndarray) -> NoReturn:
         """Raise the error naming the shard of the first sequence of a batch that holds an id >= vocab_size."""

@@ -17,7 +17,6 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ..config import BOS_ID, EOS_ID
 from ..errors import FastmaeError
 from .shards import Shard, ShardSet
 
@@ -88,20 +87,20 @@ class SequenceIndex:
     def tokens_of(self, data: ShardSet, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Concatenated token ids (with `<s>` ... `</s>`) and lengths of sequences `ids` of `data` (the shard set
         this index was built from), whatever their order."""
-        bodies = []
+        bodies, special = [], data.special_tokens
         for s, start, stop in zip(*(a.tolist() for a in self.stream_spans(ids))):
             shard = data.shards[s]
             if self.packing == "doc":
                 body = np.asarray(shard.tokens[start:stop], dtype=np.int64)
             else:
-                body = _full_body(shard, start, stop)
-            bodies.append(np.concatenate(([BOS_ID], body, [EOS_ID])))
+                body = _full_body(shard, start, stop, special.eos)
+            bodies.append(np.concatenate(([special.bos], body, [special.eos])))
         return np.concatenate(bodies), np.array([len(b) for b in bodies], dtype=np.int64)
 
 
-def _full_body(shard: Shard, start: int, stop: int) -> np.ndarray:
+def _full_body(shard: Shard, start: int, stop: int, eos: int) -> np.ndarray:
     """Tokens of stream positions [start, stop) of a `full`-packed shard: document d's tokens occupy stream positions
-    offsets[d] + d onwards, followed by its `</s>`."""
+    offsets[d] + d onwards, followed by its `</s>` (id `eos`)."""
     offsets = shard.offsets
     first = bisect.bisect_right(range(len(offsets)), start, key=lambda d: offsets[d] + d) - 1
     window = offsets[first:first + stop - start + 2]  # each document takes at least one stream position
@@ -111,4 +110,4 @@ def _full_body(shard: Shard, start: int, stop: int) -> np.ndarray:
     local = positions - stream_offsets[doc]
     is_separator = local == window[doc + 1] - window[doc]
     token_index = np.minimum(window[doc] + local, max(shard.num_tokens - 1, 0))
-    return np.where(is_separator, EOS_ID, np.asarray(shard.tokens[token_index], dtype=np.int64))
+    return np.where(is_separator, eos, np.asarray(shard.tokens[token_index], dtype=np.int64))

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import atomic_write_bytes, atomic_write_text
+from ..config import SpecialTokens
 from ..errors import FastmaeError
 
 FORMAT_VERSION = 1
@@ -206,6 +207,11 @@ class ShardSet:
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
+
+    @property
+    def special_tokens(self) -> SpecialTokens:
+        """The special ids of the dataset's tokenizer (datasets from before they were recorded: fastmae's own)."""
+        return SpecialTokens(**self.meta.get("special_tokens", {}))
 
     @property
     def tokenizer_sha256(self) -> str:

@@ -6,8 +6,11 @@ from conftest import KERNEL_DEVICE
 from fastmae.kernels import mask_key, select_masked, select_masked_reference
 
 from fastmae import PackedBatch
-from fastmae.config import MASK_ID, NUM_SPECIAL_TOKENS, UNMASKABLE_IDS
+from fastmae.config import SpecialTokens
 from fastmae.masking import MaskCounts
+
+FASTMAE = SpecialTokens()  # the special ids of the sentencepiece tokenizers fastmae trains
+BERT = SpecialTokens(pad=0, bos=101, eos=102, unk=100, mask=103)  # BERT's WordPiece: specials inside the vocabulary
 
 SEQUENCES = {
     "edge": [[1, 10, 11, 12, 13, 14, 2], [1, 2], [20], [1, 3, 30, 31, 4, 2, 0, 0], [7]],
@@ -20,21 +23,31 @@ SEQUENCES = {
                                                      (0.4, 0.5, 0.3), (1.0, 1.0, 0.0)],
                          ids=["mlm", "mae-lm", "3ml", "mixed", "all-masked"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_kernel_matches_reference_bit_for_bit(name, rate, mask_p, random_p, seed, nan_empty):
-    batch = PackedBatch.from_sequences(SEQUENCES[name]).to(KERNEL_DEVICE)
+@pytest.mark.parametrize("special", [FASTMAE, BERT], ids=["fastmae-ids", "bert-ids"])
+def test_kernel_matches_reference_bit_for_bit(name, rate, mask_p, random_p, seed, special, nan_empty):
+    sequences = SEQUENCES[name]
+    if special == BERT:  # the same sequences with BERT's ids in the special roles
+        as_bert = dict(zip(FASTMAE.as_dict().values(), BERT.as_dict().values()))
+        sequences = [[as_bert.get(t, t) for t in seq] for seq in sequences]
+    batch = PackedBatch.from_sequences(sequences, special=special).to(KERNEL_DEVICE)
     counts = MaskCounts.compute(batch.num_maskable, rate, mask_p, random_p)
-    maskable = ~torch.isin(batch.tokens, torch.tensor(UNMASKABLE_IDS, dtype=torch.int32, device=KERNEL_DEVICE))
+    maskable = ~torch.isin(batch.tokens, torch.tensor(special.unmaskable, dtype=torch.int32, device=KERNEL_DEVICE))
+    ordinary = special.ordinary_ids(1000).to(KERNEL_DEVICE)
     args = (batch.tokens, batch.cu_seqlens, batch.seq_ids, maskable, counts.removed.to(KERNEL_DEVICE),
             counts.random.to(KERNEL_DEVICE), counts.predicted.to(KERNEL_DEVICE), int(counts.predicted.sum()),
-            int(counts.removed.sum()), mask_key(seed, 7, 1), mask_key(seed, 7, 1, stream=1), 1000, MASK_ID,
-            NUM_SPECIAL_TOKENS, batch.max_seqlen)
+            int(counts.removed.sum()), mask_key(seed, 7, 1), mask_key(seed, 7, 1, stream=1), special.mask, ordinary,
+            batch.max_seqlen)
     expected = select_masked_reference(*args)
     got = select_masked(*args)
     for field, e, g in zip(expected._fields, expected, got):
         assert g.dtype == e.dtype and torch.equal(g, e), field
+    randomised = (got.input_tokens != batch.tokens) & (got.input_tokens != special.mask)
+    assert torch.isin(got.input_tokens[randomised], ordinary).all()  # random ids are never special
+    if random_p and name == "long":
+        assert randomised.any()
     if rate == 1.0:  # everything maskable is masked: the visible stream holds the specials only
         assert torch.isin(batch.tokens[got.visible_index.long()],
-                          torch.tensor(UNMASKABLE_IDS, dtype=torch.int32, device=KERNEL_DEVICE)).all()
+                          torch.tensor(special.unmaskable, dtype=torch.int32, device=KERNEL_DEVICE)).all()
 
 
 @pytest.mark.parametrize("preset, extra", [("3ml", {}), ("mlm", {}),
