@@ -40,6 +40,12 @@ class Pretrained:
     step: int
     foreign: str = ""
 
+    def describe(self) -> str:
+        """The source in words, as the training log names it."""
+        if self.foreign:
+            return f"the Hugging Face {self.foreign} encoder {self.weights_file}"
+        return f"{self.weights_file} (step {self.step}, {self.config.objective})"
+
     def provenance(self) -> dict:
         """Where these weights came from, as run_info.json and the model card name it."""
         return {"weights": str(self.weights_file), "step": self.step, "objective": self.config.objective,
@@ -210,10 +216,24 @@ def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
     return dataclasses.replace(config, model=model), source
 
 
-def initialise(model: MaskedLM, source: Pretrained) -> list[str]:
+def initialise(model: MaskedLM, source: Pretrained, decoder: str = "new") -> list[str]:
     """Copy into `model` every weight of `source` it has under the same name and shape (the encoder, the LM head,
-    and a decoder of the same depth and kind); returns the names of the tensors it left as initialised."""
+    and a decoder of the same depth and kind); with `decoder="top"`, a decoder the source lacks gets copies of the
+    source encoder's top layers (decoder layer i <- encoder layer L - d + i) and the insertion's positions and
+    LayerNorm those of the embeddings. Returns the names of the tensors it left as initialised."""
     own = model.state_dict()
-    loaded = {k: v for k, v in source.weights.items() if k in own and own[k].shape == v.shape}
+    weights = dict(source.weights)
+    if decoder == "top":
+        depth, layers = model.config.decoder_layers, source.config.encoder_layers
+        renamed = {"insertion.positions.weight": "embeddings.positions.weight",
+                   "insertion.norm.weight": "embeddings.norm.weight", "insertion.norm.bias": "embeddings.norm.bias"}
+        for i in range(min(depth, layers)):
+            top = layers - min(depth, layers) + i
+            renamed.update({name: f"encoder.{top}.{name.split('.', 2)[2]}" for name in own
+                            if name.startswith(f"decoder.{i}.")})
+        for name, origin in renamed.items():
+            if name not in weights and origin in source.weights:
+                weights[name] = source.weights[origin]
+    loaded = {k: v for k, v in weights.items() if k in own and own[k].shape == v.shape}
     model.load_state_dict(loaded, strict=False)
     return sorted(k for k in own if k not in loaded)

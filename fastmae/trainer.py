@@ -97,8 +97,8 @@ def model_engine(config: RunConfig, precision: str, device: torch.device, non_fi
     model = MaskedLM(config.model)
     checkpoint_dir = checkpoint_to_resume(Path(config.log.dir) / "checkpoints", resume)
     if source is not None and checkpoint_dir is None:
-        new = initialise(model, source)
-        log_line(f"initialised from {source.weights_file} (step {source.step}, {source.config.objective}); "
+        new = initialise(model, source, train.init_decoder)
+        log_line(f"initialised from {source.describe()}; "
                  f"new: {', '.join(sorted({name.split('.')[0] for name in new})) or 'nothing'}")
     model.activation_checkpointing = train.activation_checkpointing
     if train.zero_stage == 3:

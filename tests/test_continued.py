@@ -68,6 +68,22 @@ def test_the_source_shape_and_weights_with_the_presets_objective(dataset, mlm_so
                                        rtol=1e-5, atol=1e-6)
 
 
+def test_a_new_decoder_can_start_from_the_source_encoders_top_layers(dataset, mlm_source, tmp_path):
+    config, source = continued(config_for(dataset, mlm_source, tmp_path, "model.preset=3ml", "model.decoder_layers=1",
+                                          "train.init_decoder=top"))
+    assert config.train.init_decoder == "top"
+    model = MaskedLM(config.model)
+    new = initialise(model, source, config.train.init_decoder)
+    top = source.config.encoder_layers - 1
+    for name, tensor in model.state_dict().items():
+        if name.startswith("decoder.0."):
+            assert torch.equal(tensor, source.weights[f"encoder.{top}.{name.split('.', 2)[2]}"]), name
+    assert torch.equal(model.insertion.norm.weight, source.weights["embeddings.norm.weight"])
+    assert not any(name.startswith(("decoder.", "insertion.")) for name in new), new  # (rotary: no position table)
+    with pytest.raises(FastmaeError, match="train.init_decoder='bottom': must be 'new' or 'top'"):
+        config_for(dataset, mlm_source, tmp_path, "train.init_decoder=bottom")
+
+
 def test_what_cannot_be_mapped_is_refused_naming_both(dataset, mlm_source, tmp_path):
     with pytest.raises(FastmaeError, match=rf"model.hidden_size=96 but train.init_from={mlm_source} is a model with "
                                            r"hidden_size=48: a continued run keeps its source's shape"):

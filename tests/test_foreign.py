@@ -199,3 +199,37 @@ def test_what_cannot_be_mapped_is_refused_by_name(bpe_dir, tmp_path):
     (model / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 8}))
     with pytest.raises(FastmaeError, match=r"tokens, but .* was trained with vocab_size"):
         load_pretrained(model)
+
+
+def test_a_foreign_encoder_is_taken_wherever_fastmae_takes_a_model(wordpiece_dir, tmp_path):
+    """export (re-exported, transformers computes the BERT's hidden states), analyze and finetune read the BERT
+    directory itself, by the same path as fastmae's own models."""
+    from synthetic import keyword_split
+
+    from fastmae.analyze import main as analyze_main
+    from fastmae.export import export
+    from fastmae.finetune import main as finetune_main
+
+    bert = foreign_model("bert", wordpiece_dir, tmp_path / "bert")
+    export(bert, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "roberta"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert [tokenizer(t).input_ids for t in TEXTS] == [
+        transformers.AutoTokenizer.from_pretrained(bert)(t).input_ids for t in TEXTS]
+    padded = tokenizer(TEXTS, padding=True, return_tensors="pt", return_token_type_ids=False)
+    with torch.no_grad():
+        original = transformers.AutoModel.from_pretrained(bert).eval()(**padded).last_hidden_state
+        again = transformers.AutoModel.from_pretrained(tmp_path / "hf").eval()(**padded).last_hidden_state
+    real = padded["attention_mask"].bool()
+    assert (original[real] - again[real]).abs().max() <= 1e-5
+
+    (tmp_path / "text.txt").write_text("\n".join(corpus(3)) + "\n")
+    assert analyze_main(["--model", str(bert), "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "a"),
+                         "--sequences", "8"]) == 0
+    assert json.loads((tmp_path / "a" / "analysis.json").read_text())["objective"] == "mlm"
+    words = "the cat dog bird sat ran on under a big small red".split()
+    keyword_split(tmp_path / "sst2" / "train.tsv", words, 64, seed=0)
+    keyword_split(tmp_path / "sst2" / "dev.tsv", words, 16, seed=1)
+    assert finetune_main(["--model", str(bert), "--out", str(tmp_path / "ft"), "--task", "sst2", "--data",
+                          str(tmp_path / "sst2"), "--seeds", "1", "--epochs", "1", "--batch-size", "16"]) == 0
+    assert json.loads((tmp_path / "ft" / "results.json").read_text())["per_seed"][0]["history"]

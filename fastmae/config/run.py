@@ -111,10 +111,14 @@ class TrainConfig:
     micro-batches are then padded to a few fixed shapes (fastmae/padding.py; with a varlen attention kernel)."""
     seed: int = 0
     init_from: str = ""
-    """Continued pretraining: start from the weights of this fastmae run, checkpoint or export directory instead of a
-    random initialisation. The model's shape comes from it (a shape field set to another value is refused) and
-    `model.preset` chooses the objective on top; weights the source lacks (a new decoder) start as in pretraining.
-    Not a resume: the optimizer, schedule and data position start afresh (fastmae.pretrained.continued)."""
+    """Continued pretraining: start from the weights of this fastmae run, checkpoint or export directory, or of a
+    Hugging Face RoBERTa, BERT, ESM-2 or RoFormer directory, instead of a random initialisation. The model's shape and
+    special token ids come from it (a shape field set to another value is refused) and `model.preset` chooses the
+    objective on top; weights the source lacks (a new decoder) start as in pretraining, or see init_decoder. Not a
+    resume: the optimizer, schedule and data position start afresh (fastmae.pretrained.continued)."""
+    init_decoder: str = "new"
+    """With init_from, how a decoder the source lacks starts: `new` (as in pretraining) or `top` (copies of the
+    source encoder's top layers, and the insertion's positions and LayerNorm from its embeddings)."""
     max_bad_steps: int = 20
     """Stop after this many non-finite losses in a row (each is skipped and counted)."""
     collective_timeout_s: int = 600
@@ -135,6 +139,8 @@ class TrainConfig:
             bad("schedule", "must be 'linear' or 'polynomial'")
         if self.precision not in PRECISIONS:
             bad("precision", f"must be one of {PRECISIONS}")
+        if self.init_decoder not in ("new", "top"):
+            bad("init_decoder", "must be 'new' or 'top'")
         if self.cuda_graphs not in ("auto", "always", "never"):
             bad("cuda_graphs", "must be 'auto', 'always' or 'never'")
         if self.zero_stage not in (0, 1, 2, 3):

@@ -1,6 +1,6 @@
 """The special tokens a tokenizer defines and a model is trained with: their ids travel with the dataset (meta.json),
 the model config (so checkpoints and exports) and the tokenizer; nothing else assumes them (ARCHITECTURE.md
-section 7)."""
+section 6)."""
 
 from __future__ import annotations
 

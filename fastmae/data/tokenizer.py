@@ -1,5 +1,5 @@
 """Tokenizers, of two kinds, each carrying its special ids (`SpecialTokens`), the files it is saved as and the sha256
-that ties a dataset, a run and an export to it (ARCHITECTURE.md section 7):
+that ties a dataset, a run and an export to it (ARCHITECTURE.md section 6):
 
 - a sentencepiece model fastmae trains (`tokenizer.model`; pad 0, `<s>` 1, `</s>` 2, `<unk>` 3, `<mask>` 4);
 - any Hugging Face tokenizer directory (`tokenizer.json` with its `tokenizer_config.json` / `special_tokens_map.json`,
@@ -171,7 +171,9 @@ class HuggingFaceTokenizer(Tokenizer):
             key = next((k for k in keys if named.get(k)), None)
             if key is None:
                 raise FastmaeError(f"{source}: no {' or '.join(keys)} in tokenizer_config.json or "
-                                   f"special_tokens_map.json: fastmae needs the {role} token")
+                                   f"special_tokens_map.json: fastmae needs the {role} token (transformers writes "
+                                   "every special token there: AutoTokenizer.from_pretrained(DIR).save_pretrained"
+                                   "(DIR))")
             token = named[key]["content"] if isinstance(named[key], dict) else named[key]
             ids[role] = self.rust.token_to_id(token)
             if ids[role] is None:
