@@ -32,7 +32,14 @@ from .atomic import atomic_write_text
 from .config import add_arguments, from_arguments, option
 from .data.readers import FORMATS, ReadStats, expand_inputs, read_documents
 from .data.shards import FORMAT_VERSION, SPLITS, finished_shard_problem, read_shard_meta, token_dtype, write_shard
-from .data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer, tokenizer_from_files, train_sentencepiece
+from .data.tokenizer import (
+    SentencePieceTokenizer,
+    Tokenizer,
+    has_tokenizer,
+    load_tokenizer,
+    tokenizer_from_files,
+    train_sentencepiece,
+)
 from .errors import FastmaeError, run_command
 from .kernels.hashing import hash32_int
 
@@ -47,6 +54,8 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 
 def _init_worker(files: dict[str, bytes], source: str) -> None:
     global _WORKER_TOKENIZER
+    # the pool's processes are the parallelism: a Hugging Face tokenizer's own threads would oversubscribe the cores
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER_TOKENIZER = tokenizer_from_files(files, source)
 
 
@@ -115,7 +124,7 @@ def prepare(inputs: list[Path], output: Path, progress: bool = True, **options) 
     output.mkdir(parents=True, exist_ok=True)
     read = lambda stats=None: read_documents(inputs, o.fmt, o.text_field, o.text_mode, o.on_decode_error, stats)  # noqa
 
-    saved = any((output / name).is_file() for name in ("tokenizer.model", "tokenizer.json"))
+    saved = has_tokenizer(output)
     if o.tokenizer_path:
         tokenizer = load_tokenizer(o.tokenizer_path)
     elif saved:

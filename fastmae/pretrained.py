@@ -21,7 +21,7 @@ import yaml
 
 from .checkpoint import WEIGHTS, complete_checkpoints, read_weights, saved_model_config, weights_metadata
 from .config import ModelConfig, RunConfig
-from .data.tokenizer import Tokenizer, load_tokenizer
+from .data.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 from .errors import FastmaeError
 from .hf_format import CONFIG_KEY, FOREIGN_ARCHITECTURES, config_json, read_foreign, read_hugging_face
 from .model import MaskedLM
@@ -162,7 +162,7 @@ def _newest_weights(run_dir: Path) -> tuple[Path, int]:
 
 def _run_tokenizer(run_dir: Path) -> Tokenizer:
     """The run's copy of its tokenizer, or (runs of older fastmae) the one in the dataset its config names."""
-    if _has_tokenizer(run_dir):
+    if has_tokenizer(run_dir):
         return load_tokenizer(run_dir)
     data_path = None
     if (run_dir / "config.yaml").is_file():
@@ -172,12 +172,8 @@ def _run_tokenizer(run_dir: Path) -> Tokenizer:
     return _tokenizer(Path(data_path), f"{run_dir}'s dataset")
 
 
-def _has_tokenizer(directory: Path) -> bool:
-    return (directory / "tokenizer.model").is_file() or (directory / "tokenizer.json").is_file()
-
-
 def _tokenizer(directory: Path, what: str) -> Tokenizer:
-    if not _has_tokenizer(directory):
+    if not has_tokenizer(directory):
         raise FastmaeError(f"{directory}: {what} has no tokenizer (tokenizer.model or tokenizer.json)")
     return load_tokenizer(directory)
 
@@ -200,7 +196,7 @@ def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
     source = load_pretrained(config.train.init_from)
     where = f"train.init_from={config.train.init_from}"
     data = config.data.directory
-    if _has_tokenizer(data) and load_tokenizer(data).sha256 != source.tokenizer.sha256:
+    if has_tokenizer(data) and load_tokenizer(data).sha256 != source.tokenizer.sha256:
         raise FastmaeError(f"data.path={config.data.path} was tokenised with {load_tokenizer(data).source}, not the "
                            f"tokenizer of {where} ({source.tokenizer.source}): prepare the data with `fastmae prepare "
                            f"--tokenizer {config.train.init_from}`")

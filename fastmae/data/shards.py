@@ -1,7 +1,9 @@
 """Memory-mapped token shards with a document index, and the dataset directory's metadata.
 
-    DIR/meta.json                  tokenizer sha256, vocab size, dtype, per split: shard names, token/document counts
-    DIR/tokenizer.model            the sentencepiece model
+    DIR/meta.json                  tokenizer sha256, vocab size, special token ids, dtype, per split: shard names,
+                                   token/document counts
+    DIR/tokenizer.model            the tokenizer: a sentencepiece model, or a Hugging Face tokenizer's files
+                                   (tokenizer.json, tokenizer_config.json, special_tokens_map.json)
     DIR/SPLIT/NAME.tokens          uint16 (vocab < 65536) or uint32 token ids of all documents, concatenated
     DIR/SPLIT/NAME.docs.npy        int64 [documents + 1] offsets of the documents in NAME.tokens
     DIR/SPLIT/NAME.json            counts, dtype and sha256 of NAME.tokens; written last, so it marks a finished shard

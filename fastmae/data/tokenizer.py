@@ -201,6 +201,11 @@ def tokenizer_from_files(files: dict[str, bytes], source: str) -> Tokenizer:
     return HuggingFaceTokenizer(files, source)
 
 
+def has_tokenizer(directory: Path) -> bool:
+    """Whether `directory` holds a tokenizer `load_tokenizer` would read (tokenizer.model or tokenizer.json)."""
+    return (directory / SENTENCEPIECE_FILE).is_file() or (directory / "tokenizer.json").is_file()
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer at `path`: a sentencepiece model file, a Hugging Face tokenizer.json, or a directory holding
     either (a dataset, run, export or Hugging Face model directory). A directory's tokenizer.model is read first when
