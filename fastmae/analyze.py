@@ -57,7 +57,7 @@ from .data.shards import ShardSet
 from .errors import FastmaeError, run_command
 from .evaluation import held_out_mask
 from .plot import pyplot, save_figure
-from .pretrained import Pretrained, load_pretrained
+from .pretrained import MODEL_HELP, Pretrained, load_pretrained
 
 GROUPS = ("real_masked_input", "mask", "real_unmasked_input", "all_unmasked_input")
 
@@ -330,7 +330,7 @@ def run(model_path: str | Path, data: str | Path, out: str | Path, config: Analy
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastmae analyze", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="a run directory, checkpoint directory or fastmae export")
+    parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument("--data", required=True, help="a UTF-8 text file (a document per line) or dataset directory")
     parser.add_argument("--out", required=True, help="output directory (analysis.json, ranks.png, mask_dims.png)")
     add_arguments(parser, AnalyzeConfig)

@@ -1,4 +1,4 @@
-"""`fastmae export RUN_DIR_OR_CHECKPOINT OUTDIR`: the encoder as a Hugging Face directory: RoBERTa or RoFormer for
+"""`fastmae export MODEL_DIR OUTDIR`: the encoder as a Hugging Face directory: RoBERTa or RoFormer for
 post-LN encoders (learned or rotary positions), ESM-2 for pre-LN ones (fastmae.hf_format.hugging_face_architecture).
 
     OUTDIR/config.json             Roberta-, RoFormer- or EsmConfig (+ `fastmae_model_config`, so fastmae reads it back)
@@ -31,7 +31,7 @@ from .data.tokenizer import SentencePieceTokenizer
 from .errors import FastmaeError, run_command
 from .hf_format import hugging_face_architecture, hugging_face_config, hugging_face_tokenizer, to_hugging_face
 from .metrics import read_metrics
-from .pretrained import Pretrained, load_pretrained
+from .pretrained import MODEL_HELP, Pretrained, load_pretrained
 
 
 def export(source: str | Path, outdir: str | Path, overwrite: bool = False) -> Path:
@@ -160,8 +160,8 @@ their run directory. The MAE-LM / 3ML decoder is not exported (only the encoder 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastmae export", description=HELP, epilog=REFUSED)
-    parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
-                        help="a run directory (its newest weights) or one of its checkpoints/stepN directories")
+    parser.add_argument("source", metavar="MODEL_DIR",
+                        help=MODEL_HELP)
     parser.add_argument("outdir", metavar="OUTDIR", help="the Hugging Face directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTDIR if it exists")
     return parser

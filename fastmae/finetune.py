@@ -46,7 +46,7 @@ from .errors import FastmaeError, run_command
 from .hardware import choose_precision
 from .model import MaskedLM
 from .optim import lr_multiplier, param_groups
-from .pretrained import Pretrained, load_pretrained
+from .pretrained import MODEL_HELP, Pretrained, load_pretrained
 from .tasks import GLUE_TASKS, Examples, Task, custom_task, load_split, read_rows, score
 
 
@@ -333,7 +333,7 @@ def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Pat
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastmae finetune", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="a run directory, checkpoint directory or fastmae export")
+    parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument("--task", required=True, choices=[*GLUE_TASKS, "custom"])
     parser.add_argument("--data", help="GLUE task directory holding train.tsv and dev.tsv")
     parser.add_argument("--out", required=True, help="output directory (results.json, seed*/best.safetensors)")

@@ -45,7 +45,7 @@ from .atomic import atomic_write_text
 from .errors import FastmaeError, run_command
 from .finetune import FinetuneConfig, framed_split, other_dev_sets, train_one_seed, width_learning_rate
 from .hardware import choose_precision
-from .pretrained import Pretrained, load_pretrained
+from .pretrained import MODEL_HELP, Pretrained, load_pretrained
 from .tasks import GLUE_DIRS, GLUE_TASKS, Task, load_split
 
 HEADLINE = {"cola": "matthews_correlation", "stsb": "spearman"}
@@ -349,7 +349,7 @@ def log(line: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastmae glue", description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--model", action="append", required=True,
-                        help="a fastmae run, checkpoint or export directory; repeat for models side by side")
+                        help=f"{MODEL_HELP}; repeat for models side by side")
     parser.add_argument("--data", required=True, type=Path, help="GLUE directory (CoLA/, SST-2/, ... any subset)")
     parser.add_argument("--out", required=True, type=Path, help="output directory (cells/, glue.json, glue.md)")
     parser.add_argument("--protocol", choices=["papers", "modernbert"], default="papers",

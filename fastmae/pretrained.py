@@ -124,6 +124,10 @@ def read_run(path: Path) -> Pretrained:
                       step)
 
 
+MODEL_HELP = ("a fastmae run, checkpoint or export directory, or a Hugging Face RoBERTa, BERT, ESM-2 or RoFormer "
+              "directory")
+"""What the commands that take a model (`--model`) accept: every kind `load_pretrained` reads."""
+
 READERS = {"export": read_export, "foreign": read_foreign_encoder, "checkpoint": read_checkpoint, "run": read_run}
 
 
