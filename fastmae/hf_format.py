@@ -8,7 +8,7 @@
 
 The mapping is one table (`_name_pairs`) read both ways; fastmae's fused `qkv` projection is the row-wise
 concatenation of Hugging Face's query, key and value (kept fused: one GEMM instead of three in every layer). The same
-table reads encoders fastmae did not write (`foreign_model_config`, `read_hugging_face`): RoBERTa, BERT (its
+table reads encoders fastmae did not write (`foreign_model_config`, `read_foreign`): RoBERTa, BERT (its
 position rows shifted behind fastmae's pad offset), ESM-2 and RoFormer, each token-type embedding's first row folded
 in (fastmae has no token types).
 """
@@ -337,11 +337,11 @@ def foreign_model_config(hf: dict, special: SpecialTokens, source: Path) -> Mode
         raise FastmaeError(f"{where}: {err}") from None
 
 
-def read_foreign(directory: Path, special: SpecialTokens) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(model config, fastmae weights) of a Hugging Face RoBERTa, BERT, ESM-2 or RoFormer directory (masked-LM or
-    base model), `special` its tokenizer's ids. The first row of a token-type table is folded into the position rows
-    (learned positions: exact) or into the token rows (RoFormer: the same hidden states; the tied LM head's logits
-    then move by one constant per row, so its probabilities are the same)."""
+def read_foreign(directory: Path, special: SpecialTokens) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+    """(model config, fastmae weights, architecture name) of a Hugging Face RoBERTa, BERT, ESM-2 or RoFormer
+    directory (masked-LM or base model), `special` its tokenizer's ids. The first row of a token-type table is folded
+    into the position rows (learned positions: exact) or into the token rows (RoFormer: the same hidden states; the
+    tied LM head's logits then move by one constant per row, so its probabilities are the same)."""
     hf = config_json(directory)
     config = foreign_model_config(hf, special, directory)
     arch = hf["model_type"]
@@ -356,4 +356,4 @@ def read_foreign(directory: Path, special: SpecialTokens) -> tuple[ModelConfig, 
         weights["embeddings.positions.weight"] = torch.cat([rows.new_zeros(shift, rows.shape[1]), rows]) + folded
     else:
         weights["embeddings.tokens.weight"] = weights["embeddings.tokens.weight"] + folded
-    return config, {name: t.float().contiguous() for name, t in weights.items()}
+    return config, {name: t.float().contiguous() for name, t in weights.items()}, FOREIGN_ARCHITECTURES[arch]

@@ -23,7 +23,7 @@ from .checkpoint import WEIGHTS, complete_checkpoints, read_weights, saved_model
 from .config import ModelConfig, RunConfig
 from .data.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 from .errors import FastmaeError
-from .hf_format import CONFIG_KEY, FOREIGN_ARCHITECTURES, config_json, read_foreign, read_hugging_face
+from .hf_format import CONFIG_KEY, config_json, read_foreign, read_hugging_face
 from .model import MaskedLM
 
 
@@ -100,8 +100,7 @@ def read_export(path: Path) -> Pretrained:
 def read_foreign_encoder(path: Path) -> Pretrained:
     """A Hugging Face RoBERTa, BERT, ESM-2 or RoFormer directory with its tokenizer (`hf_format.read_foreign`)."""
     tokenizer = _tokenizer(path, "the model directory")
-    config, weights = read_foreign(path, tokenizer.special)
-    architecture = FOREIGN_ARCHITECTURES[config_json(path)["model_type"]]
+    config, weights, architecture = read_foreign(path, tokenizer.special)
     return Pretrained(config, weights, tokenizer, path / WEIGHTS, 0, architecture)
 
 

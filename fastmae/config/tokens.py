@@ -4,16 +4,14 @@ section 6)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
-ROLES = ("pad", "bos", "eos", "unk", "mask")
-"""The special tokens fastmae needs, by role: `bos` starts a sequence (RoBERTa's `<s>`, BERT's `[CLS]`), `eos` ends
-it and separates a pair's halves (`</s>`, `[SEP]`)."""
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass(frozen=True)
 class SpecialTokens:
-    """The ids of the five special roles; the defaults are those of the sentencepiece tokenizers fastmae trains."""
+    """The ids of the five special tokens fastmae needs, by role: `bos` starts a sequence (RoBERTa's `<s>`, BERT's
+    `[CLS]`), `eos` ends it and separates documents and a pair's halves (`</s>`, `[SEP]`). The defaults are those of
+    the sentencepiece tokenizers fastmae trains."""
 
     pad: int = 0
     bos: int = 1
@@ -37,3 +35,7 @@ class SpecialTokens:
     def as_dict(self) -> dict[str, int]:
         """{role: id}, as meta.json and config files hold them."""
         return asdict(self)
+
+
+ROLES = tuple(role.name for role in fields(SpecialTokens))
+"""The five roles, in SpecialTokens' order."""

@@ -161,7 +161,7 @@ class HuggingFaceTokenizer(Tokenizer):
             self.rust = RustTokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
             named = {}
             for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config's names win
-                named.update(json.loads(files[name]) if name in files else {})
+                named.update({k: v for k, v in (json.loads(files[name]) if name in files else {}).items() if v})
         except Exception as err:  # noqa: BLE001 (tokenizers raises plain Exception)
             raise FastmaeError(f"{source}: unreadable Hugging Face tokenizer ({type(err).__name__}: {err})") from None
         self.rust.no_truncation()
@@ -178,6 +178,9 @@ class HuggingFaceTokenizer(Tokenizer):
             ids[role] = self.rust.token_to_id(token)
             if ids[role] is None:
                 raise FastmaeError(f"{source}: {key} {token!r} is not in tokenizer.json's vocabulary")
+        if len(set(ids.values())) < len(ids):
+            raise FastmaeError(f"{source}: special tokens {ids} share ids: fastmae needs five different ones (pad, "
+                               "cls/bos, sep/eos, unk, mask)")
         # what decides the ids: the tokenizer's pipeline and vocabulary (not its truncation or padding settings, which
         # a re-save may change) and the special ids
         pipeline = {k: v for k, v in json.loads(files["tokenizer.json"]).items() if k not in ("truncation", "padding")}
