@@ -1,6 +1,7 @@
 """Continued pretraining (train.init_from): the shape comes from the source and the objective from model.preset,
 the encoder computes the source's hidden states (and, for mlm, its loss) before any update, what cannot be mapped is
-refused naming both values, and a 2-rank DeepSpeed run switches an mlm encoder to 3ml."""
+refused naming both values, a new decoder may start from the encoder's top layers, and a 2-rank DeepSpeed run switches a
+Hugging Face RoBERTa (an mlm encoder with its own tokenizer) to 3ml, exports and fine-tunes it."""
 
 import json
 
