@@ -261,19 +261,35 @@ def config_json(directory: Path) -> dict:
 
 
 def _tensors(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, metadata) of a directory's model.safetensors; errors name the file."""
+    """(tensors, metadata) of a directory's weights: model.safetensors, the shards model.safetensors.index.json names,
+    or (older checkpoints) pytorch_model.bin, loaded with weights_only=True. Errors name the file."""
     from safetensors import SafetensorError, safe_open
 
-    weights_file = directory / WEIGHTS
-    if not weights_file.is_file():
-        raise FastmaeError(f"{weights_file}: missing" + (
-            " (this directory has pytorch_model.bin: save the model again with safe_serialization, the default of "
-            "save_pretrained)" if (directory / "pytorch_model.bin").is_file() else ""))
-    try:
-        with safe_open(str(weights_file), framework="pt") as handle:
-            return {name: handle.get_tensor(name) for name in handle.keys()}, handle.metadata() or {}
-    except (SafetensorError, OSError) as err:
-        raise FastmaeError(f"{weights_file}: unreadable safetensors file ({err})") from None
+    index, legacy = directory / "model.safetensors.index.json", directory / "pytorch_model.bin"
+    if (directory / WEIGHTS).is_file():
+        files = [directory / WEIGHTS]
+    elif index.is_file():
+        try:
+            files = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise FastmaeError(f"{index}: unreadable ({type(err).__name__}: {err})") from None
+    elif legacy.is_file():
+        try:
+            return torch.load(legacy, map_location="cpu", weights_only=True), {}
+        except Exception as err:  # noqa: BLE001 (torch.load raises many kinds)
+            raise FastmaeError(f"{legacy}: unreadable ({type(err).__name__}: {err})") from None
+    else:
+        raise FastmaeError(f"{directory / WEIGHTS}: missing (and no model.safetensors.index.json or "
+                           "pytorch_model.bin)")
+    tensors, metadata = {}, {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+                metadata = metadata or handle.metadata() or {}
+        except (SafetensorError, OSError) as err:
+            raise FastmaeError(f"{file}: unreadable safetensors file ({err})") from None
+    return tensors, metadata
 
 
 def read_hugging_face(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], int]:

@@ -101,7 +101,8 @@ def read_foreign_encoder(path: Path) -> Pretrained:
     """A Hugging Face RoBERTa, BERT, ESM-2 or RoFormer directory with its tokenizer (`hf_format.read_foreign`)."""
     tokenizer = _tokenizer(path, "the model directory")
     config, weights, architecture = read_foreign(path, tokenizer.special)
-    return Pretrained(config, weights, tokenizer, path / WEIGHTS, 0, architecture)
+    weights_file = path / WEIGHTS if (path / WEIGHTS).is_file() else path  # sharded or pytorch_model.bin: the directory
+    return Pretrained(config, weights, tokenizer, weights_file, 0, architecture)
 
 
 def read_checkpoint(path: Path) -> Pretrained:

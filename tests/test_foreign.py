@@ -233,3 +233,24 @@ def test_a_foreign_encoder_is_taken_wherever_fastmae_takes_a_model(wordpiece_dir
     assert finetune_main(["--model", str(bert), "--out", str(tmp_path / "ft"), "--task", "sst2", "--data",
                           str(tmp_path / "sst2"), "--seeds", "1", "--epochs", "1", "--batch-size", "16"]) == 0
     assert json.loads((tmp_path / "ft" / "results.json").read_text())["per_seed"][0]["history"]
+
+
+def test_sharded_and_pytorch_bin_checkpoints_read_the_same_weights(bpe_dir, tmp_path):
+    """Larger models come as shards (model.safetensors.index.json), older ones as pytorch_model.bin."""
+    single = load_pretrained(foreign_model("roberta", bpe_dir, tmp_path / "single"))
+    model = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "single")
+    sharded, legacy = tmp_path / "sharded", tmp_path / "legacy"
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    shutil.copytree(tmp_path / "single", legacy)
+    (legacy / "model.safetensors").unlink()
+    torch.save(model.state_dict(), legacy / "pytorch_model.bin")
+    for directory in (sharded, legacy):
+        for path in bpe_dir.iterdir():
+            shutil.copy(path, directory / path.name)
+        other = load_pretrained(directory)
+        assert other.weights.keys() == single.weights.keys() and other.weights_file == directory
+        assert all(torch.equal(other.weights[k], single.weights[k]) for k in single.weights)
+    (legacy / "pytorch_model.bin").write_bytes(b"not a checkpoint")
+    with pytest.raises(FastmaeError, match="pytorch_model.bin: unreadable"):
+        load_pretrained(legacy)
