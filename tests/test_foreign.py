@@ -172,15 +172,31 @@ def test_a_hugging_face_tokenizer_prepares_data_whose_special_ids_travel(bpe_dir
         assert ours.frame(a, b) == theirs(TEXTS[0], TEXTS[1]).input_ids
 
 
+def test_special_tokens_a_config_does_not_name_are_the_tokenizers_conventional_ones(bpe_dir, wordpiece_dir, tmp_path):
+    """roberta-base's and bert-base-uncased's hub tokenizer_config.json name no special token (transformers' classes
+    default them): fastmae finds the same ids among tokenizer.json's special tokens."""
+    for tokenizer_dir in (bpe_dir, wordpiece_dir):
+        bare = tmp_path / tokenizer_dir.parent.name
+        shutil.copytree(tokenizer_dir, bare)
+        (bare / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
+        (bare / "special_tokens_map.json").unlink(missing_ok=True)
+        assert load_tokenizer(bare).special == load_tokenizer(tokenizer_dir).special
+
+
 def test_what_cannot_be_mapped_is_refused_by_name(bpe_dir, tmp_path):
-    partial = tmp_path / "no-mask"
+    partial = tmp_path / "no-mask"  # no file names a mask token, and <mask> is not a special token
     shutil.copytree(bpe_dir, partial)
     config_file = partial / "tokenizer_config.json"
     values = json.loads(config_file.read_text())
     values.pop("mask_token")
     config_file.write_text(json.dumps(values))
     (partial / "special_tokens_map.json").unlink(missing_ok=True)
-    with pytest.raises(FastmaeError, match="no mask_token in tokenizer_config.json or special_tokens_map.json: "
+    pipeline = json.loads((partial / "tokenizer.json").read_text())
+    for token in pipeline["added_tokens"]:
+        token["special"] = token["special"] and token["content"] != "<mask>"
+    (partial / "tokenizer.json").write_text(json.dumps(pipeline))
+    with pytest.raises(FastmaeError, match="no mask_token in tokenizer_config.json or special_tokens_map.json, and "
+                                           "none of <mask> \\[MASK\\] among tokenizer.json's special tokens: "
                                            "fastmae needs the mask token"):
         load_tokenizer(partial)
     (partial / "tokenizer.json").unlink()

@@ -141,12 +141,18 @@ class SentencePieceTokenizer(Tokenizer):
 # Each role's keys in tokenizer_config.json / special_tokens_map.json, in order of preference.
 ROLE_KEYS = {"pad": ("pad_token",), "bos": ("cls_token", "bos_token"), "eos": ("sep_token", "eos_token"),
              "unk": ("unk_token",), "mask": ("mask_token",)}
+# Where those files name no token for a role (roberta-base's and bert-base-uncased's hub configs name none): the
+# role's conventional spellings among tokenizer.json's special added tokens, as transformers' tokenizer classes
+# default them.
+CONVENTIONAL = {"pad": ("<pad>", "[PAD]"), "bos": ("<s>", "[CLS]", "<cls>"), "eos": ("</s>", "[SEP]", "<eos>"),
+                "unk": ("<unk>", "[UNK]"), "mask": ("<mask>", "[MASK]")}
 
 
 class HuggingFaceTokenizer(Tokenizer):
     """A Hugging Face fast tokenizer (tokenizer.json), its special tokens named by its tokenizer_config.json or
-    special_tokens_map.json. Refused, naming what is missing: no tokenizer.json, a role no file names, a named token
-    absent from the vocabulary."""
+    special_tokens_map.json, else (`CONVENTIONAL`) by tokenizer.json's special tokens. Refused, naming what is
+    missing: no tokenizer.json, a role neither names, a named token absent from the vocabulary, roles sharing an
+    id."""
 
     def __init__(self, files: dict[str, bytes], source: str):
         try:
@@ -167,14 +173,18 @@ class HuggingFaceTokenizer(Tokenizer):
         self.rust.no_truncation()
         self.rust.no_padding()
         ids = {}
+        special = {token.content for token in self.rust.get_added_tokens_decoder().values() if token.special}
         for role, keys in ROLE_KEYS.items():
             key = next((k for k in keys if named.get(k)), None)
-            if key is None:
+            if key is not None:
+                token = named[key]["content"] if isinstance(named[key], dict) else named[key]
+            else:
+                token = next((t for t in CONVENTIONAL[role] if t in special), None)
+                key = "special token"
+            if token is None:
                 raise FastmaeError(f"{source}: no {' or '.join(keys)} in tokenizer_config.json or "
-                                   f"special_tokens_map.json: fastmae needs the {role} token (transformers writes "
-                                   "every special token there: AutoTokenizer.from_pretrained(DIR).save_pretrained"
-                                   "(DIR))")
-            token = named[key]["content"] if isinstance(named[key], dict) else named[key]
+                                   f"special_tokens_map.json, and none of {' '.join(CONVENTIONAL[role])} among "
+                                   f"tokenizer.json's special tokens: fastmae needs the {role} token")
             ids[role] = self.rust.token_to_id(token)
             if ids[role] is None:
                 raise FastmaeError(f"{source}: {key} {token!r} is not in tokenizer.json's vocabulary")
