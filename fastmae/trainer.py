@@ -150,10 +150,11 @@ def held_out_summary(records: list[dict]) -> list[str]:
     if not evals:
         return []
     last = evals[-1]
+    gap = last["unigram_entropy"] - last["loss"]
     return ["held-out masked-token loss and accuracy:", *eval_table(evals).splitlines(),
             f"unigram baselines of these {last['predicted_tokens']:,} tokens: entropy {last['unigram_entropy']:.2f} "
             f"nats, most frequent token {last['unigram_accuracy']:.3f} (the last evaluation: "
-            f"{last['unigram_entropy'] - last['loss']:.2f} nats below the entropy, "
+            f"{abs(gap):.2f} nats {'below' if gap >= 0 else 'above'} the entropy, "
             f"{last['accuracy'] / max(last['unigram_accuracy'], 1e-9):.1f}x that accuracy)"]
 
 

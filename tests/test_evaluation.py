@@ -93,3 +93,12 @@ def test_unigram_baselines_are_over_the_predicted_tokens_of_every_rank(dataset):
     every = np.concatenate([item.batch.tokens.numpy() for held_out in sets for item in held_out.micro_batches
                             if item.weight])
     assert sets[0].baselines != unigram_baselines(every[~np.isin(every, FASTMAE.unmaskable)])  # not the maskable ones
+
+
+@pytest.mark.parametrize("loss, says", [(3.5, "0.50 nats below the entropy"), (5.25, "1.25 nats above the entropy")])
+def test_the_closing_summary_says_which_side_of_the_entropy_the_loss_is(loss, says):
+    from fastmae.trainer import held_out_summary
+
+    record = {"kind": "eval", "step": 8, "loss": loss, "accuracy": 0.1, "predicted_tokens": 144,
+              "unigram_entropy": 4.0, "unigram_accuracy": 0.05}
+    assert says in held_out_summary([record])[-1] and "-" not in held_out_summary([record])[-1].split("(")[1]
