@@ -292,13 +292,14 @@ def task_scores(records: list[dict], task: str) -> dict | None:
 
 
 def model_scores(records: list[dict], model: str, tasks: list[str]) -> dict:
-    """{task: task_scores} of one model, and its GLUE average over the tasks it has, WNLI left out."""
+    """{task: task_scores} of one model, and its GLUE average over the tasks it has, WNLI left out, with the tasks
+    among those whose best cell holds a seed that did not train (`untrained`: the average then says nothing)."""
     mine = [r for r in records if r["model"] == model]
     scores = {t: task_scores(mine, t) for t in tasks}
     counted = [t for t, v in scores.items() if v is not None and t != "wnli"]
     average = float(np.mean([scores[t]["headline"] for t in counted])) if counted else None
     return {"tasks": {t: v for t, v in scores.items() if v is not None}, "average": average,
-            "average_over": counted}
+            "average_over": counted, "untrained": [t for t in counted if scores[t]["did_not_train"]]}
 
 
 # -------------------------------------------------------------------------------------------------- command
@@ -376,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                       args.budget_hours, args.quick, args.max_seq_len, args.precision)
         for model, entry in result["models"].items():
             average = "-" if entry["average"] is None else f"{100 * entry['average']:.1f}"
-            log(f"{model}: GLUE average {average} over {len(entry['average_over'])} task(s)")
+            untrained = (f"; {len(entry['untrained'])} of them with a seed that did not train (†), so the average "
+                         "says nothing about the encoder" if entry["untrained"] else "")
+            log(f"{model}: GLUE average {average} over {len(entry['average_over'])} task(s){untrained}")
 
     return run_command("fastmae glue", go)
 

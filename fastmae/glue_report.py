@@ -34,6 +34,7 @@ def glue_table(models: dict[str, dict], tasks: list[str]) -> str:
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for model, result in models.items():
         average = "-" if result["average"] is None else f"{100 * result['average']:.1f}"
+        average += " †" if result.get("untrained") else ""
         rows.append("| " + " | ".join([f"`{model}`", *(_cell(result["tasks"].get(t)) for t in tasks), average])
                     + " |")
     return "\n".join(rows)
@@ -72,7 +73,7 @@ def write_report(out: Path, result: dict) -> list[Path]:
              "Each score is the median over seeds of the best grid cell on dev (x 100); MNLI shows matched/"
              "mismatched accuracy. The average is over the tasks shown, WNLI left out, as the papers average dev "
              "scores. † : at least one seed of that cell did not train (one class predicted, or its training loss "
-             "at chance), so its score says nothing about the encoder.", ""]
+             "at chance), so its score says nothing about the encoder; an average marked † counts such a score.", ""]
     for model, entry in models.items():
         average_over = ", ".join(NAMES[t] for t in entry["average_over"])
         lines.append(f"- `{model}`: average over {len(entry['average_over'])} task(s) ({average_over}); "

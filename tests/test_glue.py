@@ -96,6 +96,10 @@ def test_glue_runs_every_task_resumes_without_redoing_a_cell_and_reports_two_mod
                 if c["model"] == model and c["task"] == "cola"]
         assert scores["tasks"]["cola"]["headline"] == pytest.approx(float(np.median(cola)))
         assert scores["average"] == pytest.approx(np.mean([t["headline"] for t in scores["tasks"].values()]))
+        assert scores["untrained"] == [t for t in scores["average_over"] if scores["tasks"][t]["did_not_train"]]
+        if scores["untrained"]:  # an average counting a fine-tune that did not train is marked and said so
+            assert f"{model}: GLUE average {100 * scores['average']:.1f} over 6 task(s); " \
+                   f"{len(scores['untrained'])} of them with a seed that did not train" in said
     table = (out / "glue.md").read_text()
     assert "MNLI-m/mm (acc)" in table and "CoLA (MCC)" in table and "STS-B (Spearman)" in table
     assert f"| `{models[0]}` |" in table and f"| `{models[1]}` |" in table
