@@ -109,6 +109,24 @@ def test_ranks_are_matched_at_a_loss_every_learned_run_reached():
     assert level == 3.2 and "tells no more about a token's neighbour" in points["3ml"]
 
 
+def test_no_rank_claim_about_an_encoder_that_learned_no_context():
+    from fastmae.study.schema import ObjectiveResult, SeedResult
+    from fastmae.study.summary import findings
+
+    def result(loss, rank, learned):
+        seeds = [SeedResult(seed, 100, 1e12, loss + 0.01 * seed, 0.1, None, [], 5.5, 0.05, None) for seed in (0, 1)]
+        ranks = {"real_unmasked_input": [rank, rank + 1.0]}
+        return ObjectiveResult(1e12, loss, 0.1, None, 0, 0.01, [100, 100], {}, seeds, {}, {}, ranks,
+                               neighbour_probe=[{"learned_context": learned}, {"learned_context": True}])
+
+    said = findings({"mlm": result(4.5, 38.0, True), "3ml": result(4.6, 7.0, False)})
+    assert "`3ml` last-layer epsilon rank of real tokens, input without <mask>, at the end of the budget: not " \
+           "compared, because `3ml`'s encoder learned no context (the neighbour probe)." in said
+    assert not any("worse" in line for line in said if "rank" in line)
+    said = findings({"mlm": result(4.5, 38.0, True), "3ml": result(4.6, 7.0, True)})
+    assert any("at the end of the budget: 7.5 vs mlm's 38.5 dimensions: lower by 31" in line for line in said)
+
+
 # ------------------------------------------------------------------------------------------------ the command
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):

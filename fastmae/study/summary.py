@@ -186,9 +186,15 @@ def findings(summary: dict[str, ObjectiveResult], chosen_on_plateau: dict[str, b
                 claim = "; one seed, so this is not separated from seed noise"
             lines.append(f"`{label}` reached mlm's final held-out loss with {text} of mlm's compute{claim}.")
         ranks, reference = entry.effective_rank_last_layer_per_seed, mlm.effective_rank_last_layer_per_seed
-        lines.append(compare(f"`{label}` last-layer epsilon rank of real tokens, input without <mask>, at the end "
-                             "of the budget", ranks["real_unmasked_input"], reference["real_unmasked_input"],
-                             "dimensions", "higher"))
+        what = f"`{label}` last-layer epsilon rank of real tokens, input without <mask>, at the end of the budget"
+        without_context = [name for name in (label, "mlm") if not all(p["learned_context"]
+                                                                      for p in summary[name].neighbour_probe)]
+        if without_context:  # an encoder that learned nothing has a low rank whatever its objective
+            lines.append(f"{what}: not compared, because {' and '.join(f'`{n}`' for n in without_context)}'s "
+                         "encoder learned no context (the neighbour probe).")
+        else:
+            lines.append(compare(what, ranks["real_unmasked_input"], reference["real_unmasked_input"], "dimensions",
+                                 "higher"))
         lines += _matched_findings(label, entry.ranks_at_matched_loss, mlm.ranks_at_matched_loss)
         for ft, reference in zip(entry.finetune, mlm.finetune):
             lines.append(_finetune_finding(label, ft, reference))
