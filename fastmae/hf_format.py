@@ -335,6 +335,10 @@ def foreign_model_config(hf: dict, special: SpecialTokens, source: Path) -> Mode
     if hf.get("pad_token_id", special.pad) != special.pad:
         raise FastmaeError(f"{where}: pad_token_id={hf['pad_token_id']} but the tokenizer's pad token is "
                            f"{special.pad}: positions are counted from the pad id, so they must agree")
+    missing = [key for key in ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size",
+                               "num_hidden_layers", "max_position_embeddings") if not isinstance(hf.get(key), int)]
+    if missing:
+        raise FastmaeError(f"{where}: no whole-number {', '.join(missing)}")
     rotary = arch == "roformer" or hf.get("position_embedding_type") == "rotary"
     offset = 0 if arch == "bert" else special.pad + 1  # where the first position's row is in the source's table
     fields = dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_heads=hf["num_attention_heads"],

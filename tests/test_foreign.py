@@ -208,7 +208,8 @@ def test_what_cannot_be_mapped_is_refused_by_name(bpe_dir, tmp_path):
     for change, message in (({"hidden_act": "relu"}, "hidden_act='relu': fastmae's RoBERTa reader needs 'gelu'"),
                             ({"position_embedding_type": "relative_key"}, "position_embedding_type='relative_key'"),
                             ({"model_type": "deberta-v2"}, "model_type 'deberta-v2': fastmae reads RoBERTa, BERT"),
-                            ({"pad_token_id": 3}, "pad_token_id=3 but the tokenizer's pad token is 1")):
+                            ({"pad_token_id": 3}, "pad_token_id=3 but the tokenizer's pad token is 1"),
+                            ({"hidden_size": None}, "config.json: no whole-number hidden_size")):
         (model / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(FastmaeError, match=message):
             load_pretrained(model)
