@@ -79,12 +79,12 @@ class Tokenizer:
 
     pair_separators = 2
     """`eos` tokens between a pair's halves: 2 as RoBERTa (`<s> A </s></s> B </s>`), 1 as BERT."""
+    vocab_size: int
+    """Token ids, specials included (each kind sets it)."""
 
     def __init__(self, files: dict[str, bytes], source: str, special: SpecialTokens, identity: bytes):
         self.files, self.source, self.special = files, source, special
         self.sha256 = hashlib.sha256(identity).hexdigest()
-
-    vocab_size: int
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, without specials."""
