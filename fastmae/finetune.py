@@ -43,6 +43,7 @@ from .config import ModelConfig, add_arguments, from_arguments, option
 from .data.tokenizer import Tokenizer
 from .dropout import Dropout
 from .errors import FastmaeError, run_command
+from .evaluation import unigram_baselines
 from .hardware import choose_precision
 from .model import MaskedLM
 from .optim import lr_multiplier, param_groups
@@ -162,9 +163,7 @@ def chance_loss(task: Task, labels: np.ndarray) -> float:
     class count when they are balanced), or for regression the labels' variance (MSE of predicting their mean)."""
     if task.is_regression:
         return float(np.var(labels.astype(np.float64)))
-    p = np.bincount(labels, minlength=task.num_outputs) / len(labels)
-    p = p[p > 0]
-    return float(-(p * np.log(p)).sum())
+    return unigram_baselines(np.asarray(labels))["unigram_entropy"]
 
 
 def did_not_train(task: Task, history: list[dict], best_epoch: int, chance: float) -> str | None:

@@ -350,7 +350,7 @@ def foreign_model_config(hf: dict, special: SpecialTokens, source: Path) -> Mode
                   dropout=hf.get("hidden_dropout_prob", 0.1),
                   attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
                   initializer_range=hf.get("initializer_range", 0.02),
-                  **{f"{role}_token_id": token_id for role, token_id in special.as_dict().items()})
+                  **special.as_fields())
     try:
         return ModelConfig.preset("mlm", **fields)
     except FastmaeError as err:

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from .checkpoint import WEIGHTS, complete_checkpoints, read_weights, saved_model_config, weights_metadata
-from .config import ModelConfig, RunConfig
+from .config import ModelConfig, RunConfig, SpecialTokens
 from .data.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 from .errors import FastmaeError
 from .hf_format import CONFIG_KEY, config_json, read_foreign, read_hugging_face
@@ -185,8 +185,7 @@ def _tokenizer(directory: Path, what: str) -> Tokenizer:
 # ------------------------------------------------------------------------------------------ continued pretraining
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "encoder_layers", "max_seq_len",
                 "position_embedding", "rotary_base", "relative_attention_bias", "relative_attention_buckets",
-                "relative_attention_max_distance", "norm_position", "layer_norm_eps", "pad_token_id", "bos_token_id",
-                "eos_token_id", "unk_token_id", "mask_token_id")
+                "relative_attention_max_distance", "norm_position", "layer_norm_eps", *SpecialTokens().as_fields())
 """The encoder's shape and its tokenizer's special ids: what a continued run (train.init_from) takes from its
 source."""
 

@@ -98,10 +98,10 @@ class ModelConfig:
                 bad(key, "must be a positive integer")
         if self.vocab_size <= len(ROLES):
             bad("vocab_size", f"must exceed the {len(ROLES)} special tokens")
-        ids = self.special_tokens.as_dict()
-        for role, token_id in ids.items():
+        ids = self.special_tokens.as_fields()
+        for key, token_id in ids.items():
             if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                bad(f"{role}_token_id", f"must be a token id in [0, vocab_size={self.vocab_size})")
+                bad(key, f"must be a token id in [0, vocab_size={self.vocab_size})")
         if len(set(ids.values())) < len(ids):
             raise ConfigError(f"model special token ids {ids}: the five roles need five different ids")
         if self.hidden_size % self.num_heads:
@@ -150,8 +150,7 @@ class ModelConfig:
     @property
     def special_tokens(self) -> SpecialTokens:
         """The five special ids, by role."""
-        return SpecialTokens(self.pad_token_id, self.bos_token_id, self.eos_token_id, self.unk_token_id,
-                             self.mask_token_id)
+        return SpecialTokens(**{role: getattr(self, f"{role}_token_id") for role in ROLES})
 
     @property
     def num_layers(self) -> int:

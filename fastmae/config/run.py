@@ -286,19 +286,16 @@ def dataset_tokens(data: DataConfig) -> dict | None:
     meta.json (its tokenizer's; datasets from before special ids were recorded, and the embedded corpus at
     data.builtin_vocab_size, have fastmae's own), or None when data.path holds no dataset yet."""
     if data.path == "builtin":
-        return {"vocab_size": data.builtin_vocab_size, **_token_fields({})}
+        return {"vocab_size": data.builtin_vocab_size, **SpecialTokens().as_fields()}
     meta = data.directory / "meta.json"
     try:
         values = json.loads(meta.read_text(encoding="utf-8"))
-        return {"vocab_size": int(values["vocab_size"]), **_token_fields(values.get("special_tokens", {}))}
+        special = SpecialTokens(**values.get("special_tokens", {}))
+        return {"vocab_size": int(values["vocab_size"]), **special.as_fields()}
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{meta}: unreadable dataset metadata ({type(err).__name__}: {err})") from None
-
-
-def _token_fields(special: dict) -> dict:
-    return {f"{role}_token_id": token_id for role, token_id in SpecialTokens(**special).as_dict().items()}
 
 
 def resolved_model(values: dict, data: DataConfig) -> ModelConfig:

@@ -33,8 +33,12 @@ class SpecialTokens:
         return keep.nonzero()[:, 0].to(torch.int32)
 
     def as_dict(self) -> dict[str, int]:
-        """{role: id}, as meta.json and config files hold them."""
+        """{role: id}, as meta.json holds them."""
         return asdict(self)
+
+    def as_fields(self) -> dict[str, int]:
+        """{ModelConfig field: id}: `pad_token_id` ... `mask_token_id`."""
+        return {f"{role}_token_id": token_id for role, token_id in asdict(self).items()}
 
 
 ROLES = tuple(role.name for role in fields(SpecialTokens))

@@ -148,6 +148,8 @@ def findings(summary: dict[str, ObjectiveResult], chosen_on_plateau: dict[str, b
     suit it, and a comparison would hold it to a rate chosen blind."""
     lines = []
     mlm = summary["mlm"]
+    no_context = {label: [s.seed for s, probe in zip(entry.per_seed, entry.neighbour_probe)
+                          if not probe["learned_context"]] for label, entry in summary.items()}
     blind_grid = sorted(label for label, flag in (chosen_on_plateau or {}).items() if flag)
     for label in blind_grid:
         lines.append(f"`{label}`'s learning rate was chosen among grid runs that all stayed on the unigram plateau: "
@@ -159,9 +161,9 @@ def findings(summary: dict[str, ObjectiveResult], chosen_on_plateau: dict[str, b
             lines.append(f"`{label}` ended at or above the held-out unigram entropy ({entropy:.3f} nats): it had not "
                          "learned from context within the budget, so its other numbers (ranks, fine-tuning) say "
                          "little.")
-        blind = [s.seed for s, probe in zip(entry.per_seed, entry.neighbour_probe) if not probe["learned_context"]]
-        if blind:
-            lines.append(f"`{label}`'s encoder (seed(s) {', '.join(map(str, blind))}) tells no more about a "
+        if no_context[label]:
+            seeds = ", ".join(map(str, no_context[label]))
+            lines.append(f"`{label}`'s encoder (seed(s) {seeds}) tells no more about a "
                          "token's right neighbour than the token itself does (a linear probe of every layer against "
                          "the bigram table; the neighbour probe): whatever its held-out loss, its encoder had not "
                          "learned context, so no claim about its encoder is made from it.")
@@ -187,8 +189,7 @@ def findings(summary: dict[str, ObjectiveResult], chosen_on_plateau: dict[str, b
             lines.append(f"`{label}` reached mlm's final held-out loss with {text} of mlm's compute{claim}.")
         ranks, reference = entry.effective_rank_last_layer_per_seed, mlm.effective_rank_last_layer_per_seed
         what = f"`{label}` last-layer epsilon rank of real tokens, input without <mask>, at the end of the budget"
-        without_context = [name for name in (label, "mlm") if not all(p["learned_context"]
-                                                                      for p in summary[name].neighbour_probe)]
+        without_context = [name for name in (label, "mlm") if no_context[name]]
         if without_context:  # an encoder that learned nothing has a low rank whatever its objective
             lines.append(f"{what}: not compared, because {' and '.join(f'`{n}`' for n in without_context)}'s "
                          "encoder learned no context (the neighbour probe).")
