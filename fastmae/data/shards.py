@@ -210,7 +210,7 @@ class ShardSet:
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
 
-    @property
+    @functools.cached_property
     def special_tokens(self) -> SpecialTokens:
         """The special ids of the dataset's tokenizer (datasets from before they were recorded: fastmae's own)."""
         return SpecialTokens(**self.meta.get("special_tokens", {}))
