@@ -1,20 +1,34 @@
 """The GPU check in phases: each one command of at most 8 minutes on a lent machine, its set-up included, in the order
-of what they decide (a lent machine gives 30 minutes in all, 10 per command, and is gone 30 s after a command ends).
+of what they decide (a lent machine gives 30 minutes in all, 10 per command, and each call may start a fresh, bare
+machine).
 
-    bash scripts/gpu_check.sh --plan               # one line per phase: name, expected minutes on an H100, command
+    bash scripts/gpu_check.sh --plan               # one line per phase: name, estimated minutes on an H100, command
     bash scripts/gpu_check.sh PHASE [--force]      # run one phase (skipped when already done for this commit)
     bash scripts/gpu_check.sh --dry-run PHASE      # the phase's steps, their commands and files; runs nothing
-    bash scripts/gpu_check.sh all                  # every phase not yet done, in order (no per-command limit)
+    bash scripts/gpu_check.sh --collect DIR        # what a lent machine brought back from $OUT, into the tree
+    bash scripts/gpu_check.sh all                  # every phase not yet done, in order (not under $OUT)
 
 A phase first installs what the machine lacks, offline: the wheels `scripts/gpu_wheels.sh` put in .whl/ (carried with
 the tree) for the modules that are missing, then fastmae itself with --no-deps (the image's torch stays as it is),
 and names any module fastmae imports that is still missing. Then its steps run in order, each within what is left of
 the phase's 8 minutes (a step past it is stopped and recorded as cut). Everything lands in
 benchmarks/results/gpu/DEVICE/PHASE/: each step's log, the files it wrote, and phase.json (the commit measured, each
-step's exit status and seconds), rewritten after every step and copied under $OUT when $OUT is set (the device tool
-brings $OUT back), so a cut phase keeps what it measured. A phase whose phase.json says it completed for this commit
-is skipped. The commit comes from FASTMAE_COMMIT (a lent machine's copy of the tree has no .git), else git.
-Standard library only: it runs before anything is installed.
+step's exit status and seconds), rewritten after every step. The commit comes from FASTMAE_COMMIT (a lent machine's
+copy of the tree has no .git), else git.
+
+How the files come home. A lent machine returns only files under $OUT at most two folders down, at most 8 of them,
+16 MiB each, named in letters, digits, '.', '_' and '-'. So after every step a phase mirrors itself as $OUT/PHASE/:
+phase.json, the files its steps keep (at most 6 a phase, flat) and logs.tar.gz (every step's log, each cut to its
+last 4 MiB); a cut phase keeps what it measured. One phase per call: `all` refuses to run with $OUT set. Back here,
+`bash scripts/gpu_check.sh --collect FILES_AT` (the folder the device tool put them in) rebuilds
+benchmarks/results/gpu/DEVICE/PHASE/ (DEVICE from phase.json's machine), logs unpacked; commit that directory with the
+commit it measured.
+
+What a fresh machine has is the tree that travels (tracked files, untracked ones git does not ignore, and .whl/
+carried), nothing a previous call left there. So the skip of a phase already done for this commit reads the
+phase.json collected into the tree, and a step that reads another phase's results (recipe's micro-batch refit reads
+headline's throughput) names them in `needs`: they must have been collected into the tree first, or the step is not
+run and says which file it lacks. Standard library only: it runs before anything is installed.
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -39,6 +54,11 @@ RESULTS = Path(os.environ.get("FASTMAE_GPU_RESULTS", ROOT / "benchmarks" / "resu
 WHEELS = ROOT / ".whl"
 PHASE_BUDGET_S = 8 * 60
 RECORD_MARGIN_S = 10  # kept back from the last step, to write the phase's record
+# what the device tool brings back from $OUT (its README's limits)
+OUT_MAX_FILES, OUT_MAX_BYTES, OUT_MAX_FOLDERS = 8, 16 * 2**20, 2
+OUT_NAME = re.compile(r"[A-Za-z0-9._-]+")
+KEPT_PER_PHASE = OUT_MAX_FILES - 2  # beside phase.json and logs.tar.gz
+LOG_TAIL_BYTES = 4 * 2**20  # of each step's log in logs.tar.gz: a phase's 3 logs stay under 16 MiB unpacked
 PY = "{python}"  # stands for the interpreter running this script
 
 # Modules a phase needs, with the distribution that provides each. Those in CARRIED install from .whl/ when missing;
@@ -61,12 +81,15 @@ class Step:
     command: tuple[str, ...]
     keeps: tuple[str, ...] = ()  # files the command writes, copied into the phase's directory
     env: tuple[tuple[str, str], ...] = ()
+    # files of another phase the command reads ({results} = benchmarks/results/gpu/DEVICE): on a fresh machine they
+    # exist only where they were collected into the tree and travelled with it
+    needs: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
     name: str
-    minutes: int  # expected on an H100, set-up included
+    minutes: int  # estimated (no phase has been timed yet) for a fresh H100: set-up from .whl/, Triton compiles
     decides: str
     steps: tuple[Step, ...]
 
@@ -118,7 +141,8 @@ PHASES = (
     )),
     Phase("recipe", 7, "the recipes' micro-batch from measured memory; 50 steps of 3ml-base", (
         Step("micro_batch", (PY, "benchmarks/micro_batch.py", "--device-dir", "{results}/headline"),
-             keeps=("benchmarks/results/micro_batch.json", "benchmarks/results/micro_batch.md")),
+             keeps=("benchmarks/results/micro_batch.json", "benchmarks/results/micro_batch.md"),
+             needs=("{results}/headline/throughput_headline.json",)),
         Step("train_3ml_base", (PY, "-m", "fastmae.train", *RUN_3ML_BASE, "train.steps=50",
                                 "train.tokens_per_step=131072", "eval.every=50", "eval.sequences=256",
                                 "checkpoint.every=50", "log.every=5", "log.dir=runs/gpu-check/3ml-base"),
@@ -139,9 +163,41 @@ def command_line(step: Step, results: Path) -> list[str]:
     return [part.replace(PY, sys.executable).replace("{results}", str(results)) for part in step.command]
 
 
+def needed_files(step: Step, results: Path) -> list[Path]:
+    return [Path(need.replace("{results}", str(results))) for need in step.needs]
+
+
 def plan_lines() -> list[str]:
-    return [f"{phase.name} {phase.minutes} min bash scripts/gpu_check.sh {phase.name}   # {phase.decides}"
+    return [f"{phase.name} {phase.minutes} min (estimated) bash scripts/gpu_check.sh {phase.name}   # {phase.decides}"
             for phase in PHASES]
+
+
+def out_files(phase: Phase) -> list[str]:
+    """What `phase` leaves under $OUT, relative to it."""
+    return [f"{phase.name}/phase.json", f"{phase.name}/logs.tar.gz",
+            *(f"{phase.name}/{Path(kept).name}" for kept in _all_kept(phase))]
+
+
+def _all_kept(phase: Phase) -> list[str]:
+    return [kept for step in phase.steps for kept in step.keeps]
+
+
+def out_problems(out: Path) -> list[str]:
+    """Why the device tool would not bring back everything under `out` (empty when it would)."""
+    problems, files = [], sorted(path for path in out.rglob("*") if not path.is_dir())
+    if len(files) > OUT_MAX_FILES:
+        problems.append(f"{len(files)} files (at most {OUT_MAX_FILES} come back)")
+    for path in files:
+        relative = path.relative_to(out)
+        if len(relative.parts) - 1 > OUT_MAX_FOLDERS:
+            problems.append(f"{relative}: {len(relative.parts) - 1} folders down (at most {OUT_MAX_FOLDERS})")
+        if path.is_symlink() or not path.is_file():
+            problems.append(f"{relative}: not a plain file")
+        elif path.stat().st_size > OUT_MAX_BYTES:
+            problems.append(f"{relative}: {path.stat().st_size} bytes (at most {OUT_MAX_BYTES})")
+        problems += [f"{relative}: the name {part!r} has characters other than letters, digits, '.', '_', '-'"
+                     for part in relative.parts if not OUT_NAME.fullmatch(part)]
+    return problems
 
 
 def _shown(path: Path) -> str:
@@ -156,7 +212,10 @@ def dry_run_lines(phase: Phase, results: Path) -> list[str]:
         writes = [results / phase.name / f"{step.name}.log", *(results / phase.name / Path(kept).name
                                                                for kept in step.keeps)]
         lines.append("  writes: " + " ".join(map(_shown, writes)))
+        if step.needs:
+            lines.append("  needs: " + " ".join(_shown(path) for path in needed_files(step, results)))
     lines.append(f"  writes: {_shown(results / phase.name / 'phase.json')}")
+    lines.append("  $OUT: " + " ".join(out_files(phase)))
     return lines
 
 
@@ -176,7 +235,12 @@ def device_directory() -> str:
     name = done.stdout.strip()
     if not name:
         raise SystemExit("gpu_check: no CUDA device visible to torch (a GPU machine, with a CUDA build of torch?)")
-    return re.sub(r"[^A-Za-z0-9.-]+", "_", name)
+    return directory_name(name)
+
+
+def directory_name(device: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'NVIDIA_H100_80GB_HBM3'."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", device)
 
 
 MACHINE = """
@@ -223,10 +287,10 @@ def _pip(*args: str) -> None:
 
 
 class PhaseRecord:
-    """phase.json of one phase's directory, written after every step and mirrored under $OUT."""
+    """phase.json of one phase's directory, written after every step and mirrored as $OUT/PHASE/."""
 
     def __init__(self, phase: Phase, directory: Path, commit: str, machine: dict):
-        self.directory, self.path = directory, directory / "phase.json"
+        self.phase, self.directory, self.path = phase, directory, directory / "phase.json"
         self.data = {"phase": phase.name, "commit": commit, "started": _now(), "machine": machine,
                      "complete": False, "steps": []}
         directory.mkdir(parents=True, exist_ok=True)
@@ -241,10 +305,62 @@ class PhaseRecord:
         self.write()
 
     def write(self) -> None:
+        left_out = [name for name in (Path(kept).name for kept in _all_kept(self.phase))
+                    if (self.directory / name).is_file() and (self.directory / name).stat().st_size > OUT_MAX_BYTES]
+        self.data["left_out_of_out"] = left_out  # kept here, too large for the device tool to bring back
         self.path.write_text(json.dumps(self.data, indent=1) + "\n")
-        if os.environ.get("OUT"):  # as benchmarks/results/gpu/DEVICE/PHASE under $OUT
-            mirror = Path(os.environ["OUT"], "benchmarks", "results", "gpu", self.directory.relative_to(RESULTS))
-            shutil.copytree(self.directory, mirror, dirs_exist_ok=True)
+        if os.environ.get("OUT"):
+            self.mirror(Path(os.environ["OUT"]) / self.phase.name, left_out)
+
+    def mirror(self, target: Path, left_out: list[str]) -> None:
+        """$OUT/PHASE/: phase.json, the kept files (flat) and logs.tar.gz, within the device tool's limits."""
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ["phase.json", *(Path(kept).name for kept in _all_kept(self.phase))]:
+            if (self.directory / name).is_file() and name not in left_out:
+                shutil.copy2(self.directory / name, target / name)
+        partial = target / "logs.tar.gz.partial"
+        with tarfile.open(partial, "w:gz") as archive:
+            for step in self.phase.steps:
+                log = self.directory / f"{step.name}.log"
+                if log.is_file():
+                    _add_tail(archive, log, LOG_TAIL_BYTES)
+        partial.replace(target / "logs.tar.gz")
+
+
+def _add_tail(archive: tarfile.TarFile, path: Path, limit: int) -> None:
+    """`path` into `archive` under its own name, only its last `limit` bytes when longer."""
+    with path.open("rb") as file:
+        size = file.seek(0, os.SEEK_END)
+        file.seek(max(0, size - limit))
+        info = tarfile.TarInfo(path.name)
+        info.size, info.mtime = min(size, limit), int(path.stat().st_mtime)
+        archive.addfile(info, file)
+
+
+def collect(brought: Path, results: Path) -> list[Path]:
+    """Rebuild results/DEVICE/PHASE/ from what a lent machine brought back of $OUT (`brought` holds PHASE/ folders, or
+    is one); DEVICE from each phase.json's machine (FASTMAE_GPU_DEVICE overrides it). Returns the directories."""
+    records = [brought / "phase.json"] if (brought / "phase.json").is_file() else sorted(brought.glob("*/phase.json"))
+    if not records:
+        raise SystemExit(f"gpu_check: {brought} holds no phase.json (nor PHASE/phase.json): is it what $OUT brought "
+                         "back?")
+    written = []
+    for record in records:
+        data = json.loads(record.read_text())
+        device = os.environ.get("FASTMAE_GPU_DEVICE") or directory_name(data.get("machine", {}).get("device", ""))
+        if not device:
+            raise SystemExit(f"gpu_check: {record} names no device (its machine: {data.get('machine')}); set "
+                             "FASTMAE_GPU_DEVICE")
+        directory = results / device / data["phase"]
+        directory.mkdir(parents=True, exist_ok=True)
+        for path in record.parent.iterdir():
+            if path.name == "logs.tar.gz":
+                with tarfile.open(path) as archive:
+                    archive.extractall(directory, filter="data")
+            elif path.is_file():
+                shutil.copy2(path, directory / path.name)
+        written.append(directory)
+    return written
 
 
 def done_for(directory: Path, commit: str) -> bool:
@@ -266,8 +382,12 @@ def run_phase(phase: Phase, results: Path, commit: str, force: bool) -> bool:
     record = PhaseRecord(phase, directory, commit, set_up())
     for step in phase.steps:
         left = deadline - time.monotonic() - RECORD_MARGIN_S
-        if left <= 0:
-            record.add(step, "not run: the phase's 8 minutes were spent", 0.0)
+        missing = [path for path in needed_files(step, results) if not path.is_file()]
+        if left <= 0 or missing:
+            status = (f"not run: needs {', '.join(map(_shown, missing))} (another phase's, collected into the tree "
+                      "with --collect before this call)" if missing else "not run: the phase's 8 minutes were spent")
+            record.add(step, status, 0.0)
+            print(f"gpu_check: [{phase.name}] {step.name}: {status}", flush=True)
             continue
         started = time.monotonic()
         status = _run_step(step, command_line(step, results), directory / f"{step.name}.log", left)
@@ -304,12 +424,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", action="store_true", help="print the phases in order, with minutes and commands")
     parser.add_argument("--dry-run", action="store_true", help="print the phase's steps and files; run nothing")
     parser.add_argument("--force", action="store_true", help="run a phase already done for this commit")
+    parser.add_argument("--collect", metavar="DIR", type=Path,
+                        help="copy what a lent machine brought back of $OUT into benchmarks/results/gpu/DEVICE/PHASE/")
     args = parser.parse_args(argv)
     if args.plan:
         print("\n".join(plan_lines()))
         return 0
+    if args.collect:
+        for directory in collect(args.collect, RESULTS):
+            print(f"gpu_check: collected {_shown(directory)}; commit it with the commit it measured "
+                  f"({json.loads((directory / 'phase.json').read_text())['commit']})")
+        return 0
     if not args.phase:
         parser.error("name a phase (or --plan)")
+    if args.phase == "all" and os.environ.get("OUT") and not args.dry_run:
+        parser.error(f"one phase per call under $OUT: the device tool brings back {OUT_MAX_FILES} files, and `all` "
+                     "would leave more")
     phases = PHASES if args.phase == "all" else (phase_named(args.phase),)
     if args.dry_run:
         for phase in phases:
