@@ -112,7 +112,8 @@ def stand_in_machine(tmp_path, monkeypatch, out):
 
 
 def write(path: str, text: str) -> str:
-    return f"import pathlib; p = pathlib.Path({path!r}); p.parent.mkdir(parents=True, exist_ok=True); p.write_text({text!r})"
+    return (f"import pathlib; p = pathlib.Path({path!r}); p.parent.mkdir(parents=True, exist_ok=True); "
+            f"p.write_text({text!r})")
 
 
 def test_a_phase_lands_under_out_within_the_limits_and_comes_home(tmp_path, monkeypatch, capsys):
