@@ -27,6 +27,7 @@ import re
 import sys
 from pathlib import Path
 
+from fastmae.analyze import judged
 from fastmae.metrics import eval_table
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -83,7 +84,8 @@ def _study(directory: str) -> str:
     result = _json(RESULTS_DIR / directory / "study.json")
     setup, objectives = result["setup"], result["objectives"]
     rows = ["| objective | steps | held-out loss (mean ± half range) | accuracy | % of mlm's compute to reach mlm's "
-            "final loss | word-order accuracy (median) | encoder's neighbour probe vs bigram, per seed | last-layer "
+            "final loss | word-order accuracy (median) | encoder's neighbour probe: best layer vs layer 0, per seed | "
+            "last-layer "
             "epsilon rank, no `<mask>`: uncentred / centred |",
             "|---|---|---|---|---|---|---|---|"]
     for label, entry in objectives.items():
@@ -118,11 +120,15 @@ def _finetuned(finetune) -> str:
 
 
 def _probes(probes: list[dict] | None) -> str:
-    """Each seed's best-layer neighbour-probe accuracy against the bigram table's, and the verdict."""
+    """Each seed's neighbour probe: its best layer's accuracy against the embeddings' (layer 0), the gain's z against
+    the threshold for the best of the layers, and the verdict (`fastmae.analyze.context_verdict`, applied to every
+    record however old)."""
     if not probes:
         return "-"
-    return ", ".join(f"{max(p['probe_accuracy']):.3f} vs {p['bigram_accuracy']:.3f} "
-                     f"({'context' if p['learned_context'] else 'none'})" for p in probes)
+    judged_probes = [judged(p) for p in probes]
+    return ", ".join(f"{p['probe_accuracy'][p['best_layer']]:.3f} vs {p['probe_accuracy'][0]:.3f} (z "
+                     f"{p['context_z']:.1f} of {p['z_threshold']:.1f}: "
+                     f"{'context' if p['learned_context'] else 'none shown'})" for p in judged_probes)
 
 
 def _lr_grid(grid: dict | None) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from ..analyze import judged
 from ..atomic import atomic_write_text
 from ..errors import FastmaeError, run_command
 from ..glue import best_cells, glue, task_directories
@@ -30,7 +32,7 @@ from .runs import (
     task_name_of,
     train,
 )
-from .schema import MatchedRanks
+from .schema import MatchedRanks, ObjectiveResult
 from .summary import findings, left_plateau, matched_points, ranks_of, summarize
 
 
@@ -75,7 +77,8 @@ def study(args) -> dict:
         ft_setup["lrs"] = sorted({c["lr"] for c in cells})
     sequences = preset.analyze_sequences
     analyses = {label: [analyze_run(run, data, sequences) for run in rs] for label, rs in runs.items()}
-    learned = {label: [r["neighbour_probe"]["learned_context"] for r in records] for label, records in analyses.items()}
+    learned = {label: [judged(r["neighbour_probe"])["learned_context"] for r in records]
+               for label, records in analyses.items()}
     summary = summarize(objectives, runs, finetuned, analyses, ranks_at_matched_loss(runs, data, sequences, learned))
     first = runs["mlm"][0]
     facts = {label: {**model_facts(rs[0]), "flops_per_step": flops_per_step[label],
@@ -105,6 +108,42 @@ def study(args) -> dict:
     atomic_write_text(out / "study.json", json.dumps(as_json, indent=1) + "\n")
     plot_curves(summary, out)
     plot_ranks(summary, facts["mlm"]["hidden_size"], out)
+    write_report(result, out)
+    return result
+
+
+def rewrite_report(out: Path) -> dict:
+    """--rewrite-report: the findings, study.json and report.md again from what OUT/study.json holds, its neighbour
+    probes judged by today's test (`analyze.context_verdict`); no run, weights or data needed. Refused where today's
+    verdict changes which objectives the ranks at matched loss compare, or the level (they need the runs' weights:
+    run the study again on the same --out)."""
+    path = out / "study.json"
+    if not path.is_file():
+        raise FastmaeError(f"--out {out}: no study.json to rewrite the report from")
+    stored = json.loads(path.read_text())
+    summary = {label: ObjectiveResult.from_json(entry) for label, entry in stored["objectives"].items()}
+    for entry in summary.values():
+        entry.neighbour_probe = [judged(p) if "probe_accuracy" in p else p for p in entry.neighbour_probe]
+    curves = {label: [[{**dataclasses.asdict(point), "unigram_entropy": seed.unigram_entropy} for point in seed.curve]
+                      for seed in entry.per_seed] for label, entry in summary.items()}
+    level, points = matched_points(curves, {label: [p["learned_context"] for p in entry.neighbour_probe]
+                                            for label, entry in summary.items()})
+    for label, entry in summary.items():
+        matched = entry.ranks_at_matched_loss
+        if matched is None:
+            continue
+        left_out = isinstance(points[label], str)
+        if left_out != (matched.excluded is not None) or (not left_out and matched.level != level):
+            raise FastmaeError(f"{path}: today's neighbour-probe verdict changes the ranks at matched loss "
+                               f"(`{label}` {'left out' if left_out else 'compared'}, level {level}); they need the "
+                               f"runs' weights: run the study again with --out {out}")
+        if left_out:
+            matched.excluded = points[label]
+    lr_grid = stored.get("lr_grid") or {}
+    result = {**stored, "objectives": summary,
+              "findings": findings(summary, {label: g["chosen_on_plateau"] for label, g in lr_grid.items()})}
+    as_json = {**result, "objectives": {label: entry.to_json() for label, entry in summary.items()}}
+    atomic_write_text(path, json.dumps(as_json, indent=1) + "\n")
     write_report(result, out)
     return result
 
@@ -189,7 +228,8 @@ def ranks_at_matched_loss(runs: dict[str, list[Run]], data: Path, sequences: int
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastmae study", description="The papers' claims, measured on your data "
                                      "under one compute budget: train, fine-tune and analyze each objective.")
-    parser.add_argument("--data", required=True, help="a dataset directory written by `fastmae prepare`")
+    parser.add_argument("--data", help="a dataset directory written by `fastmae prepare` (required but with "
+                        "--rewrite-report)")
     parser.add_argument("--objectives", default="mlm,mae-lm,3ml",
                         help="comma-separated: mlm, mae-lm, 3ml, k=N, each with optional :field=value (default "
                              "mlm,mae-lm,3ml)")
@@ -214,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "trains for (default 0.2)")
     parser.add_argument("--ranks", type=int, default=0, help="processes per run (default: the GPUs, or 1 on CPU)")
     parser.add_argument("--config", help="a run config YAML whose settings every run starts from")
+    parser.add_argument("--rewrite-report", action="store_true", help="write --out's findings, study.json and "
+                        "report.md again from its study.json alone (the neighbour probe judged by today's test); "
+                        "runs nothing")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value for every run, e.g. model.hidden_size=256")
     return parser
 
@@ -226,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     def go():
         if args.seeds < 0 or args.finetune_seeds < 0 or args.ranks < 0:
             raise FastmaeError("--seeds, --finetune-seeds and --ranks must be positive")
-        result = study(args)
+        if not args.rewrite_report and not args.data:
+            raise FastmaeError("--data is required (a dataset directory written by `fastmae prepare`)")
+        result = rewrite_report(Path(args.out)) if args.rewrite_report else study(args)
         for line in result["findings"]:
             print(f"fastmae study: {line}", file=sys.stderr)
         print(f"fastmae study: wrote {Path(args.out) / 'report.md'} and study.json", file=sys.stderr)

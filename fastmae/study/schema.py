@@ -98,3 +98,16 @@ class ObjectiveResult:
         if not self.finetune:
             del out["finetune"]
         return out
+
+    @classmethod
+    def from_json(cls, entry: dict) -> ObjectiveResult:
+        """The inverse of `to_json`: study.json's entry as the types the findings and the report read."""
+        fields = {**entry}
+        fields["per_seed"] = [SeedResult(**{**s, "curve": [EvalPoint(**p) for p in s["curve"]]})
+                              for s in entry["per_seed"]]
+        fields["finetune"] = [FinetuneResult(**f) for f in entry.get("finetune", [])]
+        matched = entry.get("ranks_at_matched_loss")
+        if matched is not None:
+            ranks = matched.get("ranks")
+            fields["ranks_at_matched_loss"] = MatchedRanks(**{**matched, "ranks": Ranks(**ranks) if ranks else None})
+        return cls(**fields)

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 
+from ..analyze import judged
 from ..claims import compare, spread
 from ..tasks import GLUE_TASKS
 from .objectives import Objective
@@ -39,8 +40,8 @@ def left_plateau(curve: list[dict]) -> bool:
     return min(r["loss"] for r in curve) < curve[-1]["unigram_entropy"] - PLATEAU_MARGIN
 
 
-NO_CONTEXT = ("a seed's encoder tells no more about a token's neighbour than the token itself does (the neighbour "
-              "probe of `fastmae analyze`, at the end of the budget): its held-out loss came from its decoder")
+NO_CONTEXT = ("a seed's encoder showed no context (no layer's neighbour probe beat the embeddings' beyond chance, "
+              "`fastmae analyze` at the end of the budget), so its held-out loss may have come from its decoder")
 
 
 def matched_points(curves: dict[str, list[list[dict]]], encoder_learned: dict[str, list[bool]] | None = None
@@ -117,7 +118,8 @@ def summarize(objectives: list[Objective], runs: dict[str, list[Run]], finetuned
         layers = range(len(records[0]["layers"]))
         finetune = [finetune_result(task, cells, [run.seed for run in runs[objective.label]])
                     for task, cells in finetuned.get(objective.label, {}).items()]
-        probes = [record.get("neighbour_probe", {"learned_context": True}) for record in records]
+        probes = [judged(record["neighbour_probe"]) if "neighbour_probe" in record else {"learned_context": True}
+                  for record in records]
         out[objective.label] = ObjectiveResult(
             flops=float(np.mean([s.flops for s in per_seed])),
             final_eval_loss=float(np.mean(losses)),
@@ -163,10 +165,10 @@ def findings(summary: dict[str, ObjectiveResult], chosen_on_plateau: dict[str, b
                          "little.")
         if no_context[label]:
             seeds = ", ".join(map(str, no_context[label]))
-            lines.append(f"`{label}`'s encoder (seed(s) {seeds}) tells no more about a "
-                         "token's right neighbour than the token itself does (a linear probe of every layer against "
-                         "the bigram table; the neighbour probe): whatever its held-out loss, its encoder had not "
-                         "learned context, so no claim about its encoder is made from it.")
+            lines.append(f"`{label}`'s encoder (seed(s) {seeds}) showed no context: no layer's linear probe for a "
+                         "token's right neighbour beat the same probe of the embeddings (layer 0) beyond chance, the "
+                         "choice of the best layer counted (the neighbour probe). That is no evidence of context, "
+                         "not evidence of none; no claim about its encoder is made from it.")
     for label, entry in summary.items():
         if label == "mlm" or label in blind_grid or "mlm" in blind_grid:
             continue
@@ -192,7 +194,7 @@ def findings(summary: dict[str, ObjectiveResult], chosen_on_plateau: dict[str, b
         without_context = [name for name in (label, "mlm") if no_context[name]]
         if without_context:  # an encoder that learned nothing has a low rank whatever its objective
             lines.append(f"{what}: not compared, because {' and '.join(f'`{n}`' for n in without_context)}'s "
-                         "encoder learned no context (the neighbour probe).")
+                         "encoder showed no context (the neighbour probe).")
         else:
             lines.append(compare(what, ranks["real_unmasked_input"], reference["real_unmasked_input"], "dimensions",
                                  "higher"))
