@@ -51,7 +51,8 @@ def demo() -> str:
     train = [r for r in records if r["kind"] == "train"]
     last = evals[-1]
     speeds = sorted(r["tokens_per_s"] for r in train)
-    mfus = sorted(r["mfu"] for r in train)
+    mfus = sorted(r["mfu"] for r in train if r.get("mfu") is not None)
+    no_mfu = len(train) - len(mfus)  # windows whose peak was a rate the run achieved (peak_source: achieved)
     return (f"On {info['ranks']} ranks of a {info['device']}, trained in {info['precision']} (`precision: auto` "
             "picks bf16 on a CPU that multiplies it natively and faster, fp32 elsewhere, so the figures depend on "
             "the CPU kind):\n\n" + eval_table(evals) + "\n\n"
@@ -61,7 +62,9 @@ def demo() -> str:
             f"the demo ends {last['unigram_entropy'] - last['loss']:.2f} nats below the first and at "
             f"{last['accuracy'] / last['unigram_accuracy']:.1f}x the second. Training ran at "
             f"{speeds[len(speeds) // 2]:,.0f} tokens/s (median of {len(train)} records; range {speeds[0]:,.0f}-"
-            f"{speeds[-1]:,.0f}), MFU {mfus[0]:.2f}-{mfus[-1]:.2f}. Artifact: `benchmarks/results/demo/` "
+            f"{speeds[-1]:,.0f}), MFU {mfus[0]:.2f}-{mfus[-1]:.2f}"
+            + (f" ({no_mfu} records without one: no measured peak)" if no_mfu else "")
+            + ". Artifact: `benchmarks/results/demo/` "
             "(`metrics.jsonl`, `curves.png`, `config.yaml`, `run.md` says on what machine).\n")
 
 
@@ -78,6 +81,11 @@ def study_base_depth() -> str:
 def continued() -> str:
     """Continued pretraining from one mlm encoder with each objective (benchmarks/continued.py)."""
     return _study("continued_cpu")
+
+
+def _mfu(value: float | None) -> str:
+    """An MFU figure, or a dash where no measured peak stood behind it (the peak was a rate achieved)."""
+    return "—" if value is None else f"{value:.2f}"
 
 
 def _study(directory: str) -> str:
@@ -173,7 +181,7 @@ def throughput() -> str:
     for r in result["results"]:
         x_hf = f"{r['x_hf']:.2f}" if r.get("x_hf") else "—"
         rows.append(f"| {r['size']} | {r['system']} | {r.get('attention', '—')} | {r['tokens_per_s']:,.0f} | {x_hf} "
-                    f"| {r['step_s']:.2f} | {r['flops_per_step'] / 1e9:,.0f} | {r['mfu']:.2f} | "
+                    f"| {r['step_s']:.2f} | {r['flops_per_step'] / 1e9:,.0f} | {_mfu(r['mfu'])} | "
                     f"{r['peak_memory_mib']:,.0f} |")
     head = (f"Sizes {', '.join(result['sizes'])}, {result['sequences']} × {result['seq_len']} tokens, vocab "
             f"{result['vocab_size']:,}, {result['dtype']}, on {result['device']} (CPU capability "
@@ -244,7 +252,7 @@ def gpu() -> str:
         rows = ["| system | tokens/s | MFU | GPU busy | peak memory |", "|---|---|---|---|---|"]
         for r in result["results"]:
             name = "Hugging Face RoBERTa" if r["system"] == "hf-roberta" else f"fastmae {r['system']}"
-            rows.append(f"| {name} | {r['tokens_per_s'] / 1e3:,.0f}K | {r['mfu']:.2f} | {r['gpu_busy']:.2f} | "
+            rows.append(f"| {name} | {r['tokens_per_s'] / 1e3:,.0f}K | {_mfu(r['mfu'])} | {r['gpu_busy']:.2f} | "
                         f"{r['peak_memory_mib'] / 1024:.1f} GiB |")
         kernels = {r["op (fwd+bwd)"]: r for r in _json(directory / "kernels.json")["results"]}
         ce = kernels["linear cross-entropy"]

@@ -291,7 +291,7 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     ax1.barh(names, [row["tokens_per_s"] for row in rows], color="tab:blue")
     ax1.set_xlabel("training tokens / s")
-    ax2.barh(names, [row["mfu"] for row in rows], color="tab:orange")
+    ax2.barh(names, [row["mfu"] or 0.0 for row in rows], color="tab:orange")  # none: no measured peak
     ax2.set_xlabel("MFU (model FLOPs / measured GEMM peak)")
     ax2.set_xlim(0, 1)
     for ax in (ax1, ax2):
@@ -364,15 +364,16 @@ def main(argv: list[str] | None = None) -> int:
             size_rows.append({"system": name, "size": size, "dtype": precision, **result})
             mfu = peak.mfu(result["flops_per_step"] / result["step_s"], name)
             print(f"{size:>5} {name:>16}: {result['tokens_per_s']:8.1f} tokens/s  step {result['step_s']:.3f} s  "
-                  f"MFU {mfu:.3f}  peak memory "
+                  f"MFU {'-' if mfu is None else f'{mfu:.3f}'}  peak memory "
                   f"{result['peak_memory_mib']:.0f} MiB", flush=True)
         reference = next((row["tokens_per_s"] for row in size_rows if row["system"] == "hf-roberta"), None)
         for row in size_rows:
             row["x_hf"] = row["tokens_per_s"] / reference if reference else None
             row["gflops_per_step"] = row["flops_per_step"] / 1e9
         rows += size_rows
-    for row in rows:  # against the final peak: one denominator for every row, never below a rate achieved
-        row["mfu"] = row["flops_per_step"] / row["step_s"] / peak.flops
+    for row in rows:  # against the final peak: one denominator for every row; none where no GEMM reached a row's rate
+        row["mfu"] = None if peak.kind == "achieved" else row["flops_per_step"] / row["step_s"] / peak.flops
+        row["peak_source"] = peak.kind
     unseen = graph_rows_without_kernels(rows)
 
     shapes = ", ".join(f"{size} = {SIZES[size]['encoder_layers']} x {SIZES[size]['hidden_size']}" for size in sizes)

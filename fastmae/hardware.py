@@ -2,8 +2,9 @@
 
 ARCHITECTURE.md section 5: bf16 only where the hardware multiplies it natively (CUDA sm_80+, CPUs with AMX or
 AVX512-BF16; on an AVX2-only CPU a bf16 matmul ran at 0.29 GFLOP/s against 160 in fp32), and MFU = model FLOPs /
-(time x peak), the peak measured with a compute-bound GEMM in the training dtype and never below a rate the run
-achieved (`PeakFlops`), so MFU cannot read above 1.
+(time x peak), the peak measured with a compute-bound GEMM in the training dtype (the best of several), measured again
+where a rate the run achieved beats it, and no MFU at all while no GEMM has reached what the run did (`PeakFlops`):
+MFU cannot read above 1, nor read 1 by construction.
 
 `FASTMAE_CPU_BF16=native|emulated` pins what a CPU's bf16 check answers (the suite runs both ways on one machine).
 """
@@ -85,37 +86,46 @@ def format_flops(flops_per_s: float) -> str:
 
 
 class PeakFlops:
-    """The FLOP/s that MFU divides by, never below a rate the job achieved: MFU cannot read above 1.
+    """The FLOP/s that MFU divides by, and where it came from (`kind`): MFU never reads above 1, nor 1 by construction.
 
-    `measured` is the peak measured at start-up (the best of several GEMMs, `matmul_flops`); `remeasure()` measures it
-    again. A measurement taken while another process is busy reads low (on 2 cores with the other one busy, 1.9
-    GFLOP/s in fp32 against ~100 idle), and MFU against it read 1.16-1.39. So when a rate achieved in training beats
-    the peak, the peak is measured again, and where that still falls short the achieved rate itself (which the
-    hardware demonstrably reached) becomes the peak.
-    `remeasure` may be collective: call `mfu` with the same achieved rate on every rank. `log` gets a line saying so
-    each time the peak is raised.
+    `measured` is the peak measured at start-up (the best of several GEMMs, `matmul_flops`): kind `measured`;
+    `remeasure()` measures it again. A measurement taken while another process is busy reads low (on 2 cores with the
+    other one busy, 1.9 GFLOP/s in fp32 against ~100 idle), and MFU against it read 1.16-1.39. So when a rate achieved
+    in training beats the peak, the peak is measured again (kind `remeasured`). Where that still falls short, no GEMM
+    has shown what the hardware can do: the achieved rate becomes `flops` (kind `achieved`, logged once) and `mfu`
+    answers None until a later re-measurement beats it, since MFU against a rate the run itself reached would read
+    exactly 1.0 for that window and measure later ones against the run, not the hardware.
+    `remeasure` may be collective: call `mfu` with the same achieved rate on every rank. `log` gets a line each time
+    a re-measured peak is taken, and once when the achieved rate first stands in.
     """
 
     def __init__(self, measured: float, remeasure: Callable[[], float], log: Callable[[str], None]):
         self.remeasure, self.log = remeasure, log
-        self.flops = measured
+        self.flops, self.kind = measured, "measured"
         self.source = f"matmul peak {format_flops(self.flops)} (measured at start-up, the best of several GEMMs)"
 
-    def mfu(self, achieved: float, where: str) -> float:
-        """achieved / peak for `achieved` FLOP/s, the peak raised first where `achieved` beat it (`where`, e.g.
-        "step 40", goes into the log line)."""
-        if achieved <= self.flops:
-            return achieved / self.flops
+    def mfu(self, achieved: float, where: str) -> float | None:
+        """achieved / peak for `achieved` FLOP/s, the peak measured again first where `achieved` beat it (`where`,
+        e.g. "step 40", goes into the log line); None while the peak is a rate achieved (kind `achieved`)."""
+        if achieved > self.flops:
+            self._raise(achieved, where)
+        return None if self.kind == "achieved" else achieved / self.flops
+
+    def _raise(self, achieved: float, where: str) -> None:
         old, remeasured = self.flops, self.remeasure()
-        self.flops = max(old, remeasured, achieved)
         if remeasured >= achieved:
+            self.flops, self.kind = remeasured, "remeasured"
             self.source = f"matmul peak {format_flops(self.flops)} (re-measured at {where})"
-        else:
-            self.source = (f"{format_flops(self.flops)}, the rate achieved at {where} (a GEMM re-measured there gave "
-                           f"only {format_flops(remeasured)})")
-        self.log(f"{where}: {format_flops(achieved)} achieved beat the matmul peak {format_flops(old)} measured "
-                 f"earlier; MFU now divides by {self.source}")
-        return achieved / self.flops
+            self.log(f"{where}: {format_flops(achieved)} achieved beat the matmul peak {format_flops(old)} measured "
+                     f"earlier; MFU now divides by {self.source}")
+            return
+        if self.kind != "achieved":
+            self.log(f"{where}: {format_flops(achieved)} achieved beat the matmul peak {format_flops(old)} measured "
+                     f"earlier, and a GEMM re-measured there gave only {format_flops(remeasured)}: no peak is known "
+                     "to divide by, so records carry no MFU (peak_source: achieved) until a re-measured GEMM beats "
+                     "the rate achieved")
+        self.flops, self.kind = max(old, remeasured, achieved), "achieved"
+        self.source = f"{format_flops(self.flops)}, the rate achieved at {where} (no GEMM reached it: no MFU)"
 
 
 def _time_product(product, a: torch.Tensor, b: torch.Tensor) -> float:

@@ -339,7 +339,8 @@ class Trainer:
                   "accuracy": correct / max(scored, 1),
                   "lr": self.engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "tokens_per_s": tokens / elapsed, "mfu": self.peak.mfu(flops / elapsed, f"step {counters.step}"),
-                  "peak_flops": self.peak.flops, "memory_mib": peak_memory_mib(self.device),
+                  "peak_flops": self.peak.flops, "peak_source": self.peak.kind,
+                  "memory_mib": peak_memory_mib(self.device),
                   "tokens_seen": int(tokens_seen),
                   "flops": flops_done, "skipped": counters.skipped_logged, "epoch": self.loader.epoch,
                   "data_digest": int(digest) % DIGEST_MODULUS}

@@ -57,18 +57,22 @@ def test_matmul_peak_is_measured_and_plausible():
     assert hardware.spec_peak_flops(CPU, torch.bfloat16) is None
 
 
-def test_mfu_never_reads_above_one():
-    """A peak measured while the machine was busy is measured again when a rate beats it; where the new measurement
-    still falls short, the achieved rate itself is the peak. The log line says which."""
-    remeasured, said = iter([3e9, 4e9]), []
+def test_mfu_never_reads_above_one_nor_one_by_construction():
+    """A peak measured while the machine was busy is measured again when a rate beats it (kind `remeasured`); where
+    the new measurement still falls short, no peak is known: the records carry no MFU (kind `achieved`, said once)
+    until a re-measured GEMM beats the rate achieved."""
+    remeasured, said = iter([3e9, 4e9, 5.5e9, 8e9]), []
     peak = hardware.PeakFlops(2e9, remeasure=lambda: next(remeasured), log=said.append)
-    assert peak.mfu(1e9, "step 1") == 0.5 and peak.flops == 2e9 and not said
-    assert peak.mfu(2.5e9, "step 2") == pytest.approx(2.5 / 3) and peak.flops == 3e9  # the re-measured peak stands
+    assert peak.mfu(1e9, "step 1") == 0.5 and (peak.flops, peak.kind) == (2e9, "measured") and not said
+    assert peak.mfu(2.5e9, "step 2") == pytest.approx(2.5 / 3) and (peak.flops, peak.kind) == (3e9, "remeasured")
     assert said == ["step 2: 2.5 GFLOP/s achieved beat the matmul peak 2 GFLOP/s measured earlier; MFU now divides "
                     "by matmul peak 3 GFLOP/s (re-measured at step 2)"]
-    assert peak.mfu(5e9, "step 3") == 1.0 and peak.flops == 5e9  # re-measured 4: still short, the achieved rate
-    assert "5 GFLOP/s, the rate achieved at step 3 (a GEMM re-measured there gave only 4 GFLOP/s)" in said[-1]
-    assert peak.mfu(4e9, "step 4") == 0.8 and len(said) == 2
+    assert peak.mfu(5e9, "step 3") is None and (peak.flops, peak.kind) == (5e9, "achieved")  # re-measured 4: short
+    assert "a GEMM re-measured there gave only 4 GFLOP/s: no peak is known" in said[-1] and len(said) == 2
+    assert peak.mfu(4e9, "step 4") is None  # below the rate achieved, but still no measured peak
+    assert peak.mfu(6e9, "step 5") is None and peak.flops == 6e9 and len(said) == 2  # short again (5.5): said once
+    assert peak.mfu(7e9, "step 6") == pytest.approx(7 / 8) and (peak.flops, peak.kind) == (8e9, "remeasured")
+    assert len(said) == 3 and "re-measured at step 6" in said[-1]
 
 
 def test_gradients_accumulate_in_fp32():

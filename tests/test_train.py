@@ -140,7 +140,7 @@ def test_a_flop_budget_ends_and_evaluates_where_the_plan_says(straight_with_drop
     assert sorted(evals) == list(plan.eval_steps)
     assert [train[s]["flops"] for s in sorted(train)] == sorted(r["flops"] for r in train.values())
     assert f"FLOP budget {budget:.4g}: {plan.steps} steps" in stderr
-    assert all(0 <= r["accuracy"] <= 1 and r["tokens_per_s"] > 0 and 0 < r["mfu"] <= 1 for r in train.values())
+    assert all(0 <= r["accuracy"] <= 1 and r["tokens_per_s"] > 0 and mfu_as_its_peak_says(r) for r in train.values())
     assert all(0 <= e["accuracy"] <= 1 and e["mask_rate"] == 0.15 for e in evals.values())
     # keep the newest 4; a half-written checkpoint never counts
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == \
@@ -251,11 +251,20 @@ BUSY = "import torch\na = torch.randn(512, 512)\nwhile True:\n    a @ a"
 """Another job's work: matmuls on every core (one thread spinning in Python barely slows a GEMM down)."""
 
 
+def mfu_as_its_peak_says(record: dict) -> bool:
+    """A train record's MFU is a fraction of a measured peak, or absent where the peak was a rate the run achieved
+    (which a busy machine can cause, so the suite accepts either, as the record names it)."""
+    if record["peak_source"] == "achieved":
+        return record["mfu"] is None
+    return record["peak_source"] in ("measured", "remeasured") and 0 < record["mfu"] <= 1
+
+
 def test_mfu_stays_a_fraction_when_the_peak_was_measured_on_a_busy_machine(dataset, tmp_path):
     """Another process keeps every core busy while the run measures its matmul peak, and stops right after (as a
     neighbouring job would); FASTMAE_FAULT_STARTUP_PEAK makes that peak read as low as the worst case seen (1.9
     against ~100 GFLOP/s), which real load reaches only sometimes. The first logged window beats the peak, the
-    peak is measured again, and every record's MFU is in (0, 1], against the peak the record names."""
+    peak is measured again on the idle machine and taken (`peak_source: remeasured`: a GEMM runs far above this
+    model's training rate), and every record's MFU is a fraction of the peak the record names."""
     busy = subprocess.Popen([sys.executable, "-c", BUSY])
     try:
         run = single_process(overrides(dataset, tmp_path / "busy", steps=6, **{
@@ -274,7 +283,8 @@ def test_mfu_stays_a_fraction_when_the_peak_was_measured_on_a_busy_machine(datas
     records = records_of(tmp_path / "busy")
     assert sorted(records) == list(range(1, 7))
     for step, record in records.items():
-        assert 0 < record["mfu"] <= 1, (step, record["mfu"], said[-2000:])
+        assert mfu_as_its_peak_says(record), (step, record["mfu"], said[-2000:])
+    assert records[1]["peak_source"] == "remeasured" and 0 < records[1]["mfu"] < 1, said[-2000:]
     first, last = records[1]["peak_flops"], records[6]["peak_flops"]
     assert last >= first > 0 and "step 1: " in said and "achieved beat the matmul peak" in said
     peaks = [records[step]["peak_flops"] for step in sorted(records)]
@@ -308,7 +318,7 @@ def test_zero3_bf16_matches_zero2_and_mfu_is_a_fraction(bf16_runs, tmp_path):
     for step, loss in runs[2].items():  # bf16 keeps 8 mantissa bits: the losses agree to well within 1%
         assert abs(runs[3][step] - loss) <= 5e-3 * abs(loss), (step, runs[2], runs[3])
     records = [json.loads(line) for line in (bf16_runs[2] / "metrics.jsonl").read_text().splitlines()]
-    assert all(0 < r["mfu"] <= 1 for r in records if r["kind"] == "train"), [r["mfu"] for r in records]
+    assert all(mfu_as_its_peak_says(r) for r in records if r["kind"] == "train"), [r["mfu"] for r in records]
     for stage in (2, 3):
         check_weights_and_export(bf16_runs[stage], tmp_path / f"hf{stage}")
 
