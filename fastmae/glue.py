@@ -6,7 +6,10 @@ side by side.
 
 GLUE_DIR holds the benchmark's own directories (CoLA, SST-2, MRPC, STS-B, QQP, MNLI, QNLI, RTE, WNLI; any subset).
 A *cell* is one fine-tune: (model, task, learning rate, batch size, seed), scored on dev after every epoch (MNLI on
-its matched and mismatched dev sets) and kept at its best epoch. The protocols:
+its matched and mismatched dev sets) and kept at its best epoch by the metric the task reports (`Task.metrics[0]`).
+A cell is keyed by everything else that changes its result too (`CellContext`: its initialisation, the precision,
+the maximum length, the model's weights and tokenizer, the task's files), so a finished cell is reused only for the
+same settings. The protocols:
 
 - `papers` (RoBERTa's GLUE recipe, which 3ML and MAE-LM follow): learning rates {1e-5, 2e-5, 3e-5} scaled by the
   model's width as `fastmae finetune` scales its default (`width_learning_rate`), batch sizes {16, 32}, 10 epochs,
@@ -19,7 +22,9 @@ its matched and mismatched dev sets) and kept at its best epoch. The protocols:
 
 `--from-mnli` starts RTE, MRPC and STS-B from the encoder of the model's best MNLI cell (its median seed), as
 RoBERTa did. Every finished cell is a file under DIR/cells; a rerun skips them. `--max-cells` or `--budget-hours`
-plans the largest part of the grid that fits, smallest tasks first, and says what it leaves out.
+plans the largest part of the grid that fits, smallest tasks first, and says what it leaves out; a grid setting the
+budget cut short (fewer seeds than asked) competes for a task's best cell only where no setting finished every seed,
+and the score says so (`complete: false`, marked ‡ in glue.md).
 
     DIR/glue.json   every cell (task, lr, batch, seed, metric per epoch, whether it trained) and each model's scores
     DIR/glue.md     one row per model: each task's score and the GLUE average (WNLI left out, as the papers average)
@@ -42,15 +47,12 @@ import torch
 from tqdm import tqdm
 
 from .atomic import atomic_write_text
+from .config import ModelConfig
 from .errors import FastmaeError, run_command
 from .finetune import FinetuneConfig, framed_split, other_dev_sets, train_one_seed, width_learning_rate
 from .hardware import choose_precision
 from .pretrained import MODEL_HELP, Pretrained, load_pretrained
 from .tasks import GLUE_DIRS, GLUE_TASKS, Task, load_split
-
-HEADLINE = {"cola": "matthews_correlation", "stsb": "spearman"}
-"""The metric each task counts with in the GLUE average (accuracy where not named), as RoBERTa's, COCO-LM's and
-MAE-LM's dev tables report them; MNLI counts its matched accuracy (mismatched shown beside)."""
 
 FROM_MNLI = ("rte", "mrpc", "stsb")
 PAPERS_RATES = (1e-5, 2e-5, 3e-5)
@@ -133,6 +135,20 @@ def find_tasks(glue_dir: Path) -> dict[str, TaskData]:
 
 # ----------------------------------------------------------------------------------------------------- cells
 @dataclass(frozen=True)
+class CellContext:
+    """What changes a cell's result beside its grid setting and seed: a cell of another context is never reused."""
+
+    init: str  # "pretrained", or "mnli": from the model's best MNLI cell (--from-mnli)
+    precision: str  # as resolved on this machine
+    max_seq_len: int  # the longest input, as resolved for the model
+    weights: str  # sha256 of the model's weights and tokenizer (a retrained run directory is another model)
+    data: str  # sha256 of the task's train and dev files
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+
+@dataclass(frozen=True)
 class Cell:
     """One fine-tune of the plan."""
 
@@ -140,12 +156,14 @@ class Cell:
     task: str
     setting: Setting
     seed: int
+    context: CellContext | None = None
 
     def file(self, out: Path) -> Path:
-        """Where its finished record lives."""
+        """Where its finished record lives: the setting, the seed and the context's key in its name."""
         s = self.setting
+        key = f"-{self.context.key()}" if self.context else ""
         return (out / "cells" / model_key(self.model) / self.task /
-                f"lr{s.lr:.3g}-b{s.batch_size}-e{s.epochs}-wd{s.weight_decay:.3g}-seed{self.seed}.json")
+                f"lr{s.lr:.3g}-b{s.batch_size}-e{s.epochs}-wd{s.weight_decay:.3g}-seed{self.seed}{key}.json")
 
 
 def model_key(model: str) -> str:
@@ -155,14 +173,46 @@ def model_key(model: str) -> str:
 
 
 def plan(models: list[str], tasks: dict[str, TaskData], widths: dict[str, int], protocol: str, seeds: int,
-         quick: bool, from_mnli: bool, **sizes) -> list[Cell]:
+         quick: bool, from_mnli: bool, contexts: dict[tuple[str, str], CellContext] | None = None,
+         **sizes) -> list[Cell]:
     """Every cell: tasks smallest first (MNLI first with `from_mnli`, since tasks start from it), then grid setting,
-    seed and model, so that a plan cut short still compares the models on the same cells. `sizes`: grid's epochs
-    and batch_sizes."""
+    seed and model, so that a plan cut short still compares the models on the same cells. `contexts`: each (model,
+    task)'s `CellContext`; `sizes`: grid's epochs and batch_sizes."""
     order = sorted(tasks, key=lambda t: (not (from_mnli and t == "mnli"), tasks[t].train_examples))
     grids = {(m, t): grid(t, widths[m], protocol, quick, **sizes) for m in models for t in order}
-    return [Cell(m, t, grids[m, t][i], seed) for t in order for i in range(len(grids[models[0], t]))
-            for seed in range(seeds) for m in models]
+    return [Cell(m, t, grids[m, t][i], seed, (contexts or {}).get((m, t))) for t in order
+            for i in range(len(grids[models[0], t])) for seed in range(seeds) for m in models]
+
+
+def cell_contexts(encoders: Encoders, models: list[str], from_mnli: bool,
+                  precision: str) -> dict[tuple[str, str], CellContext]:
+    """The `CellContext` of every (model, task)."""
+    weights = {m: weights_digest(encoders.pretrained(m)) for m in models}
+    data = {t: files_digest([files.train, files.dev, *files.other_devs.values()])
+            for t, files in encoders.tasks.items()}
+    return {(m, t): CellContext("mnli" if from_mnli and t in FROM_MNLI else "pretrained", precision,
+                                encoders.length(encoders.pretrained(m).config), weights[m], data[t])
+            for m in models for t in encoders.tasks}
+
+
+def weights_digest(pretrained: Pretrained) -> str:
+    """sha256 of a model's weights (names, shapes and bytes) and its tokenizer's identity."""
+    digest = hashlib.sha256(pretrained.tokenizer.sha256.encode())
+    for name in sorted(pretrained.weights):
+        tensor = pretrained.weights[name].detach().cpu().contiguous()
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def files_digest(paths: list[Path]) -> str:
+    """sha256 of files' contents, in order."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as file:
+            while block := file.read(1 << 20):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def cell_cost(cell: Cell, tasks: dict[str, TaskData]) -> float:
@@ -203,11 +253,15 @@ class Encoders:
             self._pretrained[model] = load_pretrained(model)
         return self._pretrained[model]
 
+    def length(self, config: ModelConfig) -> int:
+        """The longest input for a model of `config`: --max-seq-len, at most the model's."""
+        return min(self.max_seq_len or config.max_seq_len, config.max_seq_len)
+
     def data(self, model: str, task: str) -> tuple[tuple, tuple, dict[str, tuple]]:
         """(train, dev, other devs) of `task` in `model`'s tokens, each (sequences, labels)."""
         if (model, task) not in self._framed:
             files, pretrained = self.tasks[task], self.pretrained(model)
-            length = min(self.max_seq_len or pretrained.config.max_seq_len, pretrained.config.max_seq_len)
+            length = self.length(pretrained.config)
 
             def framed(path: Path) -> tuple:
                 return framed_split(load_split(path, files.task), pretrained.tokenizer, length)
@@ -216,9 +270,10 @@ class Encoders:
                                          {name: framed(path) for name, path in files.other_devs.items()})
         return self._framed[model, task]
 
-    def from_mnli(self, model: str, records: list[dict]) -> tuple[Pretrained, str]:
-        """`model` with the encoder of its best MNLI cell's median seed, and that cell's file name."""
-        best = task_scores([r for r in records if r["model"] == model], "mnli")
+    def from_mnli(self, model: str, records: list[dict], seeds: int) -> tuple[Pretrained, str]:
+        """`model` with the encoder of its best MNLI cell's median seed (cells of `seeds` seeds), and that cell's file
+        name."""
+        best = task_scores([r for r in records if r["model"] == model and r["init"] == "pretrained"], "mnli", seeds)
         if best is None:
             raise FastmaeError(f"--from-mnli: {model} has no finished MNLI cell to start from (is MNLI under --data, "
                                "and inside the budget?)")
@@ -232,11 +287,11 @@ class Encoders:
 
 
 def run_cell(cell: Cell, encoders: Encoders, out: Path, precision: str, device: torch.device, records: list[dict],
-             from_mnli: bool) -> dict:
+             from_mnli: bool, seeds: int) -> dict:
     """Fine-tune one cell and write its record (MNLI cells keep their classifier when others start from it)."""
     pretrained, init = encoders.pretrained(cell.model), "pretrained"
     if from_mnli and cell.task in FROM_MNLI:
-        pretrained, init = encoders.from_mnli(cell.model, records)
+        pretrained, init = encoders.from_mnli(cell.model, records, seeds)
     train, dev, others = encoders.data(cell.model, cell.task)
     s = cell.setting
     config = FinetuneConfig(seeds=1, epochs=s.epochs, lr=s.lr, batch_size=s.batch_size, weight_decay=s.weight_decay,
@@ -247,43 +302,53 @@ def run_cell(cell: Cell, encoders: Encoders, out: Path, precision: str, device: 
     result = train_one_seed(pretrained, encoders.tasks[cell.task].task, train, dev, config, cell.seed, device, keep,
                             others)
     record = {"model": cell.model, "task": cell.task, **dataclasses.asdict(s), "seed": cell.seed, "init": init,
+              "context": dataclasses.asdict(cell.context) if cell.context else None,
               "file": str(file), "seconds": round(time.perf_counter() - started, 2),
               "cost_examples": cell_cost(cell, encoders.tasks), **result}
     atomic_write_text(file, json.dumps(record, indent=1) + "\n")
     return record
 
 
-def read_record(cell: Cell, out: Path) -> dict | None:
-    """A finished cell's record, or None."""
+def read_record(cell: Cell, out: Path, from_mnli: bool) -> dict | None:
+    """A finished cell's record of the same context, or None; with `from_mnli`, an MNLI cell counts as finished only
+    where it kept its classifier (one fine-tuned without --from-mnli did not: it runs again, keeping it)."""
     file = cell.file(out)
-    return json.loads(file.read_text()) if file.is_file() else None
+    if not file.is_file() or (from_mnli and cell.task == "mnli" and not file.with_suffix(".safetensors").is_file()):
+        return None
+    record = json.loads(file.read_text())
+    expected = dataclasses.asdict(cell.context) if cell.context else None
+    return record if record.get("context") == expected else None
 
 
 # --------------------------------------------------------------------------------------------------- scores
-def best_cells(records: list[dict], task: str) -> list[dict]:
-    """One model's finished cells of `task` at the grid setting whose median over seeds of the task's primary metric
-    is best on dev (the papers' choice), ordered by that metric; [] without a finished cell."""
-    primary = GLUE_TASKS[task].metrics[0]
+def best_cells(records: list[dict], task: str, seeds: int = 0) -> list[dict]:
+    """One model's finished cells of `task` at the grid setting whose median over seeds of the metric the task
+    reports (`Task.metrics[0]`) is best on dev (the papers' choice), ordered by that metric; [] without a finished
+    cell. With `seeds`, settings that finished fewer seeds (cut short by a budget) compete only where none finished
+    them all."""
+    reported = GLUE_TASKS[task].metrics[0]
     by_setting: dict[tuple, list[dict]] = {}
     for r in records:
         if r["task"] == task:
             by_setting.setdefault((r["lr"], r["batch_size"], r["epochs"], r["weight_decay"]), []).append(r)
-    if not by_setting:
+    complete = [rows for rows in by_setting.values() if len(rows) >= seeds]
+    candidates = complete or list(by_setting.values())
+    if not candidates:
         return []
-    cells = max(by_setting.values(), key=lambda rows: np.median([r["scores"][primary] for r in rows]))
-    return sorted(cells, key=lambda r: r["scores"][primary])
+    cells = max(candidates, key=lambda rows: np.median([r["scores"][reported] for r in rows]))
+    return sorted(cells, key=lambda r: r["scores"][reported])
 
 
-def task_scores(records: list[dict], task: str) -> dict | None:
+def task_scores(records: list[dict], task: str, seeds: int = 0) -> dict | None:
     """One model's score on `task` from its finished cells (`best_cells`): every metric's median and per-seed values
-    there; None without a finished cell."""
-    cells = best_cells(records, task)
+    there, and whether that cell finished `seeds` seeds (`complete`); None without a finished cell."""
+    cells = best_cells(records, task, seeds)
     if not cells:
         return None
     metrics = list(cells[0]["scores"])
-    headline = HEADLINE.get(task, "accuracy")
+    headline = GLUE_TASKS[task].metrics[0]
     return {"lr": cells[0]["lr"], "batch_size": cells[0]["batch_size"], "epochs": cells[0]["epochs"],
-            "seeds": len(cells),
+            "seeds": len(cells), "complete": len(cells) >= seeds,
             "median": {m: float(np.median([r["scores"][m] for r in cells])) for m in metrics},
             "per_seed": {m: [r["scores"][m] for r in cells] for m in metrics},
             "headline_metric": headline, "headline": float(np.median([r["scores"][headline] for r in cells])),
@@ -291,11 +356,11 @@ def task_scores(records: list[dict], task: str) -> dict | None:
             "median_cell": cells[(len(cells) - 1) // 2]["file"]}
 
 
-def model_scores(records: list[dict], model: str, tasks: list[str]) -> dict:
+def model_scores(records: list[dict], model: str, tasks: list[str], seeds: int = 0) -> dict:
     """{task: task_scores} of one model, and its GLUE average over the tasks it has, WNLI left out, with the tasks
     among those whose best cell holds a seed that did not train (`untrained`: the average then says nothing)."""
     mine = [r for r in records if r["model"] == model]
-    scores = {t: task_scores(mine, t) for t in tasks}
+    scores = {t: task_scores(mine, t, seeds) for t in tasks}
     counted = [t for t, v in scores.items() if v is not None and t != "wnli"]
     average = float(np.mean([scores[t]["headline"] for t in counted])) if counted else None
     return {"tasks": {t: v for t, v in scores.items() if v is not None}, "average": average,
@@ -314,17 +379,18 @@ def glue(models: list[str], data: Path, out: Path, protocol: str = "papers", see
     tasks = find_tasks(data)
     encoders = Encoders(tasks, max_seq_len)
     widths = {m: encoders.pretrained(m).config.hidden_size for m in models}  # every model read before any work
-    cells = plan(models, tasks, widths, protocol, seeds, quick, from_mnli, **sizes)
-    if not cells:
-        raise FastmaeError(f"--data {data}: the {protocol} protocol has no settings for "
-                           f"{', '.join(GLUE_DIRS[t] for t in tasks)}")
-    records = {c: r for c in cells if (r := read_record(c, out)) is not None}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision, line = choose_precision(precision, device)
     if line:
         log(line)
+    contexts = cell_contexts(encoders, models, from_mnli, precision)
+    cells = plan(models, tasks, widths, protocol, seeds, quick, from_mnli, contexts, **sizes)
+    if not cells:
+        raise FastmaeError(f"--data {data}: the {protocol} protocol has no settings for "
+                           f"{', '.join(GLUE_DIRS[t] for t in tasks)}")
+    records = {c: r for c in cells if (r := read_record(c, out, from_mnli)) is not None}
     if budget_hours and not records:  # the first cell measures the speed the rest are planned at
-        records[cells[0]] = run_cell(cells[0], encoders, out, precision, device, [], from_mnli)
+        records[cells[0]] = run_cell(cells[0], encoders, out, precision, device, [], from_mnli, seeds)
     rate = sum(r["cost_examples"] for r in records.values()) / max(sum(r["seconds"] for r in records.values()), 1e-9)
     kept, left_out = within_budget(cells, set(records), tasks, max_cells, budget_hours * 3600, rate)
     for line in left_out:
@@ -333,11 +399,11 @@ def glue(models: list[str], data: Path, out: Path, protocol: str = "papers", see
     log(f"{len(kept)} cells planned ({len(kept) - len(todo)} finished before), {len(todo)} to run; {len(tasks)} "
         f"task(s): {', '.join(GLUE_DIRS[t] for t in tasks)}")
     for cell in tqdm(todo, desc="cells", unit="cell", dynamic_ncols=True):
-        records[cell] = run_cell(cell, encoders, out, precision, device, list(records.values()), from_mnli)
+        records[cell] = run_cell(cell, encoders, out, precision, device, list(records.values()), from_mnli, seeds)
     finished = [records[c] for c in kept]
     result = {"protocol": protocol, "from_mnli": from_mnli, "seeds": seeds, "quick": quick, "precision": precision,
-              "device": str(device), "tasks": list(tasks), "left_out": left_out,
-              "models": {m: model_scores(finished, m, list(tasks)) for m in models}, "cells": finished}
+              "max_seq_len": max_seq_len, "device": str(device), "tasks": list(tasks), "left_out": left_out,
+              "models": {m: model_scores(finished, m, list(tasks), seeds) for m in models}, "cells": finished}
     for path in write_report(out, result):
         log(f"wrote {path}")
     return result

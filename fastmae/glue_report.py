@@ -14,18 +14,19 @@ from .plot import pyplot, save_figure
 from .tasks import GLUE_DIRS
 
 NAMES = {**GLUE_DIRS, "mnli": "MNLI-m/mm"}
-METRIC_NAMES = {"matthews_correlation": "MCC", "spearman": "Spearman", "accuracy": "acc"}
+METRIC_NAMES = {"matthews_correlation": "MCC", "spearman": "Spearman", "accuracy": "acc", "f1": "F1",
+                "pearson": "Pearson"}
 
 
 def _cell(scores: dict | None) -> str:
     """A task's score as the papers print it (x 100), MNLI as matched/mismatched, a dagger where a seed did not
-    train."""
+    train, a double dagger where the budget cut its best cell short of the seeds asked for."""
     if scores is None:
         return "-"
     text = f"{100 * scores['headline']:.1f}"
     if "mismatched_accuracy" in scores["median"]:
         text += f"/{100 * scores['median']['mismatched_accuracy']:.1f}"
-    return text + (" †" if scores["did_not_train"] else "")
+    return text + (" †" if scores["did_not_train"] else "") + ("" if scores.get("complete", True) else " ‡")
 
 
 def glue_table(models: dict[str, dict], tasks: list[str]) -> str:
@@ -73,7 +74,9 @@ def write_report(out: Path, result: dict) -> list[Path]:
              "Each score is the median over seeds of the best grid cell on dev (x 100); MNLI shows matched/"
              "mismatched accuracy. The average is over the tasks shown, WNLI left out, as the papers average dev "
              "scores. † : at least one seed of that cell did not train (one class predicted, or its training loss "
-             "at chance), so its score says nothing about the encoder; an average marked † counts such a score.", ""]
+             "at chance), so its score says nothing about the encoder; an average marked † counts such a score. "
+             "‡ : the budget left that task no grid setting with every seed, so its best cell has fewer seeds than "
+             "asked for.", ""]
     for model, entry in models.items():
         average_over = ", ".join(NAMES[t] for t in entry["average_over"])
         lines.append(f"- `{model}`: average over {len(entry['average_over'])} task(s) ({average_over}); "

@@ -25,7 +25,9 @@ class Task:
     text_fields: one (single sentence) or two (pair) column names. label_field: the label's column.
     labels: the label set in class-index order (None: regression). positional: column indices of
     (text fields..., label) for files without a header row (None: a header is required).
-    metrics: names of the scores; the first picks the best checkpoint and the median. dev_files: the first that
+    metrics: names of the scores; the first is the one reported (what RoBERTa's, COCO-LM's and MAE-LM's GLUE dev
+    tables give: accuracy for MRPC and QQP, Spearman for STS-B, Matthews for CoLA) and the one that picks the best
+    epoch, the best grid cell and the median, so a score is chosen by what it reports. dev_files: the first that
     exists is the dev set; other_dev_files: (name, file) of dev sets scored beside it where they exist.
     """
 
@@ -52,9 +54,9 @@ ENTAILMENT = ("entailment", "not_entailment")
 GLUE_TASKS = {
     "cola": Task("cola", ("sentence",), "label", BINARY, ("matthews_correlation", "accuracy"), positional=(3, 1)),
     "sst2": Task("sst2", ("sentence",), "label", BINARY, ("accuracy",)),
-    "mrpc": Task("mrpc", ("#1 String", "#2 String"), "Quality", BINARY, ("f1", "accuracy")),
-    "stsb": Task("stsb", ("sentence1", "sentence2"), "score", None, ("pearson", "spearman")),
-    "qqp": Task("qqp", ("question1", "question2"), "is_duplicate", BINARY, ("f1", "accuracy")),
+    "mrpc": Task("mrpc", ("#1 String", "#2 String"), "Quality", BINARY, ("accuracy", "f1")),
+    "stsb": Task("stsb", ("sentence1", "sentence2"), "score", None, ("spearman", "pearson")),
+    "qqp": Task("qqp", ("question1", "question2"), "is_duplicate", BINARY, ("accuracy", "f1")),
     "mnli": Task("mnli", ("sentence1", "sentence2"), "gold_label", ("contradiction", "entailment", "neutral"),
                  ("accuracy",), dev_files=("dev_matched.tsv", "dev.tsv"),
                  other_dev_files=(("mismatched", "dev_mismatched.tsv"),)),

@@ -106,18 +106,73 @@ def test_glue_runs_every_task_resumes_without_redoing_a_cell_and_reports_two_mod
     assert "## Differences, held to the seed spread" in table and (out / "glue.png").stat().st_size > 0
 
 
-def test_from_mnli_starts_rte_from_the_best_mnli_cell(models, glue_dir, tmp_path):
+def test_from_mnli_starts_rte_from_the_best_mnli_cell_and_never_reuses_a_cell_of_other_settings(models, glue_dir,
+                                                                                                   tmp_path, capsys):
+    """MNLI and RTE without --from-mnli, then with it: the second run fine-tunes RTE again from MNLI's encoder
+    (glue.json's RTE cell says so), and MNLI again since the first run kept no classifier to start from; a third run
+    reuses both; another maximum length runs every cell again. Each record names its context."""
     data = tmp_path / "data"
     data.mkdir()
     for name in ("MNLI", "RTE"):
         (data / name).symlink_to(glue_dir / name)
     out = tmp_path / "out"
-    assert glue_main(["--model", models[0], "--data", str(data), "--out", str(out), "--quick", "--seeds", "1",
-                      "--from-mnli", "--precision", "fp32"]) == 0
-    cells = {c["task"]: c for c in json.loads((out / "glue.json").read_text())["cells"]}
+    common = ["--model", models[0], "--data", str(data), "--out", str(out), "--quick", "--seeds", "1",
+              "--precision", "fp32"]
+    assert glue_main(common) == 0
+    first = {c["task"]: c for c in json.loads((out / "glue.json").read_text())["cells"]}
+    assert first["rte"]["init"] == "pretrained" and first["rte"]["context"]["init"] == "pretrained"
+    capsys.readouterr()
+    assert glue_main([*common, "--from-mnli"]) == 0
+    assert "2 cells planned (0 finished before), 2 to run" in capsys.readouterr().err
+    result = json.loads((out / "glue.json").read_text())
+    cells = {c["task"]: c for c in result["cells"]}
     mnli_weights = (out / cells["mnli"]["file"]).with_suffix(".safetensors")
-    assert cells["mnli"]["init"] == "pretrained" and mnli_weights.is_file()
-    assert cells["rte"]["init"] == mnli_weights.name
+    assert cells["mnli"]["file"] == first["mnli"]["file"] and cells["mnli"]["init"] == "pretrained"
+    assert mnli_weights.is_file() and result["from_mnli"] and cells["rte"]["init"] == mnli_weights.name
+    assert cells["rte"]["context"]["init"] == "mnli" and cells["rte"]["file"] != first["rte"]["file"]
+    assert glue_main([*common, "--from-mnli"]) == 0
+    assert "2 cells planned (2 finished before), 0 to run" in capsys.readouterr().err
+    assert glue_main([*common, "--from-mnli", "--max-seq-len", "32"]) == 0
+    assert "2 cells planned (0 finished before), 2 to run" in capsys.readouterr().err
+    assert {c["context"]["max_seq_len"] for c in json.loads((out / "glue.json").read_text())["cells"]} == {32}
+
+
+def test_the_grid_chooses_by_the_metric_it_reports_and_a_cell_cut_short_does_not_compete(models, glue_dir, tmp_path):
+    """A real grid (3 rates x 2 seeds, one epoch) on MRPC, where accuracy is reported and F1 is not: the best cell is
+    the setting whose median dev accuracy is highest, computed here from the cells. Then records where F1 and
+    accuracy disagree, and a setting cut short by the budget with a better median: it competes only when no setting
+    finished every seed, and the score says so."""
+    from fastmae.glue import best_cells, glue, task_scores
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "MRPC").symlink_to(glue_dir / "MRPC")
+    result = glue([models[0]], data, tmp_path / "out", seeds=2, precision="fp32", epochs=1, batch_sizes=(16,))
+    cells = result["cells"]
+    assert len(cells) == 6 and GLUE_TASKS["mrpc"].metrics[0] == "accuracy"
+    medians = {}
+    for c in cells:
+        medians.setdefault(c["lr"], []).append(c["scores"]["accuracy"])
+    for c in cells:  # each cell's epoch was kept by accuracy too
+        assert c["scores"]["accuracy"] == max(e["accuracy"] for e in c["history"])
+    chosen = result["models"][models[0]]["tasks"]["mrpc"]
+    assert chosen["headline_metric"] == "accuracy" and chosen["complete"]
+    assert chosen["headline"] == pytest.approx(max(float(np.median(v)) for v in medians.values()))
+
+    def record(lr, seed, accuracy, f1):
+        return {"task": "mrpc", "lr": lr, "batch_size": 16, "epochs": 1, "weight_decay": 0.1, "seed": seed,
+                "scores": {"accuracy": accuracy, "f1": f1}, "did_not_train": None, "file": f"{lr}-{seed}.json"}
+
+    records = [record(1e-5, 0, 0.80, 0.50), record(1e-5, 1, 0.82, 0.52),  # accuracy's best
+               record(2e-5, 0, 0.70, 0.90), record(2e-5, 1, 0.72, 0.92),  # F1's best
+               record(3e-5, 0, 0.95, 0.95)]  # the budget cut it to one seed of two
+    assert {r["lr"] for r in best_cells(records, "mrpc", seeds=2)} == {1e-5}
+    assert {r["lr"] for r in best_cells(records, "mrpc")} == {3e-5}  # without the count it would win
+    short = task_scores([records[-1]], "mrpc", seeds=2)  # nothing complete: it stands, and says so
+    assert short["seeds"] == 1 and not short["complete"]
+    stsb = [{**record(1e-5, 0, 0, 0), "task": "stsb", "scores": {"spearman": 0.9, "pearson": 0.1}},
+            {**record(2e-5, 0, 0, 0), "task": "stsb", "scores": {"spearman": 0.1, "pearson": 0.9}}]
+    assert task_scores(stsb, "stsb", 1)["lr"] == 1e-5 and task_scores(stsb, "stsb", 1)["headline_metric"] == "spearman"
 
 
 def test_bad_input_is_named(models, tmp_path, capsys):

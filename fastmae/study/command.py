@@ -72,7 +72,7 @@ def study(args) -> dict:
                            batch_sizes=(ft.batch_size,))
         cells = glue_result["cells"]
         finetuned = {label: {(task_label if task_label != "glue" else task): [
-            best_cells([c for c in cells if c["model"] == str(run.dir)], task) for run in rs]
+            best_cells([c for c in cells if c["model"] == str(run.dir)], task, ft_setup["seeds"]) for run in rs]
             for task in glue_result["tasks"]} for label, rs in runs.items()}
         ft_setup["lrs"] = sorted({c["lr"] for c in cells})
     sequences = preset.analyze_sequences
