@@ -45,7 +45,7 @@ def export(source: str | Path, outdir: str | Path, overwrite: bool = False) -> P
         raise FastmaeError(f"{outdir}: exists and is not empty (pass --overwrite to replace it)")
     pretrained = load_pretrained(source)
     config = pretrained.config
-    tensors = to_hugging_face(config, pretrained.weights)
+    tensors = to_hugging_face(config, pretrained.weights, pretrained.segment_row)
     partial = outdir.with_name(f".{outdir.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     try:

@@ -284,6 +284,7 @@ def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Pat
     """Fine-tune `config.seeds` times and write OUT/results.json; return the results. Inputs are read and checked
     before anything is written."""
     pretrained = load_pretrained(model_path)
+    pretrained.refuse_pairs(task.name, len(task.text_fields) == 2)
     requested = config
     if not config.lr:
         config = dataclasses.replace(config, lr=width_learning_rate(pretrained.config.hidden_size))

@@ -379,6 +379,9 @@ def glue(models: list[str], data: Path, out: Path, protocol: str = "papers", see
     tasks = find_tasks(data)
     encoders = Encoders(tasks, max_seq_len)
     widths = {m: encoders.pretrained(m).config.hidden_size for m in models}  # every model read before any work
+    for model in models:
+        for name, files in tasks.items():
+            encoders.pretrained(model).refuse_pairs(GLUE_DIRS[name], len(files.task.text_fields) == 2)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision, line = choose_precision(precision, device)
     if line:

@@ -112,9 +112,11 @@ def _qkv_names(arch: str, i: int) -> tuple[str, list[str]]:
     return f"encoder.{i}.qkv", [f"{arch}.encoder.layer.{i}.attention.self.{p}" for p in ("query", "key", "value")]
 
 
-def to_hugging_face(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_hugging_face(config: ModelConfig, weights: dict[str, torch.Tensor],
+                    segment_row: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """fastmae weights -> Hugging Face names of `hugging_face_architecture`'s masked-LM model (the head only for
-    k = 0, see the module doc)."""
+    k = 0, see the module doc). `segment_row` ([H]): a source's second-segment embedding less its first
+    (`segment_row`), written as the second token-type row so that a BERT's pairs compute as the original's."""
     arch = hugging_face_architecture(config)
     out = {theirs: weights[ours] for ours, theirs in _name_pairs(config, config.insert_layer == 0, arch)}
     for i in range(config.encoder_layers):
@@ -123,8 +125,11 @@ def to_hugging_face(config: ModelConfig, weights: dict[str, torch.Tensor]) -> di
             for name, part in zip(theirs, weights[f"{ours}.{p}"].chunk(3)):
                 rotated = arch == "roformer" and not name.endswith("value")
                 out[f"{name}.{p}"] = part[_interleaving(config)] if rotated else part
-    if arch in ("roberta", "roformer"):  # two zero rows: a BERT tokenizer's pair segments index 1
-        out[f"{arch}.embeddings.token_type_embeddings.weight"] = torch.zeros(2, config.hidden_size)
+    if arch in ("roberta", "roformer"):  # row 0 is folded into the positions; a BERT tokenizer's pair segments index 1
+        second = torch.zeros(config.hidden_size) if segment_row is None else segment_row.float()
+        out[f"{arch}.embeddings.token_type_embeddings.weight"] = torch.stack([torch.zeros(config.hidden_size), second])
+    elif segment_row is not None:
+        raise FastmaeError(f"a second-segment embedding cannot be written to {arch}, which has no token-type table")
     if arch == "roformer":  # RoFormer's own table (written, so that loading leaves nothing to fill)
         from transformers.models.roformer.modeling_roformer import RoFormerSinusoidalPositionalEmbedding
 
@@ -292,14 +297,27 @@ def _tensors(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, metadata
 
 
-def read_hugging_face(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], int]:
-    """(model config, fastmae weights, step) of a directory written by `fastmae export`."""
+def read_hugging_face(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], int, torch.Tensor | None]:
+    """(model config, fastmae weights, step, `segment_row`) of a directory written by `fastmae export`."""
     hf_config = config_json(directory)
     if CONFIG_KEY not in hf_config:
         raise FastmaeError(f"{directory / 'config.json'}: no {CONFIG_KEY} (not written by `fastmae export`)")
     config = saved_model_config(hf_config[CONFIG_KEY], directory / "config.json")
     tensors, metadata = _tensors(directory)
-    return config, from_hugging_face(config, tensors, directory / WEIGHTS), int(metadata.get("fastmae_step", -1))
+    arch = hugging_face_architecture(config)
+    return (config, from_hugging_face(config, tensors, directory / WEIGHTS), int(metadata.get("fastmae_step", -1)),
+            segment_row(tensors.get(f"{arch}.embeddings.token_type_embeddings.weight")))
+
+
+def segment_row(token_types: torch.Tensor | None) -> torch.Tensor | None:
+    """[H]: a token-type table's second row less its first (what a BERT adds to a pair's second segment beyond the
+    first row, which fastmae folds into its positions), or None where the table has no second row or it equals the
+    first. fastmae's encoder computes no segments: `Pretrained.segment_row` carries it to export, and fine-tuning
+    refuses pair tasks while a model has one."""
+    if token_types is None or token_types.shape[0] < 2:
+        return None
+    difference = (token_types[1] - token_types[0]).float()
+    return difference if difference.abs().max() > 0 else None
 
 
 FOREIGN_ARCHITECTURES = {"roberta": "RoBERTa", "bert": "BERT", "esm": "ESM-2", "roformer": "RoFormer"}
@@ -357,11 +375,13 @@ def foreign_model_config(hf: dict, special: SpecialTokens, source: Path) -> Mode
         raise FastmaeError(f"{where}: {err}") from None
 
 
-def read_foreign(directory: Path, special: SpecialTokens) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
-    """(model config, fastmae weights, architecture name) of a Hugging Face RoBERTa, BERT, ESM-2 or RoFormer
-    directory (masked-LM or base model), `special` its tokenizer's ids. The first row of a token-type table is folded
-    into the position rows (learned positions: exact) or into the token rows (RoFormer: the same hidden states; the
-    tied LM head's logits then move by one constant per row, so its probabilities are the same)."""
+def read_foreign(directory: Path, special: SpecialTokens
+                 ) -> tuple[ModelConfig, dict[str, torch.Tensor], str, torch.Tensor | None]:
+    """(model config, fastmae weights, architecture name, `segment_row`) of a Hugging Face RoBERTa, BERT, ESM-2 or
+    RoFormer directory (masked-LM or base model), `special` its tokenizer's ids. The first row of a token-type table
+    is folded into the position rows (learned positions: exact) or into the token rows (RoFormer: the same hidden
+    states; the tied LM head's logits then move by one constant per row, so its probabilities are the same); a
+    second row that differs from it is returned apart."""
     hf = config_json(directory)
     config = foreign_model_config(hf, special, directory)
     arch = hf["model_type"]
@@ -376,4 +396,5 @@ def read_foreign(directory: Path, special: SpecialTokens) -> tuple[ModelConfig, 
         weights["embeddings.positions.weight"] = torch.cat([rows.new_zeros(shift, rows.shape[1]), rows]) + folded
     else:
         weights["embeddings.tokens.weight"] = weights["embeddings.tokens.weight"] + folded
-    return config, {name: t.float().contiguous() for name, t in weights.items()}, FOREIGN_ARCHITECTURES[arch]
+    return (config, {name: t.float().contiguous() for name, t in weights.items()}, FOREIGN_ARCHITECTURES[arch],
+            segment_row(types))

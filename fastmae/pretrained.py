@@ -39,6 +39,9 @@ class Pretrained:
     weights_file: Path
     step: int
     foreign: str = ""
+    # [H]: the source's second-segment embedding less its first (a BERT's token-type rows), which fastmae's encoder
+    # does not compute: export writes it back, fine-tuning refuses pair tasks (`refuse_pairs`); None for the rest
+    segment_row: torch.Tensor | None = None
 
     def describe(self) -> str:
         """The source in words, as the training log names it."""
@@ -50,6 +53,16 @@ class Pretrained:
         """Where these weights came from, as run_info.json and the model card name it."""
         return {"weights": str(self.weights_file), "step": self.step, "objective": self.config.objective,
                 "foreign": self.foreign}
+
+    def refuse_pairs(self, task: str, pair: bool) -> None:
+        """A FastmaeError where fine-tuning this model on a pair task would drop the segment embedding it was trained
+        with (`segment_row`): the comparison with the original would handicap it."""
+        if pair and self.segment_row is not None:
+            raise FastmaeError(
+                f"{self.weights_file}: {task} is a pair task, and this {self.foreign or 'model'} adds a second-segment "
+                "(token-type) embedding to a pair's second sentence, which fastmae's encoder does not compute: "
+                "fine-tuned here it would run without it, handicapped against the original. fastmae fine-tunes it on "
+                "single-sentence tasks (SST-2, CoLA); `fastmae export` keeps the embedding for transformers")
 
     def encoder(self) -> MaskedLM:
         """The pretrained network minus its decoder (what fine-tuning and `encode` run), with its weights loaded.
@@ -93,16 +106,16 @@ def source_kind(path: Path) -> str:
 
 def read_export(path: Path) -> Pretrained:
     """A directory written by `fastmae export`: its config.json, weights and tokenizer."""
-    config, weights, step = read_hugging_face(path)
-    return Pretrained(config, weights, _tokenizer(path, "the export"), path / WEIGHTS, step)
+    config, weights, step, segments = read_hugging_face(path)
+    return Pretrained(config, weights, _tokenizer(path, "the export"), path / WEIGHTS, step, segment_row=segments)
 
 
 def read_foreign_encoder(path: Path) -> Pretrained:
     """A Hugging Face RoBERTa, BERT, ESM-2 or RoFormer directory with its tokenizer (`hf_format.read_foreign`)."""
     tokenizer = _tokenizer(path, "the model directory")
-    config, weights, architecture = read_foreign(path, tokenizer.special)
+    config, weights, architecture, segments = read_foreign(path, tokenizer.special)
     weights_file = path / WEIGHTS if (path / WEIGHTS).is_file() else path  # sharded or pytorch_model.bin: the directory
-    return Pretrained(config, weights, tokenizer, weights_file, 0, architecture)
+    return Pretrained(config, weights, tokenizer, weights_file, 0, architecture, segments)
 
 
 def read_checkpoint(path: Path) -> Pretrained:

@@ -218,9 +218,10 @@ def test_what_cannot_be_mapped_is_refused_by_name(bpe_dir, tmp_path):
         load_pretrained(model)
 
 
-def test_a_foreign_encoder_is_taken_wherever_fastmae_takes_a_model(wordpiece_dir, tmp_path):
-    """export (re-exported, transformers computes the BERT's hidden states), analyze and finetune read the BERT
-    directory itself, by the same path as fastmae's own models."""
+def test_a_foreign_encoder_is_taken_wherever_fastmae_takes_a_model(wordpiece_dir, tmp_path, capsys):
+    """export (re-exported, transformers computes the BERT's hidden states, pairs with their segment ids included),
+    analyze and finetune read the BERT directory itself, by the same path as fastmae's own models; fine-tuning it on
+    a pair task, which would drop its second-segment embedding, is refused (finetune and glue)."""
     from synthetic import keyword_split
 
     from fastmae.analyze import main as analyze_main
@@ -233,12 +234,28 @@ def test_a_foreign_encoder_is_taken_wherever_fastmae_takes_a_model(wordpiece_dir
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert [tokenizer(t).input_ids for t in TEXTS] == [
         transformers.AutoTokenizer.from_pretrained(bert)(t).input_ids for t in TEXTS]
-    padded = tokenizer(TEXTS, padding=True, return_tensors="pt", return_token_type_ids=False)
+    # pairs with the segment ids the BERT tokenizer gives: the export keeps the BERT's second token-type row
+    padded = tokenizer(TEXTS, TEXTS[::-1], padding=True, return_tensors="pt", return_token_type_ids=True)
+    assert padded["token_type_ids"].any()
     with torch.no_grad():
         original = transformers.AutoModel.from_pretrained(bert).eval()(**padded).last_hidden_state
         again = transformers.AutoModel.from_pretrained(tmp_path / "hf").eval()(**padded).last_hidden_state
     real = padded["attention_mask"].bool()
     assert (original[real] - again[real]).abs().max() <= 1e-5
+    # fine-tuning it on a pair task would drop that row: refused, by the BERT and by its export, naming why
+    for model in (bert, tmp_path / "hf"):
+        with pytest.raises(FastmaeError, match="MRPC is a pair task.*second-segment"):
+            load_pretrained(model).refuse_pairs("MRPC", True)
+        load_pretrained(model).refuse_pairs("SST-2", False)
+    load_pretrained(foreign_model("roberta", wordpiece_dir, tmp_path / "roberta")).refuse_pairs("MRPC", True)
+    from synthetic import write_glue
+
+    from fastmae.glue import main as glue_main
+
+    glue_dir = write_glue(tmp_path / "glue", "the cat dog bird sat ran on under a big small red".split(), 16, 8)
+    capsys.readouterr()
+    assert glue_main(["--model", str(bert), "--data", str(glue_dir), "--out", str(tmp_path / "g"), "--quick"]) == 1
+    assert "is a pair task" in capsys.readouterr().err and not (tmp_path / "g").exists()  # before any work
 
     (tmp_path / "text.txt").write_text("\n".join(corpus(3)) + "\n")
     assert analyze_main(["--model", str(bert), "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "a"),
