@@ -1,6 +1,8 @@
 """Atomic file writes: write beside the target under a temporary name, fsync, then rename over it.
 
-A crash mid-write leaves the old file (or none), never a half-written one that looks valid.
+A crash mid-write leaves the old file (or none), never a half-written one that looks valid. Every checkpoint file,
+fastmae's and DeepSpeed's (`engine.AtomicCheckpointEngine`), is written through `open_for_write`: one place where a
+write can fail, so a full disk is met (and named) the same way whichever library wrote.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from .errors import FastmaeError
 
@@ -45,9 +48,14 @@ def _existing_dir(path: Path) -> Path:
 
 
 def _space(path: Path, needed: int | None) -> str:
-    if needed is None:
-        return ""
-    return f" ({needed:,} bytes needed, {shutil.disk_usage(_existing_dir(path)).free:,} free)"
+    free = shutil.disk_usage(_existing_dir(path)).free
+    return f" ({free:,} bytes free)" if needed is None else f" ({needed:,} bytes needed, {free:,} free)"
+
+
+def open_for_write(path: Path) -> BinaryIO:
+    """`path` opened to write bytes: the one place fastmae opens a file it writes (FASTMAE_FAULT_ENOSPC replaces
+    it, fastmae/faults.py)."""
+    return path.open("wb")
 
 
 @contextlib.contextmanager
@@ -70,8 +78,16 @@ def atomic_path(path: str | Path, needed: int | None = None) -> Iterator[Path]:
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write `data` to `path` atomically."""
-    with atomic_path(path, needed=len(data)) as tmp:
-        tmp.write_bytes(data)
+    with atomic_path(path, needed=len(data)) as tmp, open_for_write(tmp) as file:
+        file.write(data)
+
+
+@contextlib.contextmanager
+def atomic_stream(path: str | Path) -> Iterator[BinaryIO]:
+    """A binary file to write `path` through, atomically (its size not known ahead: a full disk is named with the
+    space left)."""
+    with atomic_path(path) as tmp, open_for_write(tmp) as file:
+        yield file
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

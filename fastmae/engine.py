@@ -11,9 +11,11 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.zero import stage3, stage_1_and_2
 from deepspeed.utils import safe_get_full_fp32_param
 
+from .atomic import atomic_stream
 from .config import RunConfig
 from .errors import FastmaeError
 from .flat import FlatParameters
@@ -144,7 +146,20 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
         # ZeRO-1/2 and 3 one parameter group at a time: a norm of what one such step sees would be one group's.
         # (DeepSpeed's engine reads the norm from the same attribute.)
         optimizer.global_norm = lambda: wrapped._global_grad_norm
+    if type(engine.checkpoint_engine) is TorchCheckpointEngine:  # DeepSpeed's default: its files by fastmae's write
+        engine.checkpoint_engine = AtomicCheckpointEngine(engine._config)
     return engine, ds_config
+
+
+class AtomicCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine with its files (model states, ZeRO optimizer shards) written as fastmae
+    writes its own (`atomic.atomic_stream`: a temporary name, fsync, rename), so that a crash never leaves a
+    half-written shard under its real name and a full disk is named the same way, file and directory, whichever
+    library wrote."""
+
+    def save(self, state_dict, path: str):
+        with atomic_stream(path) as file:
+            torch.save(state_dict, file, _use_new_zipfile_serialization=self.zipfile_serialization)
 
 
 def gradient_norm(engine) -> torch.Tensor | float | None:

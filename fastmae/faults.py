@@ -6,7 +6,8 @@ production code that names this module.
 - FASTMAE_SYNC_DEBUG=1 (CUDA): `torch.cuda.set_sync_debug_mode("error")` around every steady-state step, so any
   host-device synchronisation raises.
 - FASTMAE_FAULT_ENOSPC=RANK:STEP: that rank's disk fills up while it writes its own part of step STEP's checkpoint
-  (half its trainer state lands, then ENOSPC), as a node's local disk would; the other ranks' writes succeed.
+  (half of its first file, DeepSpeed's optimizer shard, lands, then ENOSPC; every later write fails alike), as a
+  node's local disk would; the other ranks' writes succeed.
 - FASTMAE_FAULT_NAN=RANK:FIRST-LAST: that rank's losses are NaN in optimizer steps FIRST to LAST (its gradients
   too), as a bad batch or an overflow on one rank would make them; the ranks must skip those steps alike.
 - FASTMAE_FAULT_HOLD=STEP:FILE: every rank waits after optimizer step STEP (and its checkpoint) until FILE exists,
@@ -27,6 +28,8 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+
+from . import atomic
 
 
 @dataclass(frozen=True)
@@ -70,18 +73,13 @@ class FaultHooks:
 
     @contextlib.contextmanager
     def disk(self, rank: int, step: int):
-        """Around the save of step `step`: where FASTMAE_FAULT_ENOSPC names this rank and step, writing bytes to a
-        file fails half-way with ENOSPC."""
+        """Around the save of step `step`: where FASTMAE_FAULT_ENOSPC names this rank and step, every file the rank
+        writes (its DeepSpeed shards first, through `engine.AtomicCheckpointEngine`, then fastmae's own) fills the
+        disk half-way through its first write (`atomic.open_for_write` replaced)."""
         if self.full_disk_at != (rank, step, step):
             yield
             return
-
-        def full(path: Path, data: bytes) -> int:
-            with path.open("wb") as handle:
-                handle.write(data[: len(data) // 2])
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-
-        with mock.patch.object(Path, "write_bytes", full):
+        with mock.patch.object(atomic, "open_for_write", lambda path: _FillsUp(path.open("wb"), path)):
             yield
 
     def after_step(self, step: int) -> None:
@@ -93,6 +91,28 @@ class FaultHooks:
             deadline = time.monotonic() + 300
             while not self.hold_at[1].exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
+
+
+class _FillsUp:
+    """A file on a disk that fills up: the first write lands half its bytes, then it and every later one raises
+    ENOSPC (what DeepSpeed's torch.save and fastmae's writes meet alike)."""
+
+    def __init__(self, handle, path: Path):
+        self.handle, self.path = handle, path
+
+    def write(self, data) -> int:
+        if not self.handle.closed and self.handle.tell() == 0:
+            self.handle.write(bytes(data)[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.close()
 
 
 def _rank_and_steps(value: str | None) -> tuple[int, int, int] | None:

@@ -15,10 +15,10 @@ from fastmae.errors import FastmaeError
 
 
 def test_a_full_disk_names_the_directory_and_the_file(tmp_path, monkeypatch):
-    def full(self, data):
+    def full(path):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Path, "write_bytes", full)
+    monkeypatch.setattr("fastmae.atomic.open_for_write", full)
     target = tmp_path / "ckpt" / "fastmae_rank0.pt"
     with pytest.raises(FastmaeError, match=f"^no space left on {tmp_path / 'ckpt'} while writing fastmae_rank0.pt "
                                            r"\(3 bytes needed, [0-9,]+ free\)$"):
@@ -27,10 +27,10 @@ def test_a_full_disk_names_the_directory_and_the_file(tmp_path, monkeypatch):
 
 
 def test_a_directory_turned_read_only_is_named(tmp_path, monkeypatch):
-    def read_only(self, data):
+    def read_only(path):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(Path, "write_bytes", read_only)
+    monkeypatch.setattr("fastmae.atomic.open_for_write", read_only)
     with pytest.raises(FastmaeError, match=f"^{tmp_path / 'ckpt'} cannot be written \\(read-only file system\\) "
                                            "while writing fastmae_rank1.pt$"):
         atomic_write_bytes(tmp_path / "ckpt" / "fastmae_rank1.pt", b"x")

@@ -183,18 +183,20 @@ def test_killed_run_with_damaged_checkpoints_resumes_from_the_newest_intact_one(
 @pytest.mark.xdist_group("fault")
 def test_a_full_disk_on_one_rank_stops_the_run_and_the_resume_is_bit_identical(dataset, straight_with_dropout,
                                                                                 budget_plan, tmp_path):
-    """Rank 1's disk fills up half-way through its part of step 5's checkpoint (FASTMAE_FAULT_ENOSPC) while rank 0's
-    writes succeed: the run stops (no rank waits in a collective) with one line naming the rank, the directory and
-    the space it needed; the half-written checkpoint is cleared and never chosen, the resume starts from step 4 and
-    ends bit-identical to the run that never failed."""
+    """Rank 1's disk fills up half-way through its part of step 5's checkpoint (FASTMAE_FAULT_ENOSPC: every file it
+    writes, DeepSpeed's optimizer shard first, written by fastmae's one write) while rank 0's writes succeed: the run
+    stops (no rank waits in a collective) with one line naming the rank, the directory, DeepSpeed's file and the
+    space left; the half-written checkpoint is cleared and never chosen, the resume starts from step 4 and ends
+    bit-identical to the run that never failed."""
     straight, budget = straight_with_dropout[0], budget_plan[0]
     run_dir = tmp_path / "full"
     failed = launch(budget_args(dataset, run_dir, budget), env_extra={"FASTMAE_FAULT_ENOSPC": "1:5"}, timeout=240)
     assert failed.returncode != 0
     partial = run_dir / "checkpoints" / ".partial-step00000005"
     assert re.search(rf"fastmae train \[rank 1 of 2\]: error: no space left on {re.escape(str(partial))} while "
-                     r"writing fastmae_rank1\.pt \([0-9,]+ bytes needed, [0-9,]+ free\)", failed.stderr), \
+                     r"writing zero_pp_rank_1_mp_rank_00_optim_states\.pt \([0-9,]+ bytes free\)", failed.stderr), \
         failed.stderr[-3000:]
+    assert not list(partial.glob("zero_pp_rank_1_*"))  # the half-written shard never stands under its name
     assert partial.is_dir() and not (run_dir / "checkpoints" / "step00000005").exists()
     resumed = launch(budget_args(dataset, run_dir, budget))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
