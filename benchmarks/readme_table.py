@@ -1,11 +1,12 @@
-"""README.md's measured figures, generated from the committed results under benchmarks/results/.
+"""The measured figures of README.md and docs/*.md, generated from the committed results under benchmarks/results/.
 
     python benchmarks/readme_table.py            # print every block
-    python benchmarks/readme_table.py --write    # put them into README.md
-    python benchmarks/readme_table.py --check    # exit 1 naming each block of README.md that differs (tests run it)
+    python benchmarks/readme_table.py --write    # put them into the documents
+    python benchmarks/readme_table.py --check    # exit 1 naming each block that differs or is missing (tests run it)
 
-Every figure README.md states as fastmae's measurement sits between `<!-- results: NAME -->` and
-`<!-- /results -->`, and each NAME is produced here from one artifact that a committed script regenerates:
+Every figure README.md or a page under docs/ states as fastmae's measurement sits between `<!-- results: NAME -->`
+and `<!-- /results -->`; each NAME appears once among the documents and is produced here from one artifact that a
+committed script regenerates:
 
     demo         benchmarks/results/demo/metrics.jsonl          bash benchmarks/readme_runs.sh demo
     study        benchmarks/results/study_cpu_30min/study.json  bash benchmarks/readme_runs.sh study
@@ -32,6 +33,12 @@ from fastmae.metrics import eval_table
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 README = RESULTS_DIR.parent.parent / "README.md"
+DOCS = README.parent / "docs"
+
+
+def documents() -> list[Path]:
+    """Where results blocks live: README.md and every page under docs/."""
+    return [README, *sorted(DOCS.glob("*.md"))]
 BLOCK = re.compile(r"(<!-- results: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
 
 
@@ -323,21 +330,64 @@ def doc_padding() -> str:
             + "\n".join(rows) + "\n")
 
 
+def study_presets() -> str:
+    """What each CPU study preset costs per step by objective, from the committed studies' own counts, beside the
+    base recipes' (budget.json): the depth that decides whether a preset can show what the papers claim at base."""
+    rows = ["| preset | encoder (layers x width) | FLOPs per run | a 3ml step / an mlm step | a mae-lm step / an mlm "
+            "step | artifact |", "|---|---|---|---|---|---|"]
+    for directory in ("study_cpu_30min", "study_cpu_1h"):
+        result = _json(RESULTS_DIR / directory / "study.json")
+        models = result["models"]
+        rows.append(f"| `{result['setup']['preset']}` | {models['mlm']['encoder_layers']} x "
+                    f"{models['mlm']['hidden_size']} | {result['setup']['budget']:.2g} | "
+                    f"{models['3ml']['flops_per_step_vs_mlm']:.2f} | {models['mae-lm']['flops_per_step_vs_mlm']:.2f} "
+                    f"| `benchmarks/results/{directory}/` |")
+    base = {r["objective"].split(" ")[0]: r for r in _json(RESULTS_DIR / "budget.json")["results"]
+            if r["size"] == "base" and "cross" not in r["objective"]}
+    rows.append(f"| RoBERTa-base's recipes | 12 x 768 | - | {base['3ml']['x_roberta']:.2f} | "
+                f"{base['mae-lm']['x_roberta']:.2f} | `benchmarks/results/budget.json` |")
+    return "\n".join(rows) + "\n"
+
+
+def micro_batch() -> str:
+    """The recipes' micro-batch from measured GPU memory (benchmarks/micro_batch.py)."""
+    result = _json(RESULTS_DIR / "micro_batch.json")
+    return ("Chosen per recipe (`benchmarks/results/micro_batch.md`, "
+            f"{result['budget']:.0%} of the device's {result['device_gib']:.0f} GB): "
+            + "; ".join(f"`{r['recipe']}` {r['chosen_tokens']:,} tokens ({r['slope_from']})" for r in result["results"])
+            + ".\n")
+
+
+def mae_lm_diagnosis() -> str:
+    """mae-lm's variants at cpu-1h's budget, one seed each: where each ended and when it left the unigram plateau."""
+    result = _json(RESULTS_DIR / "mae_lm_diagnosis" / "study.json")
+    rows = ["| run | final held-out loss | first evaluation 0.1 nats below the unigram entropy |", "|---|---|---|"]
+    for label, entry in result["objectives"].items():
+        seed = entry["per_seed"][0]
+        left = next((p["step"] for p in seed["curve"] if p["loss"] < seed["unigram_entropy"] - 0.1), None)
+        rows.append(f"| `{label}` | {entry['final_eval_loss']:.3f} | "
+                    + (f"step {left:,} of {seed['steps']:,}" if left else f"never ({seed['steps']:,} steps)") + " |")
+    entropy = next(iter(result["objectives"].values()))["per_seed"][0]["unigram_entropy"]
+    return ("\n".join(rows) + f"\n\nHeld-out unigram entropy {entropy:.3f} nats; {result['setup']['budget']:.2g} "
+            "training FLOPs per run, one seed each. Artifact: `benchmarks/results/mae_lm_diagnosis/`.\n")
+
+
 GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth, "continued": continued,
               "throughput": throughput,
               "budget": budget, "attention": attention, "data_scale": data_scale, "data": data, "gpu": gpu,
-              "host_overhead": host_overhead, "doc_padding": doc_padding, "chaos": chaos}
+              "host_overhead": host_overhead, "doc_padding": doc_padding, "chaos": chaos,
+              "study_presets": study_presets, "micro_batch": micro_batch, "mae_lm_diagnosis": mae_lm_diagnosis}
 
 
-def render(text: str) -> tuple[str, list[str]]:
-    """`text` (README.md) with every results block regenerated, and the names of the blocks that changed. Raises
-    ValueError for a block with an unknown name."""
+def render(text: str, where: str = "README.md") -> tuple[str, list[str]]:
+    """`text` (a document, named `where`) with every results block regenerated, and the names of the blocks that
+    changed. Raises ValueError for a block with an unknown name."""
     changed = []
 
     def fill(match: re.Match) -> str:
         name = match["name"]
         if name not in GENERATORS:
-            raise ValueError(f"README.md: unknown results block {name!r}; known: {sorted(GENERATORS)}")
+            raise ValueError(f"{where}: unknown results block {name!r}; known: {sorted(GENERATORS)}")
         body = GENERATORS[name]()
         if body != match["body"]:
             changed.append(name)
@@ -349,19 +399,27 @@ def render(text: str) -> tuple[str, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", action="store_true", help="regenerate the blocks in README.md")
-    action.add_argument("--check", action="store_true", help="exit 1 if a block of README.md differs")
+    action.add_argument("--write", action="store_true", help="regenerate the blocks in README.md and docs/*.md")
+    action.add_argument("--check", action="store_true", help="exit 1 if a block differs, is missing or is repeated")
     args = parser.parse_args(argv)
-    text = README.read_text()
-    rendered, changed = render(text)
+    root = README.parent
+    texts = {path: path.read_text() for path in documents()}
+    rendered = {path: render(text, str(path.relative_to(root))) for path, text in texts.items()}
+    changed = {str(path.relative_to(root)): names for path, (_, names) in rendered.items() if names}
     if args.write:
-        README.write_text(rendered)
-        print(f"readme_table: {len(changed)} block(s) rewritten: {', '.join(changed) or 'none'}")
+        for path, (text, names) in rendered.items():
+            if names:
+                path.write_text(text)
+        print(f"readme_table: {sum(map(len, changed.values()))} block(s) rewritten: "
+              + (", ".join(f"{doc}: {', '.join(names)}" for doc, names in changed.items()) or "none"))
     elif args.check:
-        missing = sorted(set(GENERATORS) - set(m["name"] for m in BLOCK.finditer(text)))
-        if changed or missing:
-            print(f"readme_table: README.md differs from its artifacts in block(s) {changed}; blocks missing: "
-                  f"{missing} (python benchmarks/readme_table.py --write)", file=sys.stderr)
+        found = [m["name"] for text in texts.values() for m in BLOCK.finditer(text)]
+        missing = sorted(set(GENERATORS) - set(found))
+        twice = sorted({name for name in found if found.count(name) > 1})
+        if changed or missing or twice:
+            print(f"readme_table: blocks that differ from their artifacts: {changed or 'none'}; missing: "
+                  f"{missing or 'none'}; in more than one place: {twice or 'none'} (python "
+                  "benchmarks/readme_table.py --write)", file=sys.stderr)
             return 1
     else:
         for name, generate in GENERATORS.items():

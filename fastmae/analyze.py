@@ -1,4 +1,5 @@
-"""`fastmae analyze`: the effective rank of token representations per layer, with and without `<mask>` inputs.
+"""`fastmae analyze`: the effective rank of token representations per layer, with and without `<mask>` inputs, and the
+neighbour probe (did the encoder learn context?).
 
     fastmae analyze --model RUN_OR_EXPORT --data TEXT_FILE_OR_DATASET_DIR --out DIR [--sequences 64]
 

@@ -6,7 +6,8 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "prepare": ("fastmae.prepare", "tokenise text into memory-mapped shards (trains a sentencepiece tokenizer)"),
+    "prepare": ("fastmae.prepare", "tokenise text into memory-mapped shards (trains a sentencepiece tokenizer, or "
+                                   "takes yours: a sentencepiece model or a Hugging Face tokenizer directory)"),
     "train": ("fastmae.train", "pretrain a masked LM (single process; use `deepspeed fastmae/train.py` for many)"),
     "plot": ("fastmae.plot", "draw loss and throughput curves of a run directory"),
     "export": ("fastmae.export", "write the encoder as a Hugging Face RoBERTa, RoFormer or ESM-2 directory with its "
@@ -14,7 +15,8 @@ SUBCOMMANDS = {
     "finetune": ("fastmae.finetune", "fine-tune on GLUE-format classification or regression data, median of seeds"),
     "glue": ("fastmae.glue", "fine-tune every GLUE task found, the papers' grid or ModernBERT's settings, several "
                              "models side by side"),
-    "analyze": ("fastmae.analyze", "effective rank of token representations per layer, with and without <mask>"),
+    "analyze": ("fastmae.analyze", "effective rank of token representations per layer, with and without <mask>, and "
+                                   "the neighbour probe: did the encoder learn context"),
     "study": ("fastmae.study", "train objectives under one FLOP budget, then compare loss, fine-tuning and ranks"),
 }
 

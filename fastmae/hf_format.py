@@ -320,14 +320,15 @@ def segment_row(token_types: torch.Tensor | None) -> torch.Tensor | None:
     return difference if difference.abs().max() > 0 else None
 
 
-FOREIGN_ARCHITECTURES = {"roberta": "RoBERTa", "bert": "BERT", "esm": "ESM-2", "roformer": "RoFormer"}
-"""The Hugging Face encoders fastmae reads (model_type in config.json -> name)."""
+FOREIGN_ARCHITECTURES = {"roberta": "RoBERTa", "bert": "BERT", "esm": "ESM", "roformer": "RoFormer"}
+"""The Hugging Face encoders fastmae reads (model_type in config.json -> name). ESM: with ESM-2's layers, token_dropout
+off and an embedding LayerNorm (`foreign_model_config` refuses the rest, the released ESM-2 checkpoints among them)."""
 
 
 def foreign_model_config(hf: dict, special: SpecialTokens, source: Path) -> ModelConfig:
     """The ModelConfig (objective mlm) of a Hugging Face encoder fastmae did not write, from its config.json values
     `hf` and its tokenizer's special ids. Refused, naming the field and what fastmae would need: a model type other
-    than RoBERTa, BERT, ESM-2 or RoFormer, and any setting fastmae's layers do not compute."""
+    than RoBERTa, BERT, ESM or RoFormer, and any setting fastmae's layers do not compute."""
     arch = hf.get("model_type")
     where = source / "config.json"
     if arch not in FOREIGN_ARCHITECTURES:
@@ -377,7 +378,7 @@ def foreign_model_config(hf: dict, special: SpecialTokens, source: Path) -> Mode
 
 def read_foreign(directory: Path, special: SpecialTokens
                  ) -> tuple[ModelConfig, dict[str, torch.Tensor], str, torch.Tensor | None]:
-    """(model config, fastmae weights, architecture name, `segment_row`) of a Hugging Face RoBERTa, BERT, ESM-2 or
+    """(model config, fastmae weights, architecture name, `segment_row`) of a Hugging Face RoBERTa, BERT, ESM or
     RoFormer directory (masked-LM or base model), `special` its tokenizer's ids. The first row of a token-type table
     is folded into the position rows (learned positions: exact) or into the token rows (RoFormer: the same hidden
     states; the tied LM head's logits then move by one constant per row, so its probabilities are the same); a

@@ -5,7 +5,7 @@ Hugging Face encoder fastmae did not write.
     RUN/checkpoints/stepN/       COMPLETE, model.safetensors (fp32 master weights of step N)
     RUN/eval_weights/stepN/      the same, kept at the evaluation of step N (eval.keep_weights)
     EXPORT/                      config.json (+ fastmae_model_config), model.safetensors, tokenizer files
-    HF_MODEL/                    config.json (RoBERTa, BERT, ESM-2, RoFormer), model.safetensors, tokenizer.json ...
+    HF_MODEL/                    config.json (RoBERTa, BERT, ESM, RoFormer), model.safetensors, tokenizer.json ...
 `export`, `finetune`, `analyze`, `glue` and `train.init_from` all start from `load_pretrained`; the weights are fp32
 with fastmae's names.
 """
@@ -111,7 +111,7 @@ def read_export(path: Path) -> Pretrained:
 
 
 def read_foreign_encoder(path: Path) -> Pretrained:
-    """A Hugging Face RoBERTa, BERT, ESM-2 or RoFormer directory with its tokenizer (`hf_format.read_foreign`)."""
+    """A Hugging Face RoBERTa, BERT, ESM or RoFormer directory with its tokenizer (`hf_format.read_foreign`)."""
     tokenizer = _tokenizer(path, "the model directory")
     config, weights, architecture, segments = read_foreign(path, tokenizer.special)
     weights_file = path / WEIGHTS if (path / WEIGHTS).is_file() else path  # sharded or pytorch_model.bin: the directory
@@ -137,8 +137,9 @@ def read_run(path: Path) -> Pretrained:
                       step)
 
 
-MODEL_HELP = ("a fastmae run, checkpoint or export directory, or a Hugging Face RoBERTa, BERT, ESM-2 or RoFormer "
-              "directory")
+MODEL_HELP = ("a fastmae run, checkpoint or export directory, or a Hugging Face RoBERTa, BERT, ESM (ESM-2's layers "
+              "with token_dropout off and an embedding LayerNorm; the released ESM-2 checkpoints have neither) or "
+              "RoFormer directory")
 """What the commands that take a model (`--model`) accept: every kind `load_pretrained` reads."""
 
 READERS = {"export": read_export, "foreign": read_foreign_encoder, "checkpoint": read_checkpoint, "run": read_run}

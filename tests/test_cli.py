@@ -20,6 +20,15 @@ def test_no_arguments_help_and_version(capsys):
     assert main(["exprot"]) == 2 and "unknown subcommand 'exprot'" in capsys.readouterr().err
     export_line = next(line for line in said.splitlines() if line.startswith("  export "))
     assert all(name in export_line for name in ("RoBERTa", "RoFormer", "ESM-2", "model card", "hf extra"))
+    lines = {line.split()[0]: line for line in said.splitlines() if line.startswith("  ")}
+    assert "Hugging Face tokenizer" in lines["prepare"] and "neighbour probe" in lines["analyze"]  # what they do today
+
+
+def test_the_commands_that_take_a_model_say_which_esm_they_read(capsys):
+    with pytest.raises(SystemExit):
+        main(["analyze", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "neighbour probe" in said and "token_dropout off" in said and "released ESM-2 checkpoints" in said
 
 
 def test_the_console_script_with_no_arguments_exits_zero():

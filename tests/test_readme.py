@@ -1,6 +1,7 @@
-"""README.md's measured figures are its artifacts': `benchmarks/readme_table.py --check` passes, and fails on a figure
-that differs from its artifact or a block that is missing."""
+"""The measured figures of README.md and docs/*.md are their artifacts': `benchmarks/readme_table.py --check` passes,
+and fails on a figure that differs from its artifact, a block that is missing or one that appears twice."""
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,13 +20,23 @@ def test_the_check_fails_on_a_changed_figure_and_a_missing_block(tmp_path, monke
     text = readme_table.README.read_text()
     body = readme_table.GENERATORS["budget"]()
     assert body in text
+    shutil.copytree(readme_table.DOCS, tmp_path / "docs")
     changed = tmp_path / "README.md"
     changed.write_text(text.replace(body, body.replace("0.80", "0.78", 1)))  # 3ml base's FLOP ratio, misquoted
     monkeypatch.setattr(readme_table, "README", changed)
+    monkeypatch.setattr(readme_table, "DOCS", tmp_path / "docs")
     assert readme_table.main(["--check"]) == 1
     assert readme_table.render(changed.read_text())[1] == ["budget"]
     changed.write_text(text.replace("<!-- results: budget -->", "<!-- budget -->"))
     assert readme_table.main(["--check"]) == 1
     changed.write_text(text.replace("<!-- results: budget -->", "<!-- results: budgets -->"))
-    with pytest.raises(ValueError, match="unknown results block 'budgets'"):
+    with pytest.raises(ValueError, match="README.md: unknown results block 'budgets'"):
         readme_table.main(["--check"])
+    changed.write_text(text)
+    assert readme_table.main(["--check"]) == 0
+    study = (tmp_path / "docs" / "study.md").read_text()  # a figure of a docs page is checked the same way
+    (tmp_path / "docs" / "study.md").write_text(study.replace("5.517 nats", "5.5 nats", 1))
+    assert readme_table.main(["--check"]) == 1
+    (tmp_path / "docs" / "study.md").write_text(study)
+    (tmp_path / "docs" / "extra.md").write_text(f"<!-- results: budget -->\n{body}<!-- /results -->\n")
+    assert readme_table.main(["--check"]) == 1  # one block in two places

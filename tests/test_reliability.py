@@ -1,4 +1,4 @@
-"""What fastmae guarantees when things go wrong (README "Faults"): each case here can fail."""
+"""What fastmae guarantees when things go wrong (docs/reliability.md): each case here can fail."""
 
 import errno
 import os

@@ -112,7 +112,7 @@ class TrainConfig:
     seed: int = 0
     init_from: str = ""
     """Continued pretraining: start from the weights of this fastmae run, checkpoint or export directory, or of a
-    Hugging Face RoBERTa, BERT, ESM-2 or RoFormer directory, instead of a random initialisation. The model's shape and
+    Hugging Face RoBERTa, BERT, ESM or RoFormer directory, instead of a random initialisation. The model's shape and
     special token ids come from it (a shape field set to another value is refused) and `model.preset` chooses the
     objective on top; weights the source lacks (a new decoder) start as in pretraining, or see init_decoder. Not a
     resume: the optimizer, schedule and data position start afresh (fastmae.pretrained.continued)."""
