@@ -310,10 +310,9 @@ def read_hugging_face(directory: Path) -> tuple[ModelConfig, dict[str, torch.Ten
 
 
 def segment_row(token_types: torch.Tensor | None) -> torch.Tensor | None:
-    """[H]: a token-type table's second row less its first (what a BERT adds to a pair's second segment beyond the
-    first row, which fastmae folds into its positions), or None where the table has no second row or it equals the
-    first. fastmae's encoder computes no segments: `Pretrained.segment_row` carries it to export, and fine-tuning
-    refuses pair tasks while a model has one."""
+    """[H]: a token-type table's second row less its first (the first is folded into the positions), or None where
+    there is no second row or it equals the first. fastmae's encoder computes no segments: `Pretrained.segment_row`
+    carries it to export, and fine-tuning refuses pair tasks while a model has one."""
     if token_types is None or token_types.shape[0] < 2:
         return None
     difference = (token_types[1] - token_types[0]).float()

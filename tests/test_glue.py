@@ -11,8 +11,8 @@ from conftest import tiny_model
 from synthetic import vocab_of, word_tokenizer_bytes, write_glue, write_run_dir
 
 from fastmae.finetune import chance_loss, did_not_train
-from fastmae.glue import Setting, TaskData, find_tasks, grid, plan, within_budget
 from fastmae.glue import main as glue_main
+from fastmae.glue_plan import Setting, TaskData, find_tasks, grid, plan, within_budget
 from fastmae.tasks import GLUE_TASKS, score
 
 WORDS = "the cat dog bird sat ran flew on under over a big small red green blue mat tree sky".split()

@@ -14,7 +14,8 @@ import yaml
 from ..analyze import judged
 from ..atomic import atomic_write_text
 from ..errors import FastmaeError, run_command
-from ..glue import best_cells, glue, task_directories
+from ..glue import best_cells, glue
+from ..glue_plan import task_directories
 from ..glue_report import glue_table
 from ..tasks import GLUE_DIRS, GLUE_TASKS, write_word_order_task
 from .objectives import STUDY_PRESETS, parse_objectives, resolve_budget
