@@ -105,7 +105,7 @@ def test_unknown_arguments_are_refused():
 def stand_in_machine(tmp_path, monkeypatch, out):
     monkeypatch.setattr(gpu_check, "RESULTS", tmp_path / "gpu")
     monkeypatch.setattr(gpu_check, "set_up", lambda: {"device": "Stand-in GPU 80GB"})
-    monkeypatch.setattr(gpu_check, "PHASE_BUDGET_S", 8)
+    monkeypatch.setattr(gpu_check, "PHASE_BUDGET_S", 5)
     monkeypatch.setattr(gpu_check, "RECORD_MARGIN_S", 1)
     monkeypatch.setattr(gpu_check, "LOG_TAIL_BYTES", 1000)
     monkeypatch.setenv("OUT", str(out))
@@ -122,6 +122,7 @@ def test_a_phase_lands_under_out_within_the_limits_and_comes_home(tmp_path, monk
     --collect rebuilds the phase's directory from it, and the record collected into the tree skips the phase."""
     results, out = tmp_path / "gpu" / "TEST", tmp_path / "out"
     stand_in_machine(tmp_path, monkeypatch, out)
+    monkeypatch.setattr(gpu_check, "PHASE_BUDGET_S", 120)  # seven short steps, all to complete on a busy machine
     monkeypatch.setattr(gpu_check, "OUT_MAX_BYTES", 4000)
     kept = [str(tmp_path / "made" / f"kept{i}.json") for i in range(gpu_check.KEPT_PER_PHASE)]
     steps = [gpu_check.Step("chatty", (gpu_check.PY, "-c", "print('x' * 5000); print('measured')"))]
