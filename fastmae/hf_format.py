@@ -265,7 +265,7 @@ def config_json(directory: Path) -> dict:
     return values
 
 
-def _tensors(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+def read_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, metadata) of a directory's weights: model.safetensors, the shards model.safetensors.index.json names,
     or (older checkpoints) pytorch_model.bin, loaded with weights_only=True. Errors name the file."""
     from safetensors import SafetensorError, safe_open
@@ -303,7 +303,7 @@ def read_hugging_face(directory: Path) -> tuple[ModelConfig, dict[str, torch.Ten
     if CONFIG_KEY not in hf_config:
         raise FastmaeError(f"{directory / 'config.json'}: no {CONFIG_KEY} (not written by `fastmae export`)")
     config = saved_model_config(hf_config[CONFIG_KEY], directory / "config.json")
-    tensors, metadata = _tensors(directory)
+    tensors, metadata = read_tensors(directory)
     arch = hugging_face_architecture(config)
     return (config, from_hugging_face(config, tensors, directory / WEIGHTS), int(metadata.get("fastmae_step", -1)),
             segment_row(tensors.get(f"{arch}.embeddings.token_type_embeddings.weight")))
@@ -331,8 +331,8 @@ def foreign_model_config(hf: dict, special: SpecialTokens, source: Path) -> Mode
     arch = hf.get("model_type")
     where = source / "config.json"
     if arch not in FOREIGN_ARCHITECTURES:
-        raise FastmaeError(f"{where}: model_type {arch!r}: fastmae reads {', '.join(FOREIGN_ARCHITECTURES.values())} "
-                           "encoders and its own exports")
+        raise FastmaeError(f"{where}: model_type {arch!r}: fastmae reads "
+                           f"{', '.join(FOREIGN_ARCHITECTURES.values())}, ModernBERT encoders and its own exports")
 
     def refuse_unless(key: str, allowed: tuple, default=None):
         if hf.get(key, default) not in allowed:
@@ -385,7 +385,7 @@ def read_foreign(directory: Path, special: SpecialTokens
     hf = config_json(directory)
     config = foreign_model_config(hf, special, directory)
     arch = hf["model_type"]
-    tensors, _ = _tensors(directory)
+    tensors, _ = read_tensors(directory)
     tensors = {_canonical(name, arch): t for name, t in tensors.items()}
     weights = from_hugging_face(config, tensors, directory / WEIGHTS, arch)
     types = tensors.get(f"{arch}.embeddings.token_type_embeddings.weight")

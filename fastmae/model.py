@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .dropout import Dropout
 from .flat import FlatParameters
 from .masking import MaskedBatch, mask_batch, unmasked
-from .positions import apply_rotary, relative_bias_by_distance
+from .positions import apply_rotary, relative_bias_by_distance, rotary_tables, window_by_distance
 
 
 class PositionEmbedding(nn.Module):
@@ -42,6 +42,16 @@ def _positions_args(module: PositionEmbedding | None, positions: torch.Tensor):
     return (None, None) if module is None else module.table_and_rows(positions)
 
 
+def layer_norm(config: ModelConfig) -> nn.LayerNorm:
+    """A LayerNorm of the model's width, with a bias unless `norm_bias` is off."""
+    return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.norm_bias)
+
+
+def fused_norm_args(norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(weight, bias, eps) of `norm` as the fused row kernels take them (zeros for a LayerNorm without a bias)."""
+    return norm.weight, norm.bias if norm.bias is not None else torch.zeros_like(norm.weight), norm.eps
+
+
 class Embeddings(nn.Module):
     """Token + learned position embedding, LayerNorm, dropout: the encoder's input (one fused gather)."""
 
@@ -49,13 +59,13 @@ class Embeddings(nn.Module):
         super().__init__()
         self.tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.positions = PositionEmbedding(config) if config.position_embedding == "learned" else None
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.norm = layer_norm(config)
         self.dropout = Dropout(config.dropout)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """ids, positions: [N] int32 -> [N, H]."""
         x = ops.embed_rows(self.tokens.weight, ids, *_positions_args(self.positions, positions),
-                           self.norm.weight, self.norm.bias, self.norm.eps)
+                           *fused_norm_args(self.norm))
         return self.dropout(x)
 
 
@@ -74,30 +84,34 @@ class Insertion(nn.Module):
         if has_own_embedding:
             if config.position_embedding == "learned":
                 self.positions = PositionEmbedding(config)
-            self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+            self.norm = layer_norm(config)
         self.dropout = Dropout(dropout)
 
     def forward(self, visible: torch.Tensor, masked: MaskedBatch, token_embedding: torch.Tensor) -> torch.Tensor:
         sel = masked.selection
-        norm = () if self.norm is None else (self.norm.weight, self.norm.bias, self.norm.eps)
+        norm = () if self.norm is None else fused_norm_args(self.norm)
         x = ops.insert_rows(visible, sel.visible_index, sel.removed_index, token_embedding[self.mask_token_id],
                             *_positions_args(self.positions, masked.batch.positions), *norm)
         return self.dropout(x)
 
 
 class TransformerLayer(nn.Module):
-    """Bidirectional self-attention + GELU feed-forward, post-LN (RoBERTa) or pre-LN, on packed rows."""
+    """Bidirectional self-attention + feed-forward (GELU, or GeGLU with `ffn_gated`), post-LN (RoBERTa) or pre-LN,
+    on packed rows; global, or local (`kind`): a window of original positions, which `MaskedLM._run` hands it as a
+    position bias with its own rotary tables. Everything a layer varies by is settled here, from the config."""
 
-    def __init__(self, config: ModelConfig, dropout: float, attention_dropout: float):
+    def __init__(self, config: ModelConfig, dropout: float, attention_dropout: float, kind: str = "global",
+                 attention_norm: bool = True):
         super().__init__()
-        h = config.hidden_size
-        self.num_heads, self.pre_norm = config.num_heads, config.norm_position == "pre"
-        self.qkv = nn.Linear(h, 3 * h)
-        self.attn_out = nn.Linear(h, h)
-        self.attn_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
-        self.ffn_in = nn.Linear(h, config.intermediate_size)
-        self.ffn_out = nn.Linear(config.intermediate_size, h)
-        self.ffn_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        h, bias = config.hidden_size, config.linear_bias
+        self.num_heads, self.pre_norm, self.kind = config.num_heads, config.norm_position == "pre", kind
+        self.gated = config.ffn_gated
+        self.qkv = nn.Linear(h, 3 * h, bias=bias)
+        self.attn_out = nn.Linear(h, h, bias=bias)
+        self.attn_norm = layer_norm(config) if attention_norm else nn.Identity()
+        self.ffn_in = nn.Linear(h, config.ffn_input_size, bias=bias)
+        self.ffn_out = nn.Linear(config.intermediate_size, h, bias=bias)
+        self.ffn_norm = layer_norm(config)
         self.dropout = Dropout(dropout)
         self.attention_dropout = attention_dropout
         self.attention_backend: str | None = None  # None: fastmae.attention picks per device
@@ -111,7 +125,7 @@ class TransformerLayer(nn.Module):
             meta_k = meta
         else:  # queries from x, keys and values from the context rows
             w_q, w_kv = self.qkv.weight.split([h, 2 * h])
-            b_q, b_kv = self.qkv.bias.split([h, 2 * h])
+            b_q, b_kv = (None, None) if self.qkv.bias is None else self.qkv.bias.split([h, 2 * h])
             q = F.linear(x, w_q, b_q).view(rows, heads, head_dim)
             k, v = F.linear(context, w_kv, b_kv).view(-1, 2, heads, head_dim).unbind(1)
         if meta.rotary is not None:
@@ -131,6 +145,9 @@ class TransformerLayer(nn.Module):
         return resolve_backend(self.attention_backend, x.device, self.attention_dropout_p, x.dtype, biased=True)
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:  # GeGLU: gelu(input) * gate
+            x, gate = self.ffn_in(x).chunk(2, dim=-1)
+            return self.ffn_out(F.gelu(x) * gate)
         return self.ffn_out(F.gelu(self.ffn_in(x)))
 
     def forward(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None = None,
@@ -150,8 +167,8 @@ class LMHead(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.linear_bias)
+        self.norm = layer_norm(config)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,7 +206,9 @@ class MaskedLM(nn.Module):
         k, n_enc = config.insert_layer, config.encoder_layers
         self.embeddings = Embeddings(config)
         self.encoder = nn.ModuleList(
-            [TransformerLayer(config, config.dropout, config.attention_dropout) for _ in range(n_enc)])
+            [TransformerLayer(config, config.dropout, config.attention_dropout, kind,
+                              attention_norm=i > 0 or config.first_attention_norm)
+             for i, kind in enumerate(config.layer_kinds)])
         self.decoder = nn.ModuleList(
             [TransformerLayer(config, config.decoder_dropout, config.decoder_dropout)
              for _ in range(config.decoder_layers)])
@@ -199,9 +218,8 @@ class MaskedLM(nn.Module):
             self.insertion = Insertion(config, has_own_embedding=k < config.num_layers,
                                        dropout=config.decoder_dropout if k == n_enc else config.dropout)
         pre = config.norm_position == "pre"
-        self.encoder_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if pre else None
-        self.decoder_norm = (nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-                             if pre and config.decoder_layers else None)
+        self.encoder_norm = layer_norm(config) if pre else None
+        self.decoder_norm = layer_norm(config) if pre and config.decoder_layers else None
         self.head = LMHead(config)
         # MAE-LM's relative position bias: [buckets, heads], shared by the encoder layers (None when off)
         self.relative_bias = (nn.Parameter(torch.empty(config.relative_attention_buckets, config.num_heads))
@@ -258,18 +276,37 @@ class MaskedLM(nn.Module):
              states: list[torch.Tensor] | None = None, bias_by_distance: torch.Tensor | None = None) -> torch.Tensor:
         """Run `layers` in order on rows laid out by `meta` (recomputed in backward under activation checkpointing);
         append each layer's output to `states` when given. With `bias_by_distance` (relative_bias_by_distance) the
-        layers add the relative position bias, built here once for the stream in the form their backend reads."""
-        bias = None
-        if bias_by_distance is not None and len(layers):
-            bias = StreamBias.build(bias_by_distance, meta, meta, layers[0].biased_backend(x), x.dtype)
+        layers add the relative position bias; local layers get their window instead (`_views`)."""
+        views = self._views(layers, x, meta, bias_by_distance)
         for layer in layers:
+            layer_meta, bias = views[layer.kind]
             if self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, meta, None, None, bias, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, layer_meta, None, None, bias, use_reentrant=False)
             else:
-                x = layer(x, meta, bias=bias)
+                x = layer(x, layer_meta, bias=bias)
             if states is not None:
                 states.append(x)
         return x
+
+    def _views(self, layers: nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
+               bias_by_distance: torch.Tensor | None) -> dict[str, tuple[VarlenMeta, StreamBias | None]]:
+        """(layout, bias) of the stream for each kind of layer in `layers`, built once per stream: global layers get
+        `meta` and the relative position bias if any; local layers the window of `local_window` original positions as
+        a bias (in the form their backend reads) and the rotary tables of `local_rotary_base`."""
+        cfg, views = self.config, {}
+        for layer in layers:
+            if layer.kind in views:
+                continue
+            table, layer_meta = bias_by_distance, meta
+            if layer.kind == "local":
+                table = window_by_distance(cfg.local_window // 2, cfg.num_heads, x.device)
+                if meta.rotary is not None and cfg.local_rotary_base != cfg.rotary_base:
+                    layer_meta = meta._replace(rotary=rotary_tables(meta.positions, cfg.head_dim,
+                                                                    cfg.local_rotary_base))
+            bias = None if table is None else StreamBias.build(table, layer_meta, layer_meta,
+                                                               layer.biased_backend(x), x.dtype)
+            views[layer.kind] = (layer_meta, bias)
+        return views
 
     def _encoder(self, masked: MaskedBatch, states: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The L encoder layers on a masked batch: embeddings of the encoder's rows, layers [0, k) on the visible

@@ -45,6 +45,16 @@ def relative_position_buckets(relative: torch.Tensor, num_buckets: int, max_dist
     return torch.where(distance < exact, distance, far) * relative.sign() + (half - 1)
 
 
+def window_by_distance(half_window: int, heads: int, device=None) -> torch.Tensor:
+    """[2 * (half_window + 1) + 1, heads] fp32: a local window as a relative position bias (0 for distances within
+    half_window, -inf beyond: looked up with the distance clamped to the table's ends, every farther key gets -inf).
+    Built from original positions like any such bias, so a shortened stream keeps the window of the full one."""
+    far = half_window + 1
+    distances = torch.arange(-far, far + 1, device=device)
+    inside = torch.zeros((), device=device).expand(distances.shape[0], heads)
+    return torch.where((distances.abs() <= half_window)[:, None], inside, -math.inf).float()
+
+
 def relative_bias_by_distance(table: torch.Tensor, max_distance: int) -> torch.Tensor:
     """[2 * max_distance + 1, heads] fp32: the bias of every relative position in [-max_distance, max_distance]
     (farther ones share the end buckets), gathered from `table` [num_buckets, heads] once per forward pass, so that

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from . import hf_modernbert
 from .checkpoint import WEIGHTS, complete_checkpoints, read_weights, saved_model_config, weights_metadata
 from .config import ModelConfig, RunConfig, SpecialTokens
 from .data.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
@@ -110,10 +111,16 @@ def read_export(path: Path) -> Pretrained:
     return Pretrained(config, weights, _tokenizer(path, "the export"), path / WEIGHTS, step, segment_row=segments)
 
 
+FOREIGN_READERS = {hf_modernbert.MODEL_TYPE: hf_modernbert.read}
+"""Hugging Face architectures with a module of their own (model_type -> reader); the rest go through
+`hf_format.read_foreign`'s name table."""
+
+
 def read_foreign_encoder(path: Path) -> Pretrained:
     """A Hugging Face RoBERTa, BERT, ESM or RoFormer directory with its tokenizer (`hf_format.read_foreign`)."""
     tokenizer = _tokenizer(path, "the model directory")
-    config, weights, architecture, segments = read_foreign(path, tokenizer.special)
+    reader = FOREIGN_READERS.get(config_json(path).get("model_type"), read_foreign)
+    config, weights, architecture, segments = reader(path, tokenizer.special)
     weights_file = path / WEIGHTS if (path / WEIGHTS).is_file() else path  # sharded or pytorch_model.bin: the directory
     return Pretrained(config, weights, tokenizer, weights_file, 0, architecture, segments)
 

@@ -53,6 +53,24 @@ class ModelConfig:
     """Distances from max_distance - 1 on share the last bucket; the reference: 128 (base), 256 (large)."""
     norm_position: str = "post"
     """`post` (RoBERTa, BERT) or `pre` LayerNorm in each layer."""
+    ffn_gated: bool = False
+    """GeGLU feed-forward (ModernBERT): the input projection makes 2 x intermediate_size, and gelu(first half) x
+    (second half) feeds the output projection. False: GELU of one intermediate_size projection (RoBERTa)."""
+    linear_bias: bool = True
+    """Biases in the attention and feed-forward projections and the head's dense layer (ModernBERT: none)."""
+    norm_bias: bool = True
+    """A bias (beta) in every LayerNorm (ModernBERT: none)."""
+    first_attention_norm: bool = True
+    """Pre-LN only: whether encoder layer 0 normalises its attention input (ModernBERT's does not: the embeddings'
+    LayerNorm serves)."""
+    global_attention_every: int = 1
+    """Encoder layer i attends over its whole sequence when i % global_attention_every == 0, else to the tokens
+    within `local_window` / 2 of its own *original* position (ModernBERT: 3). 1: every layer global."""
+    local_window: int = 0
+    """Tokens a local layer sees, itself included: positions within local_window / 2 either side (ModernBERT: 128).
+    Even; 0 without local layers."""
+    local_rotary_base: float = 10000.0
+    """Rotary base of the local layers (the global layers use rotary_base; ModernBERT: 10000 and 160000)."""
     layer_norm_eps: float = 1e-5
     """LayerNorm epsilon everywhere."""
     dropout: float = 0.1
@@ -134,6 +152,15 @@ class ModelConfig:
             bad("position_embedding", "must be 'learned' or 'rotary'")
         if self.norm_position not in ("post", "pre"):
             bad("norm_position", "must be 'post' or 'pre'")
+        if not self.first_attention_norm and self.norm_position != "pre":
+            bad("first_attention_norm", "false needs norm_position=pre (a post-LN layer has no attention input norm)")
+        if not isinstance(self.global_attention_every, int) or self.global_attention_every < 1:
+            bad("global_attention_every", "must be an integer >= 1")
+        if self.global_attention_every > 1 and self.encoder_layers > 1:
+            if not isinstance(self.local_window, int) or self.local_window < 2 or self.local_window % 2:
+                bad("local_window", "local layers (global_attention_every > 1) need an even window of >= 2 tokens")
+            if self.relative_attention_bias:
+                bad("relative_attention_bias", "true cannot be combined with local layers (global_attention_every > 1)")
         for key in ("dropout", "attention_dropout", "decoder_dropout", "mask_token_prob", "random_token_prob"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 bad(key, "must be in [0, 1]")
@@ -146,6 +173,17 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """`global` or `local` per encoder layer (decoder layers are global: they must see every inserted slot's
+        sequence, and see it once, which a shallow decoder cannot do through windows)."""
+        return tuple("global" if i % self.global_attention_every == 0 else "local" for i in range(self.encoder_layers))
+
+    @property
+    def ffn_input_size(self) -> int:
+        """Width of the feed-forward's input projection: 2 x intermediate_size when gated."""
+        return self.intermediate_size * (2 if self.ffn_gated else 1)
 
     @property
     def special_tokens(self) -> SpecialTokens:

@@ -1,0 +1,132 @@
+"""ModernBERT (Warner et al. 2024; transformers' `ModernBertModel` / `ModernBertForMaskedLM`) read into fastmae: its
+config.json as a `ModelConfig`, its weights under fastmae's names (ARCHITECTURE.md section 7).
+
+The architecture, as transformers 5 computes it: token embedding -> LayerNorm -> dropout, no position embedding;
+pre-LN layers, layer 0 without an attention norm, a final LayerNorm; fused Wqkv, GeGLU `Wi` [2I, H] (input, then
+gate) and `Wo`; no biases in projections or norms by default; layer i global when i % global_attn_every_n_layers == 0,
+else attending to the tokens within local_attention / 2 of its position, with a rotary base per kind; the MLM head
+dense -> GELU -> LayerNorm, then the decoder tied to the token embedding, with a bias. Config keys are read both ways:
+transformers 5's `layer_types` and `rope_parameters`, and the flat `global_attn_every_n_layers`,
+`global_rope_theta` and `local_rope_theta` of the 2024-25 hub configs. What fastmae's layers do not compute is refused
+naming the field and value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig, SpecialTokens
+from .errors import FastmaeError
+from .hf_format import config_json, read_tensors
+
+MODEL_TYPE = "modernbert"
+KINDS = {"full_attention": "global", "sliding_attention": "local"}
+
+
+def read(directory: Path, special: SpecialTokens) -> tuple[ModelConfig, dict[str, torch.Tensor], str, None]:
+    """(model config, fastmae weights, architecture name, no segment row) of a ModernBERT directory (masked-LM or base
+    model; `model.safetensors`, its shards or `pytorch_model.bin`), `special` its tokenizer's ids."""
+    config = model_config(config_json(directory), special, directory)
+    tensors, _ = read_tensors(directory)
+    read_weights = weights(config, tensors, directory)
+    return config, {name: t.float().contiguous() for name, t in read_weights.items()}, "ModernBERT", None
+
+
+def model_config(hf: dict, special: SpecialTokens, source: Path) -> ModelConfig:
+    """The ModelConfig (objective mlm) of a ModernBERT config.json `hf` with its tokenizer's special ids."""
+    where = source / "config.json"
+
+    def refuse(key: str, why: str):
+        raise FastmaeError(f"{where}: {key}={hf.get(key)!r}: {why}")
+
+    missing = [key for key in ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size",
+                               "num_hidden_layers") if not isinstance(hf.get(key), int)]
+    if missing:
+        raise FastmaeError(f"{where}: no whole-number {', '.join(missing)}")
+    if hf.get("hidden_activation", "gelu") != "gelu":
+        refuse("hidden_activation", "fastmae's ModernBERT layers compute the erf GELU ('gelu') only")
+    if not hf.get("tie_word_embeddings", True):
+        refuse("tie_word_embeddings", "fastmae ties the MLM decoder to the token embedding")
+    biases = {key: bool(hf.get(key, False)) for key in ("attention_bias", "mlp_bias", "classifier_bias")}
+    if len(set(biases.values())) > 1:
+        refuse("attention_bias", f"fastmae has one switch for the projections' biases, and {biases} differ")
+    window = hf.get("local_attention", 128)
+    if not isinstance(window, int) or window < 2 or window % 2:
+        refuse("local_attention", "fastmae's local layers take an even window of at least 2 tokens")
+    if hf.get("pad_token_id", special.pad) != special.pad:
+        refuse("pad_token_id", f"the tokenizer's pad token is {special.pad}")
+    every, global_base, local_base = _attention_pattern(hf, refuse)
+    fields = dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_heads=hf["num_attention_heads"],
+                  intermediate_size=hf["intermediate_size"], encoder_layers=hf["num_hidden_layers"],
+                  max_seq_len=hf.get("max_position_embeddings", 8192), position_embedding="rotary",
+                  rotary_base=global_base, local_rotary_base=local_base, global_attention_every=every,
+                  local_window=window, norm_position="pre", first_attention_norm=False, ffn_gated=True,
+                  linear_bias=biases["attention_bias"], norm_bias=bool(hf.get("norm_bias", False)),
+                  layer_norm_eps=hf.get("norm_eps", 1e-5), dropout=hf.get("mlp_dropout", 0.0),
+                  attention_dropout=hf.get("attention_dropout", 0.0),
+                  initializer_range=hf.get("initializer_range", 0.02), **special.as_fields())
+    try:
+        return ModelConfig.preset("mlm", **fields)
+    except FastmaeError as err:
+        raise FastmaeError(f"{where}: {err}") from None
+
+
+def _attention_pattern(hf: dict, refuse) -> tuple[int, float, float]:
+    """(global_attention_every, global rotary base, local rotary base) from either form of the config."""
+    layers = hf["num_hidden_layers"]
+    every = hf.get("global_attn_every_n_layers", 3)
+    if not isinstance(every, int) or every < 1:
+        refuse("global_attn_every_n_layers", "must be a whole number >= 1")
+    kinds = hf.get("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list) or len(kinds) != layers or set(kinds) - set(KINDS):
+            refuse("layer_types", f"expected {layers} entries of {sorted(KINDS)}")
+        expected = ["full_attention" if i % every == 0 else "sliding_attention" for i in range(layers)]
+        if kinds != expected:
+            refuse("layer_types", f"fastmae's layers alternate as global_attn_every_n_layers={every} gives: "
+                                  f"{expected}")
+    bases = {"full_attention": hf.get("global_rope_theta", 160000.0),
+             "sliding_attention": hf.get("local_rope_theta", 10000.0)}
+    for kind, values in (hf.get("rope_parameters") or {}).items():
+        if kind not in KINDS or not isinstance(values, dict):
+            refuse("rope_parameters", f"expected one entry per kind of {sorted(KINDS)}")
+        if values.get("rope_type", "default") != "default":
+            refuse("rope_parameters", f"{kind}'s rope_type {values.get('rope_type')!r}: fastmae computes 'default'")
+        bases[kind] = values.get("rope_theta", bases[kind])
+    return every, float(bases["full_attention"]), float(bases["sliding_attention"])
+
+
+def weights(config: ModelConfig, tensors: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
+    """ModernBERT's tensors (with or without the `model.` prefix; the MLM head where present) under fastmae's names.
+    The decoder's weight is the token embedding (tied); a missing decoder bias is zeros. Raises FastmaeError naming
+    the first missing tensor."""
+    tensors = {name.removeprefix("model."): t for name, t in tensors.items()}
+    names = {"embeddings.tokens.weight": "embeddings.tok_embeddings.weight",
+             "embeddings.norm.weight": "embeddings.norm.weight", "encoder_norm.weight": "final_norm.weight"}
+    for i in range(config.encoder_layers):
+        ours, theirs = f"encoder.{i}", f"layers.{i}"
+        names.update({f"{ours}.qkv.weight": f"{theirs}.attn.Wqkv.weight",
+                      f"{ours}.attn_out.weight": f"{theirs}.attn.Wo.weight",
+                      f"{ours}.ffn_norm.weight": f"{theirs}.mlp_norm.weight",
+                      f"{ours}.ffn_in.weight": f"{theirs}.mlp.Wi.weight",
+                      f"{ours}.ffn_out.weight": f"{theirs}.mlp.Wo.weight"})
+        if i > 0:
+            names[f"{ours}.attn_norm.weight"] = f"{theirs}.attn_norm.weight"
+    if "head.dense.weight" in tensors:
+        names.update({"head.dense.weight": "head.dense.weight", "head.norm.weight": "head.norm.weight"})
+    names.update({ours.replace(".weight", ".bias"): theirs.replace(".weight", ".bias")
+                  for ours, theirs in list(names.items())
+                  if _has_bias(ours, config) and not ours.startswith("embeddings.tokens")})
+    missing = [theirs for theirs in names.values() if theirs not in tensors]
+    if missing:
+        raise FastmaeError(f"{source}: no tensor {missing[0]} (nor model.{missing[0]}) in a ModernBERT checkpoint")
+    out = {ours: tensors[theirs] for ours, theirs in names.items()}
+    out["head.bias"] = tensors.get("decoder.bias", torch.zeros(config.vocab_size))
+    return out
+
+
+def _has_bias(name: str, config: ModelConfig) -> bool:
+    """Whether fastmae's module of parameter `name` has a bias under `config`."""
+    return config.norm_bias if "norm" in name else config.linear_bias

@@ -1,0 +1,143 @@
+"""ModernBERT's architecture in fastmae (issue 48, in part): local layers attend by original position, on every CPU
+backend against an independent per-sequence oracle, forward and backward; a small random ModernBERT saved by
+transformers (both kinds of layer, a window shorter than the sequences, the nested and the flat config keys) is read
+computing transformers' hidden states (eager and sdpa) and MLM logits at step 0; what fastmae does not compute is
+refused by name."""
+
+import json
+import math
+
+import pytest
+import torch
+from test_foreign import TEXTS, byte_level_bpe
+
+from fastmae import PackedBatch
+from fastmae.attention import StreamBias, VarlenMeta, varlen_attention
+from fastmae.data.tokenizer import load_tokenizer
+from fastmae.errors import FastmaeError
+from fastmae.positions import window_by_distance
+from fastmae.pretrained import load_pretrained
+
+transformers = pytest.importorskip("transformers")
+
+
+def windowed_oracle(q, k, v, positions, cu_seqlens, half):
+    """Softmax attention per sequence, in fp64, each query seeing the keys within `half` of its original position."""
+    outs = []
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        qb, kb, vb = (t[start:end].double().transpose(0, 1) for t in (q, k, v))
+        pos = positions[start:end].long()
+        scores = qb @ kb.transpose(1, 2) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill((pos[None, :] - pos[:, None]).abs()[None] > half, -math.inf)
+        outs.append((scores.softmax(-1) @ vb).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("backend", ["padded", "math", "reference"])
+@pytest.mark.parametrize("dtype, seed", [(torch.float32, 0), (torch.float32, 1), (torch.bfloat16, 2)])
+def test_a_local_layer_attends_by_original_position_on_a_shortened_stream(backend, dtype, seed):
+    """Visible rows of a 3ml-like stream (positions skip the removed tokens; sequences of 13, 1 and 29 rows):
+    every key within 3 original positions and no other, forward and the gradients of q, k and v."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [13, 1, 29]
+    positions = torch.cat([torch.sort(torch.randperm(2 * n, generator=generator)[:n])[0] for n in lengths])
+    positions[[0, 13, 14]] = 0  # each sequence keeps its first token (<s> is never removed)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    seq_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    meta = VarlenMeta.build(cu, max(lengths), seq_ids, positions.int())
+    q, k, v = (torch.randn(sum(lengths), 2, 8, generator=generator).to(dtype).requires_grad_() for _ in range(3))
+    bias = StreamBias.build(window_by_distance(3, 2), meta, meta, backend, dtype)
+    out = varlen_attention(q, k, v, meta, backend=backend, bias=bias)
+    expected = windowed_oracle(q, k, v, positions, cu, 3)
+    grad = torch.randn(out.shape, generator=generator)
+    ours = torch.autograd.grad(out.float(), (q, k, v), grad)
+    theirs = torch.autograd.grad(expected, (q, k, v), grad.double())
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (out.double() - expected).abs().max() <= tolerance
+    for mine, oracle in zip(ours, theirs):
+        assert (mine.double() - oracle).abs().max() <= tolerance * 4
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    return byte_level_bpe(tmp_path_factory.mktemp("bpe") / "tokenizer")
+
+
+def modernbert(tokenizer_dir, directory, flat_keys: bool = False, seed: int = 0, **overrides):
+    """A small random ModernBertForMaskedLM (every parameter moved off its init: the norms' weights too) saved with
+    its tokenizer; 4 layers, global every 3rd, a window of 8 tokens; `flat_keys`: its config.json as the 2024-25 hub
+    configs write it."""
+    special = load_tokenizer(tokenizer_dir).special
+    values = dict(vocab_size=load_tokenizer(tokenizer_dir).vocab_size, hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=4, num_attention_heads=4, global_attn_every_n_layers=3, local_attention=8,
+                  max_position_embeddings=128, pad_token_id=special.pad, bos_token_id=special.bos,
+                  eos_token_id=special.eos, cls_token_id=special.bos, sep_token_id=special.eos,
+                  global_rope_theta=1000.0, local_rope_theta=50.0)
+    torch.manual_seed(seed)
+    model = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(**{**values, **overrides})).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(directory)
+    for path in tokenizer_dir.iterdir():
+        (directory / path.name).write_bytes(path.read_bytes())
+    if flat_keys:
+        config = json.loads((directory / "config.json").read_text())
+        for key in ("layer_types", "rope_parameters"):
+            config.pop(key)
+        config.update(global_rope_theta=1000.0, local_rope_theta=50.0)
+        (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("flat_keys", [False, True])
+def test_a_modernbert_computes_its_hidden_states_and_predictions_at_step_0(bpe_dir, tmp_path, flat_keys):
+    directory = modernbert(bpe_dir, tmp_path / "modernbert", flat_keys)
+    pretrained = load_pretrained(directory)
+    config = pretrained.config
+    assert pretrained.foreign == "ModernBERT" and config.layer_kinds == ("global", "local", "local", "global")
+    assert (config.rotary_base, config.local_rotary_base, config.local_window) == (1000.0, 50.0, 8)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    ids = [pretrained.tokenizer.frame(row) for row in pretrained.tokenizer.encode(TEXTS)]
+    assert ids == [hf_tokenizer(text).input_ids for text in TEXTS] and max(map(len, ids)) > 2 * 8
+    batch = PackedBatch.from_sequences(ids, special=config.special_tokens)
+    model = pretrained.encoder().eval()
+    with torch.no_grad():
+        ours = model.encode(batch)
+        logits = model.head.transform(ours) @ model.embeddings.tokens.weight.T + model.head.bias
+    for implementation in ("eager", "sdpa"):
+        hf = transformers.AutoModelForMaskedLM.from_pretrained(directory, attn_implementation=implementation).eval()
+        for i, row in enumerate(ids):  # one sequence at a time: no padding in either
+            rows = slice(int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1]))
+            with torch.no_grad():
+                outputs = hf(input_ids=torch.tensor([row]), output_hidden_states=True)
+            assert (outputs.hidden_states[-1][0] - ours[rows]).abs().max() <= 1e-5, implementation
+            assert (outputs.logits[0] - logits[rows]).abs().max() <= 1e-4, implementation
+    assert ours.abs().max() > 0.5
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"hidden_activation": "relu"}, "hidden_activation='relu'"),
+    ({"local_attention": 7}, "local_attention=7: fastmae's local layers take an even window"),
+    ({"attention_bias": True}, "attention_bias=True: fastmae has one switch"),
+    ({"tie_word_embeddings": False}, "tie_word_embeddings=False"),
+])
+def test_what_fastmae_does_not_compute_is_refused_by_name(bpe_dir, tmp_path, overrides, message):
+    directory = modernbert(bpe_dir, tmp_path / "m", **overrides)
+    with pytest.raises(FastmaeError, match=message):
+        load_pretrained(directory)
+
+
+def test_a_layer_pattern_or_rotary_type_fastmae_does_not_compute_is_refused(bpe_dir, tmp_path):
+    directory = modernbert(bpe_dir, tmp_path / "m")
+    config = json.loads((directory / "config.json").read_text())
+    edited = {**config, "layer_types": ["full_attention", "full_attention", "sliding_attention", "full_attention"]}
+    (directory / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(FastmaeError, match="layer_types=.*alternate as global_attn_every_n_layers=3"):
+        load_pretrained(directory)
+    linear = {"rope_type": "linear", "rope_theta": 10.0, "factor": 2.0}
+    (directory / "config.json").write_text(json.dumps({**config, "rope_parameters": {
+        **config["rope_parameters"], "sliding_attention": linear}}))
+    with pytest.raises(FastmaeError, match="sliding_attention's rope_type 'linear'"):
+        load_pretrained(directory)
