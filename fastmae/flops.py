@@ -1,11 +1,14 @@
 """Analytical training FLOPs of a masked batch (forward + backward = 3x forward), for MFU and compute budgets.
 
-Per layer: the projections and feed-forward 2 * (4 H^2 + 2 H I) per row; attention 4 H per (query, key) pair of a
-sequence (QK^T and AV). Layers [0, k) run on the visible rows, [k, L + d) on all rows; a `cross` decoder layer runs
-its query, output and feed-forward projections on the predicted rows only, its key/value projections on all rows,
-and attends from each predicted row to its whole sequence. The head (dense + tied projection) runs on predicted rows
-only. Embedding lookups, norms, softmaxes and the loss are ignored, as usual; `tests/test_flops.py` checks the count
-against torch's FlopCounterMode.
+Per layer: the projections and feed-forward 2 * (4 H^2 + 2 H I) per row (2 * (4 H^2 + 3 H I) for a gated one, whose
+input projection makes 2 I); attention 4 H per (query, key) pair of a sequence (QK^T and AV): every pair in a global
+layer, the pairs within the window of original positions in a local one (`window_pairs`: exact on the full stream;
+on a shortened stream, whose kept positions the host does not know, the full stream's scaled by the kept share
+squared, its expected value under uniform removal). Layers [0, k) run on the visible rows, [k, L + d) on all
+rows; a `cross` decoder layer runs its query, output and feed-forward projections on the predicted rows only, its
+key/value projections on all rows, and attends from each predicted row to its whole sequence. The head (dense + tied
+projection) runs on predicted rows only. Embedding lookups, norms, softmaxes and the loss are ignored, as usual;
+`tests/test_flops.py` checks the count against torch's FlopCounterMode.
 
 A run with a FLOP budget (`train.flops_budget`, what `fastmae study` compares objectives under) needs its step count
 before the first step, because the learning-rate schedule decays to it: `plan_budget` reads the run's own batches on
@@ -26,17 +29,25 @@ from .config import ModelConfig
 from .masking import MaskCounts, MaskedBatch
 
 
-def layer_flops(config: ModelConfig, tokens: int, sum_sq_lengths: int) -> int:
-    """Forward FLOPs of one self-attention layer over `tokens` rows whose sequences have squared lengths summing to
-    sum_sq_lengths."""
-    h, i = config.hidden_size, config.intermediate_size
-    return 2 * tokens * (4 * h * h + 2 * h * i) + 4 * h * sum_sq_lengths
+def layer_flops(config: ModelConfig, tokens: int, pairs: int) -> int:
+    """Forward FLOPs of one self-attention layer over `tokens` rows whose queries attend to `pairs` keys in all."""
+    h = config.hidden_size
+    return 2 * tokens * (4 * h * h + h * (config.ffn_input_size + config.intermediate_size)) + 4 * h * pairs
 
 
 def cross_layer_flops(config: ModelConfig, tokens: int, queries: int, query_key_pairs: int) -> int:
     """Forward FLOPs of one `cross` decoder layer: `queries` predicted rows attending to their sequences' rows."""
-    h, i = config.hidden_size, config.intermediate_size
-    return 2 * queries * (2 * h * h + 2 * h * i) + 2 * tokens * 2 * h * h + 4 * h * query_key_pairs
+    h = config.hidden_size
+    ffn = h * (config.ffn_input_size + config.intermediate_size)
+    return 2 * queries * (2 * h * h + ffn) + 2 * tokens * 2 * h * h + 4 * h * query_key_pairs
+
+
+def window_pairs(lengths: np.ndarray, half_window: int) -> np.ndarray:
+    """(query, key) pairs per sequence of `lengths` consecutive positions when each query sees the keys within
+    `half_window` of its position: n (2w + 1) - w (w + 1) once n > w, every pair (n^2) below."""
+    n = np.asarray(lengths, dtype=np.int64)
+    w = half_window
+    return np.where(n > w, n * (2 * w + 1) - w * (w + 1), n * n)
 
 
 def head_flops(config: ModelConfig, predicted: int) -> int:
@@ -50,15 +61,21 @@ def training_flops(config: ModelConfig, seqlens: torch.Tensor, visible_seqlens: 
     and predicted tokens of each sequence), in numpy: host arithmetic, no device op, no sync."""
     seqlens, visible_seqlens, predicted_seqlens = (
         np.asarray(counts, dtype=np.int64) for counts in (seqlens, visible_seqlens, predicted_seqlens))
-    k, n_enc, n_dec = config.insert_layer, config.encoder_layers, config.decoder_layers
-    tokens, predicted = int(seqlens.sum()), int(predicted_seqlens.sum())
-    full = layer_flops(config, tokens, int((seqlens**2).sum()))
-    visible = layer_flops(config, int(visible_seqlens.sum()), int((visible_seqlens**2).sum()))
+    k, n_dec, kinds = config.insert_layer, config.decoder_layers, config.layer_kinds
+    tokens, visible_tokens, predicted = int(seqlens.sum()), int(visible_seqlens.sum()), int(predicted_seqlens.sum())
+    full = {"global": layer_flops(config, tokens, int((seqlens**2).sum()))}
+    visible = {"global": layer_flops(config, visible_tokens, int((visible_seqlens**2).sum()))}
+    if "local" in kinds:
+        local = window_pairs(seqlens, config.local_window // 2)
+        full["local"] = layer_flops(config, tokens, int(local.sum()))
+        kept = visible_seqlens / np.maximum(seqlens, 1)
+        visible["local"] = layer_flops(config, visible_tokens, round(float((local * kept**2).sum())))
     if config.decoder_kind == "cross":
         decoder = cross_layer_flops(config, tokens, predicted, int((predicted_seqlens * seqlens).sum()))
     else:
-        decoder = full
-    return 3 * (k * visible + (n_enc - k) * full + n_dec * decoder + head_flops(config, predicted))
+        decoder = full["global"]
+    encoder = sum(visible[kind] for kind in kinds[:k]) + sum(full[kind] for kind in kinds[k:])
+    return 3 * (encoder + n_dec * decoder + head_flops(config, predicted))
 
 
 def batch_training_flops(config: ModelConfig, batch: PackedBatch, counts: MaskCounts | None = None) -> int:

@@ -17,6 +17,9 @@ from fastmae.flops import batch_training_flops, training_flops
     # kept and random tokens are predicted but stay visible: the visible count is not tokens - predicted
     pytest.param("3ml", {"encoder_layers": 4, "insert_layer": 2, "decoder_layers": 0, "mask_token_prob": 0.8,
                          "random_token_prob": 0.1}, id="k=2-of-4-80-10-10"),
+    # ModernBERT's feed-forward and projections: GeGLU, no biases, pre-LN
+    pytest.param("3ml", {"ffn_gated": True, "linear_bias": False, "norm_bias": False, "norm_position": "pre",
+                         "first_attention_norm": False}, id="3ml-geglu"),
 ])
 def test_training_flops_match_the_flop_counter(preset, extra):
     model = tiny_model(preset, **extra).train()
@@ -29,3 +32,15 @@ def test_training_flops_match_the_flop_counter(preset, extra):
     assert counter.get_total_flops() == training_flops(model.config, batch.seqlens, batch.seqlens - counts.removed,
                                                        counts.predicted)
     assert counter.get_total_flops() == batch_training_flops(model.config, batch)  # the plan's count, before the step
+
+
+@pytest.mark.parametrize("half_window", [0, 1, 3, 8])
+def test_a_local_layer_counts_the_pairs_within_its_window(half_window):
+    """window_pairs against counting every (query, key) pair of consecutive positions within the window."""
+    import numpy as np
+
+    from fastmae.flops import window_pairs
+
+    lengths = np.array([1, 2, 3, 7, 8, 9, 17, 40])
+    brute = [sum(abs(i - j) <= half_window for i in range(n) for j in range(n)) for n in lengths]
+    assert window_pairs(lengths, half_window).tolist() == brute
