@@ -68,7 +68,7 @@ def export(source: str | Path, outdir: str | Path, overwrite: bool = False) -> P
     return outdir
 
 
-ARCHITECTURE_NAMES = {"roberta": "RoBERTa", "roformer": "RoFormer", "esm": "ESM-2"}
+ARCHITECTURE_NAMES = {"roberta": "RoBERTa", "roformer": "RoFormer", "esm": "ESM-2", "modernbert": "ModernBERT"}
 
 
 def _run_dir(weights_file: Path) -> Path | None:
@@ -83,7 +83,7 @@ def model_card(pretrained: Pretrained, tensors: dict) -> str:
     """README.md of an export: what was trained, on what, how far, by which command, and what is not in it."""
     config, step = pretrained.config, pretrained.step
     arch = hugging_face_architecture(config)
-    encoder = sum(t.numel() for name, t in tensors.items() if not name.startswith("lm_head."))
+    encoder = sum(t.numel() for name, t in tensors.items() if not name.startswith(("lm_head.", "head.", "decoder.")))
     lines = ["---", "library_name: transformers", "tags: [fastmae, masked-language-modeling, "
              f"{config.objective}]", "---", "", f"# fastmae {config.objective} encoder", "",
              f"Pretrained with fastmae {__version__} (objective `{config.objective}`: insertion at layer "

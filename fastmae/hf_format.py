@@ -16,15 +16,16 @@ in (fastmae has no token types).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 
+from . import hf_modernbert
 from .checkpoint import WEIGHTS, saved_model_config
 from .config import ModelConfig, SpecialTokens
 from .data.tokenizer import SentencePieceTokenizer
 from .errors import FastmaeError
+from .hf_files import config_json, read_tensors
 from .positions import rotary_inverse_frequencies
 
 CONFIG_KEY = "fastmae_model_config"  # fastmae's ModelConfig inside config.json
@@ -46,6 +47,13 @@ def hugging_face_architecture(config: ModelConfig) -> str:
         raise FastmaeError(f"insert_layer={k} (of {layers}): the insertion re-embeds positions and normalises inside "
                            "the encoder, which no Hugging Face encoder expresses; export needs k = 0 or k = "
                            "encoder_layers, `fastmae finetune --model RUN_DIR` runs this model as it is")
+    if hf_modernbert.modern_settings(config):
+        problems = hf_modernbert.shape_problems(config)
+        if problems:
+            raise FastmaeError(f"{', '.join(hf_modernbert.modern_settings(config))}: among Hugging Face encoders "
+                               f"only ModernBERT computes these, and this model differs from it in "
+                               f"{', '.join(problems)}; `fastmae finetune --model RUN_DIR` runs it as it is")
+        return "modernbert"
     if config.norm_position == "pre":
         return "esm"
     if config.position_embedding == "learned":
@@ -118,6 +126,8 @@ def to_hugging_face(config: ModelConfig, weights: dict[str, torch.Tensor],
     k = 0, see the module doc). `segment_row` ([H]): a source's second-segment embedding less its first
     (`segment_row`), written as the second token-type row so that a BERT's pairs compute as the original's."""
     arch = hugging_face_architecture(config)
+    if arch == "modernbert":
+        return hf_modernbert.to_hugging_face(config, weights)
     out = {theirs: weights[ours] for ours, theirs in _name_pairs(config, config.insert_layer == 0, arch)}
     for i in range(config.encoder_layers):
         ours, theirs = _qkv_names(arch, i)
@@ -178,9 +188,11 @@ def from_hugging_face(config: ModelConfig, hf: dict[str, torch.Tensor], source: 
 
 
 def hugging_face_config(config: ModelConfig):
-    """The RobertaConfig, RoFormerConfig or EsmConfig of the exported encoder, carrying fastmae's own config under
-    `fastmae_model_config`."""
+    """The RobertaConfig, RoFormerConfig, EsmConfig or ModernBertConfig of the exported encoder, carrying fastmae's
+    own config under `fastmae_model_config`."""
     arch = hugging_face_architecture(config)
+    if arch == "modernbert":
+        return hf_modernbert.hugging_face_config(config, {CONFIG_KEY: dataclasses.asdict(config)})
     shared = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.encoder_layers,
         num_attention_heads=config.num_heads, intermediate_size=config.intermediate_size,
@@ -253,50 +265,6 @@ def hugging_face_tokenizer(tokenizer: SentencePieceTokenizer, max_seq_len: int):
         model_max_length=max_seq_len, clean_up_tokenization_spaces=False)
 
 
-def config_json(directory: Path) -> dict:
-    """The parsed config.json of a Hugging Face directory; errors name the file."""
-    config_file = directory / "config.json"
-    try:
-        values = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise FastmaeError(f"{config_file}: unreadable ({err})") from None
-    if not isinstance(values, dict):
-        raise FastmaeError(f"{config_file}: not a JSON object")
-    return values
-
-
-def read_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, metadata) of a directory's weights: model.safetensors, the shards model.safetensors.index.json names,
-    or (older checkpoints) pytorch_model.bin, loaded with weights_only=True. Errors name the file."""
-    from safetensors import SafetensorError, safe_open
-
-    index, legacy = directory / "model.safetensors.index.json", directory / "pytorch_model.bin"
-    if (directory / WEIGHTS).is_file():
-        files = [directory / WEIGHTS]
-    elif index.is_file():
-        try:
-            files = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise FastmaeError(f"{index}: unreadable ({type(err).__name__}: {err})") from None
-    elif legacy.is_file():
-        try:
-            return torch.load(legacy, map_location="cpu", weights_only=True), {}
-        except Exception as err:  # noqa: BLE001 (torch.load raises many kinds)
-            raise FastmaeError(f"{legacy}: unreadable ({type(err).__name__}: {err})") from None
-    else:
-        raise FastmaeError(f"{directory / WEIGHTS}: missing (and no model.safetensors.index.json or "
-                           "pytorch_model.bin)")
-    tensors, metadata = {}, {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
-                metadata = metadata or handle.metadata() or {}
-        except (SafetensorError, OSError) as err:
-            raise FastmaeError(f"{file}: unreadable safetensors file ({err})") from None
-    return tensors, metadata
-
-
 def read_hugging_face(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], int, torch.Tensor | None]:
     """(model config, fastmae weights, step, `segment_row`) of a directory written by `fastmae export`."""
     hf_config = config_json(directory)
@@ -305,7 +273,9 @@ def read_hugging_face(directory: Path) -> tuple[ModelConfig, dict[str, torch.Ten
     config = saved_model_config(hf_config[CONFIG_KEY], directory / "config.json")
     tensors, metadata = read_tensors(directory)
     arch = hugging_face_architecture(config)
-    return (config, from_hugging_face(config, tensors, directory / WEIGHTS), int(metadata.get("fastmae_step", -1)),
+    weights = (hf_modernbert.weights(config, tensors, directory) if arch == "modernbert"
+               else from_hugging_face(config, tensors, directory / WEIGHTS))
+    return (config, weights, int(metadata.get("fastmae_step", -1)),
             segment_row(tensors.get(f"{arch}.embeddings.token_type_embeddings.weight")))
 
 

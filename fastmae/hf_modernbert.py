@@ -19,7 +19,7 @@ import torch
 
 from .config import ModelConfig, SpecialTokens
 from .errors import FastmaeError
-from .hf_format import config_json, read_tensors
+from .hf_files import config_json, read_tensors
 
 MODEL_TYPE = "modernbert"
 KINDS = {"full_attention": "global", "sliding_attention": "local"}
@@ -98,35 +98,85 @@ def _attention_pattern(hf: dict, refuse) -> tuple[int, float, float]:
     return every, float(bases["full_attention"]), float(bases["sliding_attention"])
 
 
-def weights(config: ModelConfig, tensors: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
-    """ModernBERT's tensors (with or without the `model.` prefix; the MLM head where present) under fastmae's names.
-    The decoder's weight is the token embedding (tied); a missing decoder bias is zeros. Raises FastmaeError naming
-    the first missing tensor."""
-    tensors = {name.removeprefix("model."): t for name, t in tensors.items()}
-    names = {"embeddings.tokens.weight": "embeddings.tok_embeddings.weight",
-             "embeddings.norm.weight": "embeddings.norm.weight", "encoder_norm.weight": "final_norm.weight"}
+def _name_pairs(config: ModelConfig, with_head: bool) -> list[tuple[str, str]]:
+    """(fastmae name, ModernBERT name) of every tensor, both ways: the encoder's under ModernBertModel's names (the
+    masked-LM model prefixes them with `model.`), and with the head its dense layer, norm and decoder bias (the
+    decoder's weight is the token embedding, tied)."""
+    names = [("embeddings.tokens.weight", "embeddings.tok_embeddings.weight"),
+             ("embeddings.norm.weight", "embeddings.norm.weight"), ("encoder_norm.weight", "final_norm.weight")]
     for i in range(config.encoder_layers):
         ours, theirs = f"encoder.{i}", f"layers.{i}"
-        names.update({f"{ours}.qkv.weight": f"{theirs}.attn.Wqkv.weight",
-                      f"{ours}.attn_out.weight": f"{theirs}.attn.Wo.weight",
-                      f"{ours}.ffn_norm.weight": f"{theirs}.mlp_norm.weight",
-                      f"{ours}.ffn_in.weight": f"{theirs}.mlp.Wi.weight",
-                      f"{ours}.ffn_out.weight": f"{theirs}.mlp.Wo.weight"})
+        names += [(f"{ours}.qkv.weight", f"{theirs}.attn.Wqkv.weight"),
+                  (f"{ours}.attn_out.weight", f"{theirs}.attn.Wo.weight"),
+                  (f"{ours}.ffn_norm.weight", f"{theirs}.mlp_norm.weight"),
+                  (f"{ours}.ffn_in.weight", f"{theirs}.mlp.Wi.weight"),
+                  (f"{ours}.ffn_out.weight", f"{theirs}.mlp.Wo.weight")]
         if i > 0:
-            names[f"{ours}.attn_norm.weight"] = f"{theirs}.attn_norm.weight"
-    if "head.dense.weight" in tensors:
-        names.update({"head.dense.weight": "head.dense.weight", "head.norm.weight": "head.norm.weight"})
-    names.update({ours.replace(".weight", ".bias"): theirs.replace(".weight", ".bias")
-                  for ours, theirs in list(names.items())
-                  if _has_bias(ours, config) and not ours.startswith("embeddings.tokens")})
-    missing = [theirs for theirs in names.values() if theirs not in tensors]
-    if missing:
-        raise FastmaeError(f"{source}: no tensor {missing[0]} (nor model.{missing[0]}) in a ModernBERT checkpoint")
-    out = {ours: tensors[theirs] for ours, theirs in names.items()}
-    out["head.bias"] = tensors.get("decoder.bias", torch.zeros(config.vocab_size))
+            names.append((f"{ours}.attn_norm.weight", f"{theirs}.attn_norm.weight"))
+    if with_head:
+        names += [("head.dense.weight", "head.dense.weight"), ("head.norm.weight", "head.norm.weight")]
+    biased = [(ours, theirs) for ours, theirs in names if not ours.startswith("embeddings.tokens")
+              and (config.norm_bias if "norm" in ours else config.linear_bias)]
+    names += [(ours.replace(".weight", ".bias"), theirs.replace(".weight", ".bias")) for ours, theirs in biased]
+    return names + ([("head.bias", "decoder.bias")] if with_head else [])
+
+
+def weights(config: ModelConfig, tensors: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
+    """ModernBERT's tensors (with or without the `model.` prefix; the MLM head where present) under fastmae's names.
+    A missing decoder bias is zeros. Raises FastmaeError naming the first missing tensor."""
+    tensors = {name.removeprefix("model."): t for name, t in tensors.items()}
+    with_head = "head.dense.weight" in tensors
+    out = {"head.bias": torch.zeros(config.vocab_size)} if with_head else {}
+    for ours, theirs in _name_pairs(config, with_head):
+        if theirs in tensors:
+            out[ours] = tensors[theirs]
+        elif theirs != "decoder.bias":
+            raise FastmaeError(f"{source}: no tensor {theirs} (nor model.{theirs}) in a ModernBERT checkpoint")
     return out
 
 
-def _has_bias(name: str, config: ModelConfig) -> bool:
-    """Whether fastmae's module of parameter `name` has a bias under `config`."""
-    return config.norm_bias if "norm" in name else config.linear_bias
+def to_hugging_face(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fastmae weights -> ModernBertForMaskedLM's names (k = 0: the head trained with the encoder), or
+    ModernBertModel's (k = L: the decoder's head is not the encoder's)."""
+    with_head = config.insert_layer == 0
+    prefix = "model." if with_head else ""
+    return {(theirs if theirs.startswith(("head.", "decoder.")) else prefix + theirs): weights[ours].contiguous()
+            for ours, theirs in _name_pairs(config, with_head)}
+
+
+ROBERTA_FAMILY = {"ffn_gated": False, "linear_bias": True, "norm_bias": True, "first_attention_norm": True,
+                  "global_attention_every": 1}
+"""The settings of the RoBERTa, RoFormer and ESM exports: a config that differs in one is ModernBERT's or none."""
+
+
+def modern_settings(config: ModelConfig) -> list[str]:
+    """The settings of `config` that only ModernBERT computes among the Hugging Face encoders fastmae exports."""
+    return [f"{key}={getattr(config, key)!r}" for key, value in ROBERTA_FAMILY.items() if getattr(config, key) != value]
+
+
+def shape_problems(config: ModelConfig) -> list[str]:
+    """What keeps `config` from computing as transformers' ModernBERT (empty when it does)."""
+    wanted = {"norm_position": "pre", "position_embedding": "rotary", "ffn_gated": True,
+              "first_attention_norm": False}
+    return [f"{key}={getattr(config, key)!r} (ModernBERT: {value!r})" for key, value in wanted.items()
+            if getattr(config, key) != value]
+
+
+def hugging_face_config(config: ModelConfig, fastmae_config: dict):
+    """The ModernBertConfig of the exported encoder (transformers 5 writes both key forms), carrying fastmae's own
+    config (`fastmae_config`, under hf_format.CONFIG_KEY)."""
+    from transformers import ModernBertConfig
+
+    bias, dropout = config.linear_bias, config.dropout
+    return ModernBertConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.encoder_layers, num_attention_heads=config.num_heads, hidden_activation="gelu",
+        max_position_embeddings=config.max_seq_len, initializer_range=config.initializer_range,
+        norm_eps=config.layer_norm_eps, norm_bias=config.norm_bias, attention_bias=bias, mlp_bias=bias,
+        classifier_bias=bias, global_attn_every_n_layers=config.global_attention_every,
+        local_attention=config.local_window or 128, global_rope_theta=config.rotary_base,
+        local_rope_theta=config.local_rotary_base, embedding_dropout=dropout, mlp_dropout=dropout,
+        attention_dropout=config.attention_dropout, pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, cls_token_id=config.bos_token_id,
+        sep_token_id=config.eos_token_id, decoder_bias=True, tie_word_embeddings=True,
+        architectures=["ModernBertForMaskedLM" if config.insert_layer == 0 else "ModernBertModel"], **fastmae_config)

@@ -24,7 +24,8 @@ from .checkpoint import WEIGHTS, complete_checkpoints, read_weights, saved_model
 from .config import ModelConfig, RunConfig, SpecialTokens
 from .data.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 from .errors import FastmaeError
-from .hf_format import CONFIG_KEY, config_json, read_foreign, read_hugging_face
+from .hf_files import config_json
+from .hf_format import CONFIG_KEY, read_foreign, read_hugging_face
 from .model import MaskedLM
 
 
@@ -206,7 +207,9 @@ def _tokenizer(directory: Path, what: str) -> Tokenizer:
 # ------------------------------------------------------------------------------------------ continued pretraining
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "encoder_layers", "max_seq_len",
                 "position_embedding", "rotary_base", "relative_attention_bias", "relative_attention_buckets",
-                "relative_attention_max_distance", "norm_position", "layer_norm_eps", *SpecialTokens().as_fields())
+                "relative_attention_max_distance", "norm_position", "layer_norm_eps", "ffn_gated", "linear_bias",
+                "norm_bias", "first_attention_norm", "global_attention_every", "local_window", "local_rotary_base",
+                *SpecialTokens().as_fields())
 """The encoder's shape and its tokenizer's special ids: what a continued run (train.init_from) takes from its
 source."""
 

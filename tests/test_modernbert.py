@@ -141,3 +141,34 @@ def test_a_layer_pattern_or_rotary_type_fastmae_does_not_compute_is_refused(bpe_
         **config["rope_parameters"], "sliding_attention": linear}}))
     with pytest.raises(FastmaeError, match="sliding_attention's rope_type 'linear'"):
         load_pretrained(directory)
+
+
+def test_export_writes_a_modernbert_that_transformers_loads_computing_fastmaes_states(bpe_dir, tmp_path):
+    """A ModernBERT read into fastmae and exported: AutoModelForMaskedLM and AutoTokenizer load it without remote
+    code, with the same ids and fastmae's hidden states and logits; the export reads back as the same weights. A
+    model with one of ModernBERT's settings but not its shape is refused naming both."""
+    from fastmae.export import export
+    from fastmae.hf_format import hugging_face_architecture
+
+    source = modernbert(bpe_dir, tmp_path / "source")
+    exported = export(source, tmp_path / "hf")
+    assert json.loads((exported / "config.json").read_text())["model_type"] == "modernbert"
+    pretrained = load_pretrained(source)
+    again = load_pretrained(exported)
+    assert again.weights.keys() == pretrained.weights.keys()
+    assert all(torch.equal(again.weights[name], pretrained.weights[name]) for name in pretrained.weights)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(exported).eval()
+    model = pretrained.encoder().eval()
+    for text in TEXTS:
+        ids = pretrained.tokenizer.frame(pretrained.tokenizer.encode([text])[0])
+        assert tokenizer(text).input_ids == ids
+        with torch.no_grad():
+            ours = model.encode(PackedBatch.from_sequences([ids], special=pretrained.config.special_tokens))
+            logits = model.head.transform(ours) @ model.embeddings.tokens.weight.T + model.head.bias
+            outputs = hf(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        assert (outputs.hidden_states[-1][0] - ours).abs().max() <= 1e-5
+        assert (outputs.logits[0] - logits).abs().max() <= 1e-4
+    post_ln = pretrained.config.replace(norm_position="post", first_attention_norm=True)
+    with pytest.raises(FastmaeError, match=r"ffn_gated=True.*only ModernBERT.*norm_position='post'"):
+        hugging_face_architecture(post_ln)

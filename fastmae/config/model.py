@@ -104,70 +104,9 @@ class ModelConfig:
             self.intermediate_size = 4 * self.hidden_size
         self.validate()
 
-    # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        """Raise ValueError naming the first field with a bad value."""
-
-        def bad(key, msg):
-            raise ConfigError(f"model.{key}={getattr(self, key)!r}: {msg}")
-
-        for key in ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "encoder_layers", "max_seq_len"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
-                bad(key, "must be a positive integer")
-        if self.vocab_size <= len(ROLES):
-            bad("vocab_size", f"must exceed the {len(ROLES)} special tokens")
-        ids = self.special_tokens.as_fields()
-        for key, token_id in ids.items():
-            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                bad(key, f"must be a token id in [0, vocab_size={self.vocab_size})")
-        if len(set(ids.values())) < len(ids):
-            raise ConfigError(f"model special token ids {ids}: the five roles need five different ids")
-        if self.hidden_size % self.num_heads:
-            bad("hidden_size", f"must be divisible by num_heads={self.num_heads}")
-        if self.position_embedding == "rotary" and (self.hidden_size // self.num_heads) % 2:
-            bad("num_heads", "rotary positions need an even head dimension")
-        if not isinstance(self.decoder_layers, int) or self.decoder_layers < 0:
-            bad("decoder_layers", "must be an integer >= 0")
-        if not isinstance(self.insert_layer, int) or not 0 <= self.insert_layer <= self.encoder_layers:
-            bad("insert_layer", f"must be in [0, encoder_layers={self.encoder_layers}]")
-        if self.decoder_layers and self.insert_layer != self.encoder_layers:
-            bad("decoder_layers", f"a decoder needs insert_layer == encoder_layers ({self.encoder_layers})")
-        if self.decoder_kind not in ("self", "cross"):
-            bad("decoder_kind", "must be 'self' or 'cross'")
-        if self.decoder_kind == "cross" and self.decoder_layers == 0:
-            bad("decoder_kind", "'cross' needs decoder_layers > 0")
-        if self.removed_rows_see_no_context:
-            raise ConfigError(
-                f"model.insert_layer={self.insert_layer} with encoder_layers={self.encoder_layers} and "
-                f"decoder_layers={self.decoder_layers}: no layer runs after the insertion, so every removed token "
-                f"reaches the LM head as the same <mask> embedding and can learn only token frequencies; use "
-                f"decoder_layers >= 1 or insert_layer < encoder_layers (or mask_rate=0 for an encoder that "
-                f"predicts nothing)")
-        if self.relative_attention_buckets < 4 or self.relative_attention_buckets % 2:
-            bad("relative_attention_buckets", "must be an even number >= 4")
-        if self.relative_attention_max_distance <= self.relative_attention_buckets // 4 + 1:
-            bad("relative_attention_max_distance",
-                "must exceed relative_attention_buckets / 4 + 1 (past the exact distances)")
-        if self.position_embedding not in ("learned", "rotary"):
-            bad("position_embedding", "must be 'learned' or 'rotary'")
-        if self.norm_position not in ("post", "pre"):
-            bad("norm_position", "must be 'post' or 'pre'")
-        if not self.first_attention_norm and self.norm_position != "pre":
-            bad("first_attention_norm", "false needs norm_position=pre (a post-LN layer has no attention input norm)")
-        if not isinstance(self.global_attention_every, int) or self.global_attention_every < 1:
-            bad("global_attention_every", "must be an integer >= 1")
-        if self.global_attention_every > 1 and self.encoder_layers > 1:
-            if not isinstance(self.local_window, int) or self.local_window < 2 or self.local_window % 2:
-                bad("local_window", "local layers (global_attention_every > 1) need an even window of >= 2 tokens")
-            if self.relative_attention_bias:
-                bad("relative_attention_bias", "true cannot be combined with local layers (global_attention_every > 1)")
-        for key in ("dropout", "attention_dropout", "decoder_dropout", "mask_token_prob", "random_token_prob"):
-            if not 0.0 <= getattr(self, key) <= 1.0:
-                bad(key, "must be in [0, 1]")
-        if not 0.0 <= self.mask_rate < 1.0:
-            bad("mask_rate", "must be in [0, 1)")
-        if self.mask_token_prob + self.random_token_prob > 1.0 + 1e-9:
-            bad("random_token_prob", f"mask_token_prob + random_token_prob must be <= 1 (got {self.mask_token_prob})")
+        """Raise ConfigError naming the first field with a bad value (`check_model_config`)."""
+        check_model_config(self)
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -241,6 +180,70 @@ class ModelConfig:
         if set(base) - known:
             raise ConfigError(f"unknown model field(s) {sorted(set(base) - known)}; known: {sorted(known)}")
         return cls(**base)
+
+
+def check_model_config(config: ModelConfig) -> None:
+    """Raise ConfigError naming the first field of `config` with a bad value."""
+    def bad(key, msg):
+        raise ConfigError(f"model.{key}={getattr(config, key)!r}: {msg}")
+
+    for key in ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "encoder_layers", "max_seq_len"):
+        if not isinstance(getattr(config, key), int) or getattr(config, key) <= 0:
+            bad(key, "must be a positive integer")
+    if config.vocab_size <= len(ROLES):
+        bad("vocab_size", f"must exceed the {len(ROLES)} special tokens")
+    ids = config.special_tokens.as_fields()
+    for key, token_id in ids.items():
+        if not isinstance(token_id, int) or not 0 <= token_id < config.vocab_size:
+            bad(key, f"must be a token id in [0, vocab_size={config.vocab_size})")
+    if len(set(ids.values())) < len(ids):
+        raise ConfigError(f"model special token ids {ids}: the five roles need five different ids")
+    if config.hidden_size % config.num_heads:
+        bad("hidden_size", f"must be divisible by num_heads={config.num_heads}")
+    if config.position_embedding == "rotary" and (config.hidden_size // config.num_heads) % 2:
+        bad("num_heads", "rotary positions need an even head dimension")
+    if not isinstance(config.decoder_layers, int) or config.decoder_layers < 0:
+        bad("decoder_layers", "must be an integer >= 0")
+    if not isinstance(config.insert_layer, int) or not 0 <= config.insert_layer <= config.encoder_layers:
+        bad("insert_layer", f"must be in [0, encoder_layers={config.encoder_layers}]")
+    if config.decoder_layers and config.insert_layer != config.encoder_layers:
+        bad("decoder_layers", f"a decoder needs insert_layer == encoder_layers ({config.encoder_layers})")
+    if config.decoder_kind not in ("self", "cross"):
+        bad("decoder_kind", "must be 'self' or 'cross'")
+    if config.decoder_kind == "cross" and config.decoder_layers == 0:
+        bad("decoder_kind", "'cross' needs decoder_layers > 0")
+    if config.removed_rows_see_no_context:
+        raise ConfigError(
+            f"model.insert_layer={config.insert_layer} with encoder_layers={config.encoder_layers} and "
+            f"decoder_layers={config.decoder_layers}: no layer runs after the insertion, so every removed token "
+            f"reaches the LM head as the same <mask> embedding and can learn only token frequencies; use "
+            f"decoder_layers >= 1 or insert_layer < encoder_layers (or mask_rate=0 for an encoder that "
+            f"predicts nothing)")
+    if config.relative_attention_buckets < 4 or config.relative_attention_buckets % 2:
+        bad("relative_attention_buckets", "must be an even number >= 4")
+    if config.relative_attention_max_distance <= config.relative_attention_buckets // 4 + 1:
+        bad("relative_attention_max_distance",
+            "must exceed relative_attention_buckets / 4 + 1 (past the exact distances)")
+    if config.position_embedding not in ("learned", "rotary"):
+        bad("position_embedding", "must be 'learned' or 'rotary'")
+    if config.norm_position not in ("post", "pre"):
+        bad("norm_position", "must be 'post' or 'pre'")
+    if not config.first_attention_norm and config.norm_position != "pre":
+        bad("first_attention_norm", "false needs norm_position=pre (a post-LN layer has no attention input norm)")
+    if not isinstance(config.global_attention_every, int) or config.global_attention_every < 1:
+        bad("global_attention_every", "must be an integer >= 1")
+    if config.global_attention_every > 1 and config.encoder_layers > 1:
+        if not isinstance(config.local_window, int) or config.local_window < 2 or config.local_window % 2:
+            bad("local_window", "local layers (global_attention_every > 1) need an even window of >= 2 tokens")
+        if config.relative_attention_bias:
+            bad("relative_attention_bias", "true cannot be combined with local layers (global_attention_every > 1)")
+    for key in ("dropout", "attention_dropout", "decoder_dropout", "mask_token_prob", "random_token_prob"):
+        if not 0.0 <= getattr(config, key) <= 1.0:
+            bad(key, "must be in [0, 1]")
+    if not 0.0 <= config.mask_rate < 1.0:
+        bad("mask_rate", "must be in [0, 1)")
+    if config.mask_token_prob + config.random_token_prob > 1.0 + 1e-9:
+        bad("random_token_prob", f"mask_token_prob + random_token_prob must be <= 1 (got {config.mask_token_prob})")
 
 
 PRESETS: dict[str, dict] = {

@@ -1,0 +1,113 @@
+"""The layers `MaskedLM` stacks (ARCHITECTURE.md section 1): the transformer layer, composed from the config (GELU or
+GeGLU feed-forward, biases or none, pre- or post-LN, global or local attention), its LayerNorms, and the per-stream
+views each kind of layer runs on. This module imports neither deepspeed nor torch.distributed."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import StreamBias, VarlenMeta, resolve_backend, varlen_attention
+from .config import ModelConfig
+from .dropout import Dropout
+from .positions import apply_rotary, rotary_tables, window_by_distance
+
+
+def layer_norm(config: ModelConfig) -> nn.LayerNorm:
+    """A LayerNorm of the model's width, with a bias unless `norm_bias` is off."""
+    return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.norm_bias)
+
+
+def fused_norm_args(norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(weight, bias, eps) of `norm` as the fused row kernels take them (zeros for a LayerNorm without a bias)."""
+    return norm.weight, norm.bias if norm.bias is not None else torch.zeros_like(norm.weight), norm.eps
+
+
+class TransformerLayer(nn.Module):
+    """Bidirectional self-attention + feed-forward (GELU, or GeGLU with `ffn_gated`), post-LN (RoBERTa) or pre-LN,
+    on packed rows; global, or local (`kind`): a window of original positions, which `MaskedLM._run` hands it as a
+    position bias with its own rotary tables. Everything a layer varies by is settled here, from the config."""
+
+    def __init__(self, config: ModelConfig, dropout: float, attention_dropout: float, kind: str = "global",
+                 attention_norm: bool = True):
+        super().__init__()
+        h, bias = config.hidden_size, config.linear_bias
+        self.num_heads, self.pre_norm, self.kind = config.num_heads, config.norm_position == "pre", kind
+        self.gated = config.ffn_gated
+        self.qkv = nn.Linear(h, 3 * h, bias=bias)
+        self.attn_out = nn.Linear(h, h, bias=bias)
+        self.attn_norm = layer_norm(config) if attention_norm else nn.Identity()
+        self.ffn_in = nn.Linear(h, config.ffn_input_size, bias=bias)
+        self.ffn_out = nn.Linear(config.intermediate_size, h, bias=bias)
+        self.ffn_norm = layer_norm(config)
+        self.dropout = Dropout(dropout)
+        self.attention_dropout = attention_dropout
+        self.attention_backend: str | None = None  # None: fastmae.attention picks per device
+
+    def _attention(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None,
+                   meta_k: VarlenMeta | None, bias: StreamBias | None) -> torch.Tensor:
+        rows, h = x.shape
+        heads, head_dim = self.num_heads, h // self.num_heads
+        if context is None:
+            q, k, v = self.qkv(x).view(rows, 3, heads, head_dim).unbind(1)
+            meta_k = meta
+        else:  # queries from x, keys and values from the context rows
+            w_q, w_kv = self.qkv.weight.split([h, 2 * h])
+            b_q, b_kv = (None, None) if self.qkv.bias is None else self.qkv.bias.split([h, 2 * h])
+            q = F.linear(x, w_q, b_q).view(rows, heads, head_dim)
+            k, v = F.linear(context, w_kv, b_kv).view(-1, 2, heads, head_dim).unbind(1)
+        if meta.rotary is not None:
+            q = apply_rotary(q, *meta.rotary)
+            k = apply_rotary(k, *meta_k.rotary)
+        out = varlen_attention(q, k, v, meta, meta_k, dropout_p=self.attention_dropout_p,
+                               backend=self.attention_backend, bias=bias)
+        return self.attn_out(out.reshape(rows, h))
+
+    @property
+    def attention_dropout_p(self) -> float:
+        """The attention dropout this layer applies now (none in eval mode)."""
+        return self.attention_dropout if self.training else 0.0
+
+    def biased_backend(self, x: torch.Tensor) -> str:
+        """The attention backend this layer runs with a relative position bias on rows like `x`."""
+        return resolve_backend(self.attention_backend, x.device, self.attention_dropout_p, x.dtype, biased=True)
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:  # GeGLU: gelu(input) * gate
+            x, gate = self.ffn_in(x).chunk(2, dim=-1)
+            return self.ffn_out(F.gelu(x) * gate)
+        return self.ffn_out(F.gelu(self.ffn_in(x)))
+
+    def forward(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None = None,
+                meta_k: VarlenMeta | None = None, bias: StreamBias | None = None) -> torch.Tensor:
+        """x: [rows, H] on layout `meta`. With `context` [T_k, H] (layout meta_k), queries attend to it instead.
+        `bias`: a relative position bias added to the attention scores."""
+        if self.pre_norm:
+            ctx = None if context is None else self.attn_norm(context)
+            x = x + self.dropout(self._attention(self.attn_norm(x), meta, ctx, meta_k, bias))
+            return x + self.dropout(self._ffn(self.ffn_norm(x)))
+        x = self.attn_norm(x + self.dropout(self._attention(x, meta, context, meta_k, bias)))
+        return self.ffn_norm(x + self.dropout(self._ffn(x)))
+
+
+
+def stream_views(cfg: ModelConfig, layers: nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
+                 bias_by_distance: torch.Tensor | None) -> dict[str, tuple[VarlenMeta, StreamBias | None]]:
+    """(layout, bias) of the stream for each kind of layer in `layers`, built once per stream: global layers get
+    `meta` and the relative position bias if any; local layers the window of `local_window` original positions as
+    a bias (in the form their backend reads) and the rotary tables of `local_rotary_base`."""
+    views = {}
+    for layer in layers:
+        if layer.kind in views:
+            continue
+        table, layer_meta = bias_by_distance, meta
+        if layer.kind == "local":
+            table = window_by_distance(cfg.local_window // 2, cfg.num_heads, x.device)
+            if meta.rotary is not None and cfg.local_rotary_base != cfg.rotary_base:
+                layer_meta = meta._replace(rotary=rotary_tables(meta.positions, cfg.head_dim,
+                                                                cfg.local_rotary_base))
+        bias = None if table is None else StreamBias.build(table, layer_meta, layer_meta,
+                                                           layer.biased_backend(x), x.dtype)
+        views[layer.kind] = (layer_meta, bias)
+    return views
