@@ -111,3 +111,13 @@ def stream_views(cfg: ModelConfig, layers: nn.ModuleList, x: torch.Tensor, meta:
                                                            layer.biased_backend(x), x.dtype)
         views[layer.kind] = (layer_meta, bias)
     return views
+
+
+def local_attention_note(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+    """The log's line on which attention backend serves the local layers here, and why (None without any)."""
+    if "local" not in config.layer_kinds:
+        return None
+    backend = resolve_backend(None, device, config.attention_dropout, dtype, biased=True)
+    return (f"local attention: {config.layer_kinds.count('local')} of {config.encoder_layers} encoder layers see the "
+            f"tokens within {config.local_window // 2} original positions of each token, on the {backend!r} backend "
+            "(the window is a position bias; flash-attn's window counts rows, which a shortened stream would shift)")

@@ -145,9 +145,9 @@ def read_run(path: Path) -> Pretrained:
                       step)
 
 
-MODEL_HELP = ("a fastmae run, checkpoint or export directory, or a Hugging Face RoBERTa, BERT, ESM (ESM-2's layers "
-              "with token_dropout off and an embedding LayerNorm; the released ESM-2 checkpoints have neither) or "
-              "RoFormer directory")
+MODEL_HELP = ("a fastmae run, checkpoint or export directory, or a Hugging Face RoBERTa, BERT, ModernBERT, ESM "
+              "(ESM-2's layers with token_dropout off and an embedding LayerNorm; the released ESM-2 checkpoints have "
+              "neither) or RoFormer directory")
 """What the commands that take a model (`--model`) accept: every kind `load_pretrained` reads."""
 
 READERS = {"export": read_export, "foreign": read_foreign_encoder, "checkpoint": read_checkpoint, "run": read_run}

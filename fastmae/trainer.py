@@ -45,7 +45,8 @@ from .evaluation import Evaluator, HeldOutSet
 from .faults import FaultHooks
 from .flops import plan_budget
 from .graphs import plan_graphs
-from .hardware import cpu_cores, device_name
+from .hardware import DTYPES, cpu_cores, device_name
+from .layers import local_attention_note
 from .metrics import LogWindow, MetricsWriter, eval_table, peak_memory_mib, read_metrics
 from .model import MaskedLM
 from .pipeline import masked_ahead
@@ -199,6 +200,9 @@ class Trainer:
                                                             self.non_finite, resume, self.source)
         self.graph_plan = plan_graphs(config, device, self.precision)  # build_engine installs its recordings
         log_line(f"cuda graphs: {self.graph_plan.reason}")
+        local = local_attention_note(config.model, device, DTYPES[self.precision])
+        if local:
+            log_line(local)
         self.faults = FaultHooks.from_environment(device)
         self.peak, self.spec_peak_flops = job_mfu_peak(device, self.precision, self.faults.startup_peak)
         self.faults.poison_losses(self.engine.module, self.rank, lambda: self.counters.step + 1)

@@ -172,3 +172,50 @@ def test_export_writes_a_modernbert_that_transformers_loads_computing_fastmaes_s
     post_ln = pretrained.config.replace(norm_position="post", first_attention_norm=True)
     with pytest.raises(FastmaeError, match=r"ffn_gated=True.*only ModernBERT.*norm_position='post'"):
         hugging_face_architecture(post_ln)
+
+
+@pytest.fixture(scope="module")
+def source_and_data(bpe_dir, tmp_path_factory):
+    """A ModernBERT and a dataset prepared with its tokenizer."""
+    from test_foreign import corpus
+
+    from fastmae.prepare import prepare
+
+    root = tmp_path_factory.mktemp("continued")
+    source = modernbert(bpe_dir, root / "modernbert")
+    (root / "corpus.txt").write_text("\n".join(doc.replace("\n", " ") for doc in corpus(30)) + "\n")
+    prepare([root / "corpus.txt"], root / "data", tokenizer_path=str(source), valid_fraction=0.1, progress=False)
+    return source, root / "data"
+
+
+@pytest.mark.parametrize("preset", ["3ml", "mae-lm"])
+def test_a_modernbert_continues_with_any_objective_from_its_own_encoder(source_and_data, tmp_path, preset):
+    """train.init_from=MODERNBERT with data prepared by its tokenizer: the run's model takes the ModernBERT's layers
+    (every shape field), computes its hidden states at step 0, and a 3ml / mae-lm step (global decoder layers after
+    the insertion, local encoder layers on the shortened stream) trains: finite loss, gradients in every layer."""
+    from fastmae import MaskedLM
+    from fastmae.config import load_run_config
+    from fastmae.data import PackedLoader
+    from fastmae.pretrained import SHAPE_FIELDS, continued, initialise
+
+    source, data = source_and_data
+    config, pretrained = continued(load_run_config(None, [f"data.path={data}", f"log.dir={tmp_path / 'run'}",
+                                                          f"train.init_from={source}", f"model.preset={preset}",
+                                                          "data.tokens_per_micro_batch=256"]))
+    assert all(getattr(config.model, f) == getattr(pretrained.config, f) for f in SHAPE_FIELDS)
+    assert config.model.layer_kinds == ("global", "local", "local", "global") and config.model.decoder_layers > 0
+    torch.manual_seed(0)
+    model = MaskedLM(config.model)
+    assert set(initialise(model, pretrained)) and all(name.startswith(("decoder", "insertion"))
+                                                      for name in initialise(model, pretrained))
+    batch = next(iter(PackedLoader(data, max_seq_len=128, tokens_per_batch=256)))
+    assert int(batch.seqlens.max()) > 8  # longer than the window
+    with torch.no_grad():
+        expected = pretrained.encoder().eval().encode(batch)
+        got = model.eval().encode(batch)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    out = model.train()(batch, seed=0, step=0)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert all(layer.qkv.weight.grad is not None and layer.qkv.weight.grad.abs().sum() > 0
+               for layer in [*model.encoder, *model.decoder])

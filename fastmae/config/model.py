@@ -67,8 +67,8 @@ class ModelConfig:
     """Encoder layer i attends over its whole sequence when i % global_attention_every == 0, else to the tokens
     within `local_window` / 2 of its own *original* position (ModernBERT: 3). 1: every layer global."""
     local_window: int = 0
-    """Tokens a local layer sees, itself included: positions within local_window / 2 either side (ModernBERT: 128).
-    Even; 0 without local layers."""
+    """A local layer's window: each token sees the tokens within local_window / 2 original positions either side of
+    its own (ModernBERT's `local_attention`: 128, 64 each side). Even; 0 without local layers."""
     local_rotary_base: float = 10000.0
     """Rotary base of the local layers (the global layers use rotary_base; ModernBERT: 10000 and 160000)."""
     layer_norm_eps: float = 1e-5
