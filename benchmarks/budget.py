@@ -31,14 +31,21 @@ SIZES = {  # RoBERTa's shapes and BPE vocabulary
     "large": dict(hidden_size=1024, num_heads=16, encoder_layers=24, vocab_size=50265),
 }
 PAPER_FRACTION = {"base": 0.78, "large": 0.68}  # 3ML's reported compute relative to RoBERTa
+# ModernBERT's shapes (configs/modernbert-*.yaml cite them): 1,024-token sequences, its layers, 30% masking for mlm
+MODERN_SEQ_LEN = 1024
+MODERN = dict(ffn_gated=True, linear_bias=False, norm_bias=False, norm_position="pre", first_attention_norm=False,
+              position_embedding="rotary", global_attention_every=3, local_window=128, vocab_size=50368,
+              max_seq_len=MODERN_SEQ_LEN)
+MODERN_SIZES = {"base": dict(MODERN, hidden_size=768, num_heads=12, encoder_layers=22, intermediate_size=1152),
+                "large": dict(MODERN, hidden_size=1024, num_heads=16, encoder_layers=28, intermediate_size=2624)}
 MATCH_TOLERANCE = 0.015  # a grid cell "gives" the paper's figure within 1.5 points
 
 
-def sequence_flops(config: ModelConfig, count_head: bool = True) -> int:
-    """Training FLOPs of one 512-token sequence under `config` (the head's optionally left out)."""
-    counts = MaskCounts.compute(torch.tensor([MASKABLE]), config.mask_rate, config.mask_token_prob,
+def sequence_flops(config: ModelConfig, count_head: bool = True, seq_len: int = SEQ_LEN) -> int:
+    """Training FLOPs of one full sequence of `seq_len` tokens under `config` (the head's optionally left out)."""
+    counts = MaskCounts.compute(torch.tensor([seq_len - 2]), config.mask_rate, config.mask_token_prob,
                                 config.random_token_prob)
-    length = torch.tensor([SEQ_LEN])
+    length = torch.tensor([seq_len])
     flops = training_flops(config, length, length - counts.removed, counts.predicted)
     return flops if count_head else flops - 3 * head_flops(config, int(counts.predicted.sum()))
 
@@ -50,6 +57,24 @@ def objectives(size: str) -> dict[str, ModelConfig]:
             "mae-lm (15%, 4-layer decoder)": ModelConfig.preset("mae-lm", **shape),
             "3ml (shipped config)": ModelConfig.preset("3ml", **shape),
             "3ml cross (shipped depth)": ModelConfig.preset("3ml", decoder_kind="cross", **shape)}
+
+
+def modern_objectives(size: str) -> dict[str, ModelConfig]:
+    """ModernBERT's layers at `size`: its mlm at 30%, and 3ml / mae-lm on the same layers, 3ml's decoder depth chosen
+    as RoBERTa's was (`modern_3ml_depth`)."""
+    shape = MODERN_SIZES[size]
+    return {"mlm (ModernBERT, 30%)": ModelConfig.preset("mlm", mask_rate=0.3, **shape),
+            "mae-lm (15%, 4-layer decoder)": ModelConfig.preset("mae-lm", **shape),
+            "3ml (shipped config)": ModelConfig.preset("3ml", decoder_layers=modern_3ml_depth(size), **shape)}
+
+
+def modern_3ml_depth(size: str) -> int:
+    """The 3ml decoder depth on ModernBERT's layers whose step comes closest to the 3ML paper's share (78% base, 68%
+    large) of an mlm step on the same layers (at ModernBERT's 30%): the rule the RoBERTa depths came from."""
+    shape = MODERN_SIZES[size]
+    mlm = sequence_flops(ModelConfig.preset("mlm", mask_rate=0.3, **shape), seq_len=MODERN_SEQ_LEN)
+    return min(range(1, 6), key=lambda d: abs(sequence_flops(ModelConfig.preset("3ml", decoder_layers=d, **shape),
+                                                             seq_len=MODERN_SEQ_LEN) / mlm - PAPER_FRACTION[size]))
 
 
 def cross_check() -> list[dict]:
@@ -98,6 +123,17 @@ def main() -> int:
                 "pflops_per_step": per_sequence * ROBERTA_SEQUENCES / 1e15,
                 "recipe_zettaflops": per_sequence * ROBERTA_SEQUENCES * ROBERTA_STEPS / 1e21,
                 "x_roberta": per_sequence / roberta})
+    for size in MODERN_SIZES:  # x_roberta here: against the mlm step on ModernBERT's own layers
+        configs = modern_objectives(size)
+        reference = sequence_flops(configs["mlm (ModernBERT, 30%)"], seq_len=MODERN_SEQ_LEN)
+        for name, config in configs.items():
+            per_sequence = sequence_flops(config, seq_len=MODERN_SEQ_LEN)
+            recipes.append({
+                "size": f"modernbert-{size}", "objective": name, "decoder_layers": config.decoder_layers,
+                "mask_rate": config.mask_rate, "gflops_per_token": per_sequence / MODERN_SEQ_LEN / 1e9,
+                "pflops_per_step": per_sequence * ROBERTA_SEQUENCES * SEQ_LEN / MODERN_SEQ_LEN / 1e15,
+                "recipe_zettaflops": per_sequence * ROBERTA_SEQUENCES * SEQ_LEN / MODERN_SEQ_LEN * ROBERTA_STEPS / 1e21,
+                "x_roberta": per_sequence / reference})
 
     grid = []
     for size in SIZES:
@@ -137,6 +173,11 @@ def _notes(recipes: list[dict], grid: list[dict]) -> str:
              f"MAE-LM at its published setting (15% masking, 4-layer full-width decoder) costs MORE than RoBERTa per "
              f"step: {mae['base']:.2f}x (base), {mae['large']:.2f}x (large); its encoder saves only 15% of the rows "
              "while the decoder adds 4 layers on all of them.",
+             "ModernBERT rows (size modernbert-*): its layers at 1,024 tokens (local windows of 128, GeGLU), the same "
+             "tokens per step as RoBERTa's recipe (4,096 x 1,024), x_roberta against the mlm step on the same layers "
+             "at ModernBERT's 30% masking; 3ml's decoder depth chosen by the rule the RoBERTa depths came from (the "
+             "step nearest the paper's 78% / 68%; `modern_3ml_depth`): "
+             + ", ".join(f"{size} {modern_3ml_depth(size)}" for size in MODERN_SIZES) + ".",
              "The shipped configs/3ml-*.yaml assume the LM head is counted, 50% masking and a "
              + ", ".join(f"{g['decoder_layers']}-layer decoder ({size}: {g['x_roberta']:.1%} of RoBERTa, paper "
                          f"{PAPER_FRACTION[size]:.0%})" for size, g in shipped.items()) + "."]
