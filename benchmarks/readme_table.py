@@ -352,6 +352,28 @@ def study_presets() -> str:
     return "\n".join(rows) + "\n"
 
 
+def throughput_modernbert() -> str:
+    """fastmae's objectives on ModernBERT's layers against transformers' ModernBertForMaskedLM, one CPU run."""
+    result = _json(RESULTS_DIR / "throughput_modernbert.json")
+    rows = ["| system | tokens/s | × ModernBertForMaskedLM | model GFLOP / step | × its FLOPs | MFU "
+            "| peak memory (MiB) |", "|---|---|---|---|---|---|---|"]
+    by_system = {r["system"]: r for r in result["results"]}
+    peer = by_system["hf-modernbert"]
+    for r in result["results"]:
+        rows.append(f"| {r['system']} | {r['tokens_per_s']:,.0f} | {r['x_hf']:.2f} | {r['gflops_per_step']:,.0f} | "
+                    f"{r['flops_per_step'] / peer['flops_per_step']:.2f} | {_mfu(r['mfu'])} | "
+                    f"{r['peak_memory_mib']:,.0f} |")
+    return (f"{', '.join(result['sizes'])} ({SIZE_SHAPES.get(result['sizes'][0], '')}), {result['sequences']} x "
+            f"{result['seq_len']} tokens a step, vocabulary {result['vocab_size']:,}, {result['dtype']}, on "
+            f"{result['device']} (CPU capability {result['cpu_capability']}), GEMM peak "
+            f"{result['peak_flops'] / 1e9:,.0f} GFLOP/s, {_stamp(result)} "
+            "(`benchmarks/results/throughput_modernbert.md`):"
+            "\n\n" + "\n".join(rows) + "\n")
+
+
+SIZE_SHAPES = {"small": "6 x 512", "base": "12 x 768"}
+
+
 def micro_batch() -> str:
     """The recipes' micro-batch from measured GPU memory (benchmarks/micro_batch.py)."""
     result = _json(RESULTS_DIR / "micro_batch.json")
@@ -379,7 +401,8 @@ GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth
               "throughput": throughput,
               "budget": budget, "attention": attention, "data_scale": data_scale, "data": data, "gpu": gpu,
               "host_overhead": host_overhead, "doc_padding": doc_padding, "chaos": chaos,
-              "study_presets": study_presets, "micro_batch": micro_batch, "mae_lm_diagnosis": mae_lm_diagnosis}
+              "study_presets": study_presets, "micro_batch": micro_batch, "mae_lm_diagnosis": mae_lm_diagnosis,
+              "throughput_modernbert": throughput_modernbert}
 
 
 def render(text: str, where: str = "README.md") -> tuple[str, list[str]]:

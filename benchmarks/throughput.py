@@ -1,4 +1,5 @@
-"""Training throughput and MFU of fastmae's objectives against Hugging Face RobertaForMaskedLM, in one run.
+"""Training throughput and MFU of fastmae's objectives against Hugging Face RobertaForMaskedLM and
+ModernBertForMaskedLM, in one run.
 
     python benchmarks/throughput.py [--size small|base|small,base] [--quick] [--dtype auto|fp32|bf16]
 
@@ -16,6 +17,10 @@ with its layers compiled (train.compile). On CUDA fastmae's steps replay CUDA gr
 (train.cuda_graphs=auto, fastmae/graphs.py; the `cuda_graphs` column counts the replayed micro-batches); --eager adds
 each fastmae system without them. --real-data adds 3ml on the embedded corpus, packed `full` and packed `doc` (its
 micro-batches padded to fixed shapes where graphs replay; tokens and FLOPs count its own sequences).
+The `modern-*` systems are fastmae's objectives on ModernBERT's layers (GeGLU of 1.5 x the width, no biases, pre-LN,
+a global layer every 3rd, the others over windows of 128 positions; mlm at ModernBERT's 30% masking) and
+`hf-modernbert` is transformers' ModernBertForMaskedLM of the same shape at its best CPU/GPU settings (sdpa,
+`sparse_prediction`: its head on the masked rows only), so both count the same model FLOPs.
 
 On CUDA every system's step is also profiled (3 steps after the timed ones): `gpu_busy` is the share of the step's
 wall time that the GPU spends in kernels (well below 1: the host cannot keep up, or waits), and the busiest kernels
@@ -56,7 +61,16 @@ FASTMAE_SYSTEMS = {  # system -> (preset, overrides)
     "mae-lm-relbias": ("mae-lm", {"relative_attention_bias": True}),
     "mae-lm-relbias-no-dropout": ("mae-lm", {"relative_attention_bias": True, "attention_dropout": 0.0}),
 }
-SYSTEMS = ("hf-roberta", *FASTMAE_SYSTEMS)
+MODERN = dict(ffn_gated=True, linear_bias=False, norm_bias=False, norm_position="pre", first_attention_norm=False,
+              position_embedding="rotary", global_attention_every=3, local_window=128, dropout=0.0,
+              attention_dropout=0.0)
+MODERN_SYSTEMS = {  # system -> (preset, overrides) on ModernBERT's layers
+    "modern-mlm": ("mlm", {"mask_rate": 0.3}),
+    "modern-3ml": ("3ml", {}),
+    "modern-mae-lm": ("mae-lm", {}),
+}
+HF_SYSTEMS = ("hf-roberta", "hf-modernbert")
+SYSTEMS = (*HF_SYSTEMS, *FASTMAE_SYSTEMS, *MODERN_SYSTEMS)
 REAL_DATA = "real data"
 """The variant that trains on the embedded corpus packed `full` (separators inside) instead of random tokens."""
 DOC_DATA = "real doc data"
@@ -71,7 +85,11 @@ GRAPHS_TWIN = "cuda graphs twin"
 
 
 def model_config(system: str, size: str) -> ModelConfig:
-    """The fastmae config of `system` at `size` (hf-roberta: the `mlm` config it mirrors, LM head aside)."""
+    """The fastmae config of `system` at `size` (hf-roberta, hf-modernbert: the `mlm` config each mirrors)."""
+    if system in MODERN_SYSTEMS or system == "hf-modernbert":
+        preset, overrides = MODERN_SYSTEMS.get(system, MODERN_SYSTEMS["modern-mlm"])
+        shape = dict(SIZES[size], intermediate_size=SIZES[size]["hidden_size"] * 3 // 2)
+        return ModelConfig.preset(preset, vocab_size=VOCAB_SIZE, max_seq_len=SEQ_LEN, **shape, **MODERN, **overrides)
     preset, overrides = FASTMAE_SYSTEMS.get(system, ("mlm", {}))
     return ModelConfig.preset(preset, vocab_size=VOCAB_SIZE, max_seq_len=SEQ_LEN, **SIZES[size], **overrides)
 
@@ -178,6 +196,31 @@ def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, pr
     return step, training_flops(config, lengths, lengths, lengths)  # the LM head runs on every row
 
 
+def _hf_modernbert_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, precision: str):
+    """A training-step closure for transformers' ModernBertForMaskedLM (sdpa, `sparse_prediction`: the head on the
+    masked rows only), and its model FLOPs per step (the same count as fastmae's mlm on these layers)."""
+    from transformers import ModernBertForMaskedLM
+
+    from fastmae.hf_modernbert import hugging_face_config
+
+    hf = hugging_face_config(config, {})
+    hf.sparse_prediction, hf._attn_implementation = True, "sdpa"
+    engine = _engine(ModernBertForMaskedLM(hf), precision, device)
+    gen = torch.Generator().manual_seed(1)
+    chosen = torch.rand(tokens.shape, generator=gen) < config.mask_rate
+    chosen[:, 0] = chosen[:, -1] = False
+    labels = torch.where(chosen, tokens, -100).to(device)
+    inputs = torch.where(chosen, FASTMAE.mask, tokens).to(device)
+
+    def step():
+        loss = engine(input_ids=inputs, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+
+    lengths = torch.full((tokens.shape[0],), SEQ_LEN)
+    return step, training_flops(config, lengths, lengths, chosen.sum(1))
+
+
 def _fastmae_step(config: ModelConfig, tokens: torch.Tensor | list, device: torch.device, precision: str,
                   variant: str | None, run=None):
     """A training-step closure for fastmae's MaskedLM (the trainer's `train_step`, on micro-batches masked and moved
@@ -227,7 +270,7 @@ def attention_backend(system: str, config: ModelConfig, device: torch.device, pr
     """The attention backend a system's encoder runs (Hugging Face: its SDPA)."""
     from fastmae.attention import resolve_backend
 
-    if system == "hf-roberta":
+    if system in HF_SYSTEMS:
         return "hf sdpa"
     backend = None if variant in (None, "compiled", REAL_DATA, DOC_DATA, EAGER) else variant
     return resolve_backend(backend, device, config.attention_dropout, DTYPES[precision],
@@ -254,8 +297,9 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
     if variant == "torch_varlen":  # varlen_attn takes no attention dropout: this row measures the kernel without it
         config = dataclasses.replace(config, attention_dropout=0.0)
     tokens = real_tokens(sequences) if variant == REAL_DATA else make_tokens(sequences)
-    if system == "hf-roberta":
-        step, flops = _hf_step(config, tokens, device, precision)
+    if system in HF_SYSTEMS:
+        make_step = _hf_step if system == "hf-roberta" else _hf_modernbert_step
+        step, flops = make_step(config, tokens, device, precision)
         step.tokens = tokens.numel()
     else:
         step, flops = _fastmae_step(config, doc_micro_batches(sequences) if variant == DOC_DATA else tokens, device,
@@ -327,11 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
-    if "hf-roberta" in systems:
+    if set(HF_SYSTEMS) & set(systems):
         try:
             import transformers  # noqa: F401
         except ImportError:
-            parser.error("hf-roberta needs transformers: pip install -e '.[hf]' (or leave it out with --systems)")
+            parser.error("hf-roberta and hf-modernbert need transformers: pip install -e '.[hf]' (or leave them out "
+                         "with --systems)")
     sequences = args.sequences or (4 if args.quick else 8)
     warmup, repeats = (1, 3) if args.quick else (2, 5)
 
@@ -349,9 +394,9 @@ def main(argv: list[str] | None = None) -> int:
 
         runs += [("mlm", b) for b in available_backends(device) if b != "reference"]
     if args.compile:
-        runs += [(system, "compiled") for system in systems if system != "hf-roberta"]
+        runs += [(system, "compiled") for system in systems if system not in HF_SYSTEMS]
     if args.eager and device.type == "cuda":
-        runs += [(system, EAGER) for system in systems if system != "hf-roberta"]
+        runs += [(system, EAGER) for system in systems if system not in HF_SYSTEMS]
     if args.real_data:
         runs += [("3ml", REAL_DATA), ("3ml", DOC_DATA)]
     rows = []
@@ -366,8 +411,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{size:>5} {name:>16}: {result['tokens_per_s']:8.1f} tokens/s  step {result['step_s']:.3f} s  "
                   f"MFU {'-' if mfu is None else f'{mfu:.3f}'}  peak memory "
                   f"{result['peak_memory_mib']:.0f} MiB", flush=True)
-        reference = next((row["tokens_per_s"] for row in size_rows if row["system"] == "hf-roberta"), None)
-        for row in size_rows:
+        peers = {peer: next((row["tokens_per_s"] for row in size_rows if row["system"] == peer), None)
+                 for peer in HF_SYSTEMS}
+        for row in size_rows:  # each system against the peer of its layers
+            modern = row["system"].split(" [")[0] in (*MODERN_SYSTEMS, "hf-modernbert")
+            reference = peers["hf-modernbert" if modern else "hf-roberta"]
             row["x_hf"] = row["tokens_per_s"] / reference if reference else None
             row["gflops_per_step"] = row["flops_per_step"] / 1e9
         rows += size_rows
@@ -380,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{shapes}; {sequences} x {SEQ_LEN} tokens, vocab {VOCAB_SIZE}, {precision}, peak "
              f"{peak.flops / 1e9:.0f} GFLOP/s")
     notes = (f"{title}. Full training steps (DeepSpeed + AdamW), median of {repeats} after {warmup} warm-up. "
-             f"MFU = model FLOPs / (step time x the {peak.source}); Hugging Face's FLOPs include its LM "
-             "head on every row. Peak memory: CUDA allocator peak, or resident-set growth of the system's process."
+             f"MFU = model FLOPs / (step time x the {peak.source}); Hugging Face RoBERTa's FLOPs include its LM "
+             "head on every row; x_hf: against hf-modernbert for the modern-* rows, hf-roberta for the others. "
+             "Peak memory: CUDA allocator peak, or resident-set growth of the system's process."
              + (f" gpu_busy left out for {', '.join(unseen)}: its profile saw under half the kernels of the same "
                 "system's eager row, so it missed the replayed graphs' kernels." if unseen else ""))
     columns = ["size", "system", "attention", "tokens_per_s", "x_hf", "step_s", "gflops_per_step", "mfu",
