@@ -96,6 +96,9 @@ def model_engine(config: RunConfig, precision: str, device: torch.device, non_fi
     train, rank, world = config.train, dist.get_rank(), dist.get_world_size()
     torch.manual_seed(train.seed)  # identical initial weights on every rank
     model = MaskedLM(config.model)
+    local = local_attention_note(config.model, device, DTYPES[precision])
+    if local:
+        log_line(local)
     checkpoint_dir = checkpoint_to_resume(Path(config.log.dir) / "checkpoints", resume)
     if source is not None and checkpoint_dir is None:
         new = initialise(model, source, train.init_decoder)
@@ -200,9 +203,6 @@ class Trainer:
                                                             self.non_finite, resume, self.source)
         self.graph_plan = plan_graphs(config, device, self.precision)  # build_engine installs its recordings
         log_line(f"cuda graphs: {self.graph_plan.reason}")
-        local = local_attention_note(config.model, device, DTYPES[self.precision])
-        if local:
-            log_line(local)
         self.faults = FaultHooks.from_environment(device)
         self.peak, self.spec_peak_flops = job_mfu_peak(device, self.precision, self.faults.startup_peak)
         self.faults.poison_losses(self.engine.module, self.rank, lambda: self.counters.step + 1)
