@@ -59,16 +59,17 @@ def plan_graphs(config: RunConfig, device: torch.device, precision: str) -> Grap
     if train.cuda_graphs == "never":
         return GraphPlan(False, "train.cuda_graphs=never")
     model = config.model
+    biased = model.relative_attention_bias or "local" in model.layer_kinds  # a position bias in some layer
     backend = None if device.type != "cuda" else resolve_backend(
-        None, device, model.attention_dropout, DTYPES[precision], biased=model.relative_attention_bias)
+        None, device, model.attention_dropout, DTYPES[precision], biased=biased)
     obstacles = [
         (device.type != "cuda", f"the device is {device.type}, not CUDA"),
         (train.zero_stage == 3, "train.zero_stage=3 gathers parameters module by module during the forward"),
         (train.activation_checkpointing, "train.activation_checkpointing recomputes layers inside the backward"),
         (train.compile, "train.compile: compiled layers guard and recompile on the host"),
-        (backend == "flex", "attention backend flex (the relative position bias without attention dropout) builds a "
-                            "dense block mask and compiles flex_attention inside the forward, which a capture cannot "
-                            "hold"),
+        (backend == "flex", "attention backend flex (a position bias, relative or a local window, without attention "
+                            "dropout) builds a dense block mask and compiles flex_attention inside the forward, which "
+                            "a capture cannot hold"),
         # padded batches lay every sequence out max_seq_len long
         (config.data.packing == "doc" and backend in UNPADDABLE_BACKENDS,
          f"data.packing=doc with attention backend {backend}: padded to fixed shapes, its micro-batches would attend "

@@ -116,6 +116,12 @@ PHASES = (
                                      "--systems", "hf-roberta,mlm,3ml", "--eager", "--name", "throughput_headline"),
              keeps=tuple(f"benchmarks/results/throughput_headline.{ext}" for ext in ("json", "md", "png"))),
     )),
+    Phase("modernbert", 6, "fastmae on ModernBERT's layers against transformers' ModernBertForMaskedLM at base size", (
+        Step("throughput_modernbert", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
+                                       "--systems", "hf-modernbert,modern-mlm,modern-3ml,modern-mae-lm",
+                                       "--name", "throughput_modernbert_gpu"),
+             keeps=tuple(f"benchmarks/results/throughput_modernbert_gpu.{ext}" for ext in ("json", "md", "png"))),
+    )),
     Phase("kernels", 6, "every Triton kernel compiled for this GPU against its torch reference; their speed", (
         Step("kernel_tests", _pytest("-n", "8", "-m", "not large", "tests/kernels")),
         Step("kernel_benchmark", (PY, "benchmarks/kernels.py"),

@@ -56,11 +56,16 @@ def test_the_plan_names_what_stops_graphs(monkeypatch):
     # the forward, neither of which a capture holds
     biased = run_config()
     biased.model = dataclasses.replace(biased.model, relative_attention_bias=True, attention_dropout=0.0)
-    assert plan_graphs(biased, CUDA, "bf16") == (False, "eager: attention backend flex (the relative position bias "
-                                                 "without attention dropout) builds a dense block mask and compiles "
-                                                 "flex_attention inside the forward, which a capture cannot hold", None)
+    assert plan_graphs(biased, CUDA, "bf16") == (False, "eager: attention backend flex (a position bias, relative or "
+                                                 "a local window, without attention dropout) builds a dense block "
+                                                 "mask and compiles flex_attention inside the forward, which a capture "
+                                                 "cannot hold", None)
     biased.model = dataclasses.replace(biased.model, attention_dropout=0.1)  # padded SDPA with its bias: captured
     assert plan_graphs(biased, CUDA, "bf16").enabled
+    # local windows are such a bias too (ModernBERT's layers without attention dropout)
+    local = run_config()
+    local.model = dataclasses.replace(local.model, global_attention_every=3, local_window=8, attention_dropout=0.0)
+    assert "attention backend flex (a position bias" in plan_graphs(local, CUDA, "bf16").reason
     with pytest.raises(ConfigError, match="cuda_graphs=always, but train.activation_checkpointing"):
         plan_graphs(run_config(cuda_graphs="always", activation_checkpointing=True), CUDA, "bf16")
     with pytest.raises(ConfigError, match="train.cuda_graphs"):
