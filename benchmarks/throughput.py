@@ -180,18 +180,7 @@ def _hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, pr
                        type_vocab_size=1, pad_token_id=0, bos_token_id=FASTMAE.bos, eos_token_id=FASTMAE.eos,
                        hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.attention_dropout,
                        layer_norm_eps=config.layer_norm_eps, attn_implementation="sdpa")
-    engine = _engine(RobertaForMaskedLM(hf), precision, device, run=run)
-    gen = torch.Generator().manual_seed(1)
-    chosen = torch.rand(tokens.shape, generator=gen) < config.mask_rate
-    chosen[:, 0] = chosen[:, -1] = False
-    labels = torch.where(chosen, tokens, -100).to(device)
-    inputs = torch.where(chosen, FASTMAE.mask, tokens).to(device)
-
-    def step():
-        loss = engine(input_ids=inputs, labels=labels).loss
-        engine.backward(loss)
-        engine.step()
-
+    step, _ = _masked_lm_step(_engine(RobertaForMaskedLM(hf), precision, device, run=run), config, tokens, device)
     lengths = torch.full((tokens.shape[0],), SEQ_LEN)
     return step, training_flops(config, lengths, lengths, lengths)  # the LM head runs on every row
 
@@ -205,7 +194,14 @@ def _hf_modernbert_step(config: ModelConfig, tokens: torch.Tensor, device: torch
 
     hf = hugging_face_config(config, {})
     hf.sparse_prediction, hf._attn_implementation = True, "sdpa"
-    engine = _engine(ModernBertForMaskedLM(hf), precision, device)
+    step, chosen = _masked_lm_step(_engine(ModernBertForMaskedLM(hf), precision, device), config, tokens, device)
+    lengths = torch.full((tokens.shape[0],), SEQ_LEN)
+    return step, training_flops(config, lengths, lengths, chosen.sum(1))
+
+
+def _masked_lm_step(engine, config: ModelConfig, tokens: torch.Tensor, device: torch.device):
+    """(a training-step closure of a Hugging Face masked LM's engine on `tokens` with `config.mask_rate` of them
+    replaced by <mask> (one fixed draw, never <s> or </s>), the [sequences, length] bool of the chosen ones)."""
     gen = torch.Generator().manual_seed(1)
     chosen = torch.rand(tokens.shape, generator=gen) < config.mask_rate
     chosen[:, 0] = chosen[:, -1] = False
@@ -217,8 +213,7 @@ def _hf_modernbert_step(config: ModelConfig, tokens: torch.Tensor, device: torch
         engine.backward(loss)
         engine.step()
 
-    lengths = torch.full((tokens.shape[0],), SEQ_LEN)
-    return step, training_flops(config, lengths, lengths, chosen.sum(1))
+    return step, chosen
 
 
 def _fastmae_step(config: ModelConfig, tokens: torch.Tensor | list, device: torch.device, precision: str,

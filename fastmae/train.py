@@ -60,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     prog = "fastmae train" if world == 1 else f"fastmae train [rank {rank} of {world}]"
     try:  # the lines start fresh: rank 0's progress bar shares stderr (and may be mid-line when this one fails)
-        return run_command(prog, lambda: Trainer(config, args.resume).run(), fresh_line=True)
+        code = run_command(prog, lambda: Trainer(config, args.resume).run(), fresh_line=True)
+        if code == 0:
+            # the process group's threads end here rather than in the interpreter's teardown, where a finished
+            # ZeRO-3 run was once seen to abort ("terminate called without an active exception")
+            torch.distributed.destroy_process_group()
+        return code
     except RuntimeError as err:  # torch.distributed's errors when a peer process has gone
         if world == 1 or not any(sign in str(err) for sign in PEER_GONE):
             raise
