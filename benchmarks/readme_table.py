@@ -258,13 +258,14 @@ def gpu() -> str:
     """The one GPU run so far: throughput and the fused cross-entropy, with the commit and date they measured."""
     blocks = []
     for directory in sorted((RESULTS_DIR / "gpu").iterdir()):
-        result = _json(directory / "throughput.json")
+        result = _json(gpu_file(directory, "headline/throughput_headline.json", "throughput.json"))
         rows = ["| system | tokens/s | MFU | GPU busy | peak memory |", "|---|---|---|---|---|"]
         for r in result["results"]:
             name = "Hugging Face RoBERTa" if r["system"] == "hf-roberta" else f"fastmae {r['system']}"
             rows.append(f"| {name} | {r['tokens_per_s'] / 1e3:,.0f}K | {_mfu(r['mfu'])} | {r['gpu_busy']:.2f} | "
                         f"{r['peak_memory_mib'] / 1024:.1f} GiB |")
-        kernels = {r["op (fwd+bwd)"]: r for r in _json(directory / "kernels.json")["results"]}
+        kernels = {r["op (fwd+bwd)"]: r
+                   for r in _json(gpu_file(directory, "kernels/kernels.json", "kernels.json"))["results"]}
         ce = kernels["linear cross-entropy"]
         blocks.append(
             f"{result['device']}, {_stamp(result)} (`benchmarks/results/gpu/{directory.name}/`), torch "
@@ -275,6 +276,12 @@ def gpu() -> str:
             f"time, {ce['% of peak FLOP/s']:.0f}% of the data-sheet FLOP/s, {ce['speedup']:.1f}x torch's reference "
             f"in wall time and {ce['torch MiB'] / ce['triton MiB']:.0f}x less memory.\n")
     return "\n".join(blocks)
+
+
+def gpu_file(directory: Path, collected: str, first_run: str) -> Path:
+    """A GPU result of `directory`: the phase's file as `scripts/gpu_check.sh --collect` lays it out, else the file of
+    the first GPU run, which predates phases."""
+    return directory / collected if (directory / collected).is_file() else directory / first_run
 
 
 def chaos() -> str:

@@ -1,6 +1,7 @@
 """The measured figures of README.md and docs/*.md are their artifacts': `benchmarks/readme_table.py --check` passes,
 and fails on a figure that differs from its artifact, a block that is missing or one that appears twice."""
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -40,3 +41,17 @@ def test_the_check_fails_on_a_changed_figure_and_a_missing_block(tmp_path, monke
     (tmp_path / "docs" / "study.md").write_text(study)
     (tmp_path / "docs" / "extra.md").write_text(f"<!-- results: budget -->\n{body}<!-- /results -->\n")
     assert readme_table.main(["--check"]) == 1  # one block in two places
+
+
+def test_the_gpu_block_reads_a_collected_phase_before_the_first_runs_files(tmp_path, monkeypatch):
+    """After `gpu_check.sh --collect`, a device directory holds PHASE/ folders: the block reads headline's throughput
+    and kernels' kernels.json there, the first run's flat files only where no phase has come home."""
+    device = tmp_path / "gpu" / "GPU"
+    shutil.copytree(readme_table.RESULTS_DIR / "gpu" / "NVIDIA_H100_80GB_HBM3", device)
+    monkeypatch.setattr(readme_table, "RESULTS_DIR", tmp_path)
+    first = readme_table.gpu()
+    result = readme_table._json(device / "throughput.json")
+    result["results"][0]["tokens_per_s"] = 123456.0
+    (device / "headline").mkdir()
+    (device / "headline" / "throughput_headline.json").write_text(json.dumps(result))
+    assert readme_table.gpu() != first and "| 123K |" in readme_table.gpu()
