@@ -93,8 +93,10 @@ class StreamBias(NamedTuple):
 
     @classmethod
     def build(cls, by_distance: torch.Tensor, mq: VarlenMeta, mk: VarlenMeta, backend: str,
-              dtype: torch.dtype) -> StreamBias:
-        """The bias for attention from stream `mq` to stream `mk` on `backend` with q, k, v in `dtype`."""
+              dtype: torch.dtype, window: int | None = None) -> StreamBias:
+        """The bias for attention from stream `mq` to stream `mk` on `backend` with q, k, v in `dtype`. `window`: the
+        bias is a local window of that many positions either side (`positions.window_by_distance`), so flex's block
+        mask may skip the blocks wholly outside it."""
         if backend not in BIAS_BACKENDS:
             raise ValueError(f"attention backend {backend!r} takes no relative position bias; choose one of "
                              f"{BIAS_BACKENDS} (or model.relative_attention_bias=false)")
@@ -109,7 +111,7 @@ class StreamBias(NamedTuple):
                 dense = dense.masked_fill(~mk.key_valid[:, None, None, :], -math.inf)  # padded keys get no weight
             bias = bias._replace(dense=dense)
         elif backend == "flex":
-            bias = bias._replace(block_mask=document_block_mask(mq, mk))
+            bias = bias._replace(block_mask=document_block_mask(mq, mk, window))
         return bias
 
     @property
@@ -159,16 +161,21 @@ def flex_attention_api() -> FlexAttention:
     return _flex_attention
 
 
-def document_block_mask(mq: VarlenMeta, mk: VarlenMeta):
+def document_block_mask(mq: VarlenMeta, mk: VarlenMeta, window: int | None = None):
     """FlexAttention's BlockMask over packed rows: query row i sees key row j when both are in the same sequence
-    (blocks of 128 x 128 rows that span no shared sequence are skipped)."""
+    and, with `window`, their original positions are at most `window` apart (blocks of 128 x 128 rows that hold no
+    such pair are skipped: a local layer then computes about its window's share of the pairs)."""
     seq_q = (mq.padded_index // mq.max_seqlen).to(torch.int32)
     seq_k = (mk.padded_index // mk.max_seqlen).to(torch.int32)
+    pos_q, pos_k = mq.positions, mk.positions
 
     def same_sequence(batch, head, q_row, k_row):
         return seq_q[q_row] == seq_k[k_row]
-    return flex_attention_api().create_block_mask(same_sequence, None, None, seq_q.numel(), seq_k.numel(),
-                                                  device=seq_q.device)
+
+    def within_window(batch, head, q_row, k_row):
+        return (seq_q[q_row] == seq_k[k_row]) & ((pos_q[q_row] - pos_k[k_row]).abs() <= window)
+    return flex_attention_api().create_block_mask(same_sequence if window is None else within_window, None, None,
+                                                  seq_q.numel(), seq_k.numel(), device=seq_q.device)
 
 
 def _flex(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):

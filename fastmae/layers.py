@@ -101,14 +101,15 @@ def stream_views(cfg: ModelConfig, layers: nn.ModuleList, x: torch.Tensor, meta:
     for layer in layers:
         if layer.kind in views:
             continue
-        table, layer_meta = bias_by_distance, meta
+        table, layer_meta, window = bias_by_distance, meta, None
         if layer.kind == "local":
-            table = window_by_distance(cfg.local_window // 2, cfg.num_heads, x.device)
+            window = cfg.local_window // 2
+            table = window_by_distance(window, cfg.num_heads, x.device)
             if meta.rotary is not None and cfg.local_rotary_base != cfg.rotary_base:
                 layer_meta = meta._replace(rotary=rotary_tables(meta.positions, cfg.head_dim,
                                                                 cfg.local_rotary_base))
         bias = None if table is None else StreamBias.build(table, layer_meta, layer_meta,
-                                                           layer.biased_backend(x), x.dtype)
+                                                           layer.biased_backend(x), x.dtype, window)
         views[layer.kind] = (layer_meta, bias)
     return views
 

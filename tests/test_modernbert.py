@@ -21,6 +21,25 @@ from fastmae.pretrained import load_pretrained
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_flex_skips_the_blocks_outside_a_window_and_computes_the_same(seed):
+    """FlexAttention (forward only on CPU) with the window in its block mask: the rows of a 1,000-token sequence and
+    a shortened one equal the oracle's, and most blocks are skipped (128 x 128 rows each)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [1000, 300]
+    positions = torch.cat([torch.arange(1000), torch.sort(torch.randperm(600, generator=generator)[:300])[0]])
+    cu = torch.tensor([0, 1000, 1300], dtype=torch.int32)
+    meta = VarlenMeta.build(cu, 1000, torch.repeat_interleave(torch.arange(2), torch.tensor(lengths)),
+                            positions.int())
+    q, k, v = (torch.randn(1300, 2, 8, generator=generator) for _ in range(3))
+    bias = StreamBias.build(window_by_distance(16, 2), meta, meta, "flex", torch.float32, window=16)
+    with torch.no_grad():
+        out = varlen_attention(q, k, v, meta, backend="flex", bias=bias)
+    assert (out.double() - windowed_oracle(q, k, v, positions, cu, 16)).abs().max() <= 1e-5
+    dense = StreamBias.build(window_by_distance(16, 2), meta, meta, "flex", torch.float32).block_mask
+    assert bias.block_mask.sparsity() > dense.sparsity() + 40  # percent of the blocks skipped
+
+
 def windowed_oracle(q, k, v, positions, cu_seqlens, half):
     """Softmax attention per sequence, in fp64, each query seeing the keys within `half` of its original position."""
     outs = []
@@ -46,7 +65,7 @@ def test_a_local_layer_attends_by_original_position_on_a_shortened_stream(backen
     seq_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
     meta = VarlenMeta.build(cu, max(lengths), seq_ids, positions.int())
     q, k, v = (torch.randn(sum(lengths), 2, 8, generator=generator).to(dtype).requires_grad_() for _ in range(3))
-    bias = StreamBias.build(window_by_distance(3, 2), meta, meta, backend, dtype)
+    bias = StreamBias.build(window_by_distance(3, 2), meta, meta, backend, dtype, window=3)
     out = varlen_attention(q, k, v, meta, backend=backend, bias=bias)
     expected = windowed_oracle(q, k, v, positions, cu, 3)
     grad = torch.randn(out.shape, generator=generator)
