@@ -22,7 +22,7 @@ from .errors import FastmaeError
 from .hf_files import config_json, read_tensors
 
 MODEL_TYPE = "modernbert"
-KINDS = {"full_attention": "global", "sliding_attention": "local"}
+KINDS = ("full_attention", "sliding_attention")  # transformers' layer_types: fastmae's global and local
 
 
 def read(directory: Path, special: SpecialTokens) -> tuple[ModelConfig, dict[str, torch.Tensor], str, None]:
