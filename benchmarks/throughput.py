@@ -235,6 +235,7 @@ def _fastmae_step(config: ModelConfig, tokens: torch.Tensor | list, device: torc
     elif variant not in (REAL_DATA, DOC_DATA, EAGER, GRAPHS_TWIN):
         model.set_attention_backend(variant)
     run = _default_run() if run is None else run
+    run = dataclasses.replace(run, model=config)  # what plans its CUDA graphs is the system's model, not the default
     if variant == EAGER:
         run = dataclasses.replace(run, train=dataclasses.replace(run.train, cuda_graphs="never"))
     batches = [PackedBatch.from_sequences(tokens.tolist())] if isinstance(tokens, torch.Tensor) else tokens

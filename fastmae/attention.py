@@ -174,8 +174,11 @@ def document_block_mask(mq: VarlenMeta, mk: VarlenMeta, window: int | None = Non
 
     def within_window(batch, head, q_row, k_row):
         return (seq_q[q_row] == seq_k[k_row]) & ((pos_q[q_row] - pos_k[k_row]).abs() <= window)
+    # on CUDA built compiled, block by block: eagerly it evaluates every (row, row) pair of the packed stream at once
+    # (16 GiB at 65,536 rows: out of memory on an H100)
     return flex_attention_api().create_block_mask(same_sequence if window is None else within_window, None, None,
-                                                  seq_q.numel(), seq_k.numel(), device=seq_q.device)
+                                                  seq_q.numel(), seq_k.numel(), device=seq_q.device,
+                                                  _compile=seq_q.is_cuda)
 
 
 def _flex(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
