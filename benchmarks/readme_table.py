@@ -361,7 +361,20 @@ def study_presets() -> str:
 
 def throughput_modernbert() -> str:
     """fastmae's objectives on ModernBERT's layers against transformers' ModernBertForMaskedLM, one CPU run."""
-    result = _json(RESULTS_DIR / "throughput_modernbert.json")
+    return _modernbert_rows(RESULTS_DIR / "throughput_modernbert.json")
+
+
+def throughput_modernbert_gpu() -> str:
+    """The same rows from the GPU check's `modernbert` phase, on each device that ran it."""
+    return "\n".join(_modernbert_rows(path) for path in
+                     sorted((RESULTS_DIR / "gpu").glob("*/modernbert/throughput_modernbert_gpu.json")))
+
+
+def _modernbert_rows(path: Path) -> str:
+    result = _json(path)
+    record = path.parent / "phase.json"  # a lent machine's tree has no .git of its own: the phase names the commit
+    if record.is_file():
+        result = {**result, "git_sha": _json(record)["commit"][:7]}
     rows = ["| system | tokens/s | × ModernBertForMaskedLM | model GFLOP / step | × its FLOPs | MFU "
             "| peak memory (MiB) |", "|---|---|---|---|---|---|---|"]
     by_system = {r["system"]: r for r in result["results"]}
@@ -374,7 +387,7 @@ def throughput_modernbert() -> str:
             f"{result['seq_len']} tokens a step, vocabulary {result['vocab_size']:,}, {result['dtype']}, on "
             f"{result['device']} (CPU capability {result['cpu_capability']}), GEMM peak "
             f"{result['peak_flops'] / 1e9:,.0f} GFLOP/s, {_stamp(result)} "
-            "(`benchmarks/results/throughput_modernbert.md`):"
+            f"(`{path.relative_to(RESULTS_DIR.parent.parent).with_suffix('.md')}`):"
             "\n\n" + "\n".join(rows) + "\n")
 
 
@@ -409,7 +422,7 @@ GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth
               "budget": budget, "attention": attention, "data_scale": data_scale, "data": data, "gpu": gpu,
               "host_overhead": host_overhead, "doc_padding": doc_padding, "chaos": chaos,
               "study_presets": study_presets, "micro_batch": micro_batch, "mae_lm_diagnosis": mae_lm_diagnosis,
-              "throughput_modernbert": throughput_modernbert}
+              "throughput_modernbert": throughput_modernbert, "throughput_modernbert_gpu": throughput_modernbert_gpu}
 
 
 def render(text: str, where: str = "README.md") -> tuple[str, list[str]]:

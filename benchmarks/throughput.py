@@ -263,14 +263,18 @@ def _fastmae_step(config: ModelConfig, tokens: torch.Tensor | list, device: torc
 
 def attention_backend(system: str, config: ModelConfig, device: torch.device, precision: str,
                       variant: str | None) -> str:
-    """The attention backend a system's encoder runs (Hugging Face: its SDPA)."""
+    """The attention backend a system's encoder runs (Hugging Face: its SDPA), and its local layers' where it has
+    some."""
     from fastmae.attention import resolve_backend
 
     if system in HF_SYSTEMS:
         return "hf sdpa"
     backend = None if variant in (None, "compiled", REAL_DATA, DOC_DATA, EAGER) else variant
-    return resolve_backend(backend, device, config.attention_dropout, DTYPES[precision],
-                           biased=config.relative_attention_bias)
+    names = resolve_backend(backend, device, config.attention_dropout, DTYPES[precision],
+                            biased=config.relative_attention_bias)
+    if "local" in config.layer_kinds:
+        names += "; local: " + resolve_backend(backend, device, config.attention_dropout, DTYPES[precision], True)
+    return names
 
 
 def _resident_mib() -> tuple[float, float]:
