@@ -10,7 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     # kernels/ installs as fastmae.kernels: a top-level `kernels` would collide with the PyPI package `kernels`.
-    packages=["fastmae", "fastmae.config", "fastmae.data", "fastmae.kernels", "fastmae.study"],
+    packages=["fastmae", "fastmae.config", "fastmae.data", "fastmae.hf", "fastmae.kernels", "fastmae.study"],
     package_dir={"fastmae": "fastmae", "fastmae.kernels": "kernels"},
     install_requires=[
         # Bounded so the local CPU wheel (2.13.0) satisfies it and pip never fetches a CUDA build.

@@ -190,9 +190,9 @@ def _hf_modernbert_step(config: ModelConfig, tokens: torch.Tensor, device: torch
     masked rows only), and its model FLOPs per step (the same count as fastmae's mlm on these layers)."""
     from transformers import ModernBertForMaskedLM
 
-    from fastmae.hf_modernbert import hugging_face_config
+    from fastmae.hf import modernbert
 
-    hf = hugging_face_config(config, {})
+    hf = modernbert.hugging_face_config(config, {})
     hf.sparse_prediction, hf._attn_implementation = True, "sdpa"
     step, chosen = _masked_lm_step(_engine(ModernBertForMaskedLM(hf), precision, device), config, tokens, device)
     lengths = torch.full((tokens.shape[0],), SEQ_LEN)

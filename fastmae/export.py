@@ -1,7 +1,8 @@
 """`fastmae export MODEL_DIR OUTDIR`: the encoder as a Hugging Face directory: RoBERTa or RoFormer for
-post-LN encoders (learned or rotary positions), ESM-2 for pre-LN ones (fastmae.hf_format.hugging_face_architecture).
+post-LN encoders (learned or rotary positions), ESM-2 for pre-LN ones, ModernBERT for ModernBERT's layers
+(fastmae.hf.export_architecture).
 
-    OUTDIR/config.json             Roberta-, RoFormer- or EsmConfig (+ `fastmae_model_config`, so fastmae reads it back)
+    OUTDIR/config.json             the architecture's config (+ `fastmae_model_config`, so fastmae reads it back)
     OUTDIR/model.safetensors       fp32 master weights under Hugging Face's names (the LM head too for `mlm`)
     OUTDIR/tokenizer.json ...      the tokenizer as a fast tokenizer: same ids, same specials (a Hugging Face
                                    tokenizer's own files; a sentencepiece model converted, and kept as tokenizer.model
@@ -9,9 +10,9 @@ post-LN encoders (learned or rotary positions), ESM-2 for pre-LN ones (fastmae.h
     OUTDIR/README.md               the model card: objective, size, data, tokens, FLOPs, held-out loss, command
 `transformers.AutoModel`, `AutoModelForMaskedLM` and `AutoTokenizer` load OUTDIR without `trust_remote_code`.
 
-The format (names, config, tokenizer) lives in fastmae.hf_format. Only the pretrained encoder is exported. The
-MAE-LM / 3ML decoder is dropped, and so is their LM head, which was trained on decoder states, not encoder states
-(`AutoModelForMaskedLM` then initialises a fresh head and says so).
+The format (names, config, tokenizer) lives in fastmae.hf, a module per architecture. Only the pretrained encoder is
+exported. The MAE-LM / 3ML decoder is dropped, and so is their LM head, which was trained on decoder states, not
+encoder states (`AutoModelForMaskedLM` then initialises a fresh head and says so).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from . import __version__
 from .checkpoint import WEIGHTS
 from .data.tokenizer import SentencePieceTokenizer
 from .errors import FastmaeError, run_command
-from .hf_format import hugging_face_architecture, hugging_face_config, hugging_face_tokenizer, to_hugging_face
+from .hf import export_architecture, hugging_face_config, to_hugging_face
+from .hf.tokenizer import hugging_face_tokenizer
 from .metrics import read_metrics
 from .pretrained import MODEL_HELP, Pretrained, load_pretrained
 
@@ -68,9 +70,6 @@ def export(source: str | Path, outdir: str | Path, overwrite: bool = False) -> P
     return outdir
 
 
-ARCHITECTURE_NAMES = {"roberta": "RoBERTa", "roformer": "RoFormer", "esm": "ESM-2", "modernbert": "ModernBERT"}
-
-
 def _run_dir(weights_file: Path) -> Path | None:
     """The run directory a weights file belongs to (the run's own, a checkpoint's or an evaluation's), if any."""
     for directory in list(weights_file.parents)[:3]:
@@ -82,13 +81,13 @@ def _run_dir(weights_file: Path) -> Path | None:
 def model_card(pretrained: Pretrained, tensors: dict) -> str:
     """README.md of an export: what was trained, on what, how far, by which command, and what is not in it."""
     config, step = pretrained.config, pretrained.step
-    arch = hugging_face_architecture(config)
+    arch = export_architecture(config)
     encoder = sum(t.numel() for name, t in tensors.items() if not name.startswith(("lm_head.", "head.", "decoder.")))
     lines = ["---", "library_name: transformers", "tags: [fastmae, masked-language-modeling, "
              f"{config.objective}]", "---", "", f"# fastmae {config.objective} encoder", "",
              f"Pretrained with fastmae {__version__} (objective `{config.objective}`: insertion at layer "
              f"{config.insert_layer} of {config.encoder_layers}, {config.decoder_layers} decoder layer(s), mask rate "
-             f"{config.mask_rate:g}) and exported as Hugging Face {ARCHITECTURE_NAMES[arch]} "
+             f"{config.mask_rate:g}) and exported as Hugging Face {arch.NAME} "
              f"({config.norm_position}-LN layers, {config.position_embedding} positions): {config.encoder_layers} "
              f"layers, width {config.hidden_size}, {config.num_heads} heads, vocabulary {config.vocab_size}, "
              f"{encoder:,} parameters, sequences up to {config.max_seq_len} tokens. Weights of step {step}.", ""]

@@ -5,7 +5,7 @@ Hugging Face encoder fastmae did not write.
     RUN/checkpoints/stepN/       COMPLETE, model.safetensors (fp32 master weights of step N)
     RUN/eval_weights/stepN/      the same, kept at the evaluation of step N (eval.keep_weights)
     EXPORT/                      config.json (+ fastmae_model_config), model.safetensors, tokenizer files
-    HF_MODEL/                    config.json (RoBERTa, BERT, ESM, RoFormer), model.safetensors, tokenizer.json ...
+    HF_MODEL/                    config.json (RoBERTa, BERT, RoFormer, ESM-2, ModernBERT), weights, tokenizer
 `export`, `finetune`, `analyze`, `glue` and `train.init_from` all start from `load_pretrained`; the weights are fp32
 with fastmae's names.
 """
@@ -19,13 +19,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from . import hf_modernbert
 from .checkpoint import WEIGHTS, complete_checkpoints, read_weights, saved_model_config, weights_metadata
 from .config import ModelConfig, RunConfig, SpecialTokens
 from .data.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 from .errors import FastmaeError
-from .hf_files import config_json
-from .hf_format import CONFIG_KEY, read_foreign, read_hugging_face
+from .hf import CONFIG_KEY, read_export, read_foreign
+from .hf.files import config_json
 from .model import MaskedLM
 
 
@@ -106,22 +105,16 @@ def source_kind(path: Path) -> str:
                        "exported or Hugging Face model directory (no config.json)")
 
 
-def read_export(path: Path) -> Pretrained:
+def read_exported(path: Path) -> Pretrained:
     """A directory written by `fastmae export`: its config.json, weights and tokenizer."""
-    config, weights, step, segments = read_hugging_face(path)
+    config, weights, step, segments = read_export(path)
     return Pretrained(config, weights, _tokenizer(path, "the export"), path / WEIGHTS, step, segment_row=segments)
 
 
-FOREIGN_READERS = {hf_modernbert.MODEL_TYPE: hf_modernbert.read}
-"""Hugging Face architectures with a module of their own (model_type -> reader); the rest go through
-`hf_format.read_foreign`'s name table."""
-
-
 def read_foreign_encoder(path: Path) -> Pretrained:
-    """A Hugging Face RoBERTa, BERT, ESM or RoFormer directory with its tokenizer (`hf_format.read_foreign`)."""
+    """A Hugging Face encoder of an architecture `fastmae.hf` reads, with its tokenizer."""
     tokenizer = _tokenizer(path, "the model directory")
-    reader = FOREIGN_READERS.get(config_json(path).get("model_type"), read_foreign)
-    config, weights, architecture, segments = reader(path, tokenizer.special)
+    config, weights, architecture, segments = read_foreign(path, tokenizer.special)
     weights_file = path / WEIGHTS if (path / WEIGHTS).is_file() else path  # sharded or pytorch_model.bin: the directory
     return Pretrained(config, weights, tokenizer, weights_file, 0, architecture, segments)
 
@@ -150,7 +143,7 @@ MODEL_HELP = ("a fastmae run, checkpoint or export directory, or a Hugging Face 
               "neither) or RoFormer directory")
 """What the commands that take a model (`--model`) accept: every kind `load_pretrained` reads."""
 
-READERS = {"export": read_export, "foreign": read_foreign_encoder, "checkpoint": read_checkpoint, "run": read_run}
+READERS = {"export": read_exported, "foreign": read_foreign_encoder, "checkpoint": read_checkpoint, "run": read_run}
 
 
 def load_pretrained(path: str | Path) -> Pretrained:

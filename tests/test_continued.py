@@ -1,7 +1,7 @@
 """Continued pretraining (train.init_from): the shape comes from the source and the objective from model.preset,
 the encoder computes the source's hidden states (and, for mlm, its loss) before any update, what cannot be mapped is
 refused naming both values, a new decoder may start from the encoder's top layers, and a 2-rank DeepSpeed run switches a
-Hugging Face RoBERTa (an mlm encoder with its own tokenizer) to 3ml, exports and fine-tunes it."""
+Hugging Face ModernBERT (an mlm encoder with its own tokenizer) to 3ml, exports and fine-tunes it."""
 
 import json
 
@@ -99,27 +99,29 @@ def test_what_cannot_be_mapped_is_refused_naming_both(dataset, mlm_source, tmp_p
         continued(config_for(dataset, tmp_path, tmp_path, "model.preset=3ml"))
 
 
-def test_a_two_rank_run_switches_a_roberta_to_3ml_and_its_export_fine_tunes(tmp_path):
-    """From a Hugging Face RoBERTa (random, small) and data prepared with its byte-level BPE tokenizer, through
-    DeepSpeed on 2 CPU ranks (ZeRO-2): 20 steps of 3ml. The run names its source and starts from its encoder; a rerun
-    resumes from its own checkpoint; the export loads in AutoModelForMaskedLM and AutoTokenizer (the RoBERTa's ids,
-    fastmae's hidden states) and fine-tunes."""
+def test_a_two_rank_run_switches_a_modernbert_to_3ml_and_its_export_fine_tunes(tmp_path):
+    """From a Hugging Face ModernBERT (random, small: local and global layers, a window shorter than the sequences)
+    and data prepared with its byte-level BPE tokenizer, through DeepSpeed on 2 CPU ranks (ZeRO-2): 20 steps of 3ml
+    (its local layers on the shortened stream). The run names its source and starts from its encoder; a rerun
+    resumes from its own checkpoint; the export loads in AutoModelForMaskedLM and AutoTokenizer (the source's ids,
+    fastmae's hidden states) and fine-tunes. (The other architectures take the same path: test_foreign.)"""
     transformers = pytest.importorskip("transformers")
     from synthetic import keyword_split
-    from test_foreign import TEXTS, byte_level_bpe, corpus, foreign_model
+    from test_foreign import TEXTS, byte_level_bpe, corpus
+    from test_modernbert import modernbert
     from test_train import launch, overrides
 
     from fastmae.export import export
     from fastmae.finetune import main as finetune_main
     from fastmae.prepare import prepare
 
-    roberta = foreign_model("roberta", byte_level_bpe(tmp_path / "bpe"), tmp_path / "roberta")
+    source_dir = modernbert(byte_level_bpe(tmp_path / "bpe"), tmp_path / "modernbert")
     (tmp_path / "corpus.txt").write_text("\n".join(doc.replace("\n", " ") for doc in corpus(60)) + "\n")
     dataset = tmp_path / "data"
-    prepare([tmp_path / "corpus.txt"], dataset, tokenizer_path=str(roberta), valid_fraction=0.1, progress=False)
+    prepare([tmp_path / "corpus.txt"], dataset, tokenizer_path=str(source_dir), valid_fraction=0.1, progress=False)
     run_dir = tmp_path / "continued"
     args = overrides(dataset, run_dir, steps=20, **{"model.preset": "3ml", "model.decoder_layers": 1,
-                                                     "train.init_from": str(roberta), "eval.every": 0,
+                                                     "train.init_from": str(source_dir), "eval.every": 0,
                                                      "checkpoint.every": 10})
     args = [a for a in args if a.split("=")[0] not in ("model.hidden_size", "model.num_heads",
                                                          "model.encoder_layers", "model.intermediate_size",
@@ -127,20 +129,22 @@ def test_a_two_rank_run_switches_a_roberta_to_3ml_and_its_export_fine_tunes(tmp_
     run = launch(args)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "initialised from " in run.stderr and "new: decoder" in run.stderr
+    assert "local attention: 2 of 4 encoder layers" in run.stderr
     info = json.loads((run_dir / "run_info.json").read_text())
-    assert info["init_from"]["foreign"] == "RoBERTa" and info["init_from"]["weights"].startswith(str(roberta))
-    trained, source = load_pretrained(run_dir), load_pretrained(roberta)
+    assert info["init_from"]["foreign"] == "ModernBERT" and info["init_from"]["weights"].startswith(str(source_dir))
+    trained, source = load_pretrained(run_dir), load_pretrained(source_dir)
     assert trained.config.objective == "3ml" and trained.tokenizer.sha256 == source.tokenizer.sha256
     assert all(getattr(trained.config, f) == getattr(source.config, f) for f in SHAPE_FIELDS)
-    assert trained.config.pad_token_id == 1 and trained.config.mask_token_id == source.tokenizer.vocab_size - 1
+    assert trained.config.special_tokens == source.config.special_tokens
+    assert max(len(row) for row in trained.tokenizer.encode(corpus(60))) > 8  # documents longer than the window
     moved = trained.weights["embeddings.tokens.weight"] - source.weights["embeddings.tokens.weight"]
-    assert 0 < moved.abs().max() < 0.1  # trained on from the RoBERTa's embedding, not from a new one
+    assert 0 < moved.abs().max() < 0.1  # trained on from the ModernBERT's embedding, not from a new one
     again = launch(args)  # a rerun resumes from its own checkpoint, not from the source
     assert again.returncode == 0 and "initialised from" not in again.stderr
 
     export(run_dir, tmp_path / "hf")
     card = (tmp_path / "hf" / "README.md").read_text()
-    assert f"started from the Hugging Face RoBERTa encoder `{source.weights_file}`" in card
+    assert f"started from the Hugging Face ModernBERT encoder `{source.weights_file}`" in card
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     ids = [hf_tokenizer(text).input_ids for text in TEXTS]
     assert ids == [trained.tokenizer.frame(row) for row in trained.tokenizer.encode(TEXTS)]

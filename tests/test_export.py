@@ -127,6 +127,27 @@ def test_auto_tokenizer_gives_sentencepiece_ids(model_type, tmp_path):
     assert special == {"pad": 0, "bos": 1, "eos": 2, "unk": 3, "mask": 4}
 
 
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+@pytest.mark.parametrize("position_embedding", ["learned", "rotary"])
+@pytest.mark.parametrize("modern", [{}, {"ffn_gated": True}, {"linear_bias": False, "norm_bias": False},
+                                    {"global_attention_every": 2, "local_window": 8}])
+def test_one_architecture_module_claims_each_model_and_answers_the_registry(norm_position, position_embedding, modern):
+    """Every module behind `fastmae.hf.ARCHITECTURES` has the registry's names (a writer's too where it claims a
+    model), and exactly one claims each model, whatever its layers (seen failing: ESM's claim without its pre-LN
+    test)."""
+    from fastmae import hf
+
+    reader, writer = ("MODEL_TYPE", "NAME", "model_config", "read", "claims"), ("export_refusal", "write",
+                                                                                "hugging_face_config")
+    assert all(hasattr(module, name) for module in hf.ARCHITECTURES for name in reader)
+    config = tiny_model("mlm", vocab_size=40, max_seq_len=64, norm_position=norm_position,
+                        position_embedding=position_embedding, **modern).config
+    claimed = [module for module in hf.ARCHITECTURES if module.claims(config)]
+    assert len(claimed) == 1 and all(hasattr(claimed[0], name) for name in writer)
+    assert claimed[0].NAME == ("ModernBERT" if modern else "ESM-2" if norm_position == "pre" else
+                               "RoBERTa" if position_embedding == "learned" else "RoFormer")
+
 @pytest.mark.parametrize("overrides, message", [
     ({"position_embedding": "rotary", "rotary_base": 500.0}, "rotary_base=500 with norm_position='post'"),
     ({"relative_attention_bias": True}, "relative_attention_bias=true"),

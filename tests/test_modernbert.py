@@ -167,7 +167,7 @@ def test_export_writes_a_modernbert_that_transformers_loads_computing_fastmaes_s
     code, with the same ids and fastmae's hidden states and logits; the export reads back as the same weights. A
     model with one of ModernBERT's settings but not its shape is refused naming both."""
     from fastmae.export import export
-    from fastmae.hf_format import hugging_face_architecture
+    from fastmae.hf import export_architecture
 
     source = modernbert(bpe_dir, tmp_path / "source")
     exported = export(source, tmp_path / "hf")
@@ -190,7 +190,7 @@ def test_export_writes_a_modernbert_that_transformers_loads_computing_fastmaes_s
         assert (outputs.logits[0] - logits).abs().max() <= 1e-4
     post_ln = pretrained.config.replace(norm_position="post", first_attention_norm=True)
     with pytest.raises(FastmaeError, match=r"ffn_gated=True.*only ModernBERT.*norm_position='post'"):
-        hugging_face_architecture(post_ln)
+        export_architecture(post_ln)
 
 
 @pytest.fixture(scope="module")

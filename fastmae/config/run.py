@@ -112,10 +112,11 @@ class TrainConfig:
     seed: int = 0
     init_from: str = ""
     """Continued pretraining: start from the weights of this fastmae run, checkpoint or export directory, or of a
-    Hugging Face RoBERTa, BERT, ESM or RoFormer directory, instead of a random initialisation. The model's shape and
-    special token ids come from it (a shape field set to another value is refused) and `model.preset` chooses the
-    objective on top; weights the source lacks (a new decoder) start as in pretraining, or see init_decoder. Not a
-    resume: the optimizer, schedule and data position start afresh (fastmae.pretrained.continued)."""
+    Hugging Face encoder `fastmae.hf` reads (RoBERTa, BERT, RoFormer, ESM-2, ModernBERT), instead of a random
+    initialisation. The model's shape and special token ids come from it (a shape field set to another value is
+    refused) and `model.preset` chooses the objective on top; weights the source lacks (a new decoder) start as in
+    pretraining, or see init_decoder. Not a resume: the optimizer, schedule and data position start afresh
+    (fastmae.pretrained.continued)."""
     init_decoder: str = "new"
     """With init_from, how a decoder the source lacks starts: `new` (as in pretraining) or `top` (copies of the
     source encoder's top layers, and the insertion's positions and LayerNorm from its embeddings)."""

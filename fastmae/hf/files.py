@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import WEIGHTS
-from .errors import FastmaeError
+from ..checkpoint import WEIGHTS
+from ..errors import FastmaeError
 
 
 def config_json(directory: Path) -> dict:

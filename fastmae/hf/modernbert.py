@@ -1,5 +1,6 @@
-"""ModernBERT (Warner et al. 2024; transformers' `ModernBertModel` / `ModernBertForMaskedLM`) read into fastmae: its
-config.json as a `ModelConfig`, its weights under fastmae's names (ARCHITECTURE.md section 7).
+"""ModernBERT (Warner et al. 2024; transformers' `ModernBertModel` / `ModernBertForMaskedLM`) both ways: its
+config.json as a `ModelConfig` and back, its weights under fastmae's names and back (ARCHITECTURE.md section 7). The
+export of every encoder with a setting outside the BERT lineage's (`classic.SETTINGS`).
 
 The architecture, as transformers 5 computes it: token embedding -> LayerNorm -> dropout, no position embedding;
 pre-LN layers, layer 0 without an attention norm, a final LayerNorm; fused Wqkv, GeGLU `Wi` [2I, H] (input, then
@@ -17,21 +18,13 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig, SpecialTokens
-from .errors import FastmaeError
-from .hf_files import config_json, read_tensors
+from ..config import ModelConfig, SpecialTokens
+from ..errors import FastmaeError
+from . import classic
 
 MODEL_TYPE = "modernbert"
+NAME = "ModernBERT"
 KINDS = ("full_attention", "sliding_attention")  # transformers' layer_types: fastmae's global and local
-
-
-def read(directory: Path, special: SpecialTokens) -> tuple[ModelConfig, dict[str, torch.Tensor], str, None]:
-    """(model config, fastmae weights, architecture name, no segment row) of a ModernBERT directory (masked-LM or base
-    model; `model.safetensors`, its shards or `pytorch_model.bin`), `special` its tokenizer's ids."""
-    config = model_config(config_json(directory), special, directory)
-    tensors, _ = read_tensors(directory)
-    read_weights = weights(config, tensors, directory)
-    return config, {name: t.float().contiguous() for name, t in read_weights.items()}, "ModernBERT", None
 
 
 def model_config(hf: dict, special: SpecialTokens, source: Path) -> ModelConfig:
@@ -121,9 +114,10 @@ def _name_pairs(config: ModelConfig, with_head: bool) -> list[tuple[str, str]]:
     return names + ([("head.bias", "decoder.bias")] if with_head else [])
 
 
-def weights(config: ModelConfig, tensors: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
-    """ModernBERT's tensors (with or without the `model.` prefix; the MLM head where present) under fastmae's names.
-    A missing decoder bias is zeros. Raises FastmaeError naming the first missing tensor."""
+def read(config: ModelConfig, tensors: dict[str, torch.Tensor], source: Path
+         ) -> tuple[dict[str, torch.Tensor], None]:
+    """(fastmae weights, no segment row) of ModernBERT's tensors (with or without the `model.` prefix; the MLM head
+    where present). A missing decoder bias is zeros. Raises FastmaeError naming the first missing tensor."""
     tensors = {name.removeprefix("model."): t for name, t in tensors.items()}
     with_head = "head.dense.weight" in tensors
     out = {"head.bias": torch.zeros(config.vocab_size)} if with_head else {}
@@ -132,26 +126,42 @@ def weights(config: ModelConfig, tensors: dict[str, torch.Tensor], source: Path)
             out[ours] = tensors[theirs]
         elif theirs != "decoder.bias":
             raise FastmaeError(f"{source}: no tensor {theirs} (nor model.{theirs}) in a ModernBERT checkpoint")
-    return out
+    return out, None
 
 
-def to_hugging_face(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def write(config: ModelConfig, weights: dict[str, torch.Tensor], segment_row: torch.Tensor | None
+          ) -> dict[str, torch.Tensor]:
     """fastmae weights -> ModernBertForMaskedLM's names (k = 0: the head trained with the encoder), or
-    ModernBertModel's (k = L: the decoder's head is not the encoder's)."""
+    ModernBertModel's (k = L: the decoder's head is not the encoder's). ModernBERT has no token types: a segment row
+    is refused."""
+    if segment_row is not None:
+        raise FastmaeError("a second-segment embedding cannot be written to ModernBERT, which has no token-type table")
     with_head = config.insert_layer == 0
     prefix = "model." if with_head else ""
     return {(theirs if theirs.startswith(("head.", "decoder.")) else prefix + theirs): weights[ours].contiguous()
             for ours, theirs in _name_pairs(config, with_head)}
 
 
-ROBERTA_FAMILY = {"ffn_gated": False, "linear_bias": True, "norm_bias": True, "first_attention_norm": True,
-                  "global_attention_every": 1}
-"""The settings of the RoBERTa, RoFormer and ESM exports: a config that differs in one is ModernBERT's or none."""
-
-
 def modern_settings(config: ModelConfig) -> list[str]:
-    """The settings of `config` that only ModernBERT computes among the Hugging Face encoders fastmae exports."""
-    return [f"{key}={getattr(config, key)!r}" for key, value in ROBERTA_FAMILY.items() if getattr(config, key) != value]
+    """The settings of `config` outside the BERT lineage's, which among Hugging Face encoders only ModernBERT
+    computes."""
+    return [f"{key}={getattr(config, key)!r}" for key, value in classic.SETTINGS.items()
+            if getattr(config, key) != value]
+
+
+def claims(config: ModelConfig) -> bool:
+    """Whether this is the architecture `config` exports as."""
+    return bool(modern_settings(config))
+
+
+def export_refusal(config: ModelConfig) -> str | None:
+    """Why a config this architecture claims cannot be written as it (None: it can)."""
+    problems = shape_problems(config)
+    if not problems:
+        return None
+    return (f"{', '.join(modern_settings(config))}: among Hugging Face encoders only ModernBERT computes these, and "
+            f"this model differs from it in {', '.join(problems)}; `fastmae finetune --model RUN_DIR` runs it as it "
+            "is")
 
 
 def shape_problems(config: ModelConfig) -> list[str]:
@@ -162,9 +172,9 @@ def shape_problems(config: ModelConfig) -> list[str]:
             if getattr(config, key) != value]
 
 
-def hugging_face_config(config: ModelConfig, fastmae_config: dict):
-    """The ModernBertConfig of the exported encoder (transformers 5 writes both key forms), carrying fastmae's own
-    config (`fastmae_config`, under hf_format.CONFIG_KEY)."""
+def hugging_face_config(config: ModelConfig, carried: dict):
+    """The ModernBertConfig of the export (transformers 5 writes both key forms), carrying `carried` (fastmae's own
+    config)."""
     from transformers import ModernBertConfig
 
     bias, dropout = config.linear_bias, config.dropout
@@ -179,4 +189,4 @@ def hugging_face_config(config: ModelConfig, fastmae_config: dict):
         attention_dropout=config.attention_dropout, pad_token_id=config.pad_token_id,
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, cls_token_id=config.bos_token_id,
         sep_token_id=config.eos_token_id, decoder_bias=True, tie_word_embeddings=True,
-        architectures=["ModernBertForMaskedLM" if config.insert_layer == 0 else "ModernBertModel"], **fastmae_config)
+        architectures=classic.masked_lm(config, "ModernBertForMaskedLM", "ModernBertModel"), **carried)
