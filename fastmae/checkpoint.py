@@ -245,6 +245,15 @@ def saved_world_size(directory: Path) -> int:
     return int(json.loads((Path(directory) / "COMPLETE").read_text())["world_size"])
 
 
+def saved_step(directory: Path, name: str) -> int:
+    """The step of the complete checkpoint in `directory` (`name`: the setting that gave it, for errors)."""
+    try:
+        return int(json.loads((Path(directory) / "COMPLETE").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise FastmaeError(f"{name}={directory}: not a complete checkpoint directory (no readable COMPLETE "
+                           "marker)") from None
+
+
 def make_universal(directory: Path) -> Path:
     """Rank 0, before the engine exists: DeepSpeed's universal (rank-count independent) form of the checkpoint in
     `directory`, converted once into `directory/universal` (atomically; later resumes reuse it)."""

@@ -21,7 +21,8 @@ from .errors import FastmaeError
 from .flat import FlatParameters
 from .graphs import StepGraphs, plan_graphs
 from .model import MaskedLM
-from .optim import ClippingAdamW, decay_groups, lr_multiplier, param_groups
+from .optim import ClippingAdamW, decay_groups, param_groups
+from .schedule import Schedule
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -129,12 +130,12 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     if train.compile:
         model.compile_layers()
-    schedule = lambda step: lr_multiplier(step, train.warmup_steps, train.steps,  # noqa: E731
-                                          train.power if train.schedule == "polynomial" else 1.0,
-                                          train.min_lr_ratio)
+    schedule = Schedule.of(train)
+    # a function, not the Schedule: LambdaLR saves and restores a callable object's fields with its state, which
+    # would bring a checkpoint's plan back over an extended or branched run's
     engine, wrapped, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config,
-        lr_scheduler=(lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule)),
+        lr_scheduler=(lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule.multiplier(step))),
         model_parameters=None if optimizer is not None else param_groups(model, train.weight_decay))
     # after DeepSpeed placed the parameters
     if isinstance(model, MaskedLM) and plan_graphs(config, device, precision).enabled:

@@ -46,8 +46,9 @@ from .errors import FastmaeError, run_command
 from .evaluation import unigram_baselines
 from .hardware import choose_precision
 from .model import MaskedLM
-from .optim import lr_multiplier, param_groups
+from .optim import param_groups
 from .pretrained import MODEL_HELP, Pretrained, load_pretrained
+from .schedule import lr_multiplier
 from .tasks import GLUE_TASKS, Examples, Task, custom_task, load_split, read_rows, score
 
 

@@ -1,5 +1,5 @@
-"""The optimizer (fused AdamW that clips on the device), its parameter groups, and the learning-rate schedule
-(fairseq's polynomial decay with linear warm-up)."""
+"""The optimizer (fused AdamW that clips on the device) and its parameter groups (the learning-rate schedule:
+fastmae/schedule.py)."""
 
 from __future__ import annotations
 
@@ -68,15 +68,3 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     named = dict(model.named_parameters())
     return [{"params": [named[name] for name in names], "weight_decay": decays[group]}
             for group, names in decay_groups(model).items()]
-
-
-def lr_multiplier(step: int, warmup: int, total: int, power: float = 1.0, min_ratio: float = 0.0) -> float:
-    """Learning rate at optimizer step `step` as a fraction of the peak.
-
-    Linear warm-up from 1/warmup to 1 over `warmup` steps, then (1 - progress)^power decay to `min_ratio` at
-    `total` (power 1 is linear decay).
-    """
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * (1.0 - progress) ** power

@@ -1,4 +1,5 @@
-"""`fastmae plot RUN_DIR`: loss (train and held-out) and throughput curves of a run, as RUN_DIR/curves.png.
+"""`fastmae plot RUN_DIR`: loss (train and held-out, with the learning rate behind them) and throughput curves of a
+run, as RUN_DIR/curves.png.
 
     fastmae plot runs/tiny-cpu [--output FILE]
 """
@@ -53,7 +54,13 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
             ax_loss.axhline(evals[-1]["unigram_entropy"], color="gray", linestyle="--",
                             label="held-out unigram entropy")
     ax_loss.set(xlabel="optimizer step", ylabel="cross-entropy (nats)", title=f"loss: {run_dir.name}")
-    ax_loss.legend()
+    ax_lr = ax_loss.twinx()  # the schedule behind the loss: where a decay starts shows in both
+    ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train], color="gray", linewidth=1, alpha=0.6,
+               label="learning rate (right axis)")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_ylim(bottom=0)
+    handles = [h for ax in (ax_loss, ax_lr) for h in ax.get_legend_handles_labels()[0]]
+    ax_loss.legend(handles=handles)
     ax_loss.grid(alpha=0.3)
     ax_speed.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train], color="tab:green")
     ax_speed.set(xlabel="optimizer step", ylabel="tokens / s (all ranks)", title="throughput")

@@ -120,6 +120,19 @@ class RunCounters:
         self.tokens_seen += stats.tokens
         self.flops_done += stats.flops
 
+    def state(self) -> dict:
+        """What a checkpoint keeps of the counters (the device's counts read back)."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "flops_done": self.flops_done,
+                "bad_streak": int(self.bad_streak_device.item()), "skipped": int(self.skipped_device.item())}
+
+    def restore(self, saved: dict, shares: bool) -> None:
+        """Continue from a checkpoint's `state()`; `shares`: this rank's token and FLOP shares too."""
+        self.step, self.skipped_logged = saved["step"], saved["skipped"]
+        self.bad_streak_device.fill_(saved["bad_streak"])
+        self.skipped_device.fill_(saved["skipped"])
+        if shares:
+            self.tokens_seen, self.flops_done = saved["tokens_seen"], saved["flops_done"]
+
     def check_bad_streak(self, bad_streak: int, skipped: int, max_bad_steps: int) -> None:
         """On logged steps, with the counts read back: report skipped steps, and stop after `max_bad_steps` of
         them in a row."""

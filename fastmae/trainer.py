@@ -52,6 +52,7 @@ from .model import MaskedLM
 from .pipeline import masked_ahead
 from .plot import plot_run
 from .pretrained import Pretrained, continued, initialise
+from .schedule import Schedule, branch_plan, check_continuation
 from .step import RunCounters, train_step
 
 
@@ -100,6 +101,8 @@ def model_engine(config: RunConfig, precision: str, device: torch.device, non_fi
     if local:
         log_line(local)
     checkpoint_dir = checkpoint_to_resume(Path(config.log.dir) / "checkpoints", resume)
+    if checkpoint_dir is None and train.branch_from:  # a decay branch starts where its checkpoint stopped
+        checkpoint_dir = checkpoint_to_resume(Path(config.log.dir) / "checkpoints", train.branch_from)
     if source is not None and checkpoint_dir is None:
         new = initialise(model, source, train.init_decoder)
         log_line(f"initialised from {source.describe()}; "
@@ -173,6 +176,19 @@ def closing_lines(run_dir: Path, graphs, finished: bool, records: list[dict]) ->
     return lines
 
 
+def continue_from(engine, directory: Path, config: RunConfig, schedule: Schedule, loader: PackedLoader) -> list[dict]:
+    """Collective: the trainer states of every rank of the checkpoint in `directory`, loaded into `engine`, once
+    `check_continuation` agrees that this run (its `schedule`, the batches of its `loader`) continues it exactly."""
+    states = checkpoint.load(engine, directory, dataclasses.asdict(config.model))
+    check_continuation(directory, states[0], schedule, global_batch(loader))
+    return states
+
+
+def global_batch(loader: PackedLoader) -> dict:
+    """A step's global batch, as checkpoints keep it (a run continues exactly only with the same)."""
+    return {"micro_batches_per_step": loader.micro_batches_per_step, "tokens_per_micro_batch": loader.tokens_per_batch}
+
+
 # -------------------------------------------------------------------------------------------------------- trainer
 class Trainer:
     """Builds data, model and engine for this rank, then runs, evaluates and checkpoints."""
@@ -189,12 +205,15 @@ class Trainer:
                 torch.set_num_threads(max(1, cpu_cores() // ranks_on_node()))
         prepare_builtin_data(config)
         config, self.source = continued(config)  # train.init_from: the source's shape (and its weights, below)
+        config = branch_plan(config)  # train.branch_from: the branch's length
         data = config.data
         self.loader = PackedLoader.for_run(config, self.rank, self.world, data.verify_checksums)
         self.loader.data.check_vocab(config.model.vocab_size, "model.vocab_size")
         config, eval_steps = with_budget_planned(config, self.loader)
         self.config = config
         train = config.train
+        self.schedule = Schedule.of(train)
+        log_line(f"learning rate: {self.schedule.describe()}")
         self.evaluator = held_out_evaluator(config, eval_steps, self.rank, self.world, device)
         self.precision = agreed_precision(train.precision, device)
         # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)
@@ -213,36 +232,31 @@ class Trainer:
                                                     config.checkpoint.keep, train.steps,
                                                     dataclasses.asdict(self.config.model))
         if resumed_from is not None:  # last: nothing may draw from the restored RNG before the loop
-            self._restore(checkpoint.load(self.engine, resumed_from, dataclasses.asdict(self.config.model)))
-            log_line(f"resumed from {resumed_from} at step {self.counters.step}")
+            self._restore(continue_from(self.engine, resumed_from, config, self.schedule, self.loader))
+            how = "resumed" if resumed_from.parent == self.checkpointer.root else "branched"
+            log_line(f"{how} from {resumed_from} at step {self.counters.step}")
         self.metrics = MetricsWriter(self.run_dir, config.log.tensorboard) if self.rank == 0 else None
         if self.rank == 0:
             write_run_files(config, ds_config, {
                 "device": device_name(device), "ranks": self.world, "precision": self.precision,
                 "peak_flops": self.peak.flops, "spec_peak_flops": self.spec_peak_flops,
-                "init_from": self.source and self.source.provenance()})
+                "init_from": self.source and self.source.provenance(), "schedule": self.schedule.describe()})
 
     # ------------------------------------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:
-        counters = self.counters
-        state = {"step": counters.step, "tokens_seen": counters.tokens_seen, "flops_done": counters.flops_done,
-                 "bad_streak": int(counters.bad_streak_device.item()), "skipped": int(counters.skipped_device.item()),
-                 "torch_rng": torch.get_rng_state(), "loader": self.loader.state_dict(counters.step)}
-        if self.device.type == "cuda":
-            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        return state
+        cuda = {"cuda_rng": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {}
+        return {**self.counters.state(), "torch_rng": torch.get_rng_state(), **cuda,
+                "loader": self.loader.state_dict(self.counters.step), "schedule": self.schedule.record(),
+                "batch": global_batch(self.loader)}
 
     def _restore(self, states: list[dict]) -> None:
         """Continue from the trainer states of a checkpoint's ranks. On as many ranks, each takes its own. On another
         number (elastic), the data cursor, step and counters carry over (this rank's shares of the token and FLOP
         totals go to rank 0) and each rank's RNG starts afresh from (seed, rank, step)."""
         mine, counters = states[self.rank] if len(states) == self.world else states[0], self.counters
-        counters.step, counters.skipped_logged = mine["step"], mine["skipped"]
-        counters.bad_streak_device.fill_(mine["bad_streak"])
-        counters.skipped_device.fill_(mine["skipped"])
+        counters.restore(mine, shares=len(states) == self.world)
         self.loader.load_state_dict(mine["loader"])
         if len(states) == self.world:
-            counters.tokens_seen, counters.flops_done = mine["tokens_seen"], mine["flops_done"]
             torch.set_rng_state(mine["torch_rng"])
             if "cuda_rng" in mine and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.device)

@@ -9,7 +9,8 @@ import torch
 from synthetic import markov_documents
 
 from fastmae import MaskedLM, ModelConfig, PackedBatch
-from fastmae.optim import lr_multiplier, param_groups
+from fastmae.optim import param_groups
+from fastmae.schedule import lr_multiplier
 
 
 @dataclass

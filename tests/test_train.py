@@ -487,7 +487,7 @@ def test_floats_in_exponent_notation_are_floats():
 @pytest.mark.parametrize("name", ["tiny-cpu", "roberta-base", "mae-lm-base", "3ml-base", "roberta-large",
                                   "mae-lm-large", "3ml-large", "modernbert-base", "modernbert-large",
                                   "modernbert-3ml-base", "modernbert-3ml-large", "modernbert-mae-lm-base",
-                                  "modernbert-mae-lm-large"])
+                                  "modernbert-mae-lm-large", "mlm30-wsd-base"])
 def test_shipped_configs_load(name, tmp_path):
     # the recipes' data/pretrain is not prepared here: its vocabulary must then be written
     overrides = [] if name == "tiny-cpu" else ["model.vocab_size=32000"]

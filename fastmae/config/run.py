@@ -80,11 +80,22 @@ class TrainConfig:
     warmup_steps: int = 10000
     """Linear warm-up steps."""
     schedule: str = "polynomial"
-    """Decay after warm-up: `linear` or `polynomial` (with `power`) down to min_lr_ratio * lr at `steps`."""
+    """After warm-up: `linear` or `polynomial` (with `power`) decay to min_lr_ratio * lr at `steps`, or `wsd`
+    (warmup-stable-decay: the peak held, then decay_shape over the last decay_steps; fastmae/schedule.py)."""
     power: float = 1.0
     """Exponent of the polynomial decay (1.0 is linear, as fairseq's polynomial_decay default)."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of lr."""
+    decay_steps: int = 0
+    """wsd: the decay's length in optimizer steps (0: decay_fraction of the run)."""
+    decay_fraction: float = 0.1
+    """wsd without decay_steps: the decay's share of the run's (planned) steps; 0: none, the peak held to the last
+    step (decays then come as branches of its checkpoints, branch_from)."""
+    decay_shape: str = "linear"
+    """wsd: the decay's shape, `linear`, `1-sqrt` or `cosine`."""
+    branch_from: str = ""
+    """wsd: a checkpoint directory of a run in its stable phase; this run continues it (weights, optimizer, data
+    position, RNG) for train.decay_steps more steps, decaying over them, in its own log.dir (fastmae/schedule.py)."""
     weight_decay: float = 0.01
     betas: tuple = (0.9, 0.98)
     eps: float = 1e-6
@@ -136,8 +147,14 @@ class TrainConfig:
             bad("tokens_per_step", "must be >= 0 (0: use grad_accum)")
         if self.optimizer not in ("adamw", "lamb"):
             bad("optimizer", "must be 'adamw' or 'lamb'")
-        if self.schedule not in ("linear", "polynomial"):
-            bad("schedule", "must be 'linear' or 'polynomial'")
+        if self.schedule not in ("linear", "polynomial", "wsd"):
+            bad("schedule", "must be 'linear', 'polynomial' or 'wsd'")
+        if self.decay_shape not in ("linear", "1-sqrt", "cosine"):
+            bad("decay_shape", "must be 'linear', '1-sqrt' or 'cosine'")
+        if self.decay_steps < 0:
+            bad("decay_steps", "must be >= 0 (0: decay_fraction of the run)")
+        if not 0 <= self.decay_fraction <= 1:
+            bad("decay_fraction", "must be in [0, 1]")
         if self.precision not in PRECISIONS:
             bad("precision", f"must be one of {PRECISIONS}")
         if self.init_decoder not in ("new", "top"):

@@ -1,0 +1,132 @@
+"""Learning-rate schedules (fastmae/schedule.py): warmup-stable-decay's shapes and ends; a wsd run extended while
+stable, and a decay branched from a stable checkpoint into its own run, end bit-identical to the run planned that
+long; what cannot continue exactly is refused naming both values."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from synthetic import prepare_word_dataset
+from test_train import WORDS, overrides
+
+from fastmae.config import TrainConfig
+from fastmae.errors import FastmaeError
+from fastmae.schedule import Schedule, check_continuation, lr_multiplier
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wsd(steps=100, warmup=10, **fields) -> Schedule:
+    return Schedule.of(TrainConfig(schedule="wsd", steps=steps, warmup_steps=warmup, lr=1e-3, **fields))
+
+
+@pytest.mark.parametrize("shape, at_quarter", [("linear", 0.75), ("1-sqrt", 0.5), ("cosine", (1 + 2 ** -0.5) / 2)])
+def test_wsd_warms_up_holds_then_decays_in_its_shape_to_its_end(shape, at_quarter):
+    schedule = wsd(decay_steps=20, decay_shape=shape, min_lr_ratio=0.1)
+    assert [schedule.multiplier(s) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]  # linear warm-up over 10 steps
+    assert all(schedule.multiplier(s) == 1.0 for s in range(9, 81))  # stable through the decay's first step
+    assert schedule.decay_start == 80
+    assert math.isclose(schedule.multiplier(85), 0.1 + 0.9 * at_quarter)
+    assert schedule.multiplier(100) == schedule.multiplier(150) == pytest.approx(0.1)
+    decay = [schedule.multiplier(s) for s in range(80, 101)]
+    assert decay == sorted(decay, reverse=True)
+    fraction = wsd(decay_fraction=0.25)  # without decay_steps: a share of the (planned) steps
+    assert (fraction.decay_steps, fraction.decay_start) == (25, 75)
+    held = wsd(decay_fraction=0.0)  # no decay: the peak to the last step (ModernBERT's phase 1)
+    assert held.multiplier(99) == 1.0 and "then stable to step 100 (wsd, no decay)" in held.describe()
+    polynomial = Schedule.of(TrainConfig(steps=100, warmup_steps=10, schedule="polynomial", power=2.0))
+    assert [polynomial.multiplier(s) for s in range(0, 120, 7)] == [lr_multiplier(s, 10, 100, 2.0)
+                                                                    for s in range(0, 120, 7)]
+    with pytest.raises(FastmaeError, match=r"train.decay_steps=95 and train.warmup_steps=10 exceed train.steps=100"):
+        wsd(decay_steps=95)
+
+
+def test_a_continuation_is_refused_where_a_step_taken_would_change_its_rate_or_batch(tmp_path):
+    """The rule: every step up to the checkpoint's, and the next (which the restored optimizer takes at its saved
+    rate), keeps its learning rate; and the global batch stays (seen failing: the check run through step - 1)."""
+    batch = {"micro_batches_per_step": 2, "tokens_per_micro_batch": 256}
+    planned = wsd(steps=100, decay_steps=20)  # stable through step 80
+    state = {"step": 80, "schedule": planned.record(), "batch": batch}
+    check_continuation(tmp_path, state, wsd(steps=1000, decay_steps=20), batch)  # extended while stable
+    check_continuation(tmp_path, state, wsd(steps=90, decay_steps=10), batch)  # a branch decaying from step 80
+    with pytest.raises(FastmaeError, match=r"gives step 80 a learning rate of 0.000909091 where it was 0.001"):
+        check_continuation(tmp_path, state, wsd(steps=90, decay_steps=11), batch)
+    decaying = {**state, "step": 90}
+    with pytest.raises(FastmaeError, match=r"step 90 was reached under lr 0.001: 10 warm-up steps, stable to step 80"
+                                           r".* gives step 81 a learning rate of 0.001 where it was 0.00095"):
+        check_continuation(tmp_path, decaying, wsd(steps=1000, decay_steps=20), batch)
+    with pytest.raises(FastmaeError, match=r"gives step 0 a learning rate of 0.0002 where it was 0.0001"):
+        check_continuation(tmp_path, state, Schedule.of(TrainConfig(schedule="wsd", steps=1000, warmup_steps=10,
+                                                                    lr=2e-3, decay_steps=20)), batch)
+    with pytest.raises(FastmaeError, match=r"trained with global batches of 2 micro-batches of 256 tokens, this "
+                                           r"run's are 4 micro-batches of 256 tokens"):
+        check_continuation(tmp_path, state, planned, {**batch, "micro_batches_per_step": 4})
+    check_continuation(tmp_path, {"step": 80}, wsd(steps=20), batch)  # a checkpoint from before these were kept
+
+
+EXTEND_AND_BRANCH = """
+import sys
+from pathlib import Path
+from safetensors.torch import load_file
+from fastmae.distributed import init_distributed, set_world_of_one_env
+set_world_of_one_env()
+init_distributed()
+from fastmae.config import load_run_config
+from fastmae.errors import FastmaeError
+from fastmae.trainer import Trainer
+sys.path.insert(0, "tests")
+from test_train import as_if_killed_after
+
+root = Path(sys.argv[1])
+args = {name: value.split(" ") for name, value in (line.split("=", 1) for line in sys.argv[2:])}
+
+def train(name):
+    try:
+        Trainer(load_run_config(None, args[name]), "auto").run()
+    except FastmaeError as err:
+        return f"REFUSED {err}"
+    return load_file(root / name / "model.safetensors")
+
+long, _ = train("long"), train("short")
+as_if_killed_after(root / "short", 3, root / "extended")
+(root / "short" / "model.safetensors").unlink()  # resumable again: its step-6 checkpoint is its newest
+extended, branched = train("extended"), train("branched")
+print("EXTENDED", all((long[k] == extended[k]).all() for k in long))
+print("BRANCHED", all((long[k] == branched[k]).all() for k in long))
+print(train("late_branch"))
+print(train("decaying"))
+"""
+
+
+def test_an_extended_run_and_a_branched_decay_end_as_the_run_planned_that_long(tmp_path):
+    """`long`: 10 steps, wsd with a 3-step decay (stable to step 7). `short` planned 6 (stable to 3): its checkpoint
+    of step 3, resumed with train.steps=10, ends bit-identical to `long` (weights; dropout on, so the RNG carries
+    over). A branch of `long`'s step-7 checkpoint with train.decay_steps=3, in a directory of its own, ends
+    bit-identical to it too. Branching from step 8 (decaying) and resuming `short`'s step-6 checkpoint with another
+    length are refused naming both rates. One process, a world of one, the real DeepSpeed engine."""
+    (tmp_path / "data").mkdir()
+    data = prepare_word_dataset(tmp_path / "data", WORDS, 200, 40, vocab_size=40, valid_fraction=0.1)
+    wsd_args = {"train.schedule": "wsd", "train.decay_steps": 3, "train.warmup_steps": 2, "eval.every": 0,
+                "checkpoint.every": 1, "checkpoint.keep": 20, "log.every": 1}
+
+    def run_args(name, steps, **extra):
+        return f"{name}=" + " ".join(overrides(data, tmp_path / name, steps=steps, **{**wsd_args, **extra}))
+
+    checkpoints = tmp_path / "long" / "checkpoints"
+    done = subprocess.run([sys.executable, "-c", EXTEND_AND_BRANCH, str(tmp_path), run_args("long", 10),
+                           run_args("short", 6), run_args("extended", 10),
+                           run_args("branched", 10, **{"train.branch_from": checkpoints / "step00000007"}),
+                           run_args("late_branch", 10, **{"train.branch_from": checkpoints / "step00000008"}),
+                           run_args("decaying", 10, **{"log.dir": tmp_path / "short"})],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = done.stdout.splitlines()
+    assert "EXTENDED True" in lines and "BRANCHED True" in lines, done.stdout + done.stderr[-3000:]
+    late, decaying = [line for line in lines if line.startswith("REFUSED")]
+    assert "step 8 was reached under lr 0.001: 2 warm-up steps, stable to step 7" in late
+    assert "gives step 8 a learning rate of 0.001 where it was 0.000666667" in late
+    assert "step 6 was reached under" in decaying and "stable to step 3" in decaying
+    assert "gives step 4 a learning rate of 0.001 where it was 0.000666667" in decaying
+    assert f"branched from {checkpoints / 'step00000007'} at step 7" in done.stderr
+    assert f"resumed from {tmp_path / 'extended' / 'checkpoints' / 'step00000003'} at step 3" in done.stderr
