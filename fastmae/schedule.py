@@ -11,17 +11,21 @@ the restored optimizer takes first included, is the one it had (`first_differenc
 phase may be extended (a larger `train.steps` or budget), or branched into a run of its own that decays from it
 (`train.branch_from`, `branch_plan`). Anything else (a schedule already decaying, another peak rate, another global
 batch) is refused naming both values (`check_continuation`).
+
+The masking rate may follow a schedule too (`MaskRates`: model.mask_rate to model.mask_rate_end, linearly in whole
+percents or in one step), over the run's steps; a continuation keeps the rate of every step already taken.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import saved_step
-from .config import RunConfig, TrainConfig
+from .config import ModelConfig, RunConfig, TrainConfig
 from .errors import FastmaeError
 
 SCHEDULES = ("linear", "polynomial", "wsd")
@@ -110,15 +114,74 @@ class Schedule:
                      if self.lr * self.multiplier(step) != other.lr * other.multiplier(step)), None)
 
 
-def check_continuation(source: Path, saved: dict, schedule: Schedule, batch: dict) -> None:
+@dataclass(frozen=True)
+class MaskRates:
+    """The masking rate step by step (model.mask_rate, mask_rate_end, mask_rate_shape, mask_rate_switch) over a run
+    of `steps`. A linear schedule moves in whole percents, so that a run sees a few rates (|end - start| x 100 + 1),
+    each a fixed set of per-sequence counts: the shapes recorded CUDA graphs replay stay few. Masking stays exact on
+    the host: a sequence's count is round(rate(step) x maskable)."""
+
+    start: float
+    end: float
+    shape: str = "linear"
+    switch: float = 0.5
+    steps: int = 1
+
+    @classmethod
+    def of(cls, model: ModelConfig, steps: int) -> MaskRates:
+        """The schedule `model` asks for over `steps` (a constant rate without mask_rate_end)."""
+        end = model.mask_rate if model.mask_rate_end == -1.0 else model.mask_rate_end
+        return cls(model.mask_rate, end, model.mask_rate_shape, model.mask_rate_switch, steps)
+
+    @property
+    def constant(self) -> bool:
+        return self.start == self.end
+
+    def rate(self, step: int) -> float:
+        """The masking rate of optimizer step `step` (0-based)."""
+        if self.constant:
+            return self.start
+        progress = min(1.0, step / max(1, self.steps - 1))
+        if self.shape == "step":
+            return self.start if progress < self.switch else self.end
+        return round(100 * (self.start + (self.end - self.start) * progress)) / 100
+
+    def by_index(self, micro_batches_per_step: int) -> Callable[[int], float] | None:
+        """The rate of a micro-batch by its index in the run (None for a constant rate: the model's own)."""
+        return None if self.constant else lambda index: self.rate(index // micro_batches_per_step)
+
+    def describe(self) -> str:
+        """One line for the log."""
+        if self.constant:
+            return f"masking rate {self.start:g}"
+        levels = round(abs(self.end - self.start) * 100) + 1
+        how = f"linearly in steps of 1% ({levels} rates)" if self.shape == "linear" else f"at {self.switch:g} of it"
+        return f"masking rate {self.start:g} -> {self.end:g} {how} over {self.steps} steps"
+
+    def record(self) -> dict:
+        """The schedule as checkpoints keep it (`MaskRates(**record)` rebuilds it)."""
+        return dataclasses.asdict(self)
+
+
+def check_continuation(source: Path, saved: dict, schedule: Schedule, batch: dict,
+                       mask_rates: MaskRates | None = None) -> None:
     """Refuse to continue the checkpoint at `source` (its trainer state `saved`, of step saved["step"]) under
     `schedule` and the global `batch` ({micro_batches_per_step, tokens_per_micro_batch}) where the run would not
     continue exactly: a step already taken (or the next, which the restored optimizer takes at its saved rate) at
-    another learning rate, or another batch. Checkpoints from before these were recorded are not checked."""
+    another learning rate, a step already taken at another masking rate (`mask_rates`), or another batch.
+    Checkpoints from before these were recorded are not checked."""
     step = saved["step"]
     if "batch" in saved and saved["batch"] != batch:
         raise FastmaeError(f"{source}: trained with global batches of {_batch(saved['batch'])}, this run's are "
                            f"{_batch(batch)}: resume or branch it with the batch it was trained with")
+    if "mask_rates" in saved and mask_rates is not None:
+        before = MaskRates(**saved["mask_rates"])
+        differs = next((s for s in range(step) if before.rate(s) != mask_rates.rate(s)), None)
+        if differs is not None:
+            raise FastmaeError(f"{source}: step {step} was reached under {before.describe()}; this run's plan, "
+                               f"{mask_rates.describe()}, masks step {differs} at {mask_rates.rate(differs):g} where "
+                               f"it was masked at {before.rate(differs):g}: resume or branch it with the masking it "
+                               "was trained with")
     if "schedule" not in saved:
         return
     before = Schedule(**saved["schedule"])

@@ -52,7 +52,7 @@ from .model import MaskedLM
 from .pipeline import masked_ahead
 from .plot import plot_run
 from .pretrained import Pretrained, continued, initialise
-from .schedule import Schedule, branch_plan, check_continuation
+from .schedule import MaskRates, Schedule, branch_plan, check_continuation
 from .step import RunCounters, train_step
 
 
@@ -176,11 +176,12 @@ def closing_lines(run_dir: Path, graphs, finished: bool, records: list[dict]) ->
     return lines
 
 
-def continue_from(engine, directory: Path, config: RunConfig, schedule: Schedule, loader: PackedLoader) -> list[dict]:
+def continue_from(engine, directory: Path, config: RunConfig, schedule: Schedule, mask_rates: MaskRates,
+                  loader: PackedLoader) -> list[dict]:
     """Collective: the trainer states of every rank of the checkpoint in `directory`, loaded into `engine`, once
-    `check_continuation` agrees that this run (its `schedule`, the batches of its `loader`) continues it exactly."""
+    `check_continuation` agrees that this run (its schedules, the batches of its `loader`) continues it exactly."""
     states = checkpoint.load(engine, directory, dataclasses.asdict(config.model))
-    check_continuation(directory, states[0], schedule, global_batch(loader))
+    check_continuation(directory, states[0], schedule, global_batch(loader), mask_rates)
     return states
 
 
@@ -212,8 +213,8 @@ class Trainer:
         config, eval_steps = with_budget_planned(config, self.loader)
         self.config = config
         train = config.train
-        self.schedule = Schedule.of(train)
-        log_line(f"learning rate: {self.schedule.describe()}")
+        self.schedule, self.mask_rates = Schedule.of(train), MaskRates.of(config.model, train.steps)
+        log_line(f"learning rate: {self.schedule.describe()}; {self.mask_rates.describe()}")
         self.evaluator = held_out_evaluator(config, eval_steps, self.rank, self.world, device)
         self.precision = agreed_precision(train.precision, device)
         # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)
@@ -232,7 +233,8 @@ class Trainer:
                                                     config.checkpoint.keep, train.steps,
                                                     dataclasses.asdict(self.config.model))
         if resumed_from is not None:  # last: nothing may draw from the restored RNG before the loop
-            self._restore(continue_from(self.engine, resumed_from, config, self.schedule, self.loader))
+            self._restore(continue_from(self.engine, resumed_from, config, self.schedule, self.mask_rates,
+                                        self.loader))
             how = "resumed" if resumed_from.parent == self.checkpointer.root else "branched"
             log_line(f"{how} from {resumed_from} at step {self.counters.step}")
         self.metrics = MetricsWriter(self.run_dir, config.log.tensorboard) if self.rank == 0 else None
@@ -247,7 +249,7 @@ class Trainer:
         cuda = {"cuda_rng": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {}
         return {**self.counters.state(), "torch_rng": torch.get_rng_state(), **cuda,
                 "loader": self.loader.state_dict(self.counters.step), "schedule": self.schedule.record(),
-                "batch": global_batch(self.loader)}
+                "mask_rates": self.mask_rates.record(), "batch": global_batch(self.loader)}
 
     def _restore(self, states: list[dict]) -> None:
         """Continue from the trainer states of a checkpoint's ranks. On as many ranks, each takes its own. On another
@@ -261,9 +263,8 @@ class Trainer:
             if "cuda_rng" in mine and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
             return
-        first = self.rank == 0
-        counters.tokens_seen = sum(state["tokens_seen"] for state in states) if first else 0
-        counters.flops_done = sum(state["flops_done"] for state in states) if first else 0
+        counters.tokens_seen, counters.flops_done = (sum(state[key] for state in states) if self.rank == 0 else 0
+                                                     for key in ("tokens_seen", "flops_done"))
         torch.manual_seed(hash((self.config.train.seed, self.rank, counters.step)) % 2**63)
         log_line(f"resuming {len(states)} rank(s)' run on {self.world}: the same micro-batches follow, "
                  f"{self.loader.micro_batches_per_step} per step; dropout draws anew")
@@ -301,7 +302,8 @@ class Trainer:
         to the shapes graphs replay; `masked_ahead`), each is copied ahead in one copy (`to_device_ahead`), and the
         step's statistics stay on the device (`train_step`), read on logged steps only."""
         masked = masked_ahead(iter(self.loader), self.engine.module.config, self.config.train.seed,
-                              pin_memory=self.device.type == "cuda", shapes=self.graph_plan.shapes)
+                              pin_memory=self.device.type == "cuda", shapes=self.graph_plan.shapes,
+                              rate_of=self.mask_rates.by_index(self.loader.micro_batches_per_step))
         try:
             self._steps(bar, to_device_ahead(masked, self.device))
         finally:
@@ -361,6 +363,7 @@ class Trainer:
                   "memory_mib": peak_memory_mib(self.device),
                   "tokens_seen": int(tokens_seen),
                   "flops": flops_done, "skipped": counters.skipped_logged, "epoch": self.loader.epoch,
+                  "mask_rate": self.mask_rates.rate(counters.step - 1),  # the rate of the record's last step
                   "data_digest": int(digest) % DIGEST_MODULUS}
         if self.spec_peak_flops:
             record["mfu_spec"] = flops / elapsed / self.spec_peak_flops

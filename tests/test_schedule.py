@@ -2,6 +2,7 @@
 stable, and a decay branched from a stable checkpoint into its own run, end bit-identical to the run planned that
 long; what cannot continue exactly is refused naming both values."""
 
+import json
 import math
 import subprocess
 import sys
@@ -66,6 +67,34 @@ def test_a_continuation_is_refused_where_a_step_taken_would_change_its_rate_or_b
     check_continuation(tmp_path, {"step": 80}, wsd(steps=20), batch)  # a checkpoint from before these were kept
 
 
+
+def test_a_masking_rate_schedule_moves_in_whole_percents_or_one_step():
+    """MaskRates: linear in whole percents from mask_rate at step 0 to mask_rate_end at the last (a few rates, each
+    a fixed set of counts), or one switch; a constant rate without mask_rate_end; bad values named; a FLOP budget
+    with a schedule refused (not planned together yet)."""
+    from fastmae.config import ModelConfig, load_run_config
+    from fastmae.errors import ConfigError
+    from fastmae.schedule import MaskRates
+
+    linear = MaskRates.of(ModelConfig.preset("mlm", mask_rate=0.3, mask_rate_end=0.15), steps=1001)
+    rates = [linear.rate(s) for s in range(1001)]
+    assert rates[0] == 0.3 and rates[500] == 0.22 and rates[-1] == 0.15 and rates == sorted(rates, reverse=True)
+    assert len(set(rates)) == 16 and all(round(100 * r) / 100 == r for r in rates)
+    step = MaskRates.of(ModelConfig.preset("3ml", mask_rate_end=0.3, mask_rate_shape="step", mask_rate_switch=0.75),
+                        steps=100)
+    assert [step.rate(s) for s in (0, 73, 74, 75, 99)] == [0.5, 0.5, 0.5, 0.3, 0.3]
+    constant = MaskRates.of(ModelConfig.preset("mlm"), steps=100)
+    assert constant.constant and constant.by_index(4) is None and constant.describe() == "masking rate 0.15"
+    assert linear.by_index(2)(2 * 500 + 1) == 0.22  # micro-batch 1001 of 2 a step: step 500
+    for field, value, message in (("mask_rate_end", 1.0, "must be in \\[0, 1\\), or -1"),
+                                  ("mask_rate_shape", "cosine", "must be 'linear' or 'step'"),
+                                  ("mask_rate_switch", 1.0, "must be in \\(0, 1\\)")):
+        with pytest.raises(ConfigError, match=f"model.{field}={value!r}: {message}"):
+            ModelConfig.preset("mlm", **{field: value})
+    with pytest.raises(ConfigError, match="model.mask_rate_end=0.3 with train.flops_budget=1e\\+12"):
+        load_run_config(None, ["model.preset=mlm", "model.mask_rate_end=0.3",
+                                "train.flops_budget=1e12"])
+
 EXTEND_AND_BRANCH = """
 import sys
 from pathlib import Path
@@ -92,6 +121,12 @@ def train(name):
 long, _ = train("long"), train("short")
 as_if_killed_after(root / "short", 3, root / "extended")
 (root / "short" / "model.safetensors").unlink()  # resumable again: its step-6 checkpoint is its newest
+masked = train("masked")
+as_if_killed_after(root / "masked", 3, root / "masked_resumed")
+masked_resumed = train("masked_resumed")
+print("MASKED_RESUMED", all((masked[k] == masked_resumed[k]).all() for k in masked))
+as_if_killed_after(root / "masked", 3, root / "masked_longer")
+print(train("masked_longer"))
 extended, branched = train("extended"), train("branched")
 print("EXTENDED", all((long[k] == extended[k]).all() for k in long))
 print("BRANCHED", all((long[k] == branched[k]).all() for k in long))
@@ -105,7 +140,9 @@ def test_an_extended_run_and_a_branched_decay_end_as_the_run_planned_that_long(t
     of step 3, resumed with train.steps=10, ends bit-identical to `long` (weights; dropout on, so the RNG carries
     over). A branch of `long`'s step-7 checkpoint with train.decay_steps=3, in a directory of its own, ends
     bit-identical to it too. Branching from step 8 (decaying) and resuming `short`'s step-6 checkpoint with another
-    length are refused naming both rates. One process, a world of one, the real DeepSpeed engine."""
+    length are refused naming both rates. A run whose masking rate falls 40% -> 15% (mae-lm: its encoder stream
+    grows) masks each step at its rate, resumes mid-schedule bit-identical, and refuses another length, which would
+    have masked its past steps otherwise. One process, a world of one, the real DeepSpeed engine."""
     (tmp_path / "data").mkdir()
     data = prepare_word_dataset(tmp_path / "data", WORDS, 200, 40, vocab_size=40, valid_fraction=0.1)
     wsd_args = {"train.schedule": "wsd", "train.decay_steps": 3, "train.warmup_steps": 2, "eval.every": 0,
@@ -115,15 +152,29 @@ def test_an_extended_run_and_a_branched_decay_end_as_the_run_planned_that_long(t
         return f"{name}=" + " ".join(overrides(data, tmp_path / name, steps=steps, **{**wsd_args, **extra}))
 
     checkpoints = tmp_path / "long" / "checkpoints"
+    schedule = {"model.mask_rate": 0.4, "model.mask_rate_end": 0.15, "eval.every": 3}
     done = subprocess.run([sys.executable, "-c", EXTEND_AND_BRANCH, str(tmp_path), run_args("long", 10),
-                           run_args("short", 6), run_args("extended", 10),
+                           run_args("short", 6), run_args("masked", 6, **schedule),
+                           run_args("masked_resumed", 6, **schedule), run_args("masked_longer", 10, **schedule),
+                           run_args("extended", 10),
                            run_args("branched", 10, **{"train.branch_from": checkpoints / "step00000007"}),
                            run_args("late_branch", 10, **{"train.branch_from": checkpoints / "step00000008"}),
                            run_args("decaying", 10, **{"log.dir": tmp_path / "short"})],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = done.stdout.splitlines()
     assert "EXTENDED True" in lines and "BRANCHED True" in lines, done.stdout + done.stderr[-3000:]
-    late, decaying = [line for line in lines if line.startswith("REFUSED")]
+    assert "MASKED_RESUMED True" in lines
+    longer, late, decaying = [line for line in lines if line.startswith("REFUSED")]
+    assert "masking rate 0.4 -> 0.15 linearly in steps of 1% (26 rates) over 6 steps" in longer
+    assert "masks step 1 at 0.37 where it was masked at 0.35" in longer
+    records = [json.loads(line) for line in (tmp_path / "masked" / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if r["kind"] == "train"]
+    assert [r["mask_rate"] for r in train_records] == [0.4, 0.35, 0.3, 0.25, 0.2, 0.15]
+    per_token = [(b["flops"] - a["flops"]) / (b["tokens_seen"] - a["tokens_seen"])
+                 for a, b in zip([{"flops": 0, "tokens_seen": 0}, *train_records], train_records)]
+    assert per_token[-1] > 1.05 * per_token[0]  # mae-lm: fewer removed at 15%, a longer encoder stream
+    evals = [r["mask_rate"] for r in records if r["kind"] == "eval"]
+    assert evals == [0.15, 0.15]  # evaluation keeps its own rate (eval.mask_rate)
     assert "step 8 was reached under lr 0.001: 2 warm-up steps, stable to step 7" in late
     assert "gives step 8 a learning rate of 0.001 where it was 0.000666667" in late
     assert "step 6 was reached under" in decaying and "stable to step 3" in decaying

@@ -80,7 +80,17 @@ class ModelConfig:
     decoder_dropout: float = 0.0
     """Hidden and attention dropout in the decoder (MAE-LM uses 0)."""
     mask_rate: float = 0.15
-    """Share of each sequence predicted (exact count: round(rate * (length - 2)), at most its maskable tokens)."""
+    """Share of each sequence predicted (exact count: round(rate * (length - 2)), at most its maskable tokens); with
+    mask_rate_end, the rate at the run's first step."""
+    mask_rate_end: float = -1.0
+    """A masking-rate schedule's rate at the run's last step (-1: none, mask_rate throughout). The rate moves from
+    mask_rate by `mask_rate_shape`, in whole percents (fastmae/schedule.py: MaskRates); for mae-lm and 3ml the share
+    removed from the encoder follows it. Evaluation keeps eval.mask_rate."""
+    mask_rate_shape: str = "linear"
+    """`linear` (mask_rate to mask_rate_end over the run, in steps of one percent) or `step` (mask_rate until
+    mask_rate_switch of the run, then mask_rate_end)."""
+    mask_rate_switch: float = 0.5
+    """`step` schedules: the share of the run's steps after which mask_rate_end applies."""
     mask_token_prob: float = 0.8
     """Share of the predicted tokens whose input is removed / replaced by <mask>."""
     random_token_prob: float = 0.1
@@ -242,6 +252,12 @@ def check_model_config(config: ModelConfig) -> None:
             bad(key, "must be in [0, 1]")
     if not 0.0 <= config.mask_rate < 1.0:
         bad("mask_rate", "must be in [0, 1)")
+    if config.mask_rate_end != -1.0 and not 0.0 <= config.mask_rate_end < 1.0:
+        bad("mask_rate_end", "must be in [0, 1), or -1 for no masking schedule")
+    if config.mask_rate_shape not in ("linear", "step"):
+        bad("mask_rate_shape", "must be 'linear' or 'step'")
+    if not 0.0 < config.mask_rate_switch < 1.0:
+        bad("mask_rate_switch", "must be in (0, 1)")
     if config.mask_token_prob + config.random_token_prob > 1.0 + 1e-9:
         bad("random_token_prob", f"mask_token_prob + random_token_prob must be <= 1 (got {config.mask_token_prob})")
 
