@@ -27,6 +27,7 @@ import torch
 from .batch import PackedBatch
 from .config import ModelConfig
 from .masking import MaskCounts, MaskedBatch
+from .schedule import MaskRates
 
 
 def layer_flops(config: ModelConfig, tokens: int, pairs: int) -> int:
@@ -121,9 +122,12 @@ def plan_budget(batches: Iterable[PackedBatch], config: ModelConfig, micro_batch
                 eval_every_flops: float = 0.0, exact_micro_batches: int = PLAN_EXACT_MICRO_BATCHES) -> BudgetPlan:
     """Plan a run of `budget` training FLOPs from the micro-batches all data-parallel ranks together will draw, in
     training order (`PackedLoader.every_rank()`), `micro_batches_per_step` per optimizer step. Host-side, over batches,
-    not tokens."""
+    not tokens. A masking-rate schedule (model.mask_rate_end) is planned with its steps (`_plan_scheduled`)."""
     it: Iterator[PackedBatch] = iter(batches)
     exact_steps = max(1, exact_micro_batches // micro_batches_per_step)
+    if not MaskRates.of(config, 1).constant:
+        return _plan_scheduled(_SampledSteps(it, config, micro_batches_per_step, exact_steps), config, budget,
+                               eval_every_flops)
     cumulative = [0.0]
     while len(cumulative) <= exact_steps and cumulative[-1] <= budget:
         step = sum(batch_training_flops(config, next(it)) for _ in range(micro_batches_per_step))
@@ -141,9 +145,67 @@ def plan_budget(batches: Iterable[PackedBatch], config: ModelConfig, micro_batch
         return bisect.bisect_right(cumulative, limit) - 1
 
     steps = last_step_within(budget)
-    evals = ()
-    if eval_every_flops > 0:
-        limits = [m * eval_every_flops for m in range(1, int(budget // eval_every_flops) + 1)]
-        evals = tuple(sorted({s for s in map(last_step_within, limits) if s > 0} | {steps}))
-    return BudgetPlan(steps=steps, planned_flops=flops_at(steps), flops_per_step=per_step, eval_steps=evals,
-                      exact=exact)
+    return BudgetPlan(steps=steps, planned_flops=flops_at(steps), flops_per_step=per_step,
+                      eval_steps=_eval_steps(last_step_within, steps, budget, eval_every_flops), exact=exact)
+
+
+def _eval_steps(last_step_within, steps: int, budget: float, eval_every_flops: float) -> tuple[int, ...]:
+    """For each multiple of eval_every_flops up to the budget, the last step within it; and the last step."""
+    if eval_every_flops <= 0:
+        return ()
+    limits = [m * eval_every_flops for m in range(1, int(budget // eval_every_flops) + 1)]
+    return tuple(sorted({s for s in map(last_step_within, limits) if s > 0} | {steps}))
+
+
+class _SampledSteps:
+    """The FLOPs of a run's first `exact_steps` steps at any masking rate, read from its batches as asked for and
+    kept per (step, rate); beyond them, a rate's mean over the steps read (the budget's tail is extrapolated)."""
+
+    def __init__(self, batches: Iterator[PackedBatch], config: ModelConfig, per_step: int, exact_steps: int):
+        self.batches, self.config, self.per_step, self.exact_steps = batches, config, per_step, exact_steps
+        self.steps: list[list[PackedBatch]] = []
+        self.flops: dict[tuple[int, float], int] = {}
+        self.means: dict[float, float] = {}
+
+    def at(self, step: int, rate: float) -> float:
+        """Forward + backward FLOPs of step `step` (0-based) masked at `rate` (all ranks)."""
+        while len(self.steps) <= min(step, self.exact_steps - 1):
+            self.steps.append([next(self.batches) for _ in range(self.per_step)])
+        if step >= self.exact_steps:
+            if rate not in self.means:
+                self.means[rate] = sum(self.at(s, rate) for s in range(self.exact_steps)) / self.exact_steps
+            return self.means[rate]
+        if (step, rate) not in self.flops:
+            config = self.config.replace(mask_rate=rate, mask_rate_end=-1.0)
+            self.flops[step, rate] = sum(batch_training_flops(config, batch) for batch in self.steps[step])
+        return self.flops[step, rate]
+
+
+def _plan_scheduled(sampled: _SampledSteps, config: ModelConfig, budget: float, eval_every_flops: float) -> BudgetPlan:
+    """`plan_budget` under a masking-rate schedule, which runs over the run's steps while the steps that fit the
+    budget depend on the masking: the most steps S whose FLOPs, masked as the schedule over S masks them, fit the
+    budget (found by iterating S from the plan at the first rate; each step's FLOPs exact within the sampled steps,
+    the tail at its rate's mean)."""
+
+    def cumulative(horizon: int) -> list[float]:
+        rates, totals = MaskRates.of(config, horizon), [0.0]
+        while totals[-1] <= budget:
+            totals.append(totals[-1] + sampled.at(len(totals) - 1, rates.rate(len(totals) - 1)))
+        return totals  # its last entry is the first over the budget
+
+    steps, tried = len(cumulative(1)) - 2, set()
+    if steps == 0:  # not one step fits: the caller says so
+        return BudgetPlan(steps=0, planned_flops=0.0, flops_per_step=cumulative(1)[1], eval_steps=(), exact=True)
+    while steps not in tried:  # a fixed point, or the cycle's end
+        tried.add(steps)
+        steps = max(1, len(cumulative(steps)) - 2)
+    while steps > 1 and len(cumulative(steps)) - 2 < steps:  # the plan's own steps must fit
+        steps -= 1
+    totals = cumulative(steps)
+
+    def last_step_within(limit: float) -> int:
+        return bisect.bisect_right(totals, limit) - 1
+
+    return BudgetPlan(steps=steps, planned_flops=totals[steps], flops_per_step=totals[steps] / steps,
+                      eval_steps=_eval_steps(last_step_within, steps, budget, eval_every_flops),
+                      exact=steps <= sampled.exact_steps)

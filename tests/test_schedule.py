@@ -12,8 +12,10 @@ import pytest
 from synthetic import prepare_word_dataset
 from test_train import WORDS, overrides
 
-from fastmae.config import TrainConfig
+from fastmae.config import TrainConfig, load_run_config
+from fastmae.data import PackedLoader
 from fastmae.errors import FastmaeError
+from fastmae.flops import plan_budget
 from fastmae.schedule import Schedule, check_continuation, lr_multiplier
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,9 +72,8 @@ def test_a_continuation_is_refused_where_a_step_taken_would_change_its_rate_or_b
 
 def test_a_masking_rate_schedule_moves_in_whole_percents_or_one_step():
     """MaskRates: linear in whole percents from mask_rate at step 0 to mask_rate_end at the last (a few rates, each
-    a fixed set of counts), or one switch; a constant rate without mask_rate_end; bad values named; a FLOP budget
-    with a schedule refused (not planned together yet)."""
-    from fastmae.config import ModelConfig, load_run_config
+    a fixed set of counts), or one switch; a constant rate without mask_rate_end; bad values named."""
+    from fastmae.config import ModelConfig
     from fastmae.errors import ConfigError
     from fastmae.schedule import MaskRates
 
@@ -86,14 +87,16 @@ def test_a_masking_rate_schedule_moves_in_whole_percents_or_one_step():
     constant = MaskRates.of(ModelConfig.preset("mlm"), steps=100)
     assert constant.constant and constant.by_index(4) is None and constant.describe() == "masking rate 0.15"
     assert linear.by_index(2)(2 * 500 + 1) == 0.22  # micro-batch 1001 of 2 a step: step 500
+    from fastmae.study.objectives import parse_objectives  # the study's grammar takes a schedule as two fields
+
+    assert parse_objectives("mlm,mlm:mask_rate=0.3:mask_rate_end=0.15")[1].overrides == {"mask_rate": 0.3,
+                                                                                         "mask_rate_end": 0.15}
     for field, value, message in (("mask_rate_end", 1.0, "must be in \\[0, 1\\), or -1"),
                                   ("mask_rate_shape", "cosine", "must be 'linear' or 'step'"),
                                   ("mask_rate_switch", 1.0, "must be in \\(0, 1\\)")):
         with pytest.raises(ConfigError, match=f"model.{field}={value!r}: {message}"):
             ModelConfig.preset("mlm", **{field: value})
-    with pytest.raises(ConfigError, match="model.mask_rate_end=0.3 with train.flops_budget=1e\\+12"):
-        load_run_config(None, ["model.preset=mlm", "model.mask_rate_end=0.3",
-                                "train.flops_budget=1e12"])
+
 
 EXTEND_AND_BRANCH = """
 import sys
@@ -104,6 +107,7 @@ set_world_of_one_env()
 init_distributed()
 from fastmae.config import load_run_config
 from fastmae.errors import FastmaeError
+from fastmae.flops import plan_budget
 from fastmae.trainer import Trainer
 sys.path.insert(0, "tests")
 from test_train import as_if_killed_after
@@ -127,6 +131,7 @@ masked_resumed = train("masked_resumed")
 print("MASKED_RESUMED", all((masked[k] == masked_resumed[k]).all() for k in masked))
 as_if_killed_after(root / "masked", 3, root / "masked_longer")
 print(train("masked_longer"))
+train("budgeted")
 extended, branched = train("extended"), train("branched")
 print("EXTENDED", all((long[k] == extended[k]).all() for k in long))
 print("BRANCHED", all((long[k] == branched[k]).all() for k in long))
@@ -153,9 +158,15 @@ def test_an_extended_run_and_a_branched_decay_end_as_the_run_planned_that_long(t
 
     checkpoints = tmp_path / "long" / "checkpoints"
     schedule = {"model.mask_rate": 0.4, "model.mask_rate_end": 0.15, "eval.every": 3}
+    model = load_run_config(None, overrides(data, tmp_path / "x", **schedule)).model
+    constant = plan_budget(PackedLoader(data, max_seq_len=64, tokens_per_batch=256).every_rank(),
+                           model.replace(mask_rate_end=-1.0), 1, 1e30, exact_micro_batches=4).flops_per_step
+    budget = 7.5 * constant  # at 40% throughout: 7 steps; falling to 15% (mae-lm: dearer steps), fewer
+    plan = plan_budget(PackedLoader(data, max_seq_len=64, tokens_per_batch=256).every_rank(), model, 1, budget)
     done = subprocess.run([sys.executable, "-c", EXTEND_AND_BRANCH, str(tmp_path), run_args("long", 10),
                            run_args("short", 6), run_args("masked", 6, **schedule),
                            run_args("masked_resumed", 6, **schedule), run_args("masked_longer", 10, **schedule),
+                           run_args("budgeted", 1000, **schedule, **{"train.flops_budget": budget}),
                            run_args("extended", 10),
                            run_args("branched", 10, **{"train.branch_from": checkpoints / "step00000007"}),
                            run_args("late_branch", 10, **{"train.branch_from": checkpoints / "step00000008"}),
@@ -173,6 +184,11 @@ def test_an_extended_run_and_a_branched_decay_end_as_the_run_planned_that_long(t
     per_token = [(b["flops"] - a["flops"]) / (b["tokens_seen"] - a["tokens_seen"])
                  for a, b in zip([{"flops": 0, "tokens_seen": 0}, *train_records], train_records)]
     assert per_token[-1] > 1.05 * per_token[0]  # mae-lm: fewer removed at 15%, a longer encoder stream
+    budgeted = [json.loads(line) for line in (tmp_path / "budgeted" / "metrics.jsonl").read_text().splitlines()]
+    budgeted = [r for r in budgeted if r["kind"] == "train"]
+    assert 2 <= plan.steps < 7 and [r["step"] for r in budgeted] == list(range(1, plan.steps + 1))
+    assert budgeted[-1]["flops"] == plan.planned_flops <= budget  # the plan integrated the schedule it trains with
+    assert budgeted[0]["mask_rate"] == 0.4 and budgeted[-1]["mask_rate"] == 0.15
     evals = [r["mask_rate"] for r in records if r["kind"] == "eval"]
     assert evals == [0.15, 0.15]  # evaluation keeps its own rate (eval.mask_rate)
     assert "step 8 was reached under lr 0.001: 2 warm-up steps, stable to step 7" in late
