@@ -96,3 +96,14 @@ def write_results(name: str, rows: list[dict], columns: list[str], title: str, n
     path = RESULTS_DIR / f"{name}.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def dataset_or_builtin(data: Path | None, scratch: str, vocab_size: int) -> Path:
+    """`data` (a prepared dataset), or the embedded corpus prepared into `scratch` at `vocab_size`."""
+    if data is not None:
+        return data
+    from fastmae.prepare import prepare
+
+    directory = Path(scratch) / "builtin"
+    prepare([], directory, fmt="builtin", vocab_size=vocab_size, valid_fraction=0.02, workers=1, progress=False)
+    return directory

@@ -14,13 +14,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common import write_results
+from common import dataset_or_builtin, write_results
 
 from fastmae import ModelConfig
 from fastmae.data import PackedLoader
 from fastmae.masking import mask_batch
 from fastmae.padding import ShapeLadder, pad
-from fastmae.prepare import prepare
 
 OBJECTIVES = ("mlm", "mae-lm", "3ml")
 
@@ -66,11 +65,7 @@ def main():
                         help="MAX_SEQ_LEN:TOKENS_PER_BATCH pairs (the recipes' and the demo's)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        directory = args.data
-        if directory is None:
-            directory = Path(scratch) / "builtin"
-            prepare([], directory, fmt="builtin", vocab_size=args.vocab_size, valid_fraction=0.02, workers=1,
-                    progress=False)
+        directory = dataset_or_builtin(args.data, scratch, args.vocab_size)
         settings = [tuple(int(n) for n in pair.split(":")) for pair in args.settings]
         rows = [measure(directory, objective, tokens, length)
                 for length, tokens in settings for objective in OBJECTIVES]

@@ -2,7 +2,8 @@
 
 With `full` packing every full-length micro-batch has the same shapes and host counts (section 2), and with `doc`
 packing micro-batches are padded to one of a few shapes (fastmae/padding.py), so the model's forward and backward can
-be recorded once, for the first shape seen twice, and replayed: two graph launches per micro-batch instead of hundreds
+be recorded for the first shape seen twice (another takes its place once it stops coming: `RecordingPolicy`) and
+replayed: two graph launches per micro-batch instead of hundreds
 of kernel launches, which the host would otherwise issue one by one. As in MLPerf's BERT, only the model is captured:
 DeepSpeed's gradient hooks run when autograd hands the replayed gradients to the parameters, and its optimizer step
 stays eager.
@@ -205,6 +206,49 @@ class _Replayed(torch.autograd.Function):
         return (None, *(None if grad is None else grad.clone() for grad in recording.grads))
 
 
+STALE_FORWARDS = 16
+"""A recording not replayed for this many training forwards gives way to a signature that has come due (seen
+twice): under a masking-rate schedule the counts of full-length micro-batches move to a new signature at each rate,
+which the old recording never serves again; a ladder rung in use (`doc` packing) keeps its recording."""
+
+
+class RecordingPolicy:
+    """Which signature holds a recording: one seen the second time is recorded while fewer than `max_recordings`
+    are held, or in place of the recording unused longest once that one has gone STALE_FORWARDS forwards unreplayed.
+    Host bookkeeping only, so `benchmarks/mask_schedule_shapes.py` counts what a run records without a model."""
+
+    def __init__(self, max_recordings: int):
+        self.max_recordings = max_recordings
+        self.seen: set[tuple] = set()
+        self.last_used: dict[tuple, int] = {}  # recorded signatures -> the forward that last used them
+        self.forwards = self.recorded = 0
+
+    def decide(self, key: tuple) -> tuple[str, tuple | None]:
+        """(`replay`, `record` or `eager`, the signature whose recording gives way or None) for a training forward
+        of signature `key`."""
+        self.forwards += 1
+        action, dropped = "eager", None
+        if key in self.last_used:
+            action = "replay"
+        elif key in self.seen:
+            if len(self.last_used) >= self.max_recordings:
+                oldest = min(self.last_used, key=self.last_used.get)
+                if self.forwards - self.last_used[oldest] > STALE_FORWARDS:
+                    dropped = oldest
+                    del self.last_used[oldest]
+            if len(self.last_used) < self.max_recordings:
+                action = "record"
+                self.recorded += 1
+        self.seen.add(key)
+        if action != "eager":
+            self.last_used[key] = self.forwards
+        return action, dropped
+
+    def forget(self, key: tuple) -> None:
+        """Drop `key`'s recording (it went invalid): it is recorded again when next due."""
+        self.last_used.pop(key, None)
+
+
 class StepGraphs:
     """Installs itself as `model.forward` (and `model.graphs`): training forwards of a recorded signature replay
     their recording, every other call runs the model's own forward. A signature is recorded the second time it is
@@ -217,9 +261,8 @@ class StepGraphs:
         self.model = model
         self.eager_forward = model.forward
         self.capture = capture
-        self.max_recordings = max_recordings
+        self.policy = RecordingPolicy(max_recordings)
         self.recordings: dict[tuple, Recording] = {}
-        self.seen: set[tuple] = set()
         self.replayed_batches = self.eager_batches = 0
         model.forward = self.forward
         model.graphs = self
@@ -239,7 +282,7 @@ class StepGraphs:
     def summary(self) -> str:
         """What the run's recordings did, for its log."""
         return (f"cuda graphs: {self.replayed_batches} micro-batches replayed, {self.eager_batches} run eagerly "
-                f"({len(self.recordings)} shape(s) recorded)")
+                f"({self.policy.recorded} shape(s) recorded, {len(self.recordings)} held at the end)")
 
     def _bound_forward(self, batch: MaskedBatch):
         """The model's own forward, flat parameters rebound first (as its forward hook does before every call)."""
@@ -256,12 +299,14 @@ class StepGraphs:
         recording = self.recordings.get(key)
         if recording is not None and not recording.valid:
             del self.recordings[key]
-            recording = None
-        if recording is None and key in self.seen and (len(self.recordings) < self.max_recordings):
+            self.policy.forget(key)
+        action, dropped = self.policy.decide(key)
+        if dropped is not None:
+            del self.recordings[dropped]  # its graphs and static tensors go with it
+        if action == "record":
             params = tuple(p for p in self.model.parameters() if p.requires_grad)
-            recording = self.recordings[key] = Recording(self._bound_forward, batch, params, self.capture)
-        self.seen.add(key)
-        return recording
+            self.recordings[key] = Recording(self._bound_forward, batch, params, self.capture)
+        return self.recordings.get(key) if action != "eager" else None
 
 
 @contextlib.contextmanager

@@ -71,10 +71,21 @@ class ShapeLadder:
                 break
             capacity *= 2
         self.shapes: tuple[PaddedShape, ...] = tuple(shapes)
+        self._by_rate: dict[float, ShapeLadder] = {}
 
     @classmethod
     def for_run(cls, config: RunConfig) -> ShapeLadder:
         return cls(config.model, config.data.tokens_per_micro_batch)
+
+    def at_rate(self, rate: float) -> ShapeLadder:
+        """The ladder of micro-batches masked at `rate` (a masking-rate schedule's step): the caps follow the rate,
+        so each rate of a run has its own few shapes."""
+        if rate == self.config.mask_rate:
+            return self
+        if rate not in self._by_rate:
+            self._by_rate[rate] = ShapeLadder(self.config.replace(mask_rate=rate, mask_rate_end=-1.0),
+                                              self.tokens_per_batch)
+        return self._by_rate[rate]
 
     def shape_for(self, masked: MaskedBatch) -> PaddedShape | None:
         """The smallest shape `masked` (unpadded) fits, or None."""

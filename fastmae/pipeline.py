@@ -27,7 +27,7 @@ def masked_ahead(batches: Iterator[PackedBatch], config: ModelConfig, seed: int,
         rate = None if rate_of is None else rate_of(batch.index)
         masked = mask_batch(batch, config, seed, batch.index, mask_rate=rate, host=True)
         if shapes is not None:
-            masked = shapes.pad(masked)
+            masked = (shapes if rate is None else shapes.at_rate(rate)).pad(masked)
         return masked.packed(pin_memory)
 
     return ahead_in_thread(map(mask, batches), depth)

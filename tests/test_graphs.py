@@ -273,3 +273,21 @@ def test_captured_graphs_replay_doc_batches_padded_to_one_shape(preset, dtype):
         scale = float(b.grad.float().abs().max())
         torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=2e-2 if loose else 1e-4,
                                    atol=(2e-2 if loose else 1e-5) * scale, msg=name)
+
+
+def test_a_recording_gives_way_when_its_signature_stops_coming():
+    """graphs.RecordingPolicy, one recording held: a signature is recorded the second time it is seen; under a
+    masking-rate schedule the next rate's signature takes the recording once the old one has gone STALE_FORWARDS
+    forwards unreplayed; a rare signature beside one replaying all the time never takes it (doc packing's rarer
+    rungs). benchmarks/mask_schedule_shapes.py counts what whole runs record this way."""
+    from fastmae.graphs import STALE_FORWARDS, RecordingPolicy
+
+    policy, first, second, rare = RecordingPolicy(max_recordings=1), ("rate 0.30",), ("rate 0.29",), ("rung 2",)
+    assert [policy.decide(first)[0] for _ in range(3)] == ["eager", "record", "replay"]
+    actions = [policy.decide(second) for _ in range(STALE_FORWARDS + 1)]
+    assert actions[:-1] == [("eager", None)] * STALE_FORWARDS and actions[-1] == ("record", first)
+    for i in range(40):
+        assert policy.decide(second) == ("replay", None)
+        if i % 4 == 0:
+            assert policy.decide(rare) == ("eager", None)
+    assert policy.recorded == 2
