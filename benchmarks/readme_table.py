@@ -17,6 +17,7 @@ committed script regenerates:
     data         benchmarks/results/data.json                   python benchmarks/data.py
     gpu          benchmarks/results/gpu/*/{throughput,kernels}.json    bash scripts/gpu_check.sh (on a GPU)
     doc_padding  benchmarks/results/doc_padding.json            python benchmarks/doc_padding.py
+    mask_schedule_shapes  benchmarks/results/mask_schedule_shapes.json  python benchmarks/mask_schedule_shapes.py
     chaos        benchmarks/results/chaos.json                  python benchmarks/chaos.py
 """
 
@@ -340,6 +341,19 @@ def doc_padding() -> str:
             + "\n".join(rows) + "\n")
 
 
+def mask_schedule_shapes() -> str:
+    """The CUDA-graph shapes a run records while its masking rate moves, counted on the CPU twin."""
+    result = _json(RESULTS_DIR / "mask_schedule_shapes.json")
+    rows = ["| objective | masking rate | packing | rates | shapes seen | recorded | replayed | eager |",
+            "|---|---|---|---|---|---|---|---|"]
+    rows += [f"| {r['objective']} | {r['mask_rates']} | {r['packing']} | {r['rates']} | {r['signatures']} | "
+             f"{r['recorded']} | {r['replayed_pct']:.1f}% | {r['eager_pct']:.1f}% |" for r in result["results"]]
+    steps = result["results"][0]["steps"]
+    return (f"{steps:,} one-micro-batch steps of the embedded corpus (512 tokens, sequences of 64), the host's "
+            f"masking and padding and the graphs' recording policy only, {result['device']}, {_stamp(result)} "
+            "(`benchmarks/results/mask_schedule_shapes.md`):\n\n" + "\n".join(rows) + "\n")
+
+
 def study_presets() -> str:
     """What each CPU study preset costs per step by objective, from the committed studies' own counts, beside the
     base recipes' (budget.json): the depth that decides whether a preset can show what the papers claim at base."""
@@ -421,6 +435,7 @@ GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth
               "throughput": throughput,
               "budget": budget, "attention": attention, "data_scale": data_scale, "data": data, "gpu": gpu,
               "host_overhead": host_overhead, "doc_padding": doc_padding, "chaos": chaos,
+              "mask_schedule_shapes": mask_schedule_shapes,
               "study_presets": study_presets, "micro_batch": micro_batch, "mae_lm_diagnosis": mae_lm_diagnosis,
               "throughput_modernbert": throughput_modernbert, "throughput_modernbert_gpu": throughput_modernbert_gpu}
 
