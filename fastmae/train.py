@@ -16,6 +16,7 @@ if __name__ == "__main__" and not __package__:
     sys.path = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _here]
 
 import argparse  # noqa: E402
+import atexit  # noqa: E402
 import faulthandler  # noqa: E402
 import signal  # noqa: E402
 
@@ -73,8 +74,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def exit_now(code: int) -> None:
+    """End this process with `code` once `main` has returned (every file closed, the process group destroyed): the
+    exit handlers run (logging's flush among them) and the standard streams are flushed, but the interpreter's
+    teardown of torch's, DeepSpeed's and dynamo's module graph, about 1.5 s a process on a 2-core CPU and where a
+    finished ZeRO-3 run was once seen to abort, is skipped."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     from fastmae.malloc import restart_with_malloc_tunables
 
     restart_with_malloc_tunables()
-    sys.exit(main())
+    exit_now(main())
