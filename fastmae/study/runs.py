@@ -166,6 +166,7 @@ def model_facts(run: Run) -> dict:
         sizes = {name: p.numel() for name, p in MaskedLM(config).named_parameters()}
     return {"encoder_layers": config.encoder_layers, "decoder_layers": config.decoder_layers,
             "insert_layer": config.insert_layer, "hidden_size": config.hidden_size, "mask_rate": config.mask_rate,
+            "mask_rate_end": config.mask_rate if config.mask_rate_end == -1.0 else config.mask_rate_end,
             "parameters": sum(sizes.values()),
             "encoder_parameters": sum(n for name, n in sizes.items() if name.startswith(("embeddings.", "encoder.")))}
 
