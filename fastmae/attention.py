@@ -90,17 +90,18 @@ class StreamBias(NamedTuple):
     by_distance: torch.Tensor  # [2 * max_distance + 1, heads] fp32, relative_bias_by_distance
     dense: torch.Tensor | None  # [B, heads, S_q, S_k] in the attention dtype over the padded views, -inf at padded keys
     block_mask: object | None  # torch.nn.attention.flex_attention.BlockMask
+    window: int | None = None  # the bias is exactly a local window of this many positions either side
 
     @classmethod
     def build(cls, by_distance: torch.Tensor, mq: VarlenMeta, mk: VarlenMeta, backend: str,
               dtype: torch.dtype, window: int | None = None) -> StreamBias:
         """The bias for attention from stream `mq` to stream `mk` on `backend` with q, k, v in `dtype`. `window`: the
-        bias is a local window of that many positions either side (`positions.window_by_distance`), so flex's block
-        mask may skip the blocks wholly outside it."""
+        bias is exactly a local window of that many positions either side (`positions.window_by_distance`), so flex's
+        block mask holds all of it: blocks wholly outside are skipped, and no score_mod runs."""
         if backend not in BIAS_BACKENDS:
             raise ValueError(f"attention backend {backend!r} takes no relative position bias; choose one of "
                              f"{BIAS_BACKENDS} (or model.relative_attention_bias=false)")
-        bias = cls(backend, by_distance, None, None)
+        bias = cls(backend, by_distance, None, None, window)
         if backend in ("padded", "math"):
             pos_q = _to_padded(mq.positions[:, None, None], mq)[:, 0, :, 0]  # [B, S_q], padding rows at 0
             pos_k = _to_padded(mk.positions[:, None, None], mk)[:, 0, :, 0]
@@ -191,7 +192,7 @@ def _flex(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: floa
                          "backward there); use 'padded' to train")
     block_mask = document_block_mask(mq, mk) if bias is None else bias.block_mask
     score_mod = None
-    if bias is not None:
+    if bias is not None and bias.window is None:  # a window is all in the block mask: no per-score lookup
         pos_q, pos_k = mq.positions, mk.positions
 
         def score_mod(score, batch, head, q_row, k_row):
