@@ -5,8 +5,10 @@
 #   benchmarks/results/study_cpu_30min/   report.md, study.json, loss_vs_flops.png, ranks.png of the cpu-30min study
 #   benchmarks/results/study_cpu_1h/      the same of the cpu-1h study (base's depth, learning rates from a grid)
 #   benchmarks/results/mae_lm_diagnosis/  mae-lm against its variants with 3ml's decoder depth and 3ml's mask rate
-# Usage: bash benchmarks/readme_runs.sh [demo] [study] [study-1h] [mae-lm-diagnosis]   (demo and study by default;
-#        the studies take 30-60 minutes on 2 cores, the diagnosis about 20)
+#   benchmarks/results/study_mask_more_or_later/  mlm at 15/30/50% and 30% -> 15%, 3ml at 50% and 50% -> 30%, WSD
+# Usage: bash benchmarks/readme_runs.sh [demo] [study] [study-1h] [mae-lm-diagnosis] [mask-more-or-later]
+#        (demo and study by default; the studies take 30-60 minutes on 2 cores, the diagnosis about 20, the
+#        masking study about two hours)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . "${FASTMAE_VENV:-.venv}/bin/activate"
@@ -63,6 +65,20 @@ for part in ${parts[*]}; do
       cp runs/mae-lm-diagnosis/{report.md,study.json,loss_vs_flops.png,ranks.png} "$kept/"
       describe_run runs/mae-lm-diagnosis/runs/mlm-seed0 $((SECONDS - started)) > "$kept/run.md"
       ;;
-    *) echo "readme_runs.sh: unknown part $part (demo, study, study-1h, mae-lm-diagnosis)" >&2; exit 2 ;;
+    mask-more-or-later)  # how much of 3ml's saving is masking more, how much masking later (docs/study.md)
+      data=runs/data/builtin-v1000
+      [ -f "$data/meta.json" ] || fastmae prepare --format builtin --output "$data" --vocab-size 1000 \
+        --valid-fraction 0.1
+      started=$SECONDS  # no rm: a study cut short resumes from its finished runs
+      fastmae study --data "$data" --budget cpu-1h --task generated --out runs/study-mask-more-or-later \
+        --objectives "mlm,mlm:mask_rate=0.3,mlm:mask_rate=0.5,mlm:mask_rate=0.3:mask_rate_end=0.15,3ml,3ml:mask_rate_end=0.3" \
+        train.schedule=wsd train.decay_fraction=0.2 train.decay_shape=1-sqrt
+      kept="$results/study_mask_more_or_later"
+      mkdir -p "$kept"
+      cp runs/study-mask-more-or-later/{report.md,study.json,loss_vs_flops.png,ranks.png} "$kept/"
+      describe_run runs/study-mask-more-or-later/runs/mlm-seed0 $((SECONDS - started)) > "$kept/run.md"
+      ;;
+    *) echo "readme_runs.sh: unknown part $part (demo, study, study-1h, mae-lm-diagnosis, mask-more-or-later)" >&2
+       exit 2 ;;
   esac
 done
