@@ -48,7 +48,8 @@ def test_run_export_transformers_finetune_analyze(tmp_path, capsys):
     card = (exported / "README.md").read_text()
     for fact in ("library_name: transformers", "objective `mlm`", "ESM-2 (pre-LN layers, rotary positions)",
                  "Weights of step 6", "training tokens", "training FLOPs", "held-out masked-token loss at step 6",
-                 "unigram entropy", "fastmae/train.py model.preset=mlm", "## Limitations"):
+                 "unigram entropy", "fastmae/train.py model.preset=mlm", "## Limitations",
+                 "- learning rate: lr 0.0002: 2 warm-up steps, then polynomial (power 1) decay to 0 at step 6"):
         assert fact in card, fact
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
