@@ -201,6 +201,14 @@ def shared_settings(resolved: dict, lr_per_objective: bool = False) -> str:
             + f"; {data['packing']} packing, {data['tokens_per_micro_batch']} tokens per micro-batch x "
             f"{train['grad_accum']}; {train['optimizer']} "
             + ("lr per objective (below)" if lr_per_objective else f"lr {train['lr']:g}")
-            + f", {train['warmup_steps']} warm-up steps, "
-            f"{train['schedule']} decay, clip {train['clip']:g}, weight decay {train['weight_decay']:g}, "
-            f"precision {train['precision']}, ZeRO-{train['zero_stage']}")
+            + f", {train['warmup_steps']} warm-up steps, {_schedule(train)}, clip {train['clip']:g}, weight decay "
+            f"{train['weight_decay']:g}, precision {train['precision']}, ZeRO-{train['zero_stage']}")
+
+
+def _schedule(train: dict) -> str:
+    """The learning rate's schedule after warm-up, in words (wsd: its decay's share and shape)."""
+    if train["schedule"] != "wsd":
+        return f"{train['schedule']} decay"
+    decay = (f"the last {train['decay_steps']} steps" if train.get("decay_steps")
+             else f"the last {train.get('decay_fraction', 0.1):.0%} of the steps")
+    return f"warmup-stable-decay ({train.get('decay_shape', 'linear')} over {decay})"
