@@ -256,6 +256,10 @@ def check_model_config(config: ModelConfig) -> None:
         bad("mask_rate_end", "must be in [0, 1), or -1 for no masking schedule")
     if config.mask_rate_shape not in ("linear", "step"):
         bad("mask_rate_shape", "must be 'linear' or 'step'")
+    if config.mask_rate_end != -1.0 and config.mask_rate_shape == "linear":
+        for key in ("mask_rate", "mask_rate_end"):  # a linear schedule moves in whole percents
+            if abs(100 * getattr(config, key) - round(100 * getattr(config, key))) > 1e-9:
+                bad(key, "a linear masking-rate schedule runs between whole percents (0.3, 0.15, ...)")
     if not 0.0 < config.mask_rate_switch < 1.0:
         bad("mask_rate_switch", "must be in (0, 1)")
     if config.mask_token_prob + config.random_token_prob > 1.0 + 1e-9:
