@@ -94,7 +94,8 @@ def test_a_masking_rate_schedule_moves_in_whole_percents_or_one_step():
     for field, value, message in (("mask_rate_end", 1.0, "must be in \\[0, 1\\), or -1"),
                                   ("mask_rate_shape", "cosine", "must be 'linear' or 'step'"),
                                   ("mask_rate_switch", 1.0, "must be in \\(0, 1\\)"),
-                                  ("mask_rate_end", 0.155, "a linear masking-rate schedule runs between whole percents")):
+                                  ("mask_rate_end", 0.155, "a linear masking-rate schedule runs between whole "
+                                                           "percents")):
         with pytest.raises(ConfigError, match=f"model.{field}={value!r}: {message}"):
             ModelConfig.preset("mlm", **{field: value})
 
