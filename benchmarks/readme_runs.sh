@@ -8,7 +8,7 @@
 #   benchmarks/results/study_mask_more_or_later/  mlm at 15/30/50% and 30% -> 15%, 3ml at 50% and 50% -> 30%, WSD
 # Usage: bash benchmarks/readme_runs.sh [demo] [study] [study-1h] [mae-lm-diagnosis] [mask-more-or-later]
 #        (demo and study by default; the studies take 30-60 minutes on 2 cores, the diagnosis about 20, the
-#        masking study about two hours)
+#        masking study over two hours, its 72 fine-tunes included)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . "${FASTMAE_VENV:-.venv}/bin/activate"
