@@ -193,9 +193,10 @@ def _plan_scheduled(sampled: _SampledSteps, config: ModelConfig, budget: float, 
             totals.append(totals[-1] + sampled.at(len(totals) - 1, rates.rate(len(totals) - 1)))
         return totals  # its last entry is the first over the budget
 
-    steps, tried = len(cumulative(1)) - 2, set()
+    first = cumulative(1)  # the plan at the first rate
+    steps, tried = len(first) - 2, set()
     if steps == 0:  # not one step fits: the caller says so
-        return BudgetPlan(steps=0, planned_flops=0.0, flops_per_step=cumulative(1)[1], eval_steps=(), exact=True)
+        return BudgetPlan(steps=0, planned_flops=0.0, flops_per_step=first[1], eval_steps=(), exact=True)
     while steps not in tried:  # a fixed point, or the cycle's end
         tried.add(steps)
         steps = max(1, len(cumulative(steps)) - 2)

@@ -91,7 +91,6 @@ class TransformerLayer(nn.Module):
         return self.ffn_norm(x + self.dropout(self._ffn(x)))
 
 
-
 def stream_views(cfg: ModelConfig, layers: nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
                  bias_by_distance: torch.Tensor | None) -> dict[str, tuple[VarlenMeta, StreamBias | None]]:
     """(layout, bias) of the stream for each kind of layer in `layers`, built once per stream: global layers get
