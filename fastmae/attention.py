@@ -10,7 +10,8 @@ Backends, in order of preference (`auto`):
 - `nested`: torch SDPA over nested jagged tensors (any device; on CUDA meant to reach the flash kernel with dropout
   and no padding, but measured slower than `padded`: see CUDA_DROPOUT_BACKEND).
 - `padded`: torch SDPA over a padded view with a key mask (any device). On CPU the default without attention
-  dropout (see CPU_BACKEND); on CUDA without flash-attn the default with attention dropout.
+  dropout (see CPU_BACKEND), where a local layer's window runs in bands of rows instead (fastmae.banded); on CUDA
+  without flash-attn the default with attention dropout.
 - `math`: softmax(QK^T + key mask) V over the padded view with fastmae.dropout on the probabilities. The CPU default
   with attention dropout, where SDPA falls back to its own math path and torch's slow CPU dropout.
 - `reference`: a per-sequence softmax loop, the oracle of the tests (slow, never chosen automatically).
@@ -27,6 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .banded import Band, banded_attention
 from .dropout import drop_mask
 from .positions import rotary_tables
 
@@ -82,8 +84,8 @@ class StreamBias(NamedTuple):
     """The relative position bias (MAE-LM's encoder) between a query stream and a key stream, looked up by the rows'
     *original* positions, so dropping tokens keeps every distance. Built once per step and stream pair, outside the
     layers (compiled layers take it as an input, like VarlenMeta), in the form `backend` reads: for padded SDPA and
-    math the `dense` attention mask, for flex the document `block_mask` (its score_mod reads by_distance), for the
-    reference neither.
+    math the `dense` attention mask (a local window on CPU: the `band`), for flex the document `block_mask` (its
+    score_mod reads by_distance), for the reference neither.
     """
 
     backend: str
@@ -91,6 +93,7 @@ class StreamBias(NamedTuple):
     dense: torch.Tensor | None  # [B, heads, S_q, S_k] in the attention dtype over the padded views, -inf at padded keys
     block_mask: object | None  # torch.nn.attention.flex_attention.BlockMask
     window: int | None = None  # the bias is exactly a local window of this many positions either side
+    band: Band | None = None  # padded SDPA's form of a window on CPU, in place of `dense` (fastmae.banded)
 
     @classmethod
     def build(cls, by_distance: torch.Tensor, mq: VarlenMeta, mk: VarlenMeta, backend: str,
@@ -102,7 +105,11 @@ class StreamBias(NamedTuple):
             raise ValueError(f"attention backend {backend!r} takes no relative position bias; choose one of "
                              f"{BIAS_BACKENDS} (or model.relative_attention_bias=false)")
         bias = cls(backend, by_distance, None, None, window)
-        if backend in ("padded", "math"):
+        if backend == "padded" and window is not None and mq is mk and mq.positions.device.type == "cpu":
+            # SDPA's CPU kernel computes every pair whatever the mask: a local layer there runs in bands
+            positions = _to_padded(mq.positions[:, None, None], mq)[:, 0, :, 0]  # [B, S], padding rows at 0
+            bias = bias._replace(band=Band.build(positions, mq.key_valid, window, dtype))
+        elif backend in ("padded", "math"):
             pos_q = _to_padded(mq.positions[:, None, None], mq)[:, 0, :, 0]  # [B, S_q], padding rows at 0
             pos_k = _to_padded(mk.positions[:, None, None], mk)[:, 0, :, 0]
             relative = pos_k.long()[:, None, :] - pos_q.long()[:, :, None]
@@ -226,6 +233,12 @@ def _key_mask(mk: VarlenMeta, bias: StreamBias | None):
 
 
 def _padded(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
+    if bias is not None and bias.band is not None:
+        if dropout_p:
+            raise ValueError("a local layer on CPU runs padded attention in bands, which take no attention dropout: "
+                             "with dropout use the 'math' backend (FASTMAE_ATTENTION=math, or auto)")
+        out = banded_attention(_to_padded(q, mq), _to_padded(k, mk), _to_padded(v, mk), bias.band, scale)
+        return _from_padded(out, mq)
     mask = _key_mask(mk, bias)
     out = F.scaled_dot_product_attention(_to_padded(q, mq), _to_padded(k, mk), _to_padded(v, mk), attn_mask=mask,
                                          dropout_p=dropout_p, scale=scale)

@@ -118,6 +118,9 @@ def local_attention_note(config: ModelConfig, device: torch.device, dtype: torch
     if "local" not in config.layer_kinds:
         return None
     backend = resolve_backend(None, device, config.attention_dropout, dtype, biased=True)
+    how = f"the {backend!r} backend"
+    if backend == "padded" and device.type == "cpu":
+        how += f" in bands of {config.local_window // 2}-row blocks (fastmae.banded)"
     return (f"local attention: {config.layer_kinds.count('local')} of {config.encoder_layers} encoder layers see the "
-            f"tokens within {config.local_window // 2} original positions of each token, on the {backend!r} backend "
+            f"tokens within {config.local_window // 2} original positions of each token, on {how} "
             "(the window is a position bias; flash-attn's window counts rows, which a shortened stream would shift)")

@@ -66,15 +66,40 @@ def test_a_local_layer_attends_by_original_position_on_a_shortened_stream(backen
     meta = VarlenMeta.build(cu, max(lengths), seq_ids, positions.int())
     q, k, v = (torch.randn(sum(lengths), 2, 8, generator=generator).to(dtype).requires_grad_() for _ in range(3))
     bias = StreamBias.build(window_by_distance(3, 2), meta, meta, backend, dtype, window=3)
-    out = varlen_attention(q, k, v, meta, backend=backend, bias=bias)
-    expected = windowed_oracle(q, k, v, positions, cu, 3)
+    assert_windowed_as_oracle(varlen_attention(q, k, v, meta, backend=backend, bias=bias), (q, k, v), positions, cu,
+                              3, generator)
+
+
+def assert_windowed_as_oracle(out, qkv, positions, cu_seqlens, half, generator):
+    """`out` of q, k, v (`qkv`) and the gradients of q, k and v equal `windowed_oracle`'s (fp32: within 1e-5,
+    bf16: 3e-2; the gradients 4x that)."""
+    expected = windowed_oracle(*qkv, positions, cu_seqlens, half)
     grad = torch.randn(out.shape, generator=generator)
-    ours = torch.autograd.grad(out.float(), (q, k, v), grad)
-    theirs = torch.autograd.grad(expected, (q, k, v), grad.double())
-    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    ours = torch.autograd.grad(out.float(), qkv, grad)
+    theirs = torch.autograd.grad(expected, qkv, grad.double())
+    tolerance = 1e-5 if out.dtype == torch.float32 else 3e-2
     assert (out.double() - expected).abs().max() <= tolerance
     for mine, oracle in zip(ours, theirs):
         assert (mine.double() - oracle).abs().max() <= tolerance * 4
+
+
+@pytest.mark.parametrize("dtype, seed", [(torch.float32, 0), (torch.float32, 1), (torch.bfloat16, 2)])
+def test_padded_attention_on_cpu_runs_a_local_layer_in_bands(dtype, seed):
+    """Padded SDPA's form of a window on CPU (fastmae.banded): blocks of 16 rows against their neighbours' on a
+    full sequence of 203 rows and a shortened one (positions skip), forward and the gradients of q, k and v equal the
+    oracle's; no dense mask is built, and attention dropout there is refused."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [203, 90]
+    positions = torch.cat([torch.arange(203), torch.sort(torch.randperm(180, generator=generator)[:90])[0]])
+    cu = torch.tensor([0, 203, 293], dtype=torch.int32)
+    meta = VarlenMeta.build(cu, 203, torch.repeat_interleave(torch.arange(2), torch.tensor(lengths)), positions.int())
+    q, k, v = (torch.randn(293, 3, 16, generator=generator).to(dtype).requires_grad_() for _ in range(3))
+    bias = StreamBias.build(window_by_distance(16, 3), meta, meta, "padded", dtype, window=16)
+    assert bias.band is not None and bias.dense is None
+    assert_windowed_as_oracle(varlen_attention(q, k, v, meta, backend="padded", bias=bias), (q, k, v), positions,
+                              cu, 16, generator)
+    with pytest.raises(ValueError, match="no attention dropout"):
+        varlen_attention(q, k, v, meta, dropout_p=0.1, backend="padded", bias=bias)
 
 
 @pytest.fixture(scope="module")

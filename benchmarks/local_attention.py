@@ -1,0 +1,89 @@
+"""What a local attention layer costs against a global one, forward + backward, in one run: ModernBERT-base's
+attention (12 heads of 64, a window of 128 positions: 64 each side) over full and shortened streams, each layer
+on the backend `auto` gives it here (on CPU: padded SDPA for the global layer, the band of row blocks for the
+local one, fastmae/banded.py; on CUDA: flash-attn / varlen for the global, FlexAttention's block mask for the
+local). Also the window as a dense mask over every pair (what the local layer ran before the band, and what SDPA
+computes whatever the mask).
+
+The target (issue 48): a local layer costs at most its window's share of a global layer's pairs, plus 20%. The
+share is counted from the rows' positions (a shortened stream has fewer keys within the window of each query).
+
+    python benchmarks/local_attention.py            # writes benchmarks/results/local_attention.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import median_time, write_results
+
+from fastmae.attention import StreamBias, VarlenMeta, resolve_backend, varlen_attention
+from fastmae.positions import window_by_distance
+
+HEADS, HEAD_DIM, HALF_WINDOW = 12, 64, 64
+TARGET_MARGIN = 1.2
+
+
+def make_stream(lengths: list[int], spread: int, dtype, device: str, seed: int = 0):
+    """q, k, v [T, HEADS, HEAD_DIM] and the layout of sequences of `lengths` rows whose positions are a sorted
+    random subset of range(spread * length) (spread 1: consecutive), and the window's share of the pairs."""
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.cat([torch.sort(torch.randperm(spread * n, generator=gen)[:n])[0] for n in lengths])
+    positions[torch.tensor([0, *lengths[:-1]]).cumsum(0)] = 0  # <s> stays
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    meta = VarlenMeta.build(cu.to(device), max(lengths), seq_ids.to(device), positions.int().to(device))
+    within = sum(int(((p[:, None] - p[None, :]).abs() <= HALF_WINDOW).sum())
+                 for p in positions.split(lengths))
+    share = within / sum(n * n for n in lengths)
+    qkv = [torch.randn(sum(lengths), HEADS, HEAD_DIM, generator=gen).to(device, dtype).requires_grad_()
+           for _ in range(3)]
+    return qkv, meta, share
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtypes = (torch.float32, torch.bfloat16) if device == "cpu" else (torch.bfloat16,)
+    shapes = [  # (name, lengths, spread)
+        ("8x512 full", [512] * 8, 1),
+        ("8x256 visible (3ml: 50% removed)", [256] * 8, 2),
+        ("16 docs 40..490", [40 + 30 * i for i in range(16)], 1),
+    ]
+    table = window_by_distance(HALF_WINDOW, HEADS, device)
+    rows = []
+    for name, lengths, spread in shapes:
+        for dtype in dtypes:
+            (q, k, v), meta, share = make_stream(lengths, spread, dtype, device)
+            local = resolve_backend(None, torch.device(device), 0.0, dtype, biased=True)
+            forms = {  # column -> (backend, bias)
+                "global": (None, None),
+                "local": (local, StreamBias.build(table, meta, meta, local, dtype, window=HALF_WINDOW)),
+                "window as a dense mask": ("padded", StreamBias.build(table, meta, meta, "padded", dtype)),
+            }
+            row = {"shape": name, "tokens": sum(lengths), "dtype": str(dtype).replace("torch.", ""),
+                   "local backend": local + (" (bands)" if forms["local"][1].band is not None else "")}
+            for column, (backend, bias) in forms.items():
+                def step():
+                    out = varlen_attention(q, k, v, meta, backend=backend, bias=bias)
+                    out.float().square().mean().backward()
+                row[f"{column} ms"] = 1e3 * median_time(step, warmup=1, repeats=args.repeats)
+            row["window's share of pairs"] = share
+            row["local / global"] = row["local ms"] / row["global ms"]
+            row["target: share x 1.2"] = share * TARGET_MARGIN
+            row["met"] = "yes" if row["local / global"] <= row["target: share x 1.2"] else "no"
+            rows.append(row)
+            print(row, flush=True)
+    notes = (f"Median of {args.repeats} after 1 warm-up, each form in turn on the same tensors. A local layer sees the "
+             f"keys within {HALF_WINDOW} original positions of each query; the target is the window's share of a "
+             f"global layer's pairs x {TARGET_MARGIN}.")
+    path = write_results("local_attention", rows, list(rows[0]),
+                         f"A local attention layer against a global one on {device}: forward + backward", notes)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
