@@ -19,6 +19,7 @@ committed script regenerates:
     doc_padding  benchmarks/results/doc_padding.json            python benchmarks/doc_padding.py
     mask_schedule_shapes  benchmarks/results/mask_schedule_shapes.json  python benchmarks/mask_schedule_shapes.py
     chaos        benchmarks/results/chaos.json                  python benchmarks/chaos.py
+    local_attention  benchmarks/results/local_attention.json    python benchmarks/local_attention.py
 """
 
 from __future__ import annotations
@@ -405,6 +406,20 @@ def _modernbert_rows(path: Path) -> str:
             "\n\n" + "\n".join(rows) + "\n")
 
 
+def local_attention() -> str:
+    """A local layer's attention against a global one's on this CPU (benchmarks/local_attention.py)."""
+    result = _json(RESULTS_DIR / "local_attention.json")
+    rows = ["| stream | dtype | global ms | local ms | the window as a dense mask, ms | window's share of pairs | "
+            "local / global | target (share x 1.2) | met |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["results"]:
+        share = r["window's share of pairs"]
+        rows.append(f"| {r['shape']} | {r['dtype']} | {r['global ms']:.0f} | {r['local ms']:.0f} | "
+                    f"{r['window as a dense mask ms']:.0f} | {share:.2f} | "
+                    f"{r['local / global']:.2f} | {r['target: share x 1.2']:.2f} | {r['met']} |")
+    return (f"Forward + backward, median of repeats, {result['device']} (CPU capability {result['cpu_capability']}), "
+            f"{_stamp(result)} (`benchmarks/results/local_attention.md`):\n\n" + "\n".join(rows) + "\n")
+
+
 SIZE_SHAPES = {"small": "6 x 512", "base": "12 x 768"}
 
 
@@ -437,7 +452,8 @@ GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth
               "host_overhead": host_overhead, "doc_padding": doc_padding, "chaos": chaos,
               "mask_schedule_shapes": mask_schedule_shapes,
               "study_presets": study_presets, "micro_batch": micro_batch, "mae_lm_diagnosis": mae_lm_diagnosis,
-              "throughput_modernbert": throughput_modernbert, "throughput_modernbert_gpu": throughput_modernbert_gpu}
+              "throughput_modernbert": throughput_modernbert, "throughput_modernbert_gpu": throughput_modernbert_gpu,
+              "local_attention": local_attention}
 
 
 def render(text: str, where: str = "README.md") -> tuple[str, list[str]]:

@@ -273,7 +273,8 @@ def attention_backend(system: str, config: ModelConfig, device: torch.device, pr
     names = resolve_backend(backend, device, config.attention_dropout, DTYPES[precision],
                             biased=config.relative_attention_bias)
     if "local" in config.layer_kinds:
-        names += "; local: " + resolve_backend(backend, device, config.attention_dropout, DTYPES[precision], True)
+        local = resolve_backend(backend, device, config.attention_dropout, DTYPES[precision], True)
+        names += f"; local: {local}" + (" in bands" if local == "padded" and device.type == "cpu" else "")
     return names
 
 
