@@ -33,13 +33,18 @@ def script(*args, env_extra=None):
 def test_the_plan_puts_what_decides_first_and_every_phase_fits_a_command():
     done = script("--plan")
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+    lines = [line for line in done.stdout.splitlines() if not line.startswith("#")]
     names = [line.split()[0] for line in lines]
     assert names[:2] == ["smoke", "headline"] and len(names) == len(set(names)) >= 5
     for line, name in zip(lines, names):
         minutes, unit, source, *command = line.split("   #")[0].split()[1:]
         assert unit == "min" and 1 <= int(minutes) <= 8 and command == ["bash", "scripts/gpu_check.sh", name]
         assert source == "(estimated)"  # no phase has been timed on a fresh machine yet
+    # the masking study the CPU ran at cpu-1h, named with the gpu-1h preset and the same arms
+    study = next(line for line in done.stdout.splitlines() if line.startswith("# beyond a lease: mask-more-or-later"))
+    runs = (ROOT / "benchmarks" / "readme_runs.sh").read_text()
+    assert "--budget gpu-1h" in study and f'--objectives "{gpu_check.MASK_MORE_OR_LATER}"' in runs
+    assert f"--objectives {gpu_check.MASK_MORE_OR_LATER}" in study
 
 
 def dry_run(phase: str) -> tuple[dict, list[str]]:
