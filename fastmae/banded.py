@@ -118,7 +118,5 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: Ba
     window; [B, H, S, D]."""
     length = q.shape[2]
     pad_rows = -length % band.block
-    if pad_rows:
-        q, k, v = (F.pad(t, (0, 0, 0, pad_rows)) for t in (q, k, v))
-    out = _BandedAttention.apply(q, k, v, band.mask, scale)
-    return out[:, :, :length] if pad_rows else out
+    q, k, v = (F.pad(t, (0, 0, 0, pad_rows)) for t in (q, k, v))
+    return _BandedAttention.apply(q, k, v, band.mask, scale)[:, :, :length]

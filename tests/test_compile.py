@@ -54,16 +54,22 @@ def test_dropout_compiles_without_graph_breaks(fresh_dynamo):
     assert fresh_dynamo["stats"]["unique_graphs"] >= 1 and all(loss == loss for loss in losses)
 
 
-def test_relative_bias_compiles_like_eager(fresh_dynamo):
-    """model.relative_attention_bias under train.compile: the bias table's lookups happen outside the compiled
-    layers, which take the padded bias as an input; the losses are eager's, no graph breaks, no recompiles. The graphs
-    dynamo captures run on its eager backend: a cold inductor compile of another model cost ~25 s of a 2-core CI run;
-    inductor's numerics are the 3ml test's above and the compiled DeepSpeed run's (tests/test_train.py)."""
-    bias = {"relative_attention_bias": True, "dropout": 0.0, "attention_dropout": 0.0}
-    eager = _train("mae-lm", compiled=False, steps=6, **bias)
-    warm = _train("mae-lm", compiled=True, steps=2, backend="eager", **bias)
+@pytest.mark.parametrize("objective, bias", [
+    ("mae-lm", {"relative_attention_bias": True}),
+    # ModernBERT's local layers: on CPU their window runs in bands, an autograd Function (fastmae.banded)
+    ("3ml", {"global_attention_every": 2, "local_window": 8, "position_embedding": "rotary", "norm_position": "pre"}),
+])
+def test_position_biases_compile_like_eager(fresh_dynamo, objective, bias):
+    """model.relative_attention_bias, and local layers' windows, under train.compile: the bias table's lookups happen
+    outside the compiled layers, which take the padded bias (or the window's band) as an input; the losses are eager's,
+    no graph breaks, no recompiles. The graphs dynamo captures run on its eager backend: a cold inductor compile of
+    another model cost ~25 s of a 2-core CI run; inductor's numerics are the 3ml test's above and the compiled
+    DeepSpeed run's (tests/test_train.py)."""
+    bias = {**bias, "dropout": 0.0, "attention_dropout": 0.0}
+    eager = _train(objective, compiled=False, steps=6, **bias)
+    warm = _train(objective, compiled=True, steps=2, backend="eager", **bias)
     graphs_after_warm_up = fresh_dynamo["stats"]["unique_graphs"]
-    compiled = _train("mae-lm", compiled=True, steps=6, backend="eager", **bias)
+    compiled = _train(objective, compiled=True, steps=6, backend="eager", **bias)
     assert not fresh_dynamo["graph_break"], dict(fresh_dynamo["graph_break"])
     assert fresh_dynamo["stats"]["unique_graphs"] == graphs_after_warm_up, "recompiled after warm-up"
     torch.testing.assert_close(torch.tensor(warm), torch.tensor(eager[:2]), rtol=1e-5, atol=1e-5)
