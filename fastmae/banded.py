@@ -76,10 +76,10 @@ def _sum_bands(bands: torch.Tensor, block: int) -> torch.Tensor:
     return out.view(batch, heads, blocks * block, dim)
 
 
-_NOTHING = torch.zeros(())  # baddbmm's input where beta is 0 (ignored)
-
-
 class _BandedAttention(torch.autograd.Function):
+    """softmax(q k^T * scale + mask) v, block by block against the bands; saves q's blocks, the bands of k and v and
+    the probabilities (no scores), and sums each band's gradient back onto its rows."""
+
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):
         batch, heads, length, dim = q.shape
@@ -90,7 +90,7 @@ class _BandedAttention(torch.autograd.Function):
         k_bands = _rows_of_bands(k, block).view(flat, 3 * block, dim)
         v_bands = _rows_of_bands(v, block).view(flat, 3 * block, dim)
         # beta 0: the matmul alone, scaled (alpha); the window's mask is then added over the heads
-        scores = torch.baddbmm(_NOTHING.to(q.dtype), q_blocks, k_bands.transpose(1, 2), beta=0, alpha=scale)
+        scores = torch.baddbmm(q.new_zeros(()), q_blocks, k_bands.transpose(1, 2), beta=0, alpha=scale)
         scores.view(batch, heads, blocks, block, 3 * block).add_(mask)
         probs = torch.softmax(scores, dim=-1)
         ctx.save_for_backward(q_blocks, k_bands, v_bands, probs)
@@ -105,7 +105,7 @@ class _BandedAttention(torch.autograd.Function):
         grad_probs = torch.bmm(grad_blocks, v_bands.transpose(1, 2))
         grad_v = torch.bmm(probs.transpose(1, 2), grad_blocks)
         grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
-        nothing = _NOTHING.to(probs.dtype)
+        nothing = probs.new_zeros(())  # baddbmm's input, ignored where beta is 0
         grad_q = torch.baddbmm(nothing, grad_scores, k_bands, beta=0, alpha=ctx.scale)
         grad_k = torch.baddbmm(nothing, grad_scores.transpose(1, 2), q_blocks, beta=0, alpha=ctx.scale)
         shape = (batch, heads, blocks, 3 * block, dim)
