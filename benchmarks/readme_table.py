@@ -10,6 +10,8 @@ committed script regenerates:
 
     demo         benchmarks/results/demo/metrics.jsonl          bash benchmarks/readme_runs.sh demo
     study        benchmarks/results/study_cpu_30min/study.json  bash benchmarks/readme_runs.sh study
+    study_mask_more_or_later  benchmarks/results/study_mask_more_or_later/study.json
+                                                    bash benchmarks/readme_runs.sh mask-more-or-later
     throughput   benchmarks/results/throughput.json             python benchmarks/throughput.py [--size S] [--quick]
     budget       benchmarks/results/budget.json                 python benchmarks/budget.py
     attention    benchmarks/results/attention.json              python benchmarks/attention.py
@@ -87,6 +89,12 @@ def study_base_depth() -> str:
     return _study("study_cpu_1h")
 
 
+def study_mask_more_or_later() -> str:
+    """The masking study's (issue 49: mlm at 15 / 30 / 50%, 30% -> 15%, 3ml at 50% and 50% -> 30%, all under WSD)
+    results table and its setting; the README's prose draws on its findings, which stay in its report."""
+    return _study("study_mask_more_or_later", findings=False)
+
+
 def continued() -> str:
     """Continued pretraining from one mlm encoder with each objective (benchmarks/continued.py)."""
     return _study("continued_cpu")
@@ -97,7 +105,9 @@ def _mfu(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
-def _study(directory: str) -> str:
+def _study(directory: str, findings: bool = True) -> str:
+    """A committed study's table, its setting and (with `findings`) the ranks at matched loss and every finding; else
+    where the report holds them."""
     result = _json(RESULTS_DIR / directory / "study.json")
     setup, objectives = result["setup"], result["objectives"]
     rows = ["| objective | steps | held-out loss (mean ± half range) | accuracy | % of mlm's compute to reach mlm's "
@@ -117,11 +127,15 @@ def _study(directory: str) -> str:
                     f"{_finetuned(entry.get('finetune'))} | {_probes(entry.get('neighbour_probe'))} | "
                     f"{ranks:.1f} / {centred:.1f} |")
     first = next(iter(objectives.values()))["per_seed"][0]
-    return ("\n".join(rows) + "\n\n"
-            f"{setup['seeds']} seeds per objective, {setup['budget']:.3g} training FLOPs per run, width "
-            f"{setup['hidden_size']}, {setup['encoder_layers']} encoder layers; held-out unigram baselines (on the "
-            f"predicted tokens) {first['unigram_entropy']:.3f} nats / accuracy {first['unigram_accuracy']:.3f}; "
-            f"device: {setup['device']}." + _lr_grid(result.get("lr_grid")) + _matched(objectives)
+    setting = ("\n".join(rows) + "\n\n"
+               f"{setup['seeds']} seeds per objective, {setup['budget']:.3g} training FLOPs per run, width "
+               f"{setup['hidden_size']}, {setup['encoder_layers']} encoder layers; held-out unigram baselines (on the "
+               f"predicted tokens) {first['unigram_entropy']:.3f} nats / accuracy {first['unigram_accuracy']:.3f}; "
+               f"device: {setup['device']}." + _lr_grid(result.get("lr_grid")))
+    if not findings:
+        return (setting + f" Artifact: `benchmarks/results/{directory}/`: `report.md` holds the ranks at matched loss "
+                "and every finding, each held to the seed spread (`study.json`, `loss_vs_flops.png`, `ranks.png`).\n")
+    return (setting + _matched(objectives)
             + " What the report concludes, each claim held to the seed spread:\n\n"
             + "\n".join(f"- {line}" for line in result["findings"]) + "\n\n"
             f"Artifact: `benchmarks/results/{directory}/` (`report.md`, `study.json`, `loss_vs_flops.png`, "
@@ -447,6 +461,7 @@ def mae_lm_diagnosis() -> str:
 
 
 GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth, "continued": continued,
+              "study_mask_more_or_later": study_mask_more_or_later,
               "throughput": throughput,
               "budget": budget, "attention": attention, "data_scale": data_scale, "data": data, "gpu": gpu,
               "host_overhead": host_overhead, "doc_padding": doc_padding, "chaos": chaos,
