@@ -40,6 +40,11 @@ CPU_BACKEND, CPU_DROPOUT_BACKEND = "padded", "math"
 # CUDA without flash-attn, with attention dropout (varlen_attn takes none). Measured on an H100 (torch 2.11,
 # benchmarks/results/gpu/): a base mlm step took 0.045 s with padded SDPA and 0.194 s with nested jagged SDPA.
 CUDA_DROPOUT_BACKEND = "padded"
+# A local layer's window on CPU's padded SDPA runs in bands (fastmae.banded) in these dtypes. Measured by
+# benchmarks/local_attention.py (benchmarks/results/local_attention.md), forward + backward at ModernBERT-base's
+# attention: in bf16 the band beat the window as a dense mask on every stream; in fp32 it lost on shortened and
+# padded streams (its copies cost more than the pairs it skips), so fp32 keeps the dense mask.
+BAND_DTYPES = (torch.bfloat16, torch.float16)
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
@@ -105,7 +110,8 @@ class StreamBias(NamedTuple):
             raise ValueError(f"attention backend {backend!r} takes no relative position bias; choose one of "
                              f"{BIAS_BACKENDS} (or model.relative_attention_bias=false)")
         bias = cls(backend, by_distance, None, None, window)
-        if backend == "padded" and window is not None and mq is mk and mq.positions.device.type == "cpu":
+        if (backend == "padded" and window is not None and mq is mk and mq.positions.device.type == "cpu"
+                and dtype in BAND_DTYPES):
             # SDPA's CPU kernel computes every pair whatever the mask: a local layer there runs in bands
             positions = _to_padded(mq.positions[:, None, None], mq)[:, 0, :, 0]  # [B, S], padding rows at 0
             bias = bias._replace(band=Band.build(positions, mq.key_valid, window, dtype))

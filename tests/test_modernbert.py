@@ -84,10 +84,15 @@ def assert_windowed_as_oracle(out, qkv, positions, cu_seqlens, half, generator):
 
 
 @pytest.mark.parametrize("dtype, seed", [(torch.float32, 0), (torch.float32, 1), (torch.bfloat16, 2)])
-def test_padded_attention_on_cpu_runs_a_local_layer_in_bands(dtype, seed):
+def test_padded_attention_on_cpu_runs_a_local_layer_in_bands(dtype, seed, monkeypatch):
     """Padded SDPA's form of a window on CPU (fastmae.banded): blocks of 16 rows against their neighbours' on a
     full sequence of 203 rows and a shortened one (positions skip), forward and the gradients of q, k and v equal the
-    oracle's; no dense mask is built, and attention dropout there is refused."""
+    oracle's (in fp32 too, where it is not used: exact there); no dense mask is built, and attention dropout there
+    is refused."""
+    import fastmae.attention
+
+    assert (torch.bfloat16 in fastmae.attention.BAND_DTYPES) and (torch.float32 not in fastmae.attention.BAND_DTYPES)
+    monkeypatch.setattr(fastmae.attention, "BAND_DTYPES", (dtype,))
     generator = torch.Generator().manual_seed(seed)
     lengths = [203, 90]
     positions = torch.cat([torch.arange(203), torch.sort(torch.randperm(180, generator=generator)[:90])[0]])
