@@ -159,6 +159,20 @@ def test_a_committed_study_is_rejudged_from_its_json_alone(tmp_path, capsys):
     assert "need the runs' weights" in capsys.readouterr().err
 
 
+def test_a_scheduled_arms_step_cost_is_said_over_its_run(tmp_path):
+    """The masking study's report: an arm whose masking rate falls has no one cost per step, so the report gives its
+    first step's and its run's average (FLOPs used over steps taken); an arm at one rate gives the one."""
+    out = tmp_path / "study"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "study_mask_more_or_later", out)
+    assert study_main(["--rewrite-report", "--out", str(out)]) == 0
+    rows = {}  # each objective's row of the results table (the first of its rows; its seeds' rows follow later)
+    for line in (out / "report.md").read_text().splitlines():
+        if line.startswith("| `"):
+            rows.setdefault(line.split("|")[1].strip(), line)
+    assert "a step costs 0.69x mlm's at its first rate, 0.78x over its run" in rows["`3ml:mask_rate_end=0.3`"]
+    assert "a step costs 0.69x mlm's |" in rows["`3ml`"]
+
+
 # ------------------------------------------------------------------------------------------------ the command
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):

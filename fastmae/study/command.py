@@ -54,7 +54,7 @@ def study(args) -> dict:
     flops_per_step = {o.label: step_flops(o, args, preset, ranks) for o in objectives}  # each config checked here
     if preset.mlm_steps:
         budget = preset.mlm_steps * flops_per_step["mlm"]
-    print("fastmae study: FLOPs per optimizer step against mlm's: " + ", ".join(
+    print("fastmae study: FLOPs of the first optimizer step against mlm's: " + ", ".join(
         f"{label} {flops / flops_per_step['mlm']:.2f}x ({flops:.3g})" for label, flops in flops_per_step.items()),
         file=sys.stderr)
     lr_grid = learning_rate_grid(objectives, args, budget, preset, ranks) if args.lr_grid else {}

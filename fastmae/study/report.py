@@ -57,6 +57,11 @@ def _fmt(value, spec: str = ".4g", missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
+def _mean_step(result) -> float:
+    """The FLOPs of an objective's average step: what its runs used over the steps they took."""
+    return result.flops / (sum(result.steps) / len(result.steps))
+
+
 def write_report(study: dict, out: Path) -> Path:
     """report.md from what study.json holds (its `objectives` as `ObjectiveResult`s)."""
     summary, setup = study["objectives"], study["setup"]
@@ -85,6 +90,8 @@ def write_report(study: dict, out: Path) -> Path:
         ranks = e.effective_rank
         layers = (f"{model['encoder_layers']} / {model['decoder_layers']} (k={model['insert_layer']}); a step costs "
                   f"{model['flops_per_step_vs_mlm']:.2f}x mlm's")
+        if model.get("mask_rate_end", model["mask_rate"]) != model["mask_rate"]:  # a masking schedule: steps vary
+            layers += f" at its first rate, {_mean_step(e) / _mean_step(summary['mlm']):.2f}x over its run"
         lines.append(f"| `{label}` | {layers} | {', '.join(map(str, e.steps))} | {e.flops:.4g} | {loss} "
                      f"| {e.final_eval_accuracy:.3f} | {percent} | {tuned} "
                      f"| {ranks['real_unmasked_input'][-1]:.1f} / {ranks['real_masked_input'][-1]:.1f} |")
