@@ -265,7 +265,7 @@ def attention_backend(system: str, config: ModelConfig, device: torch.device, pr
                       variant: str | None) -> str:
     """The attention backend a system's encoder runs (Hugging Face: its SDPA), and its local layers' where it has
     some."""
-    from fastmae.attention import resolve_backend
+    from fastmae.attention import local_in_bands, resolve_backend
 
     if system in HF_SYSTEMS:
         return "hf sdpa"
@@ -274,7 +274,7 @@ def attention_backend(system: str, config: ModelConfig, device: torch.device, pr
                             biased=config.relative_attention_bias)
     if "local" in config.layer_kinds:
         local = resolve_backend(backend, device, config.attention_dropout, DTYPES[precision], True)
-        names += f"; local: {local}" + (" in bands" if local == "padded" and device.type == "cpu" else "")
+        names += f"; local: {local}" + (" in bands" if local_in_bands(local, device, DTYPES[precision]) else "")
     return names
 
 

@@ -46,6 +46,11 @@ CUDA_DROPOUT_BACKEND = "padded"
 # padded streams (its copies cost more than the pairs it skips), so fp32 keeps the dense mask.
 BAND_DTYPES = (torch.bfloat16, torch.float16)
 
+
+def local_in_bands(backend: str, device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a local layer's window on `backend` runs in bands of rows (fastmae.banded) on `device` in `dtype`."""
+    return backend == "padded" and torch.device(device).type == "cpu" and dtype in BAND_DTYPES
+
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
@@ -110,13 +115,11 @@ class StreamBias(NamedTuple):
             raise ValueError(f"attention backend {backend!r} takes no relative position bias; choose one of "
                              f"{BIAS_BACKENDS} (or model.relative_attention_bias=false)")
         bias = cls(backend, by_distance, None, None, window)
-        if (backend == "padded" and window is not None and mq is mk and mq.positions.device.type == "cpu"
-                and dtype in BAND_DTYPES):
-            # SDPA's CPU kernel computes every pair whatever the mask: a local layer there runs in bands
-            positions = _to_padded(mq.positions[:, None, None], mq)[:, 0, :, 0]  # [B, S], padding rows at 0
-            bias = bias._replace(band=Band.build(positions, mq.key_valid, window, dtype))
-        elif backend in ("padded", "math"):
+        if backend in ("padded", "math"):
             pos_q = _to_padded(mq.positions[:, None, None], mq)[:, 0, :, 0]  # [B, S_q], padding rows at 0
+            if window is not None and mq is mk and local_in_bands(backend, mq.positions.device, dtype):
+                # SDPA's CPU kernel computes every pair whatever the mask: a local layer there runs in bands
+                return bias._replace(band=Band.build(pos_q, mq.key_valid, window, dtype))
             pos_k = _to_padded(mk.positions[:, None, None], mk)[:, 0, :, 0]
             relative = pos_k.long()[:, None, :] - pos_q.long()[:, :, None]
             # one cast and one contiguous copy for all layers (the kernels read the key dimension with stride 1)

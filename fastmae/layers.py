@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import BAND_DTYPES, StreamBias, VarlenMeta, resolve_backend, varlen_attention
+from .attention import StreamBias, VarlenMeta, local_in_bands, resolve_backend, varlen_attention
 from .config import ModelConfig
 from .dropout import Dropout
 from .positions import apply_rotary, rotary_tables, window_by_distance
@@ -119,7 +119,7 @@ def local_attention_note(config: ModelConfig, device: torch.device, dtype: torch
         return None
     backend = resolve_backend(None, device, config.attention_dropout, dtype, biased=True)
     how = f"the {backend!r} backend"
-    if backend == "padded" and device.type == "cpu" and dtype in BAND_DTYPES:
+    if local_in_bands(backend, device, dtype):
         how += f" in bands of {config.local_window // 2}-row blocks (fastmae.banded)"
     return (f"local attention: {config.layer_kinds.count('local')} of {config.encoder_layers} encoder layers see the "
             f"tokens within {config.local_window // 2} original positions of each token, on {how} "
