@@ -108,15 +108,16 @@ class Recording:
     the gradient of the loss in `grad_output`. On CUDA both passes are captured as graphs and replayed; elsewhere
     `replay_*` runs them eagerly (the CPU twin)."""
 
-    def __init__(self, forward, masked: MaskedBatch, params: tuple[torch.nn.Parameter, ...], capture: bool):
-        self.forward = forward  # MaskedBatch -> MaskedLMOutput, the model's own forward
+    def __init__(self, forward, masked: MaskedBatch, params: dict[str, torch.nn.Parameter], capture: bool):
+        # (MaskedBatch, {name: tensor}) -> MaskedLMOutput: the model's own forward with those tensors as parameters
+        self.forward = forward
         self.template = masked  # the signature's host values; its device tensors are replaced by views of `buffer`
-        self.params = params
+        self.names, self.params = tuple(params), tuple(params.values())
         tensors = masked.device_tensors()
         self.buffer = torch.empty(byte_offsets(tensors)[1], dtype=torch.uint8, device=masked.device)
         self.views = unpack_bytes(self.buffer, tensors, byte_offsets(tensors)[0])
         self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None
-        self.param_pointers = [p.data_ptr() for p in params]
+        self.param_pointers = [p.data_ptr() for p in self.params]
         self.grad_output = torch.ones((), dtype=torch.float32, device=masked.device)  # the loss is an fp32 scalar
         self.load(masked)  # real indices before any run: the warm-up and the capture gather with them
         if capture:
@@ -132,11 +133,16 @@ class Recording:
                 static.copy_(tensor)
 
     def _run_forward(self) -> None:
+        # The forward reads fresh leaves sharing the parameters' memory, made on the stream this pass runs on.
+        # Autograd hands a leaf's gradient to its sink (AccumulateGrad) on the stream where the sink was made, and a
+        # flat parameter's sink was made outside any capture, on the legacy default stream, and lives as long as any
+        # view of it: the captured backward would wait on that stream (cudaErrorStreamCaptureImplicit).
+        self.leaves = tuple(p.detach().requires_grad_() for p in self.params)
         with torch.enable_grad():
-            self.output = self.forward(self.template.viewing(self.buffer))
+            self.output = self.forward(self.template.viewing(self.buffer), dict(zip(self.names, self.leaves)))
 
     def _run_backward(self) -> None:
-        self.grads = torch.autograd.grad(self.output.loss, self.params, self.grad_output, allow_unused=True)
+        self.grads = torch.autograd.grad(self.output.loss, self.leaves, self.grad_output, allow_unused=True)
 
     def _capture(self) -> None:
         """Warm up on a side stream, then capture the forward and the backward into one memory pool (replayed in
@@ -264,6 +270,7 @@ class StepGraphs:
         self.policy = RecordingPolicy(max_recordings)
         self.recordings: dict[tuple, Recording] = {}
         self.replayed_batches = self.eager_batches = 0
+        self._eager = _EagerForward(model, self.eager_forward)
         model.forward = self.forward
         model.graphs = self
 
@@ -284,10 +291,10 @@ class StepGraphs:
         return (f"cuda graphs: {self.replayed_batches} micro-batches replayed, {self.eager_batches} run eagerly "
                 f"({self.policy.recorded} shape(s) recorded, {len(self.recordings)} held at the end)")
 
-    def _bound_forward(self, batch: MaskedBatch):
-        """The model's own forward, flat parameters rebound first (as its forward hook does before every call)."""
-        self.model._bind_parameters()
-        return self.eager_forward(batch)
+    def _bound_forward(self, batch: MaskedBatch, params: dict[str, torch.Tensor]):
+        """The model's own forward with `params` (by name) standing in for its parameters, flat parameters rebound
+        to them first (as its forward hook does before every call)."""
+        return torch.func.functional_call(self._eager, {f"model.{name}": p for name, p in params.items()}, (batch,))
 
     def _recording(self, batch) -> Recording | None:
         """The recording that serves this training forward, recorded now if its time has come; None: run eagerly.
@@ -304,9 +311,22 @@ class StepGraphs:
         if dropped is not None:
             del self.recordings[dropped]  # its graphs and static tensors go with it
         if action == "record":
-            params = tuple(p for p in self.model.parameters() if p.requires_grad)
+            params = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
             self.recordings[key] = Recording(self._bound_forward, batch, params, self.capture)
         return self.recordings.get(key) if action != "eager" else None
+
+
+class _EagerForward(torch.nn.Module):
+    """The model's own training forward (not the one StepGraphs puts in its place), as a module holding the model,
+    for `torch.func.functional_call` to run with other tensors as the model's parameters."""
+
+    def __init__(self, model: torch.nn.Module, eager_forward):
+        super().__init__()
+        self.model, self.eager_forward = model, eager_forward
+
+    def forward(self, batch: MaskedBatch):
+        self.model._bind_parameters()
+        return self.eager_forward(batch)
 
 
 @contextlib.contextmanager
