@@ -42,6 +42,41 @@ def make_stream(lengths: list[int], spread: int, dtype, device: str, seed: int =
     return qkv, meta, share
 
 
+def flex_forms(table: torch.Tensor, repeats: int) -> list[dict]:
+    """CUDA: a local layer at the throughput benchmark's micro-batch (128 sequences), FlexAttention called as fastmae
+    calls it (its inputs [1, heads, T, D] strided views of [T, heads, D], compiled with dynamic shapes) and in other
+    forms, forward alone and with the backward; the global layer beside them."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from fastmae.attention import flex_attention_api
+
+    dtype, rows = torch.bfloat16, []
+    static = torch.compile(flex_attention, dynamic=False)
+    for name, lengths, spread in (("128x512 full", [512] * 128, 1), ("128x256 visible", [256] * 128, 2)):
+        (q, k, v), meta, share = make_stream(lengths, spread, dtype, "cuda")
+        bias = StreamBias.build(table, meta, meta, "flex", dtype, window=HALF_WINDOW)
+        strided = [t.transpose(0, 1)[None] for t in (q, k, v)]
+        contiguous = [t.contiguous() for t in strided]
+        forms = {
+            "global (varlen)": lambda: varlen_attention(q, k, v, meta),
+            "local as fastmae runs it": lambda: varlen_attention(q, k, v, meta, backend="flex", bias=bias),
+            "flex, inputs contiguous": lambda: flex_attention_api().compiled(*contiguous,
+                                                                             block_mask=bias.block_mask),
+            "flex, static shapes": lambda: static(*strided, block_mask=bias.block_mask),
+            "flex, static, contiguous": lambda: static(*contiguous, block_mask=bias.block_mask),
+        }
+        for form, run in forms.items():
+            with torch.no_grad():
+                forward = median_time(run, warmup=2, repeats=repeats)
+            both = median_time(lambda: run().float().square().mean().backward(), warmup=2, repeats=repeats)
+            row = {"shape": name, "tokens": sum(lengths), "dtype": "bfloat16", "local backend": form,
+                   "forward ms": 1e3 * forward, "forward + backward ms": 1e3 * both,
+                   "window's share of pairs": share}
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -77,6 +112,11 @@ def main():
             row["met"] = "yes" if row["local / global"] <= row["target: share x 1.2"] else "no"
             rows.append(row)
             print(row, flush=True)
+    if device == "cuda":
+        flex_rows = flex_forms(table, args.repeats)
+        write_results("local_attention_flex", flex_rows, list(flex_rows[0]),
+                      "FlexAttention's forms of a local layer at 128 sequences a micro-batch, and a global layer",
+                      f"Median of {args.repeats} after 2 warm-ups; forward under no_grad.")
     notes = (f"Median of {args.repeats} after 1 warm-up, each form in turn on the same tensors. A local layer sees the "
              f"keys within {HALF_WINDOW} original positions of each query; the target is the window's share of a "
              f"global layer's pairs x {TARGET_MARGIN}.")
