@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -63,10 +64,12 @@ def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[
 
 
 def stamp() -> dict:
-    """Where and with what a result was measured."""
+    """Where and with what a result was measured: the commit is FASTMAE_COMMIT where the GPU check names it (a lent
+    machine's copy of the tree is not that commit's checkout), else git's HEAD."""
+    sha = os.environ.get("FASTMAE_COMMIT", "")[:7] or None
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, check=False).stdout.strip() or None
+        sha = sha or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent, check=False).stdout.strip() or None
     except OSError:
         sha = None
     if torch.cuda.is_available():

@@ -274,24 +274,32 @@ def gpu() -> str:
     """The one GPU run so far: throughput and the fused cross-entropy, with the commit and date they measured."""
     blocks = []
     for directory in sorted((RESULTS_DIR / "gpu").iterdir()):
-        result = _json(gpu_file(directory, "headline/throughput_headline.json", "throughput.json"))
-        rows = ["| system | tokens/s | MFU | GPU busy | peak memory |", "|---|---|---|---|---|"]
+        result = _gpu_result(gpu_file(directory, "headline/throughput_headline.json", "throughput.json"))
+        rows = ["| system | tokens/s | MFU | GPU busy | peak memory | CUDA graphs |", "|---|---|---|---|---|---|"]
         for r in result["results"]:
             name = "Hugging Face RoBERTa" if r["system"] == "hf-roberta" else f"fastmae {r['system']}"
             rows.append(f"| {name} | {r['tokens_per_s'] / 1e3:,.0f}K | {_mfu(r['mfu'])} | {r['gpu_busy']:.2f} | "
-                        f"{r['peak_memory_mib'] / 1024:.1f} GiB |")
-        kernels = {r["op (fwd+bwd)"]: r
-                   for r in _json(gpu_file(directory, "kernels/kernels.json", "kernels.json"))["results"]}
-        ce = kernels["linear cross-entropy"]
-        blocks.append(
-            f"{result['device']}, {_stamp(result)} (`benchmarks/results/gpu/{directory.name}/`), torch "
-            f"{result['torch']}, base size, {result['sequences']} x {result['seq_len']} tokens, vocab "
-            f"{result['vocab_size']:,}, {result['dtype']}, MFU against the {result['peak_flops'] / 1e12:,.0f} TFLOP/s "
-            "GEMM peak measured in the run:\n\n" + "\n".join(rows) + "\n\n"
-            f"The fused cross-entropy (`linear cross-entropy` in `kernels.md`): {ce['triton GPU ms']:.1f} ms of GPU "
-            f"time, {ce['% of peak FLOP/s']:.0f}% of the data-sheet FLOP/s, {ce['speedup']:.1f}x torch's reference "
-            f"in wall time and {ce['torch MiB'] / ce['triton MiB']:.0f}x less memory.\n")
+                        f"{r['peak_memory_mib'] / 1024:.1f} GiB | {r.get('cuda_graphs', 'no')} |")
+        block = (f"{result['device']}, {_stamp(result)} (`benchmarks/results/gpu/{directory.name}/`), torch "
+                 f"{result['torch']}, base size, {result['sequences']} x {result['seq_len']} tokens, vocab "
+                 f"{result['vocab_size']:,}, {result['dtype']}, MFU against the {result['peak_flops'] / 1e12:,.0f} "
+                 "TFLOP/s GEMM peak measured in the run:\n\n" + "\n".join(rows) + "\n")
+        kernels_path = gpu_file(directory, "kernels/kernels.json", "kernels.json")
+        if kernels_path.is_file():
+            ce = {r["op (fwd+bwd)"]: r for r in _json(kernels_path)["results"]}["linear cross-entropy"]
+            block += (f"\nThe fused cross-entropy (`linear cross-entropy` in `kernels.md`): {ce['triton GPU ms']:.1f} "
+                      f"ms of GPU time, {ce['% of peak FLOP/s']:.0f}% of the data-sheet FLOP/s, {ce['speedup']:.1f}x "
+                      f"torch's reference in wall time and {ce['torch MiB'] / ce['triton MiB']:.0f}x less memory.\n")
+        blocks.append(block)
     return "\n".join(blocks)
+
+
+def _gpu_result(path: Path) -> dict:
+    """A GPU benchmark's result, stamped with the commit its phase measured (phase.json beside it), where it has one:
+    the stamp's own commit is whatever `git` found on the lent machine."""
+    result = _json(path)
+    record = path.parent / "phase.json"
+    return {**result, "git_sha": _json(record)["commit"][:7]} if record.is_file() else result
 
 
 def gpu_file(directory: Path, collected: str, first_run: str) -> Path:
@@ -400,10 +408,7 @@ def throughput_modernbert_gpu() -> str:
 
 
 def _modernbert_rows(path: Path) -> str:
-    result = _json(path)
-    record = path.parent / "phase.json"  # a lent machine's tree has no .git of its own: the phase names the commit
-    if record.is_file():
-        result = {**result, "git_sha": _json(record)["commit"][:7]}
+    result = _gpu_result(path)
     rows = ["| system | tokens/s | × ModernBertForMaskedLM | model GFLOP / step | × its FLOPs | MFU "
             "| peak memory (MiB) |", "|---|---|---|---|---|---|---|"]
     by_system = {r["system"]: r for r in result["results"]}

@@ -142,9 +142,15 @@ def test_the_cpu_twin_replays_what_the_model_computes(preset, extra, seed):
     assert (graphs.eager_batches, graphs.replayed_batches, len(graphs.recordings)) == (1, 3, 1)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
+    recording = next(iter(graphs.recordings.values()))
     for (name, a), b in zip(replayed.named_parameters(), eager.parameters()):
         assert torch.equal(a.grad, b.grad), name
-        assert not any(a.grad.data_ptr() == g.data_ptr() for g in next(iter(graphs.recordings.values())).grads)
+        assert not any(a.grad.data_ptr() == g.data_ptr() for g in recording.grads)
+    # the recorded passes read leaves of their own on the parameters' memory: a parameter's gradient sink, made on
+    # CUDA's legacy stream outside any capture, would make the captured backward wait on that stream
+    assert [leaf.data_ptr() for leaf in recording.leaves] == [p.data_ptr() for p in recording.params]
+    assert not any(leaf is p for leaf, p in zip(recording.leaves, recording.params))
+    assert all(leaf.grad_fn is None and leaf.requires_grad for leaf in recording.leaves)
 
 
 @pytest.mark.parametrize("preset, extra", [("3ml", {}), ("mlm", {"norm_position": "pre"}),
