@@ -4,9 +4,9 @@ Backends, in order of preference (`auto`):
 - `flash`: flash_attn.flash_attn_varlen_func (CUDA, the optional `gpu` extra).
 - `torch_varlen`: torch.nn.attention.varlen.varlen_attn (CUDA, in torch; no attention dropout, so skipped when
   dropout_p > 0).
-- `flex`: torch's FlexAttention, compiled (CUDA): the document mask as a block mask and the relative position bias
-  as a score_mod; no attention dropout. The default with a relative bias on CUDA when attention dropout is 0. On CPU
-  torch runs it eagerly and forward only (never chosen automatically there).
+- `flex`: torch's FlexAttention, compiled (CUDA; fastmae.flex): the document mask as a block mask and the relative
+  position bias as a score_mod; no attention dropout. The default with a relative bias on CUDA when attention
+  dropout is 0. On CPU torch runs it eagerly and forward only (never chosen automatically there).
 - `nested`: torch SDPA over nested jagged tensors (any device; on CUDA meant to reach the flash kernel with dropout
   and no padding, but measured slower than `padded`: see CUDA_DROPOUT_BACKEND).
 - `padded`: torch SDPA over a padded view with a key mask (any device). On CPU the default without attention
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .banded import Band, banded_attention
 from .dropout import drop_mask
+from .flex import document_block_mask, flex_varlen
 from .positions import rotary_tables
 
 BACKENDS = ("auto", "flash", "torch_varlen", "flex", "padded", "nested", "math", "reference")
@@ -155,71 +156,6 @@ def _torch_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, sca
     return varlen_attn(q, k, v, mq.cu_seqlens, mk.cu_seqlens, mq.max_seqlen, mk.max_seqlen, scale=scale)
 
 
-class FlexAttention(NamedTuple):
-    """torch's FlexAttention: create_block_mask, the eager flex_attention and a compiled one."""
-
-    create_block_mask: object
-    eager: object
-    compiled: object
-
-
-_flex_attention: FlexAttention | None = None
-
-
-def flex_attention_api() -> FlexAttention:
-    """torch's FlexAttention, imported at first use: the import pulls in dynamo and inductor, 3.5 of the 7.5 s that
-    importing the trainer took on a 2-core CPU, in every process of every run that never uses it."""
-    global _flex_attention
-    if _flex_attention is None:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        # the compiled one compiles at its first call (CUDA)
-        _flex_attention = FlexAttention(create_block_mask, flex_attention, torch.compile(flex_attention, dynamic=True))
-    return _flex_attention
-
-
-def document_block_mask(mq: VarlenMeta, mk: VarlenMeta, window: int | None = None):
-    """FlexAttention's BlockMask over packed rows: query row i sees key row j when both are in the same sequence
-    and, with `window`, their original positions are at most `window` apart (blocks of 128 x 128 rows that hold no
-    such pair are skipped: a local layer then computes about its window's share of the pairs)."""
-    seq_q = (mq.padded_index // mq.max_seqlen).to(torch.int32)
-    seq_k = (mk.padded_index // mk.max_seqlen).to(torch.int32)
-    pos_q, pos_k = mq.positions, mk.positions
-
-    def same_sequence(batch, head, q_row, k_row):
-        return seq_q[q_row] == seq_k[k_row]
-
-    def within_window(batch, head, q_row, k_row):
-        return (seq_q[q_row] == seq_k[k_row]) & ((pos_q[q_row] - pos_k[k_row]).abs() <= window)
-    # on CUDA built compiled, block by block: eagerly it evaluates every (row, row) pair of the packed stream at once
-    # (16 GiB at 65,536 rows: out of memory on an H100)
-    return flex_attention_api().create_block_mask(same_sequence if window is None else within_window, None, None,
-                                                  seq_q.numel(), seq_k.numel(), device=seq_q.device,
-                                                  _compile=seq_q.is_cuda)
-
-
-def _flex(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
-    if dropout_p:
-        raise ValueError("attention backend 'flex' has no attention dropout; use model.attention_dropout 0 or the "
-                         "'padded' backend")
-    on_cuda = q.device.type == "cuda"
-    if not on_cuda and torch.is_grad_enabled() and q.requires_grad:
-        raise ValueError(f"attention backend 'flex' runs forward only on {q.device.type} (torch has no FlexAttention "
-                         "backward there); use 'padded' to train")
-    block_mask = document_block_mask(mq, mk) if bias is None else bias.block_mask
-    score_mod = None
-    if bias is not None and bias.window is None:  # a window is all in the block mask: no per-score lookup
-        pos_q, pos_k = mq.positions, mk.positions
-
-        def score_mod(score, batch, head, q_row, k_row):
-            return score + bias.lookup(pos_k[k_row] - pos_q[q_row])[head].to(score.dtype)
-    rows_first = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, T, D]: one long row of packed sequences
-    flex = flex_attention_api()
-    run = flex.compiled if on_cuda else flex.eager  # eager: the unfused reference implementation
-    out = run(*rows_first, score_mod=score_mod, block_mask=block_mask, scale=scale)
-    return out[0].transpose(0, 1)
-
-
 def _to_padded(x: torch.Tensor, meta: VarlenMeta) -> torch.Tensor:
     """[T, heads, D] -> [B, heads, max_seqlen, D], zeros in the padding (a view when there is none)."""
     padded = x
@@ -312,7 +248,7 @@ def varlen_attention_reference(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_
     return torch.cat(outs)
 
 
-_IMPLS = {"flash": _flash, "torch_varlen": _torch_varlen, "flex": _flex, "padded": _padded, "nested": _nested,
+_IMPLS = {"flash": _flash, "torch_varlen": _torch_varlen, "flex": flex_varlen, "padded": _padded, "nested": _nested,
           "math": _math,
           "reference": varlen_attention_reference}
 

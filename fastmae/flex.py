@@ -1,0 +1,109 @@
+"""FlexAttention for packed varlen streams: the `flex` backend of fastmae.attention (ARCHITECTURE.md section 4).
+
+One long row of packed sequences, padded to whole blocks, with a BlockMask that keeps attention within each sequence
+and, for a local layer, within its window of original positions; a relative position bias as a score_mod. Compiled on
+CUDA; on CPU torch runs it eagerly and forward only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .attention import StreamBias, VarlenMeta
+
+
+class FlexAttention(NamedTuple):
+    """torch's FlexAttention: create_block_mask, the eager flex_attention and a compiled one."""
+
+    create_block_mask: object
+    eager: object
+    compiled: object
+
+
+_flex_attention: FlexAttention | None = None
+
+
+def flex_attention_api() -> FlexAttention:
+    """torch's FlexAttention, imported at first use: the import pulls in dynamo and inductor, 3.5 of the 7.5 s that
+    importing the trainer took on a 2-core CPU, in every process of every run that never uses it."""
+    global _flex_attention
+    if _flex_attention is None:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        # the compiled one compiles at its first call (CUDA)
+        _flex_attention = FlexAttention(create_block_mask, flex_attention, torch.compile(flex_attention, dynamic=True))
+    return _flex_attention
+
+
+FLEX_BLOCK = 128
+"""FlexAttention's block of rows (its block mask's default). `flex_varlen` pads every stream to whole blocks and tells
+the compiled kernel so (`IS_DIVISIBLE`): compiled for dynamic shapes it cannot know a length is a multiple of the block,
+and then bounds-checks every load (a local layer's forward 2.4x slower than compiled for its static shape, H200:
+benchmarks/results/gpu/NVIDIA_H200/phases.md)."""
+
+
+def _flex_rows(meta: VarlenMeta, filler: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stream's sequence ids and positions as FlexAttention sees its rows: padded to whole FLEX_BLOCKs, the filler
+    rows in sequence `filler` (negative: none of the stream's) at position 0."""
+    seq = (meta.padded_index // meta.max_seqlen).to(torch.int32)
+    fill = -seq.numel() % FLEX_BLOCK
+    return F.pad(seq, (0, fill), value=filler), F.pad(meta.positions, (0, fill))
+
+
+def document_block_mask(mq: VarlenMeta, mk: VarlenMeta, window: int | None = None):
+    """FlexAttention's BlockMask over packed rows padded to whole blocks (`_flex_rows`): query row i sees key row j
+    when both are in the same sequence and, with `window`, their original positions are at most `window` apart
+    (blocks of 128 x 128 rows that hold no such pair are skipped: a local layer then computes about its window's share
+    of the pairs); a filler row sees nothing and is seen by none."""
+    (seq_q, pos_q), (seq_k, pos_k) = _flex_rows(mq, -1), _flex_rows(mk, -2)
+
+    def same_sequence(batch, head, q_row, k_row):
+        return seq_q[q_row] == seq_k[k_row]
+
+    def within_window(batch, head, q_row, k_row):
+        return (seq_q[q_row] == seq_k[k_row]) & ((pos_q[q_row] - pos_k[k_row]).abs() <= window)
+    # on CUDA built compiled, block by block: eagerly it evaluates every (row, row) pair of the packed stream at once
+    # (16 GiB at 65,536 rows: out of memory on an H100)
+    return flex_attention_api().create_block_mask(same_sequence if window is None else within_window, None, None,
+                                                  seq_q.numel(), seq_k.numel(), device=seq_q.device,
+                                                  _compile=seq_q.is_cuda)
+
+
+def _whole_blocks(x: torch.Tensor) -> torch.Tensor:
+    """Packed rows [T, heads, D] padded with zero rows to whole FLEX_BLOCKs (the block mask masks them out). Traced
+    (train.compile), always padded: a branch on the length would recompile for each."""
+    fill = -x.shape[0] % FLEX_BLOCK
+    return F.pad(x, (0, 0, 0, 0, 0, fill)) if fill or torch.compiler.is_compiling() else x
+
+
+def flex_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float,
+                bias: StreamBias | None = None):
+    """The `flex` backend of `attention.varlen_attention`: q [Tq, heads, D] attends k, v [Tk, heads, D] within each
+    packed sequence, `bias` (a StreamBias built for flex) as its block mask and score_mod."""
+    if dropout_p:
+        raise ValueError("attention backend 'flex' has no attention dropout; use model.attention_dropout 0 or the "
+                         "'padded' backend")
+    on_cuda = q.device.type == "cuda"
+    if not on_cuda and torch.is_grad_enabled() and q.requires_grad:
+        raise ValueError(f"attention backend 'flex' runs forward only on {q.device.type} (torch has no FlexAttention "
+                         "backward there); use 'padded' to train")
+    block_mask = document_block_mask(mq, mk) if bias is None else bias.block_mask
+    score_mod = None
+    if bias is not None and bias.window is None:  # a window is all in the block mask: no per-score lookup
+        pos_q, pos_k = _flex_rows(mq, -1)[1], _flex_rows(mk, -2)[1]
+
+        def score_mod(score, batch, head, q_row, k_row):
+            return score + bias.lookup(pos_k[k_row] - pos_q[q_row])[head].to(score.dtype)
+    rows = q.shape[0]
+    rows_first = [_whole_blocks(t).transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, T, D]: one long row
+    flex = flex_attention_api()
+    if on_cuda:
+        out = flex.compiled(*rows_first, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                            kernel_options={"IS_DIVISIBLE": True})
+    else:  # the unfused reference implementation
+        out = flex.eager(*rows_first, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    return out[0].transpose(0, 1)[:rows]
