@@ -122,7 +122,8 @@ PHASES = (
                                        "--name", "throughput_modernbert_gpu"),
              keeps=tuple(f"benchmarks/results/throughput_modernbert_gpu.{ext}" for ext in ("json", "md", "png"))),
         Step("local_attention", (PY, "benchmarks/local_attention.py"),
-             keeps=("benchmarks/results/local_attention.json", "benchmarks/results/local_attention.md")),
+             keeps=("benchmarks/results/local_attention.json", "benchmarks/results/local_attention_flex.json",
+                    "benchmarks/results/local_attention_flex.md")),
     )),
     Phase("kernels", 6, "every Triton kernel compiled for this GPU against its torch reference; their speed", (
         Step("kernel_tests", _pytest("-n", "8", "-m", "not large", "tests/kernels")),
