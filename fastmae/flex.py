@@ -54,11 +54,12 @@ def _flex_rows(meta: VarlenMeta, filler: int) -> tuple[torch.Tensor, torch.Tenso
     return F.pad(seq, (0, fill), value=filler), F.pad(meta.positions, (0, fill))
 
 
-def document_block_mask(mq: VarlenMeta, mk: VarlenMeta, window: int | None = None):
+def document_block_mask(mq: VarlenMeta, mk: VarlenMeta, window: int | None = None, kv_block: int = FLEX_BLOCK):
     """FlexAttention's BlockMask over packed rows padded to whole blocks (`_flex_rows`): query row i sees key row j
     when both are in the same sequence and, with `window`, their original positions are at most `window` apart
-    (blocks of 128 x 128 rows that hold no such pair are skipped: a local layer then computes about its window's share
-    of the pairs); a filler row sees nothing and is seen by none."""
+    (blocks of 128 x `kv_block` rows that hold no such pair are skipped: a local layer then computes about its
+    window's share of the pairs); a filler row sees nothing and is seen by none. `kv_block` must divide FLEX_BLOCK
+    (a kernel then needs its BLOCK_N to divide `kv_block`)."""
     (seq_q, pos_q), (seq_k, pos_k) = _flex_rows(mq, -1), _flex_rows(mk, -2)
 
     def same_sequence(batch, head, q_row, k_row):
@@ -70,7 +71,7 @@ def document_block_mask(mq: VarlenMeta, mk: VarlenMeta, window: int | None = Non
     # (16 GiB at 65,536 rows: out of memory on an H100)
     return flex_attention_api().create_block_mask(same_sequence if window is None else within_window, None, None,
                                                   seq_q.numel(), seq_k.numel(), device=seq_q.device,
-                                                  _compile=seq_q.is_cuda)
+                                                  BLOCK_SIZE=(FLEX_BLOCK, kv_block), _compile=seq_q.is_cuda)
 
 
 def _whole_blocks(x: torch.Tensor) -> torch.Tensor:
