@@ -42,8 +42,9 @@ def flex_attention_api() -> FlexAttention:
 FLEX_BLOCK = 128
 """FlexAttention's block of rows (its block mask's default). `flex_varlen` pads every stream to whole blocks and tells
 the compiled kernel so (`IS_DIVISIBLE`): compiled for dynamic shapes it cannot know a length is a multiple of the block,
-and then bounds-checks every load (a local layer's forward 2.4x slower than compiled for its static shape, H200:
-benchmarks/results/gpu/NVIDIA_H200/phases.md)."""
+and then bounds-checks every load. Compiled for its static shape, which it then knows, a local layer's forward ran 2.4x
+faster on an H200 (benchmarks/results/gpu/NVIDIA_H200/phases.md); how much of that the option gives back is
+`benchmarks/local_attention.py`'s to measure on the next GPU."""
 
 
 def _flex_rows(meta: VarlenMeta, filler: int) -> tuple[torch.Tensor, torch.Tensor]:
