@@ -47,12 +47,17 @@ faster on an H200 (benchmarks/results/gpu/NVIDIA_H200/phases.md); how much of th
 `benchmarks/local_attention.py`'s to measure on the next GPU."""
 
 
+def _whole_blocks(x: torch.Tensor, value: float = 0) -> torch.Tensor:
+    """`x`'s rows (its first dimension) padded with `value` to whole FLEX_BLOCKs. Traced (train.compile), always
+    padded: a branch on the length would recompile for each."""
+    fill = -x.shape[0] % FLEX_BLOCK
+    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, fill), value=value) if fill or torch.compiler.is_compiling() else x
+
+
 def _flex_rows(meta: VarlenMeta, filler: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A stream's sequence ids and positions as FlexAttention sees its rows: padded to whole FLEX_BLOCKs, the filler
     rows in sequence `filler` (negative: none of the stream's) at position 0."""
-    seq = (meta.padded_index // meta.max_seqlen).to(torch.int32)
-    fill = -seq.numel() % FLEX_BLOCK
-    return F.pad(seq, (0, fill), value=filler), F.pad(meta.positions, (0, fill))
+    return _whole_blocks((meta.padded_index // meta.max_seqlen).to(torch.int32), filler), _whole_blocks(meta.positions)
 
 
 def document_block_mask(mq: VarlenMeta, mk: VarlenMeta, window: int | None = None, kv_block: int = FLEX_BLOCK):
@@ -75,13 +80,6 @@ def document_block_mask(mq: VarlenMeta, mk: VarlenMeta, window: int | None = Non
                                                   BLOCK_SIZE=(FLEX_BLOCK, kv_block), _compile=seq_q.is_cuda)
 
 
-def _whole_blocks(x: torch.Tensor) -> torch.Tensor:
-    """Packed rows [T, heads, D] padded with zero rows to whole FLEX_BLOCKs (the block mask masks them out). Traced
-    (train.compile), always padded: a branch on the length would recompile for each."""
-    fill = -x.shape[0] % FLEX_BLOCK
-    return F.pad(x, (0, 0, 0, 0, 0, fill)) if fill or torch.compiler.is_compiling() else x
-
-
 def flex_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float,
                 bias: StreamBias | None = None):
     """The `flex` backend of `attention.varlen_attention`: q [Tq, heads, D] attends k, v [Tk, heads, D] within each
@@ -96,12 +94,13 @@ def flex_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale
     block_mask = document_block_mask(mq, mk) if bias is None else bias.block_mask
     score_mod = None
     if bias is not None and bias.window is None:  # a window is all in the block mask: no per-score lookup
-        pos_q, pos_k = _flex_rows(mq, -1)[1], _flex_rows(mk, -2)[1]
+        pos_q, pos_k = _whole_blocks(mq.positions), _whole_blocks(mk.positions)
 
         def score_mod(score, batch, head, q_row, k_row):
             return score + bias.lookup(pos_k[k_row] - pos_q[q_row])[head].to(score.dtype)
     rows = q.shape[0]
-    rows_first = [_whole_blocks(t).transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, T, D]: one long row
+    # [1, heads, T, D]: one long row of packed sequences, its filler rows zeros (the block mask masks them out)
+    rows_first = [_whole_blocks(t).transpose(0, 1)[None] for t in (q, k, v)]
     flex = flex_attention_api()
     if on_cuda:
         out = flex.compiled(*rows_first, score_mod=score_mod, block_mask=block_mask, scale=scale,
