@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -41,9 +42,32 @@ def gpu_kernel_time(fn, label: str, repeats: int = 3, top: int = 8) -> float:
     return gpu_kernel_profile(fn, label, repeats, top)[0]
 
 
-def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[float, float]:
-    """(GPU kernel seconds, kernels the profiler saw) per call of fn; prints the `top` busiest kernels under `label`.
-    The count tells whether the profile saw the kernels of CUDA graph replays or only their launches."""
+# What each GPU kernel of a step does, read from its name (first match wins): the profile's table by kind says which
+# non-GEMM costs a fused kernel would remove (issue 55).
+KERNEL_KINDS = (
+    ("attention", re.compile(r"sdpa|flash|fmha|attention|flex|triton_tem_fused", re.I)),
+    ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|cublas|wgmma|splitK", re.I)),
+    ("norm", re.compile(r"layer_norm|GammaBeta|rms_norm|_rows_fwd|_rows_bwd|norm", re.I)),
+    ("cross-entropy", re.compile(r"_ce_rows|cross_entropy|log_softmax|nll_loss", re.I)),
+    ("optimizer", re.compile(r"multi_tensor|adam|foreach|lamb", re.I)),
+    ("masking", re.compile(r"_rank_kernel|_compact_kernel", re.I)),
+    ("rotary", re.compile(r"rotary|rope", re.I)),
+    ("indexing", re.compile(r"index|gather|scatter|embedding", re.I)),
+    ("copy", re.compile(r"copy|memcpy|memset|cat_|CatArray|fill", re.I)),
+    ("reduction", re.compile(r"reduce", re.I)),
+    ("pointwise", re.compile(r"elementwise|gelu|dropout|triton_poi|fused|pointwise|where|mul|add", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of GPU work a kernel's name says it does (KERNEL_KINDS), or 'other'."""
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[float, float, dict]:
+    """(GPU kernel seconds, kernels the profiler saw, {kind: [ms, kernels]}) per call of fn; prints the `top` busiest
+    kernels under `label`, then the time by kind (kernel_kind). The count tells whether the profile saw the kernels of
+    CUDA graph replays or only their launches."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()  # one call outside the profile, as each measured one follows others
@@ -60,7 +84,18 @@ def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[
     print(f"{label}: {1e3 * busy:.3f} ms of GPU kernels per call; busiest:", flush=True)
     for seconds, key in kernels[:top]:
         print(f"  {1e3 * seconds:8.3f} ms  {key[:110]}", flush=True)
-    return busy, count
+    kinds: dict[str, list[float]] = {}
+    for event in events:
+        entry = kinds.setdefault(kernel_kind(event.key), [0.0, 0.0])
+        entry[0] += event.device_time_total / 1e3 / repeats
+        entry[1] += event.count / repeats
+    kinds = {kind: [round(ms, 3), round(n, 1)] for kind, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])}
+    print(f"{label} by kind: " + ", ".join(f"{kind} {ms:.2f} ms ({n:.0f})" for kind, (ms, n) in kinds.items()),
+          flush=True)
+    others = [key for _, key in kernels if kernel_kind(key) == "other"][:5]
+    if others:
+        print(f"  kind 'other' holds: {'; '.join(key[:80] for key in others)}", flush=True)
+    return busy, count, kinds
 
 
 def stamp() -> dict:
