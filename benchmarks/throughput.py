@@ -266,15 +266,19 @@ def attention_backend(system: str, config: ModelConfig, device: torch.device, pr
     """The attention backend a system's encoder runs (Hugging Face: its SDPA), and its local layers' where it has
     some."""
     from fastmae.attention import local_in_bands, resolve_backend
+    from fastmae.layers import local_backends
 
     if system in HF_SYSTEMS:
         return "hf sdpa"
     backend = None if variant in (None, "compiled", REAL_DATA, DOC_DATA, EAGER) else variant
-    names = resolve_backend(backend, device, config.attention_dropout, DTYPES[precision],
-                            biased=config.relative_attention_bias)
-    if "local" in config.layer_kinds:
-        local = resolve_backend(backend, device, config.attention_dropout, DTYPES[precision], True)
-        names += f"; local: {local}" + (" in bands" if local_in_bands(local, device, DTYPES[precision]) else "")
+    dtype = DTYPES[precision]
+    names = resolve_backend(backend, device, config.attention_dropout, dtype, biased=config.relative_attention_bias,
+                            rectangular=variant != DOC_DATA)
+    if backend is None:
+        for stream, local in local_backends(config, device, dtype, config.attention_dropout).items():
+            names += f"; local ({stream}): {local}" + (" in bands" if local_in_bands(local, device, dtype) else "")
+    elif "local" in config.layer_kinds:
+        names += f"; local: {backend}"
     return names
 
 

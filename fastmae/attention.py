@@ -1,17 +1,21 @@
 """Varlen attention over packed sequences, with its backends and rotary positions (ARCHITECTURE.md section 4).
 
-Backends, in order of preference (`auto`):
-- `flash`: flash_attn.flash_attn_varlen_func (CUDA, the optional `gpu` extra).
-- `torch_varlen`: torch.nn.attention.varlen.varlen_attn (CUDA, in torch; no attention dropout, so skipped when
-  dropout_p > 0).
+Backends (`auto` picks per device, dtype, dropout and stream: `resolve_backend`):
+- `torch_flash`: torch's own FlashAttention-2 varlen kernels (fastmae.flash; CUDA, a plain-torch twin on CPU), with
+  attention dropout and a window of rows. `auto`'s choice on CUDA in fp16/bf16 for a global layer on a stream whose
+  sequences differ in length (no padding), and for a local layer on a stream whose rows are consecutive positions
+  (mlm's input, the decoder's full stream, fine-tuning), where its window of rows is the window of positions.
+- `flash`: flash_attn.flash_attn_varlen_func (CUDA, the optional `gpu` extra; only when asked for).
+- `torch_varlen`: torch.nn.attention.varlen.varlen_attn (CUDA, in torch; no attention dropout; only when asked for).
 - `flex`: torch's FlexAttention, compiled (CUDA; fastmae.flex): the document mask as a block mask and the relative
   position bias as a score_mod; no attention dropout. The default with a relative bias on CUDA when attention
   dropout is 0. On CPU torch runs it eagerly and forward only (never chosen automatically there).
 - `nested`: torch SDPA over nested jagged tensors (any device; on CUDA meant to reach the flash kernel with dropout
-  and no padding, but measured slower than `padded`: see CUDA_DROPOUT_BACKEND).
+  and no padding, but measured slower than `padded`: see CUDA_RECTANGULAR_BACKEND).
 - `padded`: torch SDPA over a padded view with a key mask (any device). On CPU the default without attention
   dropout (see CPU_BACKEND), where a local layer's window runs in bands of rows instead (fastmae.banded); on CUDA
-  without flash-attn the default with attention dropout.
+  the default for a global layer on a rectangular stream (every sequence max_seqlen rows: the view is free), where
+  SDPA runs cuDNN's attention (see CUDA_RECTANGULAR_BACKEND), and for fp32.
 - `math`: softmax(QK^T + key mask) V over the padded view with fastmae.dropout on the probabilities. The CPU default
   with attention dropout, where SDPA falls back to its own math path and torch's slow CPU dropout.
 - `reference`: a per-sequence softmax loop, the oracle of the tests (slow, never chosen automatically).
@@ -30,17 +34,22 @@ import torch.nn.functional as F
 
 from .banded import Band, banded_attention
 from .dropout import drop_mask
+from .flash import flash_varlen
 from .flex import document_block_mask, flex_varlen
 from .positions import rotary_tables
 
-BACKENDS = ("auto", "flash", "torch_varlen", "flex", "padded", "nested", "math", "reference")
+BACKENDS = ("auto", "torch_flash", "flash", "torch_varlen", "flex", "padded", "nested", "math", "reference")
 # Measured by benchmarks/attention.py (results in benchmarks/results/attention.md), forward + backward on a 2-core
 # CPU: padded SDPA beat nested jagged SDPA at every shape tried, and `math` beat padded SDPA whenever attention
 # dropout is on (SDPA's CPU flash kernel takes no dropout).
 CPU_BACKEND, CPU_DROPOUT_BACKEND = "padded", "math"
-# CUDA without flash-attn, with attention dropout (varlen_attn takes none). Measured on an H100 (torch 2.11,
-# benchmarks/results/gpu/): a base mlm step took 0.045 s with padded SDPA and 0.194 s with nested jagged SDPA.
-CUDA_DROPOUT_BACKEND = "padded"
+# CUDA, fp16/bf16, a global layer on a rectangular stream (no padding in the view): padded SDPA runs cuDNN's fused
+# attention, which beat FlashAttention-2's varlen kernels there (scripts/flash_probe.py on an H100, torch 2.11,
+# 128 x 512 rows, 12 heads of 64, forward + backward: 1.90 ms against 2.21 with attention dropout 0.1, 1.42 against
+# 1.97 without; 128 x 256: 0.68 against 0.75). On a ragged stream the view pads every sequence to the longest, and
+# the varlen kernels win (128 sequences of 64-512 rows: 1.20 ms). Nested jagged SDPA measured far slower (a base mlm
+# step 0.194 s against 0.045 s padded, an H100).
+CUDA_RECTANGULAR_BACKEND, CUDA_RAGGED_BACKEND = "padded", "torch_flash"
 # A local layer's window on CPU's padded SDPA runs in bands (fastmae.banded) in these dtypes. Measured by
 # benchmarks/local_attention.py (benchmarks/results/local_attention.md), forward + backward at ModernBERT-base's
 # attention: in bf16 the band beat the window as a dense mask on every stream; in fp32 it lost on shortened and
@@ -60,7 +69,9 @@ class VarlenMeta(NamedTuple):
 
     cu_seqlens [B+1] int32 and max_seqlen (host int) as flash-attn takes them; padded_index [T] int64, the row of
     each token in a [B * max_seqlen] padded view; key_valid [B, max_seqlen] bool; positions [T], the original
-    position id of each token (for rotary); rotary: (cos, sin) [T, head_dim / 2] fp32 or None.
+    position id of each token (for rotary); rotary: (cos, sin) [T, head_dim / 2] fp32 or None; consecutive (host
+    bool, known where the stream is made): each sequence's rows are consecutive positions (no row was dropped), so a
+    window of positions is a window of rows.
     """
 
     cu_seqlens: torch.Tensor
@@ -69,6 +80,7 @@ class VarlenMeta(NamedTuple):
     key_valid: torch.Tensor
     positions: torch.Tensor
     rotary: tuple[torch.Tensor, torch.Tensor] | None
+    consecutive: bool = False
 
     @property
     def num_sequences(self) -> int:
@@ -81,14 +93,15 @@ class VarlenMeta(NamedTuple):
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int, seq_ids: torch.Tensor, positions: torch.Tensor,
-              rotary_dim: int = 0, rotary_base: float = 10000.0) -> VarlenMeta:
-        """Metadata of a stream given its boundaries, the sequence of each row and the rows' original positions."""
+              rotary_dim: int = 0, rotary_base: float = 10000.0, consecutive: bool = False) -> VarlenMeta:
+        """Metadata of a stream given its boundaries, the sequence of each row and the rows' original positions
+        (`consecutive`: each sequence's rows are consecutive positions)."""
         seq = seq_ids.long()
         row_in_seq = torch.arange(seq.numel(), device=seq.device) - cu_seqlens.long()[seq]
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         key_valid = torch.arange(max_seqlen, device=seq.device)[None, :] < lengths[:, None]
         rotary = rotary_tables(positions, rotary_dim, rotary_base) if rotary_dim else None
-        return cls(cu_seqlens, max_seqlen, seq * max_seqlen + row_in_seq, key_valid, positions, rotary)
+        return cls(cu_seqlens, max_seqlen, seq * max_seqlen + row_in_seq, key_valid, positions, rotary, consecutive)
 
 
 class StreamBias(NamedTuple):
@@ -96,7 +109,8 @@ class StreamBias(NamedTuple):
     *original* positions, so dropping tokens keeps every distance. Built once per step and stream pair, outside the
     layers (compiled layers take it as an input, like VarlenMeta), in the form `backend` reads: for padded SDPA and
     math the `dense` attention mask (a local window on CPU: the `band`), for flex the document `block_mask` (its
-    score_mod reads by_distance), for the reference neither.
+    score_mod reads by_distance), for torch_flash (a window on a stream of consecutive positions: the kernel's
+    window of rows) and the reference neither.
     """
 
     backend: str
@@ -116,6 +130,10 @@ class StreamBias(NamedTuple):
             raise ValueError(f"attention backend {backend!r} takes no relative position bias; choose one of "
                              f"{BIAS_BACKENDS} (or model.relative_attention_bias=false)")
         bias = cls(backend, by_distance, None, None, window)
+        if backend == "torch_flash" and not window_of_rows(mq, mk, window):
+            raise ValueError("attention backend 'torch_flash' takes a position bias only as a local window over a "
+                             "stream whose rows are consecutive positions (its window counts rows); this stream "
+                             + ("has no window" if window is None else "skips positions"))
         if backend in ("padded", "math"):
             pos_q = _to_padded(mq.positions[:, None, None], mq)[:, 0, :, 0]  # [B, S_q], padding rows at 0
             if window is not None and mq is mk and local_in_bands(backend, mq.positions.device, dtype):
@@ -148,6 +166,17 @@ def _flash(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: flo
 
     return flash_attn_varlen_func(q, k, v, mq.cu_seqlens, mk.cu_seqlens, mq.max_seqlen, mk.max_seqlen,
                                   dropout_p=dropout_p, softmax_scale=scale, causal=False)
+
+
+def _torch_flash(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
+    window = None if bias is None else bias.window
+    return flash_varlen(q, k, v, mq.cu_seqlens, mk.cu_seqlens, mq.max_seqlen, mk.max_seqlen, dropout_p, scale, window)
+
+
+def window_of_rows(mq: VarlenMeta, mk: VarlenMeta, window: int | None) -> bool:
+    """Whether a local `window` of positions on this stream pair is exactly a window of rows: self-attention on a
+    stream whose rows are consecutive positions."""
+    return window is not None and mq is mk and mq.consecutive
 
 
 def _torch_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
@@ -248,14 +277,14 @@ def varlen_attention_reference(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_
     return torch.cat(outs)
 
 
-_IMPLS = {"flash": _flash, "torch_varlen": _torch_varlen, "flex": flex_varlen, "padded": _padded, "nested": _nested,
-          "math": _math,
+_IMPLS = {"torch_flash": _torch_flash, "flash": _flash, "torch_varlen": _torch_varlen, "flex": flex_varlen,
+          "padded": _padded, "nested": _nested, "math": _math,
           "reference": varlen_attention_reference}
 
 
 def available_backends(device: torch.device | str) -> list[str]:
     """Backends that can run on `device` here (the reference always can)."""
-    names = ["padded", "nested", "math", "flex", "reference"]
+    names = ["torch_flash", "padded", "nested", "math", "flex", "reference"]
     if torch.device(device).type == "cuda":
         names = ["torch_varlen", *names]
         if _HAS_FLASH_ATTN:
@@ -263,14 +292,18 @@ def available_backends(device: torch.device | str) -> list[str]:
     return names
 
 
-BIAS_BACKENDS = ("flex", "padded", "math", "reference")
-"""Backends that add a relative position bias. `auto` picks `flex` on CUDA without attention dropout (FlexAttention
+BIAS_BACKENDS = ("torch_flash", "flex", "padded", "math", "reference")
+"""Backends that add a position bias (torch_flash: a local window over consecutive positions only). `auto` picks
+`torch_flash` for such a window on CUDA in fp16/bf16, else `flex` on CUDA without attention dropout (FlexAttention
 has none), else padded SDPA with the bias as a float mask (or `math` on CPU with dropout)."""
 
 
 def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
-                    dtype: torch.dtype = torch.bfloat16, biased: bool = False) -> str:
+                    dtype: torch.dtype = torch.bfloat16, biased: bool = False, window_rows: bool = False,
+                    rectangular: bool = True) -> str:
     """The backend `auto` (or None) means for this device, dropout, dtype and bias; explicit names are checked.
+    `window_rows`: the bias is a local window on a stream of consecutive positions (`window_of_rows`);
+    `rectangular`: every sequence of the stream has its longest's rows (VarlenMeta.is_rectangular).
 
     The CUDA varlen kernels take fp16/bf16 only; fp32 on CUDA falls back to padded SDPA.
     """
@@ -280,18 +313,20 @@ def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
     if backend != "auto":
         if backend not in available_backends(device):
             raise ValueError(f"attention backend {backend!r} is not available on {device}")
-        if biased and backend not in BIAS_BACKENDS:
-            raise ValueError(f"attention backend {backend!r} takes no relative position bias; choose one of "
-                             f"{BIAS_BACKENDS} (or model.relative_attention_bias=false)")
+        if biased and (backend not in BIAS_BACKENDS or (backend == "torch_flash" and not window_rows)):
+            raise ValueError(f"attention backend {backend!r} takes no relative position bias here; choose one of "
+                             f"{BIAS_BACKENDS} (torch_flash: a local window over consecutive positions only; or "
+                             "model.relative_attention_bias=false)")
         return backend
+    half_on_cuda = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     if biased:
+        if half_on_cuda and window_rows:
+            return "torch_flash"
         if device.type == "cuda":
             return "padded" if dropout_p else "flex"
         return CPU_DROPOUT_BACKEND if device.type == "cpu" and dropout_p else "padded"
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        if _HAS_FLASH_ATTN:
-            return "flash"
-        return "torch_varlen" if dropout_p == 0.0 else CUDA_DROPOUT_BACKEND
+    if half_on_cuda:
+        return CUDA_RECTANGULAR_BACKEND if rectangular else CUDA_RAGGED_BACKEND
     if device.type == "cpu":
         return CPU_DROPOUT_BACKEND if dropout_p else CPU_BACKEND
     return "padded"
@@ -299,7 +334,7 @@ def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
 
 PADDED_VIEW_BACKENDS = ("padded", "math")
 """Backends that lay each stream out as a padded [sequences, max_seqlen] view (the others read the packed rows)."""
-FLASH_KERNEL_BACKENDS = ("flash", "torch_varlen", "nested")  # on CUDA: flash kernels, with their head_dim limits
+FLASH_KERNEL_BACKENDS = ("torch_flash", "flash", "torch_varlen", "nested")  # on CUDA: flash kernels, head_dim limits
 FLASH_MAX_HEAD_DIM = 256
 
 
@@ -321,7 +356,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: 
     scaled scores. Returns [T_q, heads, head_dim] in q's dtype.
     """
     meta_k = meta_q if meta_k is None else meta_k
-    name = resolve_backend(backend, q.device, dropout_p, q.dtype, biased=bias is not None)
+    name = resolve_backend(backend, q.device, dropout_p, q.dtype, biased=bias is not None,
+                           window_rows=bias is not None and window_of_rows(meta_q, meta_k, bias.window),
+                           rectangular=meta_q.is_rectangular and meta_k.is_rectangular)
     if bias is not None and bias.backend != name:
         raise ValueError(f"the relative position bias was built for attention backend {bias.backend!r}, but this "
                          f"call resolves to {name!r}")

@@ -247,10 +247,11 @@ def train_one_seed(pretrained: Pretrained, task: Task, train: tuple[list, np.nda
 
 def training_attention(config: ModelConfig, device: torch.device, precision: str) -> str:
     """The attention backend fine-tuning's forward runs on `device` (fastmae/attention.py's choice for the dtype and
-    the attention dropout: on CUDA flash-attn's varlen kernel where it is installed, else padded SDPA with dropout,
-    the faster one measured there) and how it lays the batch out, for the log and results.json."""
+    the attention dropout, for the ragged batches fine-tuning packs: on CUDA in bf16 torch's FlashAttention-2 varlen
+    kernels) and how it lays the batch out, for the log and results.json."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    backend = resolve_backend(None, device, config.attention_dropout, dtype, biased=config.relative_attention_bias)
+    backend = resolve_backend(None, device, config.attention_dropout, dtype, biased=config.relative_attention_bias,
+                              rectangular=False)
     layout = "the batch padded to its longest sequence" if backend in PADDED_VIEW_BACKENDS else "packed varlen rows"
     return f"{backend} ({layout})"
 

@@ -33,6 +33,7 @@ from .batch import byte_offsets, unpack_bytes
 from .config import RunConfig
 from .errors import ConfigError
 from .hardware import DTYPES
+from .layers import local_backends
 from .masking import MaskedBatch
 from .padding import ShapeLadder
 
@@ -60,21 +61,25 @@ def plan_graphs(config: RunConfig, device: torch.device, precision: str) -> Grap
     if train.cuda_graphs == "never":
         return GraphPlan(False, "train.cuda_graphs=never")
     model = config.model
-    biased = model.relative_attention_bias or "local" in model.layer_kinds  # a position bias in some layer
-    backend = None if device.type != "cuda" else resolve_backend(
-        None, device, model.attention_dropout, DTYPES[precision], biased=biased)
+    backends = set()  # what the layers' attention runs on CUDA: the global layers', then the local layers' streams'
+    if device.type == "cuda":
+        dtype = DTYPES[precision]
+        backends.add(resolve_backend(None, device, model.attention_dropout, dtype,
+                                     biased=model.relative_attention_bias, rectangular=config.data.packing != "doc"))
+        backends.update(local_backends(model, device, dtype, model.attention_dropout).values())
+    unpaddable = sorted(backends & set(UNPADDABLE_BACKENDS))
     obstacles = [
         (device.type != "cuda", f"the device is {device.type}, not CUDA"),
         (train.zero_stage == 3, "train.zero_stage=3 gathers parameters module by module during the forward"),
         (train.activation_checkpointing, "train.activation_checkpointing recomputes layers inside the backward"),
         (train.compile, "train.compile: compiled layers guard and recompile on the host"),
-        (backend == "flex", "attention backend flex (a position bias, relative or a local window, without attention "
+        ("flex" in backends, "attention backend flex (a position bias, relative or a local window, without attention "
                             "dropout) builds a dense block mask and compiles flex_attention inside the forward, which "
                             "a capture cannot hold"),
         # padded batches lay every sequence out max_seq_len long
-        (config.data.packing == "doc" and backend in UNPADDABLE_BACKENDS,
-         f"data.packing=doc with attention backend {backend}: padded to fixed shapes, its micro-batches would attend "
-         "over sequence capacity x max_seq_len rows (flash-attn's varlen kernel reads the packed rows)"),
+        (config.data.packing == "doc" and bool(unpaddable),
+         f"data.packing=doc with attention backend {', '.join(unpaddable)}: padded to fixed shapes, its micro-batches "
+         "would attend over sequence capacity x max_seq_len rows (a varlen kernel reads the packed rows)"),
     ]
     reasons = [reason for blocked, reason in obstacles if blocked]
     if not reasons:

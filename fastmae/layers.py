@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import StreamBias, VarlenMeta, local_in_bands, resolve_backend, varlen_attention
+from .attention import StreamBias, VarlenMeta, local_in_bands, resolve_backend, varlen_attention, window_of_rows
 from .config import ModelConfig
 from .dropout import Dropout
 from .positions import apply_rotary, rotary_tables, window_by_distance
@@ -69,9 +69,11 @@ class TransformerLayer(nn.Module):
         """The attention dropout this layer applies now (none in eval mode)."""
         return self.attention_dropout if self.training else 0.0
 
-    def biased_backend(self, x: torch.Tensor) -> str:
-        """The attention backend this layer runs with a relative position bias on rows like `x`."""
-        return resolve_backend(self.attention_backend, x.device, self.attention_dropout_p, x.dtype, biased=True)
+    def biased_backend(self, x: torch.Tensor, window_rows: bool = False) -> str:
+        """The attention backend this layer runs with a position bias on rows like `x` (`window_rows`: the bias is a
+        local window over consecutive positions, attention.window_of_rows)."""
+        return resolve_backend(self.attention_backend, x.device, self.attention_dropout_p, x.dtype, biased=True,
+                               window_rows=window_rows)
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:  # GeGLU: gelu(input) * gate
@@ -107,20 +109,51 @@ def stream_views(cfg: ModelConfig, layers: nn.ModuleList, x: torch.Tensor, meta:
             if meta.rotary is not None and cfg.local_rotary_base != cfg.rotary_base:
                 layer_meta = meta._replace(rotary=rotary_tables(meta.positions, cfg.head_dim,
                                                                 cfg.local_rotary_base))
-        bias = None if table is None else StreamBias.build(table, layer_meta, layer_meta,
-                                                           layer.biased_backend(x), x.dtype, window)
+        bias = None
+        if table is not None:
+            backend = layer.biased_backend(x, window_of_rows(layer_meta, layer_meta, window))
+            bias = StreamBias.build(table, layer_meta, layer_meta, backend, x.dtype, window)
         views[layer.kind] = (layer_meta, bias)
     return views
 
 
+def local_streams(config: ModelConfig) -> tuple[bool, bool]:
+    """(whether some local layer runs on a stream of consecutive positions, whether some runs on a shortened one):
+    encoder layers [0, insert_layer) run on the visible stream, which skips the removed positions, when the
+    insertion is inside the encoder; the others on the full stream."""
+    kinds = config.layer_kinds
+    early = kinds[:config.insert_layer]
+    return "local" in kinds[len(early):], "local" in early
+
+
+def local_backends(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                   dropout_p: float) -> dict[str, str]:
+    """{'consecutive' | 'shortened': backend}: what `auto` gives the model's local layers on each kind of stream
+    they run on (empty without local layers)."""
+    consecutive, shortened = local_streams(config)
+    backends = {}
+    if consecutive:
+        backends["consecutive"] = resolve_backend(None, device, dropout_p, dtype, biased=True, window_rows=True)
+    if shortened:
+        backends["shortened"] = resolve_backend(None, device, dropout_p, dtype, biased=True)
+    return backends
+
+
 def local_attention_note(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> str | None:
-    """The log's line on which attention backend serves the local layers here, and why (None without any)."""
-    if "local" not in config.layer_kinds:
+    """The log's line on which attention backend serves the local layers here, on which streams, and why (None
+    without any)."""
+    backends = local_backends(config, device, dtype, config.attention_dropout)
+    if not backends:
         return None
-    backend = resolve_backend(None, device, config.attention_dropout, dtype, biased=True)
-    how = f"the {backend!r} backend"
-    if local_in_bands(backend, device, dtype):
-        how += f" in bands of {config.local_window // 2}-row blocks (fastmae.banded)"
+    hows = []
+    for stream, backend in backends.items():
+        how = f"{backend!r}"
+        if local_in_bands(backend, device, dtype):
+            how += f" in bands of {config.local_window // 2}-row blocks (fastmae.banded)"
+        if stream == "consecutive":
+            how += " on streams of consecutive positions (a window of rows is the window of positions)"
+        else:
+            how += " on the shortened stream (its rows skip positions: the window is a position bias)"
+        hows.append(how)
     return (f"local attention: {config.layer_kinds.count('local')} of {config.encoder_layers} encoder layers see the "
-            f"tokens within {config.local_window // 2} original positions of each token, on {how} "
-            "(the window is a position bias; flash-attn's window counts rows, which a shortened stream would shift)")
+            f"tokens within {config.local_window // 2} original positions of each token, on {'; '.join(hows)}")

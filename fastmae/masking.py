@@ -176,7 +176,8 @@ class MaskedBatch:
             cu_seqlens, padded_index, key_valid, positions = (next(moved) for _ in range(4))
             rotary = None if meta.rotary is None else rotary_tables(positions, _rotary_dim(self.config),
                                                                     self.config.rotary_base)
-            setattr(out, name, VarlenMeta(cu_seqlens, meta.max_seqlen, padded_index, key_valid, positions, rotary))
+            setattr(out, name, VarlenMeta(cu_seqlens, meta.max_seqlen, padded_index, key_valid, positions, rotary,
+                                          meta.consecutive))
         return out
 
 
@@ -186,15 +187,15 @@ def _rotary_dim(config: ModelConfig) -> int:
 
 def stream_meta(batch: PackedBatch, lengths: torch.Tensor, rows: torch.Tensor | None, config: ModelConfig,
                 max_seqlen: int) -> VarlenMeta:
-    """Layout of the sub-stream of `batch` holding `rows` (all rows when None), `lengths` [B] host counts, none
-    longer than `max_seqlen`."""
+    """Layout of the sub-stream of `batch` holding `rows` (all rows when None: its rows are consecutive
+    positions), `lengths` [B] host counts, none longer than `max_seqlen`."""
     device = batch.device
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
     torch.cumsum(lengths, 0, out=cu[1:])
     seq_ids = batch.seq_ids if rows is None else batch.seq_ids.index_select(0, rows)
     positions = batch.positions if rows is None else batch.positions.index_select(0, rows)
     return VarlenMeta.build(cu.to(device, non_blocking=True), max_seqlen, seq_ids, positions,
-                            _rotary_dim(config), config.rotary_base)
+                            _rotary_dim(config), config.rotary_base, consecutive=rows is None)
 
 
 def mask_rows(batch: PackedBatch, config: ModelConfig, predicted: torch.Tensor) -> MaskedBatch:

@@ -4,7 +4,6 @@ from tolerance import assert_as_accurate
 
 from fastmae.attention import (
     BACKENDS,
-    BIAS_BACKENDS,
     StreamBias,
     VarlenMeta,
     available_backends,
@@ -13,6 +12,8 @@ from fastmae.attention import (
 )
 from fastmae.positions import apply_rotary, relative_bias_by_distance, relative_position_buckets, rotary_tables
 
+# the backends that take any position bias (torch_flash takes a window only: tests/test_flash.py)
+POSITION_BIAS_BACKENDS = ("flex", "padded", "math")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -35,8 +36,8 @@ def backend_params(names=BACKENDS[1:-1], dtypes=None):  # all but auto and the r
                 yield pytest.param(backend, device, id=f"{backend}-{device}")
                 continue
             for dtype in dtypes:
-                if backend in ("flash", "torch_varlen") and dtype == torch.float32:
-                    continue  # they take fp16/bf16 only
+                if backend in ("flash", "torch_varlen", "torch_flash") and dtype == torch.float32:
+                    continue  # their CUDA kernels take fp16/bf16 only (torch_flash's CPU twin: tests/test_flash.py)
                 if device == "cpu" and dtype == torch.float16:
                     continue  # not a CPU training dtype
                 yield pytest.param(backend, device, dtype, id=f"{backend}-{device}-{str(dtype)[6:]}")
@@ -130,13 +131,24 @@ def test_automatic_choice_follows_device_dropout_and_dtype(monkeypatch):
     cuda = torch.device("cuda")
     assert attention.resolve_backend(None, torch.device("cpu"), 0.0, torch.float32) == attention.CPU_BACKEND
     assert attention.resolve_backend(None, torch.device("cpu"), 0.1, torch.bfloat16) == attention.CPU_DROPOUT_BACKEND
-    monkeypatch.setattr(attention, "_HAS_FLASH_ATTN", False)
-    assert attention.resolve_backend(None, cuda, 0.0, torch.bfloat16) == "torch_varlen"
-    # varlen_attn has no dropout
-    assert attention.resolve_backend(None, cuda, 0.1, torch.bfloat16) == attention.CUDA_DROPOUT_BACKEND
-    assert attention.resolve_backend(None, cuda, 0.0, torch.float32) == "padded"  # varlen kernels: half only
-    monkeypatch.setattr(attention, "_HAS_FLASH_ATTN", True)
-    assert attention.resolve_backend(None, cuda, 0.1, torch.float16) == "flash"
+    for has_flash_attn in (False, True):  # flash-attn, installed or not, runs only when asked for
+        monkeypatch.setattr(attention, "_HAS_FLASH_ATTN", has_flash_attn)
+        for dropout_p in (0.0, 0.1):  # torch's FlashAttention-2 kernels take attention dropout
+            # a rectangular stream: cuDNN's attention through padded SDPA (measured faster there); a ragged one:
+            # the varlen kernels (no padding)
+            assert attention.resolve_backend(None, cuda, dropout_p, torch.bfloat16) == "padded"
+            assert attention.resolve_backend(None, cuda, dropout_p, torch.float16, rectangular=False) == "torch_flash"
+            # a local window over consecutive positions: the kernels' window of rows
+            assert attention.resolve_backend(None, cuda, dropout_p, torch.bfloat16, biased=True,
+                                             window_rows=True) == "torch_flash"
+        assert attention.resolve_backend(None, cuda, 0.0, torch.float32, rectangular=False) == "padded"  # half only
+    # a position bias the kernels cannot take: a window over a shortened stream, or a relative bias
+    assert attention.resolve_backend(None, cuda, 0.0, torch.bfloat16, biased=True) == "flex"
+    assert attention.resolve_backend(None, cuda, 0.1, torch.bfloat16, biased=True) == "padded"
+    assert attention.resolve_backend(None, torch.device("cpu"), 0.0, torch.bfloat16, biased=True,
+                                     window_rows=True) == "padded"  # the CPU keeps its bands
+    with pytest.raises(ValueError, match="torch_flash: a local window over consecutive positions only"):
+        attention.resolve_backend("torch_flash", cuda, 0.0, torch.bfloat16, biased=True)
 
 
 def test_flash_head_dim_limits_name_the_config_fields():
@@ -150,8 +162,9 @@ def test_flash_head_dim_limits_name_the_config_fields():
 
 DROPOUT_BACKENDS = [pytest.param("math", "cpu", torch.float32, id="math-cpu-fp32"),
                     pytest.param("math", "cpu", torch.bfloat16, id="math-cpu-bf16"),
+                    pytest.param("torch_flash", "cpu", torch.float32, id="torch_flash-cpu-fp32"),  # the CPU twin
                     *(pytest.param(backend, "cuda", torch.bfloat16, id=f"{backend}-cuda-bf16")
-                      for backend in ("padded", "nested") if torch.cuda.is_available())]
+                      for backend in ("padded", "nested", "torch_flash") if torch.cuda.is_available())]
 
 
 @pytest.mark.parametrize("backend, device, dtype", DROPOUT_BACKENDS)
@@ -213,7 +226,7 @@ def _biased_run(backend, device, q_lengths, k_lengths, positions, dtype, seed, g
         return run(tested, dtype, *args), run(reference, dtype, *args), run(reference, torch.float64, *args)
 
 
-@pytest.mark.parametrize("backend, device", list(backend_params(BIAS_BACKENDS[:-1])))
+@pytest.mark.parametrize("backend, device", list(backend_params(POSITION_BIAS_BACKENDS)))
 @pytest.mark.parametrize("q_lengths, k_lengths, positions", BIAS_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("seed", [0, 1])
@@ -237,7 +250,7 @@ def test_flex_score_mod_and_document_mask_match_the_reference_on_cpu(q_lengths, 
     assert_as_accurate("flex out", got[0], plain[0], exact[0], dtype, factor=2)
 
 
-@pytest.mark.parametrize("backend, device", list(backend_params(BIAS_BACKENDS[:-1])))
+@pytest.mark.parametrize("backend, device", list(backend_params(POSITION_BIAS_BACKENDS)))
 def test_bias_table_gradient_survives_bf16(backend, device):
     """A bucket's gradient sums one term per query-key pair and head (here ~290K per bucket and head): accumulated in
     bf16 it came out 24-31% off; the lookups run in fp32, so every bucket's gradient stays within 1% of the largest

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastmae import masking
 from fastmae.attention import FLASH_KERNEL_BACKENDS, check_flash_head_dim, resolve_backend
 from fastmae.batch import pack_bytes
-from fastmae.config import RunConfig
+from fastmae.config import ModelConfig, RunConfig
 from fastmae.errors import ConfigError
 from fastmae.flat import FlatParameters
 from fastmae.graphs import StepGraphs, plan_graphs, signature
@@ -46,11 +46,11 @@ def test_the_plan_names_what_stops_graphs(monkeypatch):
     assert padded.enabled and padded.shapes is not None
     assert f"padded to {len(padded.shapes.shapes)} shapes" in padded.reason
     assert plan_graphs(run_config(), CUDA, "bf16").shapes is None
-    # padded SDPA (fp32 on CUDA; or no flash-attn with attention dropout): a padded doc batch would attend over
-    # B_cap x L rows
+    # padded SDPA (fp32 on CUDA): a padded doc batch would attend over B_cap x L rows; in bf16 a doc batch's ragged
+    # streams run torch's FlashAttention-2 varlen kernels, with or without flash-attn
     assert "attention backend padded" in plan_graphs(doc, CUDA, "fp32").reason
     monkeypatch.setattr("fastmae.attention._HAS_FLASH_ATTN", False)
-    assert "attention backend padded" in plan_graphs(doc, CUDA, "bf16").reason
+    assert plan_graphs(doc, CUDA, "bf16").enabled
     assert plan_graphs(run_config(), CUDA, "bf16").enabled
     # the relative bias without attention dropout runs FlexAttention: a block mask built and a kernel compiled inside
     # the forward, neither of which a capture holds
@@ -66,6 +66,10 @@ def test_the_plan_names_what_stops_graphs(monkeypatch):
     local = run_config()
     local.model = dataclasses.replace(local.model, global_attention_every=3, local_window=8, attention_dropout=0.0)
     assert "attention backend flex (a position bias" in plan_graphs(local, CUDA, "bf16").reason
+    # ... on a shortened stream (mae-lm's encoder); mlm's local layers see consecutive positions: torch's
+    # FlashAttention-2 kernels with their window of rows, which a capture holds (fp32: FlexAttention still)
+    local.model = ModelConfig.preset("mlm", global_attention_every=3, local_window=8, attention_dropout=0.0)
+    assert plan_graphs(local, CUDA, "bf16").enabled and not plan_graphs(local, CUDA, "fp32").enabled
     with pytest.raises(ConfigError, match="cuda_graphs=always, but train.activation_checkpointing"):
         plan_graphs(run_config(cuda_graphs="always", activation_checkpointing=True), CUDA, "bf16")
     with pytest.raises(ConfigError, match="train.cuda_graphs"):
