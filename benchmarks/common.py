@@ -49,7 +49,8 @@ KERNEL_KINDS = (
     ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|cublas|wgmma|splitK", re.I)),
     ("norm", re.compile(r"layer_norm|GammaBeta|rms_norm|_rows_fwd|_rows_bwd|norm", re.I)),
     ("cross-entropy", re.compile(r"_ce_rows|cross_entropy|log_softmax|nll_loss", re.I)),
-    ("optimizer", re.compile(r"multi_tensor|adam|foreach|lamb", re.I)),
+    # not "lamb": elementwise kernels' names hold "{lambda(int)#1}"
+    ("optimizer", re.compile(r"multi_tensor|adam|foreach|lamb(?!da)", re.I)),
     ("masking", re.compile(r"_rank_kernel|_compact_kernel", re.I)),
     ("rotary", re.compile(r"rotary|rope", re.I)),
     ("indexing", re.compile(r"index|gather|scatter|embedding", re.I)),
@@ -83,7 +84,7 @@ def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[
     count = sum(e.count for e in events) / repeats
     print(f"{label}: {1e3 * busy:.3f} ms of GPU kernels per call; busiest:", flush=True)
     for seconds, key in kernels[:top]:
-        print(f"  {1e3 * seconds:8.3f} ms  {key[:110]}", flush=True)
+        print(f"  {1e3 * seconds:8.3f} ms  {key[:170]}", flush=True)
     kinds: dict[str, list[float]] = {}
     for event in events:
         entry = kinds.setdefault(kernel_kind(event.key), [0.0, 0.0])

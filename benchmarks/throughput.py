@@ -318,7 +318,7 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
     if device.type == "cuda":
         result["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
         busy_s, result["gpu_kernels_per_step"], result["gpu_kernel_kinds"] = gpu_kernel_profile(
-            step, f"{system} [{variant or 'eager'}]", top=12)
+            step, f"{system} [{variant or 'eager'}]", top=25)
         result["gpu_busy"] = busy_s / seconds
     else:
         result["peak_memory_mib"] = _resident_mib()[1] - baseline_mib

@@ -102,7 +102,12 @@ def _pytest(*args: str) -> tuple[str, ...]:
 
 
 PHASES = (
-    Phase("smoke", 3, "captured graphs compute what eager computes; no host-device sync in a steady step", (
+    Phase("smoke", 3, "torch's FlashAttention-2 kernels compute the windowed oracle; captured graphs compute what "
+                      "eager computes; no host-device sync in a steady step", (
+        # the torch_flash backend's CUDA kernels against the oracle (global, windows; lengths no block divides),
+        # dropout redrawn from the rng state and in a recorded graph
+        Step("flash_tests", _pytest("tests/test_flash.py", "tests/test_attention.py", "-k",
+                                    "torch_flash or window or rng_state or recorded_graph or traces_whole")),
         Step("graph_tests", _pytest("tests/test_graphs.py", "-k", "captured")),
         Step("sync_tests", _pytest("tests/test_train.py", "-k", "steady_state")),
         # one 3ml base step replayed from its recording under set_sync_debug_mode("error"): step 3 of 4 (the second
@@ -125,8 +130,7 @@ PHASES = (
                                        "--name", "throughput_modernbert_gpu"),
              keeps=tuple(f"benchmarks/results/throughput_modernbert_gpu.{ext}" for ext in ("json", "md", "png"))),
         Step("local_attention", (PY, "benchmarks/local_attention.py"),
-             keeps=("benchmarks/results/local_attention.json", "benchmarks/results/local_attention_flex.json",
-                    "benchmarks/results/local_attention_flex.md")),
+             keeps=("benchmarks/results/local_attention_flex.json", "benchmarks/results/local_attention_flex.md")),
     )),
     Phase("kernels", 6, "every Triton kernel compiled for this GPU against its torch reference; their speed", (
         Step("kernel_tests", _pytest("-n", "8", "-m", "not large", "tests/kernels")),

@@ -153,3 +153,43 @@ def test_local_layers_on_consecutive_positions_run_the_window_of_rows(preset):
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="records a CUDA graph")
+def test_a_recorded_graph_redraws_dropout_on_each_replay():
+    """Recorded in a CUDA graph, the forward and backward with attention dropout draw a fresh mask on each replay,
+    from the generator's state: reseeded, the replays repeat (a resumed run's replays continue as the run's did)."""
+    meta = consecutive_meta([300, 17, 129], "cuda")
+    q, k, v = qkv(446, 0, "cuda", torch.bfloat16)
+    grad = torch.randn_like(q)
+
+    def step():
+        for leaf in (q, k, v):
+            leaf.grad = None
+        out = flash_varlen(q, k, v, meta.cu_seqlens, meta.cu_seqlens, 300, 300, dropout_p=0.2)
+        out.backward(grad)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    def replays(seed):
+        torch.cuda.manual_seed(seed)
+        results = []
+        for _ in range(2):
+            graph.replay()
+            results.append((out.clone(), k.grad.clone(), v.grad.clone()))
+        return results
+
+    first, again = replays(3), replays(3)
+    assert not torch.equal(first[0][0], first[1][0])  # each replay a fresh mask
+    for a, b in zip(first, again):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    no_dropout = flash_varlen(q, k, v, meta.cu_seqlens, meta.cu_seqlens, 300, 300)
+    assert (first[0][0] - no_dropout).abs().max() > 0.1  # not silently without dropout

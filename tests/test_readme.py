@@ -55,3 +55,23 @@ def test_the_gpu_block_reads_a_collected_phase_before_the_first_runs_files(tmp_p
     (device / "headline").mkdir(exist_ok=True)  # the real run's headline failed: no throughput there
     (device / "headline" / "throughput_headline.json").write_text(json.dumps(result))
     assert readme_table.gpu() != first and "| 123K |" in readme_table.gpu()
+
+
+def test_gpu_kernels_are_sorted_by_the_work_their_names_say():
+    """The GPU profile's table by kind (benchmarks/common.kernel_kind) on names a profile shows: an elementwise
+    kernel's "{lambda(int)#1}" is pointwise work, not an optimizer's (LAMB)."""
+    import common
+
+    names = {
+        "nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN": "gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64": "attention",
+        "pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits": "attention",
+        "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<c10::BFloat16>": "norm",
+        "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<"
+        "float, float, float, MulFunctor<float> > >(at::TensorIteratorBase&)::{lambda(int)#1}>(int)": "pointwise",
+        "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
+        "void (anonymous namespace)::indexing_backward_kernel<float, 4>(long const*)": "indexing",
+        "_ce_rows_kernel": "cross-entropy",
+        "some_kernel_of_another_kind": "other",
+    }
+    assert {name: common.kernel_kind(name) for name in names} == names
