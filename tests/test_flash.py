@@ -87,7 +87,7 @@ def test_dropout_is_redrawn_from_the_forward_rng_state(device, dtype):
     assert torch.equal(first[0], second[0]) and not torch.equal(first[0], other[0])
     # dk, dv are summed in a fixed order; the CUDA kernel adds dq's parts atomically, in any order
     assert torch.equal(first[2], second[2]) and torch.equal(first[3], second[3])
-    torch.testing.assert_close(first[1], second[1], rtol=0, atol=1e-2 if dtype != torch.float32 else 0)
+    torch.testing.assert_close(first[1], second[1], **({} if device == "cpu" else {"rtol": 2e-2, "atol": 1e-2}))
 
 
 def test_the_twin_gradient_with_dropout_and_window_is_the_derivative():
