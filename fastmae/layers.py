@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import ops
 from .attention import StreamBias, VarlenMeta, local_in_bands, resolve_backend, varlen_attention, window_of_rows
 from .config import ModelConfig
 from .dropout import Dropout
-from .positions import apply_rotary, rotary_tables, window_by_distance
+from .positions import rotary_tables, window_by_distance
 
 
 def layer_norm(config: ModelConfig) -> nn.LayerNorm:
@@ -58,8 +59,7 @@ class TransformerLayer(nn.Module):
             q = F.linear(x, w_q, b_q).view(rows, heads, head_dim)
             k, v = F.linear(context, w_kv, b_kv).view(-1, 2, heads, head_dim).unbind(1)
         if meta.rotary is not None:
-            q = apply_rotary(q, *meta.rotary)
-            k = apply_rotary(k, *meta_k.rotary)
+            q, k = ops.rotary_qk(q, k, *meta.rotary, *meta_k.rotary)
         out = varlen_attention(q, k, v, meta, meta_k, dropout_p=self.attention_dropout_p,
                                backend=self.attention_backend, bias=bias)
         return self.attn_out(out.reshape(rows, h))

@@ -40,3 +40,13 @@ select_masked = _dispatch("select_masked")
 embed_rows = _dispatch("embed_rows")
 insert_rows = _dispatch("insert_rows")
 linear_cross_entropy = _dispatch("linear_cross_entropy")
+_rotary_qk = _dispatch("rotary_qk")
+
+
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor, cos_k: torch.Tensor,
+              sin_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by their rows' rotary tables (fastmae.kernels.rotary_qk or its reference). Traced by
+    train.compile, the reference: inductor fuses its pointwise passes itself."""
+    if torch.compiler.is_compiling():
+        return kernels.rotary_qk_reference(q, k, cos_q, sin_q, cos_k, sin_k)
+    return _rotary_qk(q, k, cos_q, sin_q, cos_k, sin_k)

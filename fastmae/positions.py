@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from .kernels import apply_rotary_reference
+
 
 # ---------------------------------------------------------------------------------------------------- rotary
 def rotary_inverse_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
@@ -21,11 +23,7 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [T, heads, head_dim] by [T, head_dim / 2] tables (rotate-half layout), computed in fp32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+apply_rotary = apply_rotary_reference  # one row's rotation; the layers rotate q and k at once (ops.rotary_qk)
 
 
 # ------------------------------------------------------------------------------------ relative position bias

@@ -1,7 +1,7 @@
 """fastmae.kernels: Triton kernels for packed varlen tensors, each with a plain-torch reference.
 
 Every op comes in two implementations with the same signature: `name` (Triton; CUDA, or CPU under
-TRITON_INTERPRET=1), in the module of its topic (mask_select, rows, cross_entropy), and `name_reference` (plain
+TRITON_INTERPRET=1), in the module of its topic (mask_select, rows, cross_entropy, rotary), and `name_reference` (plain
 torch: the CPU path, the oracle of the tests, the benchmark baseline), in reference.py. The references and the
 masking hash (hashing.py) import no Triton; the Triton ops are imported on first use, so fastmae installs and trains
 on CPU where Triton is not installed (macOS, CPU-only boxes). They know no model. This folder installs as
@@ -13,15 +13,17 @@ from importlib import import_module
 from .hashing import hash32, mask_key, row_uniform_bits, uniform_bits
 from .reference import (
     MaskSelection,
+    apply_rotary_reference,
     embed_rows_reference,
     insert_rows_reference,
     linear_cross_entropy_reference,
     rank_within_sequences,
+    rotary_qk_reference,
     select_masked_reference,
 )
 
 TRITON_OPS = {"select_masked": "mask_select", "embed_rows": "rows", "insert_rows": "rows",
-              "linear_cross_entropy": "cross_entropy"}  # op -> module, imported on first use
+              "linear_cross_entropy": "cross_entropy", "rotary_qk": "rotary"}  # op -> module, imported on first use
 
 
 def __getattr__(name: str):
@@ -40,6 +42,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "MaskSelection",
+    "apply_rotary_reference",
     "embed_rows",
     "embed_rows_reference",
     "hash32",
@@ -49,6 +52,8 @@ __all__ = [
     "linear_cross_entropy_reference",
     "mask_key",
     "rank_within_sequences",
+    "rotary_qk",
+    "rotary_qk_reference",
     "row_uniform_bits",
     "select_masked",
     "select_masked_reference",

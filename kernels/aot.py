@@ -81,11 +81,22 @@ def _ce_configs():
                        dict(COMPUTE_GRAD=grad, BLOCK_V=block), cross_entropy.CE_NUM_WARPS)
 
 
+def _rotary_configs():
+    for dtype in ("fp32", "bf16", "fp16"):
+        for block in (256, 512, 1024):  # heads x head_dim / 2 up to base (384) and large (512) widths, and beyond
+            sig = dict(Q=f"*{dtype}", K=f"*{dtype}", Q_OUT=f"*{dtype}", K_OUT=f"*{dtype}", COS_Q="*fp32",
+                       SIN_Q="*fp32", COS_K="*fp32", SIN_K="*fp32", rows_q="i32", rows_k="i32", stride_q_row="i32",
+                       stride_q_head="i32", stride_k_row="i32", stride_k_head="i32", heads="i32", half="i32",
+                       sign="fp32")
+            yield ("rotary._rotary_kernel", f"{dtype} BLOCK={block}", sig, dict(BLOCK=block), 4)
+
+
 def all_configs():
     """Every (kernel, description, signature, constexprs, num_warps) the launchers can use."""
     yield from _row_configs()
     yield from _mask_configs()
     yield from _ce_configs()
+    yield from _rotary_configs()
 
 
 def _cuobjdump() -> str:

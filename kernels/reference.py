@@ -145,3 +145,16 @@ def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, bias: 
     nll = lse - logits.gather(1, safe[:, None])[:, 0]
     per_row = (1.0 - label_smoothing) * nll + label_smoothing * (lse - logits.mean(dim=-1)) + z_loss * lse * lse
     return torch.where(keep, per_row, 0.0).sum() / count
+
+
+# ------------------------------------------------------------------------------------------------- rotary
+def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by its rows' tables cos, sin [T, head_dim / 2] (rotate-half layout), in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rotary_qk_reference(q, k, cos_q, sin_q, cos_k, sin_k) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_qk` in plain torch."""
+    return apply_rotary_reference(q, cos_q, sin_q), apply_rotary_reference(k, cos_k, sin_k)
