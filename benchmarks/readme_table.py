@@ -22,6 +22,7 @@ committed script regenerates:
     mask_schedule_shapes  benchmarks/results/mask_schedule_shapes.json  python benchmarks/mask_schedule_shapes.py
     chaos        benchmarks/results/chaos.json                  python benchmarks/chaos.py
     local_attention  benchmarks/results/local_attention.json    python benchmarks/local_attention.py
+    gpu_kernel_kinds  benchmarks/results/gpu/*/**/throughput*_gpu.json  python benchmarks/throughput.py (on a GPU)
 """
 
 from __future__ import annotations
@@ -425,6 +426,32 @@ def _modernbert_rows(path: Path) -> str:
             "\n\n" + "\n".join(rows) + "\n")
 
 
+KIND_ORDER = ("gemm", "attention", "norm", "pointwise", "rotary", "copy", "indexing", "reduction", "cross-entropy",
+              "optimizer", "masking", "other")
+
+
+def gpu_kernel_kinds() -> str:
+    """Each GPU step's kernel time by kind (benchmarks/common.kernel_kind), from every GPU throughput run that
+    recorded it: where a step's non-GEMM time goes."""
+    blocks = []
+    for path in sorted((RESULTS_DIR / "gpu").rglob("throughput*_gpu.json")):
+        result = _gpu_result(path)
+        rows = [r for r in result["results"] if r.get("gpu_kernel_kinds")]
+        if not rows:
+            continue
+        lines = ["| system | backend | " + " | ".join(KIND_ORDER) + " | all kernels | step |",
+                 "|---|---|" + "---|" * (len(KIND_ORDER) + 2)]
+        for r in rows:
+            kinds = r["gpu_kernel_kinds"]
+            lines.append(f"| {r['system']} | {r['attention']} | "
+                         + " | ".join(f"{kinds[k][0]:.1f}" if k in kinds else "-" for k in KIND_ORDER)
+                         + f" | {sum(ms for ms, _ in kinds.values()):.1f} | {1e3 * r['step_s']:.1f} |")
+        blocks.append(f"{result['device']}, {_stamp(result)}, {result['sequences']} x {result['seq_len']} tokens a "
+                      f"step, {result['dtype']}, ms per step (`{path.relative_to(RESULTS_DIR.parent.parent)}`):\n\n"
+                      + "\n".join(lines) + "\n")
+    return "\n".join(blocks)
+
+
 def local_attention() -> str:
     """A local layer's attention against a global one's on this CPU (benchmarks/local_attention.py)."""
     result = _json(RESULTS_DIR / "local_attention.json")
@@ -474,7 +501,7 @@ GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth
               "mask_schedule_shapes": mask_schedule_shapes,
               "study_presets": study_presets, "micro_batch": micro_batch, "mae_lm_diagnosis": mae_lm_diagnosis,
               "throughput_modernbert": throughput_modernbert, "throughput_modernbert_gpu": throughput_modernbert_gpu,
-              "local_attention": local_attention}
+              "local_attention": local_attention, "gpu_kernel_kinds": gpu_kernel_kinds}
 
 
 def render(text: str, where: str = "README.md") -> tuple[str, list[str]]:
