@@ -22,7 +22,7 @@ committed script regenerates:
     mask_schedule_shapes  benchmarks/results/mask_schedule_shapes.json  python benchmarks/mask_schedule_shapes.py
     chaos        benchmarks/results/chaos.json                  python benchmarks/chaos.py
     local_attention  benchmarks/results/local_attention.json    python benchmarks/local_attention.py
-    gpu_kernel_kinds  benchmarks/results/gpu/*/**/throughput*_gpu.json  python benchmarks/throughput.py (on a GPU)
+    gpu_kernel_kinds  benchmarks/results/gpu/*/**/throughput*.json  python benchmarks/throughput.py (on a GPU)
 """
 
 from __future__ import annotations
@@ -434,7 +434,7 @@ def gpu_kernel_kinds() -> str:
     """Each GPU step's kernel time by kind (benchmarks/common.kernel_kind), from every GPU throughput run that
     recorded it: where a step's non-GEMM time goes."""
     blocks = []
-    for path in sorted((RESULTS_DIR / "gpu").rglob("throughput*_gpu.json")):
+    for path in sorted((RESULTS_DIR / "gpu").rglob("throughput*.json")):  # rows without kinds predate them
         result = _gpu_result(path)
         rows = [r for r in result["results"] if r.get("gpu_kernel_kinds")]
         if not rows:
