@@ -290,8 +290,8 @@ def emulate_cuda_path(counter_of) -> None:
                 return _original(self)
 
         setattr(graphs.Recording, name, replay)
-    attention.resolve_backend = lambda backend, device, dropout_p, dtype=None, biased=False: (
-        original_resolve(backend, device, dropout_p, dtype, biased) if biased else "flash")
+    attention.resolve_backend = lambda backend, device, dropout_p, dtype=None, biased=False, **stream: (
+        original_resolve(backend, device, dropout_p, dtype, biased, **stream) if biased else "flash")
 
 
 # --------------------------------------------------------------------------------------------- one system, one process

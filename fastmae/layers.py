@@ -84,13 +84,24 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None = None,
                 meta_k: VarlenMeta | None = None, bias: StreamBias | None = None) -> torch.Tensor:
         """x: [rows, H] on layout `meta`. With `context` [T_k, H] (layout meta_k), queries attend to it instead.
-        `bias`: a relative position bias added to the attention scores."""
+        `bias`: a relative position bias added to the attention scores. Each residual add and the LayerNorm after
+        it run as one op (`ops.add_layer_norm`: one Triton kernel on CUDA)."""
         if self.pre_norm:
             ctx = None if context is None else self.attn_norm(context)
-            x = x + self.dropout(self._attention(self.attn_norm(x), meta, ctx, meta_k, bias))
-            return x + self.dropout(self._ffn(self.ffn_norm(x)))
-        x = self.attn_norm(x + self.dropout(self._attention(x, meta, context, meta_k, bias)))
-        return self.ffn_norm(x + self.dropout(self._ffn(x)))
+            attended = self.dropout(self._attention(self.attn_norm(x), meta, ctx, meta_k, bias))
+            normed, x = _add_norm(attended, x, self.ffn_norm, keep_sum=True)
+            return x + self.dropout(self._ffn(normed))
+        x = _add_norm(self.dropout(self._attention(x, meta, context, meta_k, bias)), x, self.attn_norm)[0]
+        return _add_norm(self.dropout(self._ffn(x)), x, self.ffn_norm)[0]
+
+
+def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+              keep_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(norm(x + residual), x + residual if keep_sum): one op for a LayerNorm, the plain add for an Identity."""
+    if isinstance(norm, nn.LayerNorm):
+        return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, keep_sum)
+    summed = x + residual
+    return norm(summed), summed
 
 
 def stream_views(cfg: ModelConfig, layers: nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,

@@ -25,11 +25,13 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 def _dispatch(name: str):
     """An op that runs the Triton kernel `name` when its first tensor argument goes to Triton, else
-    `name_reference` (same signature). The kernel is looked up at call time: Triton is imported only when used."""
+    `name_reference` (same signature). The kernel is looked up at call time: Triton is imported only when used.
+    Traced by train.compile (the layers), the reference: inductor fuses its pointwise passes itself."""
     reference = getattr(kernels, f"{name}_reference")
 
     def op(first: torch.Tensor, *args, **kwargs):
-        return (getattr(kernels, name) if use_triton(first) else reference)(first, *args, **kwargs)
+        triton = use_triton(first) and not torch.compiler.is_compiling()
+        return (getattr(kernels, name) if triton else reference)(first, *args, **kwargs)
 
     op.__name__ = name
     op.__doc__ = f"fastmae.kernels.{name} (Triton) or {reference.__name__} (torch); see their docstrings."
@@ -40,13 +42,5 @@ select_masked = _dispatch("select_masked")
 embed_rows = _dispatch("embed_rows")
 insert_rows = _dispatch("insert_rows")
 linear_cross_entropy = _dispatch("linear_cross_entropy")
-_rotary_qk = _dispatch("rotary_qk")
-
-
-def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor, cos_k: torch.Tensor,
-              sin_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k rotated by their rows' rotary tables (fastmae.kernels.rotary_qk or its reference). Traced by
-    train.compile, the reference: inductor fuses its pointwise passes itself."""
-    if torch.compiler.is_compiling():
-        return kernels.rotary_qk_reference(q, k, cos_q, sin_q, cos_k, sin_k)
-    return _rotary_qk(q, k, cos_q, sin_q, cos_k, sin_k)
+rotary_qk = _dispatch("rotary_qk")  # q and k rotated by their rows' rotary tables
+add_layer_norm = _dispatch("add_layer_norm")  # a layer's norm(x + residual), and the sum where it is kept

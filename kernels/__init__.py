@@ -1,11 +1,11 @@
 """fastmae.kernels: Triton kernels for packed varlen tensors, each with a plain-torch reference.
 
 Every op comes in two implementations with the same signature: `name` (Triton; CUDA, or CPU under
-TRITON_INTERPRET=1), in the module of its topic (mask_select, rows, cross_entropy, rotary), and `name_reference` (plain
-torch: the CPU path, the oracle of the tests, the benchmark baseline), in reference.py. The references and the
-masking hash (hashing.py) import no Triton; the Triton ops are imported on first use, so fastmae installs and trains
-on CPU where Triton is not installed (macOS, CPU-only boxes). They know no model. This folder installs as
-`fastmae.kernels`: a top-level `kernels` would collide with the PyPI package of that name.
+TRITON_INTERPRET=1), in the module of its topic (mask_select, rows, cross_entropy, rotary, norm), and
+`name_reference` (plain torch: the CPU path, the oracle of the tests, the benchmark baseline), in reference.py. The
+references and the masking hash (hashing.py) import no Triton; the Triton ops are imported on first use, so fastmae
+installs and trains on CPU where Triton is not installed (macOS, CPU-only boxes). They know no model. This folder
+installs as `fastmae.kernels`: a top-level `kernels` would collide with the PyPI package of that name.
 """
 
 from importlib import import_module
@@ -13,6 +13,7 @@ from importlib import import_module
 from .hashing import hash32, mask_key, row_uniform_bits, uniform_bits
 from .reference import (
     MaskSelection,
+    add_layer_norm_reference,
     apply_rotary_reference,
     embed_rows_reference,
     insert_rows_reference,
@@ -23,7 +24,8 @@ from .reference import (
 )
 
 TRITON_OPS = {"select_masked": "mask_select", "embed_rows": "rows", "insert_rows": "rows",
-              "linear_cross_entropy": "cross_entropy", "rotary_qk": "rotary"}  # op -> module, imported on first use
+              "linear_cross_entropy": "cross_entropy", "rotary_qk": "rotary",
+              "add_layer_norm": "norm"}  # op -> module, imported on first use
 
 
 def __getattr__(name: str):
@@ -42,6 +44,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "MaskSelection",
+    "add_layer_norm",
+    "add_layer_norm_reference",
     "apply_rotary_reference",
     "embed_rows",
     "embed_rows_reference",

@@ -91,12 +91,33 @@ def _rotary_configs():
             yield ("rotary._rotary_kernel", f"{dtype} BLOCK={block}", sig, dict(BLOCK=block), 4)
 
 
+def _norm_configs():
+    from . import norm, rows
+
+    for hidden in (64, 1024, rows.MAX_HIDDEN):  # the smallest row, base and large models' (768, 1024), the largest
+        block, warps = rows.row_launch_config(hidden)
+        for dtype in ("fp32", "bf16"):
+            fwd = dict(X=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", B=f"*{dtype}", Y=f"*{dtype}", H_OUT=f"*{dtype}",
+                       MEAN="*fp32", RSTD="*fp32", H="i32", stride_x="i32", stride_r="i32", eps="fp32")
+            for has_bias in (0, 1):
+                for store_sum in (0, 1):
+                    yield ("norm._add_norm_fwd_kernel", f"{dtype} BLOCK_H={block} bias={has_bias} sum={store_sum}",
+                           fwd, dict(HAS_BIAS=has_bias, STORE_SUM=store_sum, BLOCK_H=block), warps)
+            bwd = dict(DY=f"*{dtype}", DH=f"*{dtype}", X=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", MEAN="*fp32",
+                       RSTD="*fp32", DX=f"*{dtype}", DR=f"*{dtype}", DW_PART="*fp32", DB_PART="*fp32", n_rows="i32",
+                       H="i32", stride_x="i32", stride_r="i32")
+            for has_dh in (0, 1):
+                yield ("norm._add_norm_bwd_kernel", f"{dtype} BLOCK_H={block} dh={has_dh}", bwd,
+                       dict(HAS_DH=has_dh, BLOCK_H=block, ROWS_PER_PROGRAM=norm.ROWS_PER_PROGRAM), warps)
+
+
 def all_configs():
     """Every (kernel, description, signature, constexprs, num_warps) the launchers can use."""
     yield from _row_configs()
     yield from _mask_configs()
     yield from _ce_configs()
     yield from _rotary_configs()
+    yield from _norm_configs()
 
 
 def _cuobjdump() -> str:

@@ -158,3 +158,10 @@ def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def rotary_qk_reference(q, k, cos_q, sin_q, cos_k, sin_k) -> tuple[torch.Tensor, torch.Tensor]:
     """`rotary_qk` in plain torch."""
     return apply_rotary_reference(q, cos_q, sin_q), apply_rotary_reference(k, cos_k, sin_k)
+
+
+# ------------------------------------------------------------------------------------------- add + LayerNorm
+def add_layer_norm_reference(x, residual, weight, bias, eps=1e-5, keep_sum=False):
+    """`add_layer_norm` in plain torch."""
+    summed = x + residual
+    return F.layer_norm(summed, summed.shape[-1:], weight, bias, eps), summed if keep_sum else None

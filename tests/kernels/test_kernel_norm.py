@@ -1,0 +1,52 @@
+"""Residual add + LayerNorm in one kernel (Triton) against its torch reference, forward and backward: with and without
+a bias, with the sum kept (pre-LN: the residual stream goes on, its gradient comes back) or not, rows of any stride."""
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE
+from fastmae.kernels import add_layer_norm, add_layer_norm_reference
+from tolerance import assert_as_accurate
+
+DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
+SHAPES = [pytest.param(1, 8, id="N1-H8"), pytest.param(37, 100, id="N37-H100"), pytest.param(40, 768, id="N40-H768"),
+          pytest.param(16384, 1024, id="N16384-H1024", marks=pytest.mark.large)]
+
+
+@pytest.mark.parametrize("rows, hidden", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("keep_sum", [False, True], ids=["post-LN", "pre-LN"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden, dtype, with_bias, keep_sum, seed):
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, hidden + 5, generator=gen)  # x as a strided view: rows hidden + 5 apart
+    residual = 3 * torch.randn(rows, hidden, generator=gen) + 1
+    weight, bias = 1 + 0.2 * torch.randn(hidden, generator=gen), 0.3 * torch.randn(hidden, generator=gen)
+    grad_y, grad_h = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
+
+    def run(fn, run_dtype):
+        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (wide, residual, weight, bias)]
+        y, h = fn(leaves[0][:, :hidden], leaves[1], leaves[2], leaves[3] if with_bias else None, 1e-5, keep_sum)
+        outs, grads = [y], [grad_y]
+        if keep_sum:
+            outs.append(h)
+            grads.append(grad_h)
+        wanted = leaves if with_bias else leaves[:3]
+        d_inputs = torch.autograd.grad(outs, wanted, [g.to(KERNEL_DEVICE, run_dtype) for g in grads])
+        return [*outs, d_inputs[0][:, :hidden], *d_inputs[1:]]
+
+    got, plain = run(add_layer_norm, dtype), run(add_layer_norm_reference, dtype)
+    exact = run(add_layer_norm_reference, torch.float64)
+    names = ["y", *(["h"] if keep_sum else []), "dx", "dresidual", "dweight", *(["dbias"] if with_bias else [])]
+    for name, g, p, e in zip(names, got, plain, exact):
+        assert_as_accurate(f"add_layer_norm {name}", g.cpu(), p.cpu(), e.cpu(), dtype,
+                           factor=2 if name in ("y", "h") else 3)
+
+
+def test_add_layer_norm_names_what_it_cannot_take():
+    x = torch.randn(4, 8, device=KERNEL_DEVICE)
+    weight = torch.ones(8, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match="one dtype"):
+        add_layer_norm(x, x.double(), weight, None)
+    with pytest.raises(ValueError, match="contiguous"):
+        add_layer_norm(x[:, ::2], x[:, ::2], weight[:4], None)
