@@ -97,8 +97,10 @@ class TransformerLayer(nn.Module):
 
 def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
               keep_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(norm(x + residual), x + residual if keep_sum): one op for a LayerNorm, the plain add for an Identity."""
-    if isinstance(norm, nn.LayerNorm):
+    """(norm(x + residual), x + residual if keep_sum): one op for a LayerNorm whose inputs and weight share a dtype,
+    else the add and the module (an Identity; under autocast, where dtypes mix and the norm runs in fp32)."""
+    if (isinstance(norm, nn.LayerNorm) and x.dtype == residual.dtype == norm.weight.dtype
+            and not torch.is_autocast_enabled(x.device.type)):
         return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, keep_sum)
     summed = x + residual
     return norm(summed), summed

@@ -50,3 +50,31 @@ def test_add_layer_norm_names_what_it_cannot_take():
         add_layer_norm(x, x.double(), weight, None)
     with pytest.raises(ValueError, match="contiguous"):
         add_layer_norm(x[:, ::2], x[:, ::2], weight[:4], None)
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_a_layer_under_autocast_adds_and_norms_as_torch_does(norm_position, monkeypatch):
+    """Fine-tuning's bf16 autocast over fp32 weights mixes dtypes at the residual add (a bf16 sublayer output, an fp32
+    stream) and runs LayerNorm in fp32: the layer keeps torch's add and norm there, with the Triton kernels on."""
+    from conftest import tiny_config
+
+    from fastmae.attention import VarlenMeta
+    from fastmae.layers import TransformerLayer
+
+    config = tiny_config("mlm", norm_position=norm_position)
+    torch.manual_seed(0)
+    layer = TransformerLayer(config, dropout=0.0, attention_dropout=0.0).to(KERNEL_DEVICE)
+    layer.attention_backend = "padded"
+    lengths = [5, 9]
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    seq_ids = torch.repeat_interleave(torch.arange(2), torch.tensor(lengths))
+    meta = VarlenMeta.build(cu.to(KERNEL_DEVICE), 9, seq_ids.to(KERNEL_DEVICE),
+                            (torch.arange(14) - cu.long()[seq_ids]).int().to(KERNEL_DEVICE), consecutive=True)
+    x = torch.randn(14, config.hidden_size, device=KERNEL_DEVICE)
+    outs = []
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("FASTMAE_KERNELS", mode)
+        with torch.autocast(KERNEL_DEVICE, dtype=torch.bfloat16):
+            outs.append(layer(x, meta))
+    assert outs[1].dtype == outs[0].dtype
+    torch.testing.assert_close(outs[1], outs[0])
