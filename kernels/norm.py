@@ -83,8 +83,8 @@ class _AddLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, keep_sum):
         rows, hidden = x.shape
-        y = torch.empty_like(x, memory_format=torch.contiguous_format)
-        h = torch.empty_like(y) if keep_sum else y  # not written without keep_sum
+        outs = torch.empty(1 + keep_sum, rows, hidden, device=x.device, dtype=x.dtype)  # one allocation for y, h
+        y, h = outs[0], outs[-1]  # h is y, and not written, without keep_sum
         stats = torch.empty(2, rows, device=x.device, dtype=torch.float32)
         block, warps = row_launch_config(hidden)
         if rows:
@@ -101,8 +101,10 @@ class _AddLayerNorm(torch.autograd.Function):
         x, residual, weight, stats = ctx.saved_tensors
         rows, hidden = x.shape
         programs = triton.cdiv(rows, ROWS_PER_PROGRAM)
-        dx, dr = (torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(2))
-        parts = torch.zeros(2, max(programs, 1), hidden, device=x.device, dtype=torch.float32)
+        dx, dr = torch.empty(2, rows, hidden, device=x.device, dtype=x.dtype).unbind(0)  # two tensors, one allocation
+        # every program writes its row of partial sums (none when there are no rows)
+        parts = (torch.empty if rows else torch.zeros)(2, max(programs, 1), hidden, device=x.device,
+                                                       dtype=torch.float32)
         has_dh = ctx.keep_sum and dh is not None
         block, warps = row_launch_config(hidden)
         if rows:

@@ -17,7 +17,8 @@ SHAPES = [pytest.param(1, 8, id="N1-H8"), pytest.param(37, 100, id="N37-H100"), 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("keep_sum", [False, True], ids=["post-LN", "pre-LN"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden, dtype, with_bias, keep_sum, seed):
+def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden, dtype, with_bias, keep_sum, seed,
+                                                                   nan_empty):
     gen = torch.Generator().manual_seed(seed)
     wide = torch.randn(rows, hidden + 5, generator=gen)  # x as a strided view: rows hidden + 5 apart
     residual = 3 * torch.randn(rows, hidden, generator=gen) + 1

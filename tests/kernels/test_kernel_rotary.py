@@ -23,7 +23,7 @@ def tables(rows, head_dim, seed):
 @pytest.mark.parametrize("rows_q, rows_k, heads, head_dim", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_rotary_qk_matches_the_reference_forward_and_backward(rows_q, rows_k, heads, head_dim, dtype, seed):
+def test_rotary_qk_matches_the_reference_forward_and_backward(rows_q, rows_k, heads, head_dim, dtype, seed, nan_empty):
     gen = torch.Generator().manual_seed(seed)
     # q, k as the QKV projection's views: rows strided over q, k and v, heads strided within a row
     qkv_q = torch.randn(rows_q, 3, heads, head_dim, generator=gen)
