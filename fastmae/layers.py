@@ -164,7 +164,8 @@ def local_attention_note(config: ModelConfig, device: torch.device, dtype: torch
         if local_in_bands(backend, device, dtype):
             how += f" in bands of {config.local_window // 2}-row blocks (fastmae.banded)"
         if stream == "consecutive":
-            how += " on streams of consecutive positions (a window of rows is the window of positions)"
+            how += " on streams of consecutive positions" + (
+                " (its window of rows is the window of positions)" if backend == "torch_flash" else "")
         else:
             how += " on the shortened stream (its rows skip positions: the window is a position bias)"
         hows.append(how)
