@@ -109,6 +109,10 @@ def _norm_configs():
             for has_dh in (0, 1):
                 yield ("norm._add_norm_bwd_kernel", f"{dtype} BLOCK_H={block} dh={has_dh}", bwd,
                        dict(HAS_DH=has_dh, BLOCK_H=block, ROWS_PER_PROGRAM=norm.ROWS_PER_PROGRAM), warps)
+    for dtype in ("fp32", "bf16"):
+        yield ("norm._sum_parts_kernel", f"{dtype}", dict(PARTS="*fp32", DW=f"*{dtype}", DB=f"*{dtype}",
+                                                          programs="i32", H="i32"),
+               dict(BLOCK_P=norm.SUM_BLOCK_P, BLOCK_H=norm.SUM_BLOCK_H), 4)
 
 
 def all_configs():
