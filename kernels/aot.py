@@ -82,33 +82,39 @@ def _ce_configs():
 
 
 def _rotary_configs():
+    from . import rows
+
     for dtype in ("fp32", "bf16", "fp16"):
         for block in (256, 512, 1024):  # heads x head_dim / 2 up to base (384) and large (512) widths, and beyond
             sig = dict(Q=f"*{dtype}", K=f"*{dtype}", Q_OUT=f"*{dtype}", K_OUT=f"*{dtype}", COS_Q="*fp32",
                        SIN_Q="*fp32", COS_K="*fp32", SIN_K="*fp32", rows_q="i32", rows_k="i32", stride_q_row="i32",
                        stride_q_head="i32", stride_k_row="i32", stride_k_head="i32", heads="i32", half="i32",
                        sign="fp32")
-            yield ("rotary._rotary_kernel", f"{dtype} BLOCK={block}", sig, dict(BLOCK=block), 4)
+            block_r, warps = rows.tile_launch(block)
+            yield ("rotary._rotary_kernel", f"{dtype} BLOCK={block}", sig, dict(BLOCK_R=block_r, BLOCK=block), warps)
 
 
 def _norm_configs():
     from . import norm, rows
 
     for hidden in (64, 1024, rows.MAX_HIDDEN):  # the smallest row, base and large models' (768, 1024), the largest
-        block, warps = rows.row_launch_config(hidden)
+        block = hidden  # a power of two: the kernels' BLOCK_H
+        block_r, warps = rows.tile_launch(block)
         for dtype in ("fp32", "bf16"):
             fwd = dict(X=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", B=f"*{dtype}", Y=f"*{dtype}", H_OUT=f"*{dtype}",
-                       MEAN="*fp32", RSTD="*fp32", H="i32", stride_x="i32", stride_r="i32", eps="fp32")
+                       MEAN="*fp32", RSTD="*fp32", n_rows="i32", H="i32", stride_x="i32", stride_r="i32", eps="fp32")
             for has_bias in (0, 1):
                 for store_sum in (0, 1):
                     yield ("norm._add_norm_fwd_kernel", f"{dtype} BLOCK_H={block} bias={has_bias} sum={store_sum}",
-                           fwd, dict(HAS_BIAS=has_bias, STORE_SUM=store_sum, BLOCK_H=block), warps)
+                           fwd, dict(HAS_BIAS=has_bias, STORE_SUM=store_sum, BLOCK_R=block_r,
+                                     BLOCK_H=block), warps)
             bwd = dict(DY=f"*{dtype}", DH=f"*{dtype}", X=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", MEAN="*fp32",
                        RSTD="*fp32", DX=f"*{dtype}", DR=f"*{dtype}", DW_PART="*fp32", DB_PART="*fp32", n_rows="i32",
                        H="i32", stride_x="i32", stride_r="i32")
             for has_dh in (0, 1):
                 yield ("norm._add_norm_bwd_kernel", f"{dtype} BLOCK_H={block} dh={has_dh}", bwd,
-                       dict(HAS_DH=has_dh, BLOCK_H=block, ROWS_PER_PROGRAM=norm.ROWS_PER_PROGRAM), warps)
+                       dict(HAS_DH=has_dh, BLOCK_R=block_r, BLOCK_H=block,
+                            TILES=max(1, norm.ROWS_PER_PROGRAM // block_r)), warps)
     for dtype in ("fp32", "bf16"):
         yield ("norm._sum_parts_kernel", f"{dtype}", dict(PARTS="*fp32", DW=f"*{dtype}", DB=f"*{dtype}",
                                                           programs="i32", H="i32"),

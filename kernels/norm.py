@@ -18,65 +18,71 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import MAX_HIDDEN, ROWS_PER_PROGRAM, row_launch_config
+from .rows import MAX_HIDDEN, ROWS_PER_PROGRAM, tile_launch
 
 
 @triton.jit
-def _summed_row(X, R, r, stride_x, stride_r, cols, mask):
-    """fp32 h of row r: x + residual, rounded to x's dtype first (what torch's add stores)."""
-    x = tl.load(X + r * stride_x + cols, mask=mask, other=0.0)
-    res = tl.load(R + r * stride_r + cols, mask=mask, other=0.0)
+def _summed_rows(X, R, rows, stride_x, stride_r, cols, mask):
+    """fp32 h [BLOCK_R, BLOCK_H] of `rows`: x + residual, rounded to x's dtype first (what torch's add stores)."""
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    res = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
     return (x.to(tl.float32) + res.to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
-def _add_norm_fwd_kernel(X, R, W, B, Y, H_OUT, MEAN, RSTD, H, stride_x, stride_r, eps,
-                         HAS_BIAS: tl.constexpr, STORE_SUM: tl.constexpr, BLOCK_H: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
+def _add_norm_fwd_kernel(X, R, W, B, Y, H_OUT, MEAN, RSTD, n_rows, H, stride_x, stride_r, eps,
+                         HAS_BIAS: tl.constexpr, STORE_SUM: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
-    mask = cols < H
-    h = _summed_row(X, R, r, stride_x, stride_r, cols, mask)
+    in_rows = rows < n_rows
+    mask = in_rows[:, None] & (cols[None, :] < H)
+    offsets = rows[:, None] * H + cols[None, :]
+    h = _summed_rows(X, R, rows, stride_x, stride_r, cols, mask)
     if STORE_SUM:
-        tl.store(H_OUT + r * H + cols, h.to(H_OUT.dtype.element_ty), mask=mask)
-    mean = tl.sum(h, axis=0) / H
-    hc = tl.where(mask, h - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / H + eps)
-    y = hc * rstd * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(H_OUT + offsets, h.to(H_OUT.dtype.element_ty), mask=mask)
+    mean = tl.sum(h, axis=1) / H
+    hc = tl.where(mask, h - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=1) / H + eps)
+    y = hc * rstd[:, None] * tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
-        y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + r * H + cols, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(MEAN + r, mean)
-    tl.store(RSTD + r, rstd)
+        y += tl.load(B + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=in_rows)
+    tl.store(RSTD + rows, rstd, mask=in_rows)
 
 
 @triton.jit
 def _add_norm_bwd_kernel(DY, DH, X, R, W, MEAN, RSTD, DX, DR, DW_PART, DB_PART, n_rows, H, stride_x, stride_r,
-                         HAS_DH: tl.constexpr, BLOCK_H: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr):
+                         HAS_DH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, TILES: tl.constexpr):
+    """Program p: TILES tiles of BLOCK_R rows, from row p * TILES * BLOCK_R; its partial weight and bias gradients
+    into row p of DW_PART, DB_PART."""
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
-    mask = cols < H
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
     dw = tl.zeros([BLOCK_H], dtype=tl.float32)
     db = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for i in range(ROWS_PER_PROGRAM):
-        r = pid * ROWS_PER_PROGRAM + i
-        if r < n_rows:
-            dy = tl.load(DY + r * H + cols, mask=mask, other=0.0).to(tl.float32)
-            h = _summed_row(X, R, r, stride_x, stride_r, cols, mask)
-            rstd = tl.load(RSTD + r)
-            hhat = tl.where(mask, (h - tl.load(MEAN + r)) * rstd, 0.0)
-            wdy = w * dy
-            c1 = tl.sum(hhat * wdy, axis=0) / H
-            c2 = tl.sum(wdy, axis=0) / H
-            dh = (wdy - (hhat * c1 + c2)) * rstd
-            if HAS_DH:
-                dh += tl.load(DH + r * H + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + r * H + cols, dh.to(DX.dtype.element_ty), mask=mask)
-            tl.store(DR + r * H + cols, dh.to(DR.dtype.element_ty), mask=mask)  # its own tensor: no aliased grads
-            dw += dy * hhat
-            db += dy
-    tl.store(DW_PART + pid * H + cols, dw, mask=mask)
-    tl.store(DB_PART + pid * H + cols, db, mask=mask)
+    for tile in range(TILES):
+        rows = (pid * TILES + tile) * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_rows = rows < n_rows
+        mask = in_rows[:, None] & (cols[None, :] < H)
+        offsets = rows[:, None] * H + cols[None, :]
+        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+        h = _summed_rows(X, R, rows, stride_x, stride_r, cols, mask)
+        rstd = tl.load(RSTD + rows, mask=in_rows, other=0.0)[:, None]
+        hhat = tl.where(mask, (h - tl.load(MEAN + rows, mask=in_rows, other=0.0)[:, None]) * rstd, 0.0)
+        wdy = w * dy
+        c1 = tl.sum(hhat * wdy, axis=1)[:, None] / H
+        c2 = tl.sum(wdy, axis=1)[:, None] / H
+        dh = (wdy - (hhat * c1 + c2)) * rstd
+        if HAS_DH:
+            dh += tl.load(DH + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DR + offsets, dh.to(DR.dtype.element_ty), mask=mask)  # its own tensor: no aliased gradients
+        dw += tl.sum(dy * hhat, axis=0)
+        db += tl.sum(dy, axis=0)
+    tl.store(DW_PART + pid * H + cols, dw, mask=cols < H)
+    tl.store(DB_PART + pid * H + cols, db, mask=cols < H)
 
 
 @triton.jit
@@ -117,12 +123,13 @@ class _AddLayerNorm(torch.autograd.Function):
         rows, hidden = x.shape
         y, h, stats = _carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden) if keep_sum else (0,), x.dtype),
                              ((2, rows), torch.float32))
-        block, warps = row_launch_config(hidden)
+        block = triton.next_power_of_2(hidden)
+        block_r, warps = tile_launch(block)
         if rows:
-            _add_norm_fwd_kernel[(rows,)](x, residual, weight, bias if bias is not None else weight, y, h, stats[0],
-                                          stats[1], hidden, x.stride(0), residual.stride(0), eps,
-                                          HAS_BIAS=bias is not None, STORE_SUM=keep_sum, BLOCK_H=block,
-                                          num_warps=warps)
+            _add_norm_fwd_kernel[(triton.cdiv(rows, block_r),)](
+                x, residual, weight, bias if bias is not None else weight, y, h, stats[0], stats[1], rows, hidden,
+                x.stride(0), residual.stride(0), eps, HAS_BIAS=bias is not None, STORE_SUM=keep_sum, BLOCK_R=block_r,
+                BLOCK_H=block, num_warps=warps)
         ctx.save_for_backward(x, residual, weight, stats)
         ctx.has_bias, ctx.keep_sum = bias is not None, keep_sum
         return (y, h) if keep_sum else (y, None)
@@ -131,18 +138,20 @@ class _AddLayerNorm(torch.autograd.Function):
     def backward(ctx, dy, dh):
         x, residual, weight, stats = ctx.saved_tensors
         rows, hidden = x.shape
-        programs = triton.cdiv(rows, ROWS_PER_PROGRAM)
+        block = triton.next_power_of_2(hidden)
+        block_r, warps = tile_launch(block)
+        tiles = max(1, ROWS_PER_PROGRAM // block_r)  # rows a program: at least ROWS_PER_PROGRAM (few partials)
+        programs = triton.cdiv(rows, tiles * block_r)
         # dx and dr two tensors (no aliased gradients); every program writes its row of partial sums
         dx, dr, parts, dw, db = _carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden), x.dtype),
                                        ((2, programs, hidden), torch.float32), ((hidden,), weight.dtype),
                                        ((hidden,), weight.dtype))
         has_dh = ctx.keep_sum and dh is not None
-        block, warps = row_launch_config(hidden)
         if rows:
             _add_norm_bwd_kernel[(programs,)](dy.contiguous(), dh.contiguous() if has_dh else dy, x, residual, weight,
                                               stats[0], stats[1], dx, dr, parts[0], parts[1], rows, hidden, x.stride(0),
-                                              residual.stride(0), HAS_DH=has_dh, BLOCK_H=block,
-                                              ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, num_warps=warps)
+                                              residual.stride(0), HAS_DH=has_dh, BLOCK_R=block_r, BLOCK_H=block,
+                                              TILES=tiles, num_warps=warps)
         _sum_parts_kernel[(triton.cdiv(hidden, SUM_BLOCK_H),)](parts, dw, db, programs, hidden, BLOCK_P=SUM_BLOCK_P,
                                                               BLOCK_H=SUM_BLOCK_H)
         return dx, dr, dw, db if ctx.has_bias else None, None, None

@@ -4,10 +4,10 @@
 
 for x = q (tables cos_q, sin_q) and x = k (cos_k, sin_k), in fp32, rounded once to x's dtype (the rotate-half layout;
 `apply_rotary_reference` in reference.py). Unfused, torch makes each of q and k in fp32, multiplies, concatenates,
-negates and casts back: on an H100 those passes were a quarter of a ModernBERT-base mlm step's GPU time. Here program
-r reads row r of q and of k once (every head, their last dimension contiguous, any row and head strides: the views
-the QKV projection's output gives) and writes contiguous [T, heads, head_dim] rows. The backward is the rotation by
-the opposite angle, the same kernel with the sine negated.
+negates and casts back: on an H100 those passes were a quarter of a ModernBERT-base mlm step's GPU time. Here each
+program reads a tile of rows of q and of k once (every head, their last dimension contiguous, any row and head
+strides: the views the QKV projection's output gives) and writes contiguous [T, heads, head_dim] rows. The backward
+is the rotation by the opposite angle, the same kernel with the sine negated.
 """
 
 from __future__ import annotations
@@ -16,30 +16,32 @@ import torch
 import triton
 import triton.language as tl
 
+from .rows import tile_launch
+
 
 @triton.jit
-def _rotate_rows(X, OUT, COS, SIN, r, rows, stride_row, stride_head, heads, half, sign, idx,
-                 BLOCK: tl.constexpr):
-    """Row r of X [rows, heads, 2 * half] rotated into OUT (contiguous), where r < rows."""
+def _rotate_rows(X, OUT, COS, SIN, rows, n_rows, stride_row, stride_head, heads, half, sign, idx):
+    """`rows` [BLOCK_R] of X [n_rows, heads, 2 * half] rotated into OUT (contiguous); idx [BLOCK] runs over
+    (head, feature pair)."""
     head, j = idx // half, idx % half
-    mask = (idx < heads * half) & ((idx * 0 + r) < rows)  # block-shaped: the interpreter needs one
-    cos = tl.load(COS + r * half + j, mask=mask, other=0.0)
-    sin = tl.load(SIN + r * half + j, mask=mask, other=0.0) * sign
-    src = X + r * stride_row + head * stride_head + j
+    mask = (rows[:, None] < n_rows) & (idx[None, :] < heads * half)
+    cos = tl.load(COS + rows[:, None] * half + j[None, :], mask=mask, other=0.0)
+    sin = tl.load(SIN + rows[:, None] * half + j[None, :], mask=mask, other=0.0) * sign
+    src = X + rows[:, None] * stride_row + (head * stride_head + j)[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-    dst = OUT + r * heads * 2 * half + head * 2 * half + j
+    dst = OUT + rows[:, None] * heads * 2 * half + (head * 2 * half + j)[None, :]
     tl.store(dst, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
     tl.store(dst + half, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(Q, K, Q_OUT, K_OUT, COS_Q, SIN_Q, COS_K, SIN_K, rows_q, rows_k, stride_q_row, stride_q_head,
-                   stride_k_row, stride_k_head, heads, half, sign, BLOCK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
+                   stride_k_row, stride_k_head, heads, half, sign, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     idx = tl.arange(0, BLOCK)
-    _rotate_rows(Q, Q_OUT, COS_Q, SIN_Q, r, rows_q, stride_q_row, stride_q_head, heads, half, sign, idx, BLOCK)
-    _rotate_rows(K, K_OUT, COS_K, SIN_K, r, rows_k, stride_k_row, stride_k_head, heads, half, sign, idx, BLOCK)
+    _rotate_rows(Q, Q_OUT, COS_Q, SIN_Q, rows, rows_q, stride_q_row, stride_q_head, heads, half, sign, idx)
+    _rotate_rows(K, K_OUT, COS_K, SIN_K, rows, rows_k, stride_k_row, stride_k_head, heads, half, sign, idx)
 
 
 def _rotate(q, k, cos_q, sin_q, cos_k, sin_k, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,10 +54,13 @@ def _rotate(q, k, cos_q, sin_q, cos_k, sin_k, sign: float) -> tuple[torch.Tensor
     q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
         k, memory_format=torch.contiguous_format)
     rows = max(q.shape[0], k.shape[0])
+    block = triton.next_power_of_2(heads * head_dim // 2)
+    block_r, warps = tile_launch(block)
     if rows:
-        _rotary_kernel[(rows,)](q, k, q_out, k_out, *tables, q.shape[0], k.shape[0], q.stride(0), q.stride(1),
-                                k.stride(0), k.stride(1), heads, head_dim // 2, sign,
-                                BLOCK=triton.next_power_of_2(heads * head_dim // 2))
+        _rotary_kernel[(triton.cdiv(rows, block_r),)](q, k, q_out, k_out, *tables, q.shape[0], k.shape[0],
+                                                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads,
+                                                      head_dim // 2, sign, BLOCK_R=block_r, BLOCK=block,
+                                                      num_warps=warps)
     return q_out, k_out
 
 

@@ -123,6 +123,14 @@ def row_launch_config(hidden: int) -> tuple[int, int]:
 ROWS_PER_PROGRAM = 16  # backward: rows per program, so LayerNorm weight-gradient partials stay few
 
 
+def tile_launch(block: int) -> tuple[int, int]:
+    """(rows a program takes at once, num_warps) for a row-tiled kernel (norm.py, rotary.py) over rows of `block`
+    elements: a tile of about 2,048 elements (at most 64 rows), about 8 of them a thread (16 for the widest rows).
+    Fewer, larger programs than one a row: also far cheaper under the interpreter."""
+    rows = max(1, min(64, 2048 // block))
+    return rows, max(4, min(16, rows * block // 256))
+
+
 def _placeholder(device):
     """An empty tensor passed for a pointer argument that the kernel's flags leave unused."""
     return torch.empty(0, device=device)
