@@ -14,8 +14,8 @@ SHAPES = [pytest.param(1, 8, id="N1-H8"), pytest.param(37, 100, id="N37-H100"), 
 
 @pytest.mark.parametrize("rows, hidden", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("keep_sum", [False, True], ids=["post-LN", "pre-LN"])
+@pytest.mark.parametrize("with_bias, keep_sum", [(True, False), (False, True)],  # RoBERTa's post-LN; ModernBERT's
+                         ids=["bias-post-LN", "no-bias-pre-LN"])                  # pre-LN without biases
 @pytest.mark.parametrize("seed", [0, 1])
 def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden, dtype, with_bias, keep_sum, seed,
                                                                    nan_empty):
