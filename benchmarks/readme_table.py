@@ -33,6 +33,8 @@ import re
 import sys
 from pathlib import Path
 
+from common import KERNEL_KINDS
+
 from fastmae.analyze import judged
 from fastmae.metrics import eval_table
 
@@ -426,8 +428,7 @@ def _modernbert_rows(path: Path) -> str:
             "\n\n" + "\n".join(rows) + "\n")
 
 
-KIND_ORDER = ("gemm", "attention", "norm", "pointwise", "rotary", "copy", "indexing", "reduction", "cross-entropy",
-              "optimizer", "masking", "other")
+KIND_ORDER = (*(kind for kind, _ in KERNEL_KINDS), "other")  # benchmarks/common.kernel_kind's kinds
 
 
 def gpu_kernel_kinds() -> str:

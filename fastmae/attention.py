@@ -36,7 +36,7 @@ from .banded import Band, banded_attention
 from .dropout import drop_mask
 from .flash import flash_varlen
 from .flex import document_block_mask, flex_varlen
-from .positions import rotary_tables
+from .streams import VarlenMeta
 
 BACKENDS = ("auto", "torch_flash", "flash", "torch_varlen", "flex", "padded", "nested", "math", "reference")
 # Measured by benchmarks/attention.py (results in benchmarks/results/attention.md), forward + backward on a 2-core
@@ -62,46 +62,6 @@ def local_in_bands(backend: str, device: torch.device | str, dtype: torch.dtype)
     return backend == "padded" and torch.device(device).type == "cpu" and dtype in BAND_DTYPES
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
-
-
-class VarlenMeta(NamedTuple):
-    """Layout of one packed stream, built once per step and shared by every layer that runs on it.
-
-    cu_seqlens [B+1] int32 and max_seqlen (host int) as flash-attn takes them; padded_index [T] int64, the row of
-    each token in a [B * max_seqlen] padded view; key_valid [B, max_seqlen] bool; positions [T], the original
-    position id of each token (for rotary); rotary: (cos, sin) [T, head_dim / 2] fp32 or None; consecutive (host
-    bool, known where the stream is made): each sequence's rows are consecutive positions (no row was dropped), so a
-    window of positions is a window of rows.
-    """
-
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    padded_index: torch.Tensor
-    key_valid: torch.Tensor
-    positions: torch.Tensor
-    rotary: tuple[torch.Tensor, torch.Tensor] | None
-    consecutive: bool = False
-
-    @property
-    def num_sequences(self) -> int:
-        return self.cu_seqlens.shape[0] - 1
-
-    @property
-    def is_rectangular(self) -> bool:
-        """Every sequence has max_seqlen rows (known from shapes, no device read): the padded view is a plain view."""
-        return self.padded_index.shape[0] == self.num_sequences * self.max_seqlen
-
-    @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int, seq_ids: torch.Tensor, positions: torch.Tensor,
-              rotary_dim: int = 0, rotary_base: float = 10000.0, consecutive: bool = False) -> VarlenMeta:
-        """Metadata of a stream given its boundaries, the sequence of each row and the rows' original positions
-        (`consecutive`: each sequence's rows are consecutive positions)."""
-        seq = seq_ids.long()
-        row_in_seq = torch.arange(seq.numel(), device=seq.device) - cu_seqlens.long()[seq]
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        key_valid = torch.arange(max_seqlen, device=seq.device)[None, :] < lengths[:, None]
-        rotary = rotary_tables(positions, rotary_dim, rotary_base) if rotary_dim else None
-        return cls(cu_seqlens, max_seqlen, seq * max_seqlen + row_in_seq, key_valid, positions, rotary, consecutive)
 
 
 class StreamBias(NamedTuple):

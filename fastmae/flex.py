@@ -7,13 +7,12 @@ CUDA; on CPU torch runs it eagerly and forward only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from .attention import StreamBias, VarlenMeta
+from .streams import VarlenMeta
 
 
 class FlexAttention(NamedTuple):
@@ -80,8 +79,7 @@ def document_block_mask(mq: VarlenMeta, mk: VarlenMeta, window: int | None = Non
                                                   BLOCK_SIZE=(FLEX_BLOCK, kv_block), _compile=seq_q.is_cuda)
 
 
-def flex_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float,
-                bias: StreamBias | None = None):
+def flex_varlen(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
     """The `flex` backend of `attention.varlen_attention`: q [Tq, heads, D] attends k, v [Tk, heads, D] within each
     packed sequence, `bias` (a StreamBias built for flex) as its block mask and score_mod."""
     if dropout_p:
