@@ -17,6 +17,11 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def read_json(path: Path) -> dict:
+    """A committed result's JSON."""
+    return json.loads(path.read_text())
+
+
 def median_time(fn, warmup: int = 2, repeats: int = 5, host_only: bool = False) -> float:
     """Median wall time of `fn()` in seconds, after `warmup` untimed calls (synchronising CUDA). `host_only`: until
     `fn()` returns, the device then drained untimed (the host's time to issue the work)."""

@@ -33,12 +33,11 @@ import re
 import sys
 from pathlib import Path
 
-from common import KERNEL_KINDS
+from common import KERNEL_KINDS, RESULTS_DIR, read_json
+from study_blocks import GENERATORS as STUDY_GENERATORS
 
-from fastmae.analyze import judged
 from fastmae.metrics import eval_table
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 README = RESULTS_DIR.parent.parent / "README.md"
 DOCS = README.parent / "docs"
 
@@ -49,10 +48,6 @@ def documents() -> list[Path]:
 BLOCK = re.compile(r"(<!-- results: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
 
 
-def _json(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
 def _stamp(result: dict) -> str:
     return f"{result['date'][:10]}, git {result['git_sha']}"
 
@@ -60,7 +55,7 @@ def _stamp(result: dict) -> str:
 def demo() -> str:
     """The demo's held-out curve, its baselines and its speed, from its metrics.jsonl and config."""
     records = [json.loads(line) for line in (RESULTS_DIR / "demo" / "metrics.jsonl").read_text().splitlines()]
-    info = _json(RESULTS_DIR / "demo" / "run_info.json")
+    info = read_json(RESULTS_DIR / "demo" / "run_info.json")
     evals = [r for r in records if r["kind"] == "eval"]
     train = [r for r in records if r["kind"] == "train"]
     last = evals[-1]
@@ -82,126 +77,14 @@ def demo() -> str:
             "(`metrics.jsonl`, `curves.png`, `config.yaml`, `run.md` says on what machine).\n")
 
 
-def study() -> str:
-    """The cpu-30min study's results table and the facts the README draws from it."""
-    return _study("study_cpu_30min")
-
-
-def study_base_depth() -> str:
-    """The cpu-1h study's (base's depth) results table and the facts the README draws from it."""
-    return _study("study_cpu_1h")
-
-
-def study_mask_more_or_later() -> str:
-    """The masking study's (issue 49: mlm at 15 / 30 / 50%, 30% -> 15%, 3ml at 50% and 50% -> 30%, all under WSD)
-    results table and its setting; the README's prose draws on its findings, which stay in its report."""
-    return _study("study_mask_more_or_later", findings=False)
-
-
-def continued() -> str:
-    """Continued pretraining from one mlm encoder with each objective (benchmarks/continued.py)."""
-    return _study("continued_cpu")
-
-
 def _mfu(value: float | None) -> str:
     """An MFU figure, or a dash where no measured peak stood behind it (the peak was a rate achieved)."""
     return "—" if value is None else f"{value:.2f}"
 
 
-def _study(directory: str, findings: bool = True) -> str:
-    """A committed study's table, its setting and (with `findings`) the ranks at matched loss and every finding; else
-    where the report holds them."""
-    result = _json(RESULTS_DIR / directory / "study.json")
-    setup, objectives = result["setup"], result["objectives"]
-    rows = ["| objective | steps | held-out loss (mean ± half range) | accuracy | % of mlm's compute to reach mlm's "
-            "final loss | word-order accuracy (median) | encoder's neighbour probe: best layer vs layer 0, per seed | "
-            "last-layer "
-            "epsilon rank, no `<mask>`: uncentred / centred |",
-            "|---|---|---|---|---|---|---|---|"]
-    for label, entry in objectives.items():
-        spread = entry["final_eval_loss_spread"]
-        loss = f"{entry['final_eval_loss']:.3f}" + (f" ± {spread / 2:.3f}" if spread is not None else "")
-        percent = entry["percent_of_mlm_compute_to_match"]
-        ranks = entry["effective_rank"]["real_unmasked_input"][-1]
-        centred = entry["centred_effective_rank"]["real_unmasked_input"][-1]
-        rows.append(f"| `{label}` | {', '.join(f'{s:,}' for s in entry['steps'])} | {loss} | "
-                    f"{entry['final_eval_accuracy']:.3f} | "
-                    f"{'not reached' if percent is None else f'{percent:.1f}%'} | "
-                    f"{_finetuned(entry.get('finetune'))} | {_probes(entry.get('neighbour_probe'))} | "
-                    f"{ranks:.1f} / {centred:.1f} |")
-    first = next(iter(objectives.values()))["per_seed"][0]
-    setting = ("\n".join(rows) + "\n\n"
-               f"{setup['seeds']} seeds per objective, {setup['budget']:.3g} training FLOPs per run, width "
-               f"{setup['hidden_size']}, {setup['encoder_layers']} encoder layers; held-out unigram baselines (on the "
-               f"predicted tokens) {first['unigram_entropy']:.3f} nats / accuracy {first['unigram_accuracy']:.3f}; "
-               f"device: {setup['device']}." + _lr_grid(result.get("lr_grid")))
-    if not findings:
-        return (setting + f" Artifact: `benchmarks/results/{directory}/`: `report.md` holds the ranks at matched loss "
-                "and every finding, each held to the seed spread (`study.json`, `loss_vs_flops.png`, `ranks.png`).\n")
-    return (setting + _matched(objectives)
-            + " What the report concludes, each claim held to the seed spread:\n\n"
-            + "\n".join(f"- {line}" for line in result["findings"]) + "\n\n"
-            f"Artifact: `benchmarks/results/{directory}/` (`report.md`, `study.json`, `loss_vs_flops.png`, "
-            "`ranks.png`).\n")
-
-
-def _finetuned(finetune) -> str:
-    """An objective's fine-tuned median (studies before several tasks held one dict), and how many fine-tunes did not
-    train (studies that counted them)."""
-    results = [finetune] if isinstance(finetune, dict) else finetune or []
-    return "; ".join(f"{ft['median']:.3f}" + (f" ({len(ft['did_not_train'])} of {ft['runs']} did not train)"
-                                              if ft.get("did_not_train") else "") for ft in results) or "-"
-
-
-def _probes(probes: list[dict] | None) -> str:
-    """Each seed's neighbour probe: its best layer's accuracy against the embeddings' (layer 0), the gain's z against
-    the threshold for the best of the layers, and the verdict (`fastmae.analyze.context_verdict`, applied to every
-    record however old)."""
-    if not probes:
-        return "-"
-    judged_probes = [judged(p) for p in probes]
-    return ", ".join(f"{p['probe_accuracy'][p['best_layer']]:.3f} vs {p['probe_accuracy'][0]:.3f} (z "
-                     f"{p['context_z']:.1f} of {p['z_threshold']:.1f}: "
-                     f"{'context' if p['learned_context'] else 'none shown'})" for p in judged_probes)
-
-
-def _lr_grid(grid: dict | None) -> str:
-    """The learning rate each objective trained at and the grid's held-out losses (--lr-grid), as a sentence."""
-    if not grid:
-        return ""
-    first = next(iter(grid.values()))
-    choices = [f"`{label}` {g['chosen']:g} (" + ", ".join(f"{lr}: {loss:.3f}" for lr, loss in g["losses"].items())
-               + ")" for label, g in grid.items()]
-    return (f" Learning rates, each chosen by held-out loss after {first['fraction']:g} of the budget (seed 0): "
-            + "; ".join(choices) + ".")
-
-
-def _matched(objectives: dict) -> str:
-    """Last-layer ranks of each objective at the common held-out loss, as a sentence (absent before they existed)."""
-    entries = {label: e.get("ranks_at_matched_loss") for label, e in objectives.items()}
-    if not any(entries.values()):
-        return ""
-    level = next(e for e in entries.values() if e)["level"]
-    parts = []
-    for label, matched in entries.items():
-        if matched is None or matched["excluded"]:
-            parts.append(f"`{label}` left out ({matched['excluded'] if matched else 'not measured'})")
-            continue
-        last = {key: matched["ranks"][key]["real_unmasked_input"][-1] for key in ("epsilon_rank",
-                                                                                  "centred_epsilon_rank")}
-        with_mask = matched["ranks"]["epsilon_rank"]["real_masked_input"][-1]
-        where = ", ".join(f"{step} ({loss - level:+.3f} nats from the level)"
-                          for step, loss in zip(matched["steps"], matched["losses"]))
-        parts.append(f"`{label}` {last['epsilon_rank']:.1f} / {last['centred_epsilon_rank']:.1f} (with `<mask>` "
-                     f"{with_mask:.1f}; steps {where})")
-    where = "no common level" if level is None else f"held-out loss {level:.3f}"
-    return (f" Last-layer epsilon rank of real tokens without `<mask>` at matched {where}, uncentred / centred: "
-            + "; ".join(parts) + ".")
-
-
 def throughput() -> str:
     """The CPU throughput table."""
-    result = _json(RESULTS_DIR / "throughput.json")
+    result = read_json(RESULTS_DIR / "throughput.json")
     rows = ["| size | system | attention | tokens/s | × HF | step (s) | model GFLOP / step | MFU | peak memory (MiB) |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["results"]:
@@ -219,7 +102,7 @@ def budget() -> str:
     """FLOPs per step of each recipe against the mlm step on the same layers (RoBERTa's, or ModernBERT's at 30%)."""
     rows = ["| size | objective | decoder layers | mask rate | PFLOP / step | × mlm step |",
             "|---|---|---|---|---|---|"]
-    for r in _json(RESULTS_DIR / "budget.json")["results"]:
+    for r in read_json(RESULTS_DIR / "budget.json")["results"]:
         rows.append(f"| {r['size']} | {r['objective']} | {r['decoder_layers']} | {r['mask_rate']:.0%} | "
                     f"{r['pflops_per_step']:.2f} | {r['x_roberta']:.2f} |")
     return ("\n".join(rows) + "\n\nPer step of RoBERTa's 4.2M tokens (8,192 x 512; ModernBERT's rows 4,096 x 1,024, "
@@ -229,7 +112,7 @@ def budget() -> str:
 
 def attention() -> str:
     """The CPU attention backends' ratios."""
-    result = _json(RESULTS_DIR / "attention.json")
+    result = read_json(RESULTS_DIR / "attention.json")
     nested = [r["nested / padded"] for r in result["results"]]
     math = [r["padded / math, dropout"] for r in result["results"]]
     text = (f"On CPU ({result['cpu_capability']}, {_stamp(result)}, `benchmarks/results/attention.md`), padded SDPA "
@@ -237,7 +120,7 @@ def attention() -> str:
             f"shape, and with attention dropout the `math` backend ran {min(math):.1f}x-{max(math):.1f}x faster "
             "than padded SDPA with dropout.")
     for path in sorted((RESULTS_DIR / "gpu").glob("*/attention.json")):
-        gpu = _json(path)
+        gpu = read_json(path)
         rows = gpu["results"]
         padded = [r["padded ms (dropout 0.1)"] for r in rows]
         nested_gpu = [r["nested ms (dropout 0.1)"] for r in rows]
@@ -251,7 +134,7 @@ def attention() -> str:
 
 def data_scale() -> str:
     """The largest corpus the loader was measured on."""
-    result = _json(RESULTS_DIR / "data_scale.json")
+    result = read_json(RESULTS_DIR / "data_scale.json")
     rows = ["| packing | sequences | tokens | index (MB) | peak RSS (MB) | first step (ms) | resume (ms) | "
             "per step (ms) | whole epoch (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["results"]:
@@ -263,7 +146,7 @@ def data_scale() -> str:
 
 def data() -> str:
     """Tokenising and loading rates against what a model step consumes."""
-    result = _json(RESULTS_DIR / "data.json")
+    result = read_json(RESULTS_DIR / "data.json")
     tokenise = next(r for r in result["results"] if r["stage"].startswith("prepare JSONL"))
     loaders = [r for r in result["results"] if r["stage"].startswith("loader")]
     return (f"Measured on {result['device']} ({result['cpu_capability']}), {_stamp(result)} "
@@ -289,7 +172,7 @@ def gpu() -> str:
                  "TFLOP/s GEMM peak measured in the run:\n\n" + "\n".join(rows) + "\n")
         kernels_path = gpu_file(directory, "kernels/kernels.json", "kernels.json")
         if kernels_path.is_file():
-            ce = {r["op (fwd+bwd)"]: r for r in _json(kernels_path)["results"]}["linear cross-entropy"]
+            ce = {r["op (fwd+bwd)"]: r for r in read_json(kernels_path)["results"]}["linear cross-entropy"]
             block += (f"\nThe fused cross-entropy (`linear cross-entropy` in `kernels.md`): {ce['triton GPU ms']:.1f} "
                       f"ms of GPU time, {ce['% of peak FLOP/s']:.0f}% of the data-sheet FLOP/s, {ce['speedup']:.1f}x "
                       f"torch's reference in wall time and {ce['torch MiB'] / ce['triton MiB']:.0f}x less memory.\n")
@@ -300,9 +183,9 @@ def gpu() -> str:
 def _gpu_result(path: Path) -> dict:
     """A GPU benchmark's result, stamped with the commit its phase measured (phase.json beside it), where it has one:
     the stamp's own commit is whatever `git` found on the lent machine."""
-    result = _json(path)
+    result = read_json(path)
     record = path.parent / "phase.json"
-    return {**result, "git_sha": _json(record)["commit"][:7]} if record.is_file() else result
+    return {**result, "git_sha": read_json(record)["commit"][:7]} if record.is_file() else result
 
 
 def gpu_file(directory: Path, collected: str, first_run: str) -> Path:
@@ -313,7 +196,7 @@ def gpu_file(directory: Path, collected: str, first_run: str) -> Path:
 
 def chaos() -> str:
     """Random kills and resumes per ZeRO stage: identical final weights, where the kills landed, what was left."""
-    result = _json(RESULTS_DIR / "chaos.json")
+    result = read_json(RESULTS_DIR / "chaos.json")
     rows = ["| ZeRO | trials | final weights identical | killed in start-up / training / a checkpoint write / after "
             "the end | fell back past a damaged checkpoint | processes left | half-written files left | "
             "checkpoint.keep honoured | time lost per kill (median) |", "|---|---|---|---|---|---|---|---|---|"]
@@ -333,7 +216,7 @@ def host_overhead() -> str:
     rows = ["| system | ZeRO | device ops | forward | backward | optimizer step | loss weights, sums | "
             "Triton launches | syncs |", "|---|---|---|---|---|---|---|---|---|"]
     names = ("host_overhead_zero2", "host_overhead_zero2_graphs", "host_overhead")
-    results = [_json(RESULTS_DIR / f"{name}.json") for name in names]
+    results = [read_json(RESULTS_DIR / f"{name}.json") for name in names]
     for result in results:
         # the graphs' rows come from their CPU twin, which counts each replay as one launch: modelled, not measured
         setting = f"{result['zero_stage']}{' + CUDA graphs (modelled)' if result.get('cuda_graphs') else ''}"
@@ -352,7 +235,7 @@ def host_overhead() -> str:
 
 def doc_padding() -> str:
     """What padding `doc` packing to the ladder's shapes costs over an epoch of the embedded corpus (3ml's masking)."""
-    result = _json(RESULTS_DIR / "doc_padding.json")
+    result = read_json(RESULTS_DIR / "doc_padding.json")
     rows = ["| max_seq_len | tokens per micro-batch | micro-batches | shapes used (of the ladder's) | "
             "in the commonest | filler rows | dummy predicted rows | host ms: masking / padding |",
             "|---|---|---|---|---|---|---|---|"]
@@ -369,7 +252,7 @@ def doc_padding() -> str:
 
 def mask_schedule_shapes() -> str:
     """The CUDA-graph shapes a run records while its masking rate moves, counted on the CPU twin."""
-    result = _json(RESULTS_DIR / "mask_schedule_shapes.json")
+    result = read_json(RESULTS_DIR / "mask_schedule_shapes.json")
     rows = ["| objective | masking rate | packing | rates | shapes seen | recorded | replayed | eager |",
             "|---|---|---|---|---|---|---|---|"]
     rows += [f"| {r['objective']} | {r['mask_rates']} | {r['packing']} | {r['rates']} | {r['signatures']} | "
@@ -378,25 +261,6 @@ def mask_schedule_shapes() -> str:
     return (f"{steps:,} one-micro-batch steps of the embedded corpus (512 tokens, sequences of 64), the host's "
             f"masking and padding and the graphs' recording policy only, {result['device']}, {_stamp(result)} "
             "(`benchmarks/results/mask_schedule_shapes.md`):\n\n" + "\n".join(rows) + "\n")
-
-
-def study_presets() -> str:
-    """What each CPU study preset costs per step by objective, from the committed studies' own counts, beside the
-    base recipes' (budget.json): the depth that decides whether a preset can show what the papers claim at base."""
-    rows = ["| preset | encoder (layers x width) | FLOPs per run | a 3ml step / an mlm step | a mae-lm step / an mlm "
-            "step | artifact |", "|---|---|---|---|---|---|"]
-    for directory in ("study_cpu_30min", "study_cpu_1h"):
-        result = _json(RESULTS_DIR / directory / "study.json")
-        models = result["models"]
-        rows.append(f"| `{result['setup']['preset']}` | {models['mlm']['encoder_layers']} x "
-                    f"{models['mlm']['hidden_size']} | {result['setup']['budget']:.2g} | "
-                    f"{models['3ml']['flops_per_step_vs_mlm']:.2f} | {models['mae-lm']['flops_per_step_vs_mlm']:.2f} "
-                    f"| `benchmarks/results/{directory}/` |")
-    base = {r["objective"].split(" ")[0]: r for r in _json(RESULTS_DIR / "budget.json")["results"]
-            if r["size"] == "base" and "cross" not in r["objective"]}
-    rows.append(f"| RoBERTa-base's recipes | 12 x 768 | - | {base['3ml']['x_roberta']:.2f} | "
-                f"{base['mae-lm']['x_roberta']:.2f} | `benchmarks/results/budget.json` |")
-    return "\n".join(rows) + "\n"
 
 
 def throughput_modernbert() -> str:
@@ -455,7 +319,7 @@ def gpu_kernel_kinds() -> str:
 
 def local_attention() -> str:
     """A local layer's attention against a global one's on this CPU (benchmarks/local_attention.py)."""
-    result = _json(RESULTS_DIR / "local_attention.json")
+    result = read_json(RESULTS_DIR / "local_attention.json")
     rows = ["| stream | dtype | local layers run | global ms | local ms | the window as a dense mask, ms | "
             "window's share of pairs | local / global | target (share x 1.2) | met |",
             "|---|---|---|---|---|---|---|---|---|---|"]
@@ -473,34 +337,18 @@ SIZE_SHAPES = {"small": "6 x 512", "base": "12 x 768"}
 
 def micro_batch() -> str:
     """The recipes' micro-batch from measured GPU memory (benchmarks/micro_batch.py)."""
-    result = _json(RESULTS_DIR / "micro_batch.json")
+    result = read_json(RESULTS_DIR / "micro_batch.json")
     return ("Chosen per recipe (`benchmarks/results/micro_batch.md`, "
             f"{result['budget']:.0%} of the device's {result['device_gib']:.0f} GB): "
             + "; ".join(f"`{r['recipe']}` {r['chosen_tokens']:,} tokens ({r['slope_from']})" for r in result["results"])
             + ".\n")
 
 
-def mae_lm_diagnosis() -> str:
-    """mae-lm's variants at cpu-1h's budget, one seed each: where each ended and when it left the unigram plateau."""
-    result = _json(RESULTS_DIR / "mae_lm_diagnosis" / "study.json")
-    rows = ["| run | final held-out loss | first evaluation 0.1 nats below the unigram entropy |", "|---|---|---|"]
-    for label, entry in result["objectives"].items():
-        seed = entry["per_seed"][0]
-        left = next((p["step"] for p in seed["curve"] if p["loss"] < seed["unigram_entropy"] - 0.1), None)
-        rows.append(f"| `{label}` | {entry['final_eval_loss']:.3f} | "
-                    + (f"step {left:,} of {seed['steps']:,}" if left else f"never ({seed['steps']:,} steps)") + " |")
-    entropy = next(iter(result["objectives"].values()))["per_seed"][0]["unigram_entropy"]
-    return ("\n".join(rows) + f"\n\nHeld-out unigram entropy {entropy:.3f} nats; {result['setup']['budget']:.2g} "
-            "training FLOPs per run, one seed each. Artifact: `benchmarks/results/mae_lm_diagnosis/`.\n")
-
-
-GENERATORS = {"demo": demo, "study": study, "study_base_depth": study_base_depth, "continued": continued,
-              "study_mask_more_or_later": study_mask_more_or_later,
-              "throughput": throughput,
+GENERATORS = {**STUDY_GENERATORS, "demo": demo, "throughput": throughput,
               "budget": budget, "attention": attention, "data_scale": data_scale, "data": data, "gpu": gpu,
               "host_overhead": host_overhead, "doc_padding": doc_padding, "chaos": chaos,
               "mask_schedule_shapes": mask_schedule_shapes,
-              "study_presets": study_presets, "micro_batch": micro_batch, "mae_lm_diagnosis": mae_lm_diagnosis,
+              "micro_batch": micro_batch,
               "throughput_modernbert": throughput_modernbert, "throughput_modernbert_gpu": throughput_modernbert_gpu,
               "local_attention": local_attention, "gpu_kernel_kinds": gpu_kernel_kinds}
 

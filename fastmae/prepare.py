@@ -102,7 +102,7 @@ class PrepareOptions:
     input_sentence_size: int = option(2_000_000, "lines sampled for tokenizer training (large corpora)")
     valid_fraction: float = option(0.01, "share of documents held out")
     docs_per_shard: int = option(20000, "documents per shard")
-    workers: int = option(0, "tokenising processes (0: all cores)")
+    workers: int = option(0, "tokenising processes and tokenizer-training threads (0: all cores)")
     on_decode_error: str = option("fail", "undecodable UTF-8: stop with an error, or skip the document and count it",
                                   choices=("fail", "skip"))
     seed: int = option(0, "seed of the validation split")
@@ -122,6 +122,7 @@ def prepare(inputs: list[Path], output: Path, progress: bool = True, **options) 
     if o.fmt != "builtin":
         inputs = expand_inputs([Path(p) for p in inputs], o.glob, o.fmt)
     output.mkdir(parents=True, exist_ok=True)
+    workers = max(1, o.workers or os.cpu_count() or 1)
     read = lambda stats=None: read_documents(inputs, o.fmt, o.text_field, o.text_mode, o.on_decode_error, stats)  # noqa
 
     saved = has_tokenizer(output)
@@ -135,7 +136,8 @@ def prepare(inputs: list[Path], output: Path, progress: bool = True, **options) 
             raise FastmaeError(f"no documents in {[str(p) for p in inputs] or o.fmt}: nothing to prepare")
         started = time.perf_counter()
         tokenizer = SentencePieceTokenizer(train_sentencepiece(read(), o.vocab_size, o.model_type,
-                                                               o.character_coverage, o.input_sentence_size, o.seed),
+                                                               o.character_coverage, o.input_sentence_size, o.seed,
+                                                               workers),
                                            "trained tokenizer")
         if progress:
             print(f"trained a {o.model_type} tokenizer of {tokenizer.vocab_size} pieces in "
@@ -155,7 +157,6 @@ def prepare(inputs: list[Path], output: Path, progress: bool = True, **options) 
         tokenised["bytes"] += nbytes
         bar.update(metas["train"]["documents"] + metas["valid"]["documents"])
 
-    workers = max(1, o.workers or os.cpu_count() or 1)
     context = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
     with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer.files, tokenizer.source)) as pool:
         in_flight: collections.deque = collections.deque()  # at most 2 chunks per worker held in memory

@@ -84,6 +84,8 @@ class Step:
     # files of another phase the command reads ({results} = benchmarks/results/gpu/DEVICE): on a fresh machine they
     # exist only where they were collected into the tree and travelled with it
     needs: tuple[str, ...] = ()
+    # an earlier step of the phase whose seconds this one is expected to take again: it runs only when they are left
+    fits_after: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,11 @@ class Phase:
     # ran in 3 there before its FlashAttention and fused-kernel tests, about 30 s on an H100; modernbert's steps ran in
     # about 3 on an H100, 2026-11-26, outside the phase)
     timed: bool = False
+    budget_s: int = 0  # the phase's limit, set-up included (0: PHASE_BUDGET_S)
+    # what the command line must give the phase (`--corpus PATH`: {corpus} in its steps)
+    arguments: tuple[str, ...] = ()
+    # {name} in its steps: (name, value, the value under --quick, the same steps at the CPU's scale)
+    values: tuple[tuple[str, str, str], ...] = ()
 
 
 def _pytest(*args: str) -> tuple[str, ...]:
@@ -173,6 +180,41 @@ PHASES = (
 )
 
 
+STUDY_OUT = "runs/gpu-study"
+STUDY_KEEPS = tuple(f"{STUDY_OUT}/study/{name}" for name in ("study.json", "report.md", "loss_vs_flops.png",
+                                                              "ranks.png"))
+
+
+def _study(seeds: int) -> tuple[str, ...]:
+    """The masking study at the preset's scale (issue 56): mlm at 15% and 30% and 3ml at 50%, each run under one
+    FLOP budget, 3 trained at once on the one GPU, fine-tuned on word order and on the real task given."""
+    return (PY, "-m", "fastmae.study", "--data", f"{STUDY_OUT}/data", "--budget", "{budget}", "--objectives",
+            "mlm,mlm:mask_rate=0.3,3ml", "--seeds", str(seeds), "--parallel", "3", "--task", "generated",
+            "--task", "{task}", "--out", f"{STUDY_OUT}/study")
+
+
+# the study's per-run records (training logs, metrics, configs, its GLUE cells' summaries) as one archive
+PACK_RUNS = ("sh", "-c", f"cd {STUDY_OUT}/study && tar czf ../study_runs.tar.gz logs configs runs/*/metrics.jsonl "
+             "runs/*/run_info.json glue*/glue.json")
+
+PHASES += (
+    Phase("study", 9, "does 3ml pay at 1e16 FLOPs a run? mlm 15% / 30% and 3ml 50% on real English text, "
+                      "pretrained, evaluated, probed and fine-tuned in one command", (
+        # the corpus's 32K-piece tokenizer on the machine's cores (lines sampled: sentencepiece's time grows with
+        # them), held-out documents split off by document
+        Step("prepare", (PY, "-m", "fastmae.prepare", "--input", "{corpus}", "--format", "jsonl", "--output",
+                         f"{STUDY_OUT}/data", "--vocab-size", "{vocab}", "--valid-fraction", "0.02",
+                         "--docs-per-shard", "500", "--input-sentence-size", "150000")),
+        # one seed of each arm first: a result whatever the second costs
+        Step("study_one_seed", _study(1), keeps=STUDY_KEEPS),
+        Step("pack_one_seed", PACK_RUNS, keeps=(f"{STUDY_OUT}/study_runs.tar.gz",)),
+        Step("study_two_seeds", _study(2), keeps=STUDY_KEEPS, fits_after="study_one_seed"),
+        Step("pack_two_seeds", PACK_RUNS, keeps=(f"{STUDY_OUT}/study_runs.tar.gz",)),
+    ), budget_s=9 * 60, arguments=("corpus", "task"),
+        values=(("budget", "gpu-10min", "quick"), ("vocab", "32000", "1000"))),
+)
+
+
 # What a lent GPU should run for an issue but no lease holds: named by --plan, run on a machine held for hours.
 MASK_MORE_OR_LATER = ("mlm,mlm:mask_rate=0.3,mlm:mask_rate=0.5,mlm:mask_rate=0.3:mask_rate_end=0.15,3ml,"
                       "3ml:mask_rate_end=0.3")
@@ -192,8 +234,20 @@ def phase_named(name: str) -> Phase:
     raise SystemExit(f"gpu_check: unknown phase {name!r}; phases: {', '.join(p.name for p in PHASES)}")
 
 
-def command_line(step: Step, results: Path) -> list[str]:
-    return [part.replace(PY, sys.executable).replace("{results}", str(results)) for part in step.command]
+def command_line(step: Step, results: Path, values: dict[str, str] | None = None) -> list[str]:
+    """The step's command with the interpreter, the results directory and the phase's `values` filled in."""
+    filled = {PY: sys.executable, "{results}": str(results), **{f"{{{k}}}": v for k, v in (values or {}).items()}}
+    return [re.sub("|".join(map(re.escape, filled)), lambda m: filled[m[0]], part) for part in step.command]
+
+
+def phase_values(phase: Phase, given: dict[str, str | None], quick: bool = False) -> dict[str, str]:
+    """What fills the phase's placeholders: its arguments as given (each required) and its values, the --quick ones
+    under `quick`."""
+    missing = [name for name in phase.arguments if not given.get(name)]
+    if missing:
+        raise SystemExit(f"gpu_check: the {phase.name} phase needs " + " ".join(f"--{name} ..." for name in missing))
+    return {**{name: given[name] for name in phase.arguments},
+            **{name: quick_value if quick else value for name, value, quick_value in phase.values}}
 
 
 def needed_files(step: Step, results: Path) -> list[Path]:
@@ -203,7 +257,9 @@ def needed_files(step: Step, results: Path) -> list[Path]:
 def plan_lines() -> list[str]:
     """One line per phase, then a comment line per run that no lease holds (BEYOND_A_LEASE)."""
     return [*(f"{phase.name} {phase.minutes} min ({'timed' if phase.timed else 'estimated'}) "
-              f"bash scripts/gpu_check.sh {phase.name}   # {phase.decides}" for phase in PHASES),
+              f"bash scripts/gpu_check.sh {phase.name}"
+              + "".join(f" --{name} {name.upper()}" for name in phase.arguments)
+              + f"   # {phase.decides}" for phase in PHASES),
             *(f"# beyond a lease: {name}, {length}: {shlex.join(command)}" for name, length, command in BEYOND_A_LEASE)]
 
 
@@ -214,7 +270,7 @@ def out_files(phase: Phase) -> list[str]:
 
 
 def _all_kept(phase: Phase) -> list[str]:
-    return [kept for step in phase.steps for kept in step.keeps]
+    return list(dict.fromkeys(kept for step in phase.steps for kept in step.keeps))
 
 
 def out_problems(out: Path) -> list[str]:
@@ -239,11 +295,11 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def dry_run_lines(phase: Phase, results: Path) -> list[str]:
+def dry_run_lines(phase: Phase, results: Path, values: dict[str, str]) -> list[str]:
     lines = []
     for step in phase.steps:
         env = "".join(f"{key}={value} " for key, value in step.env)
-        lines.append(f"+ [{step.name}] {env}{shlex.join(command_line(step, results))}")
+        lines.append(f"+ [{step.name}] {env}{shlex.join(command_line(step, results, values))}")
         writes = [results / phase.name / f"{step.name}.log", *(results / phase.name / Path(kept).name
                                                                for kept in step.keeps)]
         lines.append("  writes: " + " ".join(map(_shown, writes)))
@@ -403,29 +459,36 @@ def done_for(directory: Path, commit: str) -> bool:
     if not record.is_file():
         return False
     data = json.loads(record.read_text())
-    return data.get("commit") == commit and data.get("complete", False)
+    return data.get("commit") == commit and data.get("complete", False) and not data.get("quick", False)
 
 
-def run_phase(phase: Phase, results: Path, commit: str, force: bool) -> bool:
-    """Run `phase` (unless done for `commit`); True when every step exited 0."""
+def run_phase(phase: Phase, results: Path, commit: str, force: bool, values: dict[str, str] | None = None,
+              quick: bool = False) -> bool:
+    """Run `phase` (unless done for `commit`) with its placeholders' `values` (`phase_values`); True when every step
+    exited 0. A `quick` run (its values at the CPU's scale) is recorded as such and never counts as done."""
     directory = results / phase.name
     if not force and done_for(directory, commit):
         print(f"gpu_check: {phase.name} is done for commit {commit} ({_shown(directory / 'phase.json')}); --force "
               "runs it again")
         return True
-    deadline = time.monotonic() + PHASE_BUDGET_S
+    budget_s = phase.budget_s or PHASE_BUDGET_S
+    deadline = time.monotonic() + budget_s
     record = PhaseRecord(phase, directory, commit, set_up())
+    record.data["quick"] = quick
     for step in phase.steps:
         left = deadline - time.monotonic() - RECORD_MARGIN_S
         missing = [path for path in needed_files(step, results) if not path.is_file()]
-        if left <= 0 or missing:
+        took = {s["name"]: s["seconds"] for s in record.data["steps"]}.get(step.fits_after, 0.0)
+        if left <= 0 or missing or took > left:
             status = (f"not run: needs {', '.join(map(_shown, missing))} (another phase's, collected into the tree "
-                      "with --collect before this call)" if missing else "not run: the phase's 8 minutes were spent")
+                      "with --collect before this call)" if missing else
+                      f"not run: {max(left, 0):.0f} s left, {step.fits_after} took {took:.0f} s" if took > left > 0
+                      else f"not run: the phase's {budget_s / 60:g} minutes were spent")
             record.add(step, status, 0.0)
             print(f"gpu_check: [{phase.name}] {step.name}: {status}", flush=True)
             continue
         started = time.monotonic()
-        status = _run_step(step, command_line(step, results), directory / f"{step.name}.log", left)
+        status = _run_step(step, command_line(step, results, values), directory / f"{step.name}.log", left)
         for kept in step.keeps:
             if (ROOT / kept).is_file():
                 shutil.copy2(ROOT / kept, directory / Path(kept).name)
@@ -459,6 +522,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", action="store_true", help="print the phases in order, with minutes and commands")
     parser.add_argument("--dry-run", action="store_true", help="print the phase's steps and files; run nothing")
     parser.add_argument("--force", action="store_true", help="run a phase already done for this commit")
+    parser.add_argument("--corpus", help="the study phase's corpus (a JSONL file of documents, e.g. "
+                        "english-wiki-books.jsonl.zst)")
+    parser.add_argument("--task", help="the study phase's real GLUE task directory (e.g. SST-2/ with train.tsv and "
+                        "dev.tsv)")
+    parser.add_argument("--quick", action="store_true", help="the phase's steps at the CPU's scale (the study phase: "
+                        "--budget quick, 1,000 pieces), into runs/gpu-check-quick/; never counts as done")
     parser.add_argument("--collect", metavar="DIR", type=Path,
                         help="copy what a lent machine brought back of $OUT into benchmarks/results/gpu/DEVICE/PHASE/")
     args = parser.parse_args(argv)
@@ -476,12 +545,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"one phase per call under $OUT: the device tool brings back {OUT_MAX_FILES} files, and `all` "
                      "would leave more")
     phases = PHASES if args.phase == "all" else (phase_named(args.phase),)
+    given = {"corpus": args.corpus, "task": args.task}
     if args.dry_run:
         for phase in phases:
-            print("\n".join(dry_run_lines(phase, RESULTS / "DEVICE")))
+            shown = {**{name: name.upper() for name in phase.arguments}, **{k: v for k, v in given.items() if v}}
+            print("\n".join(dry_run_lines(phase, RESULTS / "DEVICE", phase_values(phase, shown, args.quick))))
         return 0
-    results, commit = RESULTS / device_directory(), current_commit()
-    outcomes = [run_phase(phase, results, commit, args.force) for phase in phases]
+    if args.phase == "all":  # a phase that needs arguments runs only when they are given
+        phases = tuple(phase for phase in phases if all(given.get(name) for name in phase.arguments))
+    if args.quick:  # the CPU's scale: into runs/, never the tree's GPU results
+        results = ROOT / "runs" / "gpu-check-quick"
+    else:
+        results = RESULTS / device_directory()
+    commit = current_commit()
+    outcomes = [run_phase(phase, results, commit, args.force, phase_values(phase, given, args.quick), args.quick)
+                for phase in phases]
     return 0 if all(outcomes) else 1
 
 

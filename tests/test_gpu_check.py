@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 from fastmae.config import load_run_config
+from fastmae.prepare import build_parser as prepare_parser
+from fastmae.study import parse_objectives, resolve_budget
+from fastmae.study.command import build_parser as study_parser
 from fastmae.train import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,8 +41,14 @@ def test_the_plan_puts_what_decides_first_and_every_phase_fits_a_command():
     assert names[:2] == ["smoke", "headline"] and len(names) == len(set(names)) >= 5
     for line, name in zip(lines, names):
         minutes, unit, source, *command = line.split("   #")[0].split()[1:]
-        assert unit == "min" and 1 <= int(minutes) <= 8 and command == ["bash", "scripts/gpu_check.sh", name]
+        phase = gpu_check.phase_named(name)
+        # each phase within one command of the device tool (10 minutes), its own limit included
+        assert unit == "min" and 1 <= int(minutes) <= (phase.budget_s or gpu_check.PHASE_BUDGET_S) / 60 <= 9
+        arguments = [part for arg in phase.arguments for part in (f"--{arg}", arg.upper())]
+        assert command == ["bash", "scripts/gpu_check.sh", name, *arguments]
         assert source == ("(timed)" if name == "headline" else "(estimated)")
+    # the masking study in one command (issue 56): the corpus and the real task are its arguments
+    assert gpu_check.phase_named("study").arguments == ("corpus", "task")
     # what a 15-minute lease must hold (issue 55): the decisive phases, set-up included, in 12 minutes
     assert sum(int(line.split()[1]) for line in lines if line.split()[0] in ("smoke", "headline", "modernbert")) <= 12
     # the masking study the CPU ran at cpu-1h, named with the gpu-1h preset and the same arms
@@ -69,8 +78,24 @@ def test_every_phase_names_real_files_and_valid_runs():
         for name, command in steps.items():
             while re.fullmatch(r"[A-Z_]+=\S*", command[0]):  # the step's environment
                 command = command[1:]
+            if command[0] == "sh":  # the study's archive of its runs' records
+                assert command[1] == "-c" and "tar czf" in command[2], name
+                continue
             assert Path(command[0]).name.startswith("python")
-            if command[1:3] == ["-m", "pytest"]:
+            if command[1:3] == ["-m", "fastmae.prepare"]:
+                args = prepare_parser().parse_args(command[3:])
+                assert args.fmt == "jsonl" and args.vocab_size == 32000 and args.input == [Path("CORPUS")]
+            elif command[1:3] == ["-m", "fastmae.study"]:
+                args = study_parser().parse_args(command[3:])
+                objectives = parse_objectives(args.objectives)
+                _, preset = resolve_budget(args.budget)
+                assert args.budget == "gpu-10min" and args.task == ["generated", "TASK"] and args.parallel == 3
+                for objective in objectives:  # each arm's config valid under the preset (its model, its rates)
+                    config = load_run_config(None, [*preset.run, f"model.preset={objective.preset}", *(
+                        f"model.{key}={value}" for key, value in objective.overrides.items())])
+                    assert (config.model.hidden_size, config.model.max_seq_len) == (384, 128), name
+                assert [o.label for o in objectives] == ["mlm", "mlm:mask_rate=0.3", "3ml"]
+            elif command[1:3] == ["-m", "pytest"]:
                 assert any((ROOT / part).exists() for part in command if part.startswith("tests")), name
             elif command[1:3] == ["-m", "fastmae.train"]:
                 args = build_parser().parse_args(command[3:])
@@ -217,3 +242,33 @@ def test_a_graph_row_whose_profile_missed_the_replayed_kernels_reports_no_gpu_bu
             row("mlm [eager]", 2100, "no"), row("mae-lm", 30)]
     assert throughput.graph_rows_without_kernels(rows) == ["3ml"]
     assert [r["gpu_busy"] for r in rows] == [0.5, None, 0.5, 0.5, 0.5, 0.5]  # mae-lm: no eager row to tell by
+
+
+def test_the_study_phase_runs_end_to_end_at_the_cpus_scale(tmp_path, monkeypatch):
+    """The study phase (issue 56) under --quick, as the GPU runs it but at the `quick` budget and 1,000 pieces, on
+    documents of the embedded corpus written as the JSONL the shared corpus is, and an SST-2 of its own: prepared,
+    studied with one seed, then (its seconds left) two, packed, and brought home within the device tool's limits."""
+    from fastmae.data.builtin import builtin_documents
+    from synthetic import write_glue
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text, "source": source}) + "\n"
+                              for source, text in builtin_documents()))
+    task = write_glue(tmp_path / "glue", ["cat", "dog", *(f"w{i}" for i in range(30))], n_train=48, n_dev=24) / "SST-2"
+    results, out = tmp_path / "gpu", tmp_path / "out"
+    stand_in_machine(tmp_path, monkeypatch, out)
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path / "tree")  # the steps' relative paths land here
+    (tmp_path / "tree").mkdir()
+    phase = gpu_check.phase_named("study")
+    values = gpu_check.phase_values(phase, {"corpus": str(corpus), "task": str(task)}, quick=True)
+    assert gpu_check.run_phase(phase, results, "abc", False, values, quick=True)
+    record = json.loads((out / "study" / "phase.json").read_text())
+    assert record["complete"] and record["quick"] and not gpu_check.done_for(results / "study", "abc")
+    assert gpu_check.out_problems(out) == []
+    assert sorted(p.name for p in (out / "study").iterdir()) == sorted(Path(f).name for f in gpu_check.out_files(phase))
+    study = json.loads((out / "study" / "study.json").read_text())
+    assert list(study["objectives"]) == ["mlm", "mlm:mask_rate=0.3", "3ml"] and study["setup"]["seeds"] == 2
+    assert [t["name"] for t in study["setup"]["tasks"]] == ["word-order", "sst2"]
+    assert study["setup"]["corpus"]["vocab_size"] == 1000 and study["setup"]["parallel"] == 3
+    said = (results / "study" / "study_two_seeds.log").read_text()
+    assert "36 cells planned (18 finished before), 18 to run" in said  # the second seed's study reused the first's runs and cells

@@ -50,7 +50,7 @@ def test_the_gpu_block_reads_a_collected_phase_before_the_first_runs_files(tmp_p
     shutil.copytree(readme_table.RESULTS_DIR / "gpu" / "NVIDIA_H100_80GB_HBM3", device)
     monkeypatch.setattr(readme_table, "RESULTS_DIR", tmp_path)
     first = readme_table.gpu()
-    result = readme_table._json(device / "throughput.json")
+    result = readme_table.read_json(device / "throughput.json")
     result["results"][0]["tokens_per_s"] = 123456.0
     (device / "headline").mkdir(exist_ok=True)  # the real run's headline failed: no throughput there
     (device / "headline" / "throughput_headline.json").write_text(json.dumps(result))

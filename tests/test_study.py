@@ -200,7 +200,7 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
     # mlm (the reference) and one objective that removes its masked tokens: mae-lm takes the same path as 3ml here;
     # a learning-rate grid of one rate (its plumbing: short runs, the choice, the runs at the chosen rate)
     args = ["--data", str(data), "--quick", "--objectives", "mlm,3ml", "--task", "generated", "--out", str(out),
-            "--lr-grid", "2e-3", "--lr-grid-fraction", "0.5"]
+            "--lr-grid", "2e-3", "--lr-grid-fraction", "0.5", "--parallel", "2"]
     monkeypatch.setattr(summary, "PLATEAU_MARGIN", -10.0)  # 40 steps leave no plateau: count every run as learned
     verdict = analyze.context_verdict  # ... and every encoder as having learned context (its real figures kept)
     monkeypatch.setattr(analyze, "context_verdict", lambda *a: {**verdict(*a), "learned_context": True})
@@ -273,7 +273,7 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
                                                                        if c["lr"] == lr]))
         scores = sorted(c["scores"]["accuracy"] for c in cells if c["lr"] == best)
         assert sorted(study["objectives"][label]["finetune"][0]["scores"]) == scores
-    assert "Per encoder (rows: runs)" in report and "SST-2 (acc)" in report
+    assert "word-order, per encoder (rows: runs)" in report and "SST-2 (acc)" in report
 
     # the same arguments again: every run, fine-tuning and analysis is reused, the numbers are the same
     assert study_main(args) == 0
@@ -282,18 +282,21 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
     again = json.loads((out / "study.json").read_text())
     assert again["objectives"] == study["objectives"]
 
-    # a GLUE directory of several tasks: the trained encoders are reused, each task fine-tuned and reported
+    # several tasks: the trained encoders and the word-order cells are reused, a real task cut to the preset's 32
+    # training rows (drawn at random, header kept), fine-tuned and reported beside it
     glue_dir = write_glue(tmp_path / "glue-data", WORDS, n_train=48, n_dev=24)
-    for name in ("CoLA", "SST-2", "MRPC", "MNLI"):
-        shutil.rmtree(glue_dir / name)
-    task = args.index("--task")
-    assert study_main([*args[:task], "--task", str(glue_dir), *args[task + 2:]]) == 0
+    assert study_main([*args, "--task", str(glue_dir / "RTE")]) == 0
     said = capsys.readouterr().err
-    assert "fastmae study: training" not in said
+    assert "fastmae study: training" not in said and "12 cells planned (12 finished before), 0 to run" in said
     several = json.loads((out / "study.json").read_text())
     for label in ("mlm", "3ml"):
-        assert sorted(ft["task"] for ft in several["objectives"][label]["finetune"]) == ["rte", "stsb"]
-    assert "RTE (acc)" in (out / "report.md").read_text() and "STS-B (Spearman)" in (out / "report.md").read_text()
+        assert [ft["task"] for ft in several["objectives"][label]["finetune"]] == ["word-order", "rte"]
+        assert several["objectives"][label]["finetune"][0] == study["objectives"][label]["finetune"][0]
+    rows = (out / "task" / "rte" / "train.tsv").read_text().splitlines()
+    source = (glue_dir / "RTE" / "train.tsv").read_text().splitlines()
+    assert len(rows) == 33 and rows[0] == source[0] and set(rows) < set(source)
+    assert [t["name"] for t in several["setup"]["tasks"]] == ["word-order", "rte"]
+    assert "RTE (acc)" in (out / "report.md").read_text() and "SST-2 (acc)" in (out / "report.md").read_text()
 
     # other settings for the same --out are refused before anything runs
     assert study_main([*args, "model.hidden_size=32"]) == 1

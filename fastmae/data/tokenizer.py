@@ -37,8 +37,8 @@ def _lines(documents: Iterable[str], max_bytes: int) -> Iterator[str]:
 
 def train_sentencepiece(documents: Iterable[str], vocab_size: int, model_type: str = "unigram",
                         character_coverage: float = 0.9995, input_sentence_size: int = 2_000_000,
-                        seed: int = 0) -> bytes:
-    """Train a sentencepiece model on the lines of `documents`; return the serialised model.
+                        seed: int = 0, threads: int = 1) -> bytes:
+    """Train a sentencepiece model on the lines of `documents` with `threads` threads; return the serialised model.
 
     input_sentence_size caps the lines sentencepiece samples (uniformly, with `seed`) from a large corpus.
     """
@@ -61,7 +61,7 @@ def train_sentencepiece(documents: Iterable[str], vocab_size: int, model_type: s
             model_type=model_type, character_coverage=character_coverage, input_sentence_size=input_sentence_size,
             shuffle_input_sentence=True, max_sentence_length=max_bytes, pad_id=FASTMAE.pad, bos_id=FASTMAE.bos,
             eos_id=FASTMAE.eos, unk_id=FASTMAE.unk, user_defined_symbols=["<mask>"], hard_vocab_limit=True,
-            minloglevel=2, num_threads=1,
+            minloglevel=2, num_threads=threads,
         )
     except RuntimeError as err:
         if reader_errors:

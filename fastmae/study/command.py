@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import shlex
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -47,10 +49,11 @@ def study(args) -> dict:
     if not (data / "meta.json").is_file():
         raise FastmaeError(f"--data {data}: not a prepared dataset (no meta.json); run `fastmae prepare` first")
     out = Path(args.out)
-    task_dir = task_label = None
-    if args.task:
-        task_dir, task_label = glue_tasks(args, out, data, preset)
+    tasks = [glue_tasks(spec, args, out, data, preset) for spec in args.task or []]
     ranks = args.ranks or default_ranks()
+    if args.parallel > 1 and ranks > 1:
+        raise FastmaeError(f"--parallel {args.parallel} with --ranks {ranks}: runs trained at once share one device; "
+                           "use --ranks 1")
     flops_per_step = {o.label: step_flops(o, args, preset, ranks) for o in objectives}  # each config checked here
     if preset.mlm_steps:
         budget = preset.mlm_steps * flops_per_step["mlm"]
@@ -61,21 +64,23 @@ def study(args) -> dict:
     runs = {o.label: [Run(o, seed, out, lr=lr_grid[o.label]["chosen"] if lr_grid else None)
                       for seed in range(seeds)] for o in objectives}
     configs = checked_configs([run for rs in runs.values() for run in rs], args, budget, preset)
-    for rs in runs.values():
-        for run in rs:
-            train(run, configs[run.name], ranks)
+    train_all([run for rs in runs.values() for run in rs], configs, ranks, args.parallel)
     ft = preset.finetune
     ft_setup = {"seeds": args.finetune_seeds or ft.seeds, "epochs": ft.epochs, "batch_size": ft.batch_size}
-    finetuned, glue_result = {}, None
-    if task_dir:
-        glue_result = glue([str(run.dir) for rs in runs.values() for run in rs], task_dir, out / "glue",
-                           seeds=ft_setup["seeds"], precision=ft.precision, epochs=ft.epochs,
-                           batch_sizes=(ft.batch_size,))
+    finetuned, glue_tables, lrs = {label: {} for label in runs}, {}, set()
+    for index, (task_dir, task_label) in enumerate(tasks):
+        glue_result = glue([str(run.dir) for rs in runs.values() for run in rs], task_dir,
+                           out / ("glue" if index == 0 else f"glue-{task_label}"), seeds=ft_setup["seeds"],
+                           precision=ft.precision, epochs=ft.epochs, batch_sizes=(ft.batch_size,))
         cells = glue_result["cells"]
-        finetuned = {label: {(task_label if task_label != "glue" else task): [
-            best_cells([c for c in cells if c["model"] == str(run.dir)], task, ft_setup["seeds"]) for run in rs]
-            for task in glue_result["tasks"]} for label, rs in runs.items()}
-        ft_setup["lrs"] = sorted({c["lr"] for c in cells})
+        for label, rs in runs.items():
+            finetuned[label].update({(task_label if task_label != "glue" else task): [
+                best_cells([c for c in cells if c["model"] == str(run.dir)], task, ft_setup["seeds"]) for run in rs]
+                for task in glue_result["tasks"]})
+        glue_tables[task_label] = glue_table(glue_result["models"], glue_result["tasks"])
+        lrs |= {c["lr"] for c in cells}
+    if tasks:
+        ft_setup["lrs"] = sorted(lrs)
     sequences = preset.analyze_sequences
     analyses = {label: [analyze_run(run, data, sequences) for run in rs] for label, rs in runs.items()}
     learned = {label: [judged(r["neighbour_probe"])["learned_context"] for r in records]
@@ -97,10 +102,12 @@ def study(args) -> dict:
                   "seeds": seeds, "eval_points": preset.eval_points, "eval_sequences": resolved["eval"]["sequences"],
                   "analyze_sequences": sequences, "hidden_size": facts["mlm"]["hidden_size"],
                   "encoder_layers": facts["mlm"]["encoder_layers"], "ranks": ranks, "device": device_text(first),
-                  "task": str(task_dir) if task_dir else None, "task_name": task_label,
+                  "tasks": [{"name": label, "path": str(path)} for path, label in tasks],
+                  "corpus": corpus_of(data), "tokens_per_step": resolved["train"]["tokens_per_step"],
+                  "max_seq_len": resolved["model"]["max_seq_len"], "parallel": args.parallel,
                   "finetune": ft_setup,
                   "shared": shared_settings(resolved, lr_per_objective=bool(lr_grid))},
-        "glue_table": glue_table(glue_result["models"], glue_result["tasks"]) if glue_result else None,
+        "glue_tables": glue_tables,
         "command": shlex.join(["fastmae", "study", *args.argv]),
         "commands": {label: [shlex.join(launch_command(run, ranks)) for run in rs] for label, rs in runs.items()},
         "configs": [str(run.config_file.relative_to(out)) for rs in runs.values() for run in rs],
@@ -149,24 +156,62 @@ def rewrite_report(out: Path) -> dict:
     return result
 
 
-def glue_tasks(args, out: Path, data: Path, preset) -> tuple[Path, str]:
-    """(a GLUE directory for `fastmae glue`, the task's label) from --task: a GLUE directory as it is ("glue"), one
-    task's directory, or `generated` (word order, read as SST-2), each linked into OUT/task/glue under its GLUE
-    name."""
-    if args.task != "generated" and not Path(args.task).is_dir():
-        raise FastmaeError(f"--task {args.task}: no such directory (a GLUE task or GLUE directory, or `generated`)")
-    if args.task != "generated" and task_directories(Path(args.task)):
-        return Path(args.task), "glue"
-    if args.task == "generated":
-        name, source = "sst2", write_word_order_task(data, out / "task" / "word-order", *preset.generated_task)
+def glue_tasks(spec: str, args, out: Path, data: Path, preset) -> tuple[Path, str]:
+    """(a GLUE directory for `fastmae glue`, the task's label) from one --task: a GLUE directory as it is ("glue"),
+    one task's directory, or `generated` (word order, read as SST-2), each linked into OUT/task/glue[-LABEL] under its
+    GLUE name; a task's directory is first cut to the preset's `task_train_examples` rows where it sets them."""
+    if spec != "generated" and not Path(spec).is_dir():
+        raise FastmaeError(f"--task {spec}: no such directory (a GLUE task or GLUE directory, or `generated`)")
+    if spec != "generated" and task_directories(Path(spec)):
+        return Path(spec), "glue"
+    if spec == "generated":
+        name, label = "sst2", "word-order"
+        source = write_word_order_task(data, out / "task" / "word-order", *preset.generated_task)
     else:
-        name, source = task_name_of(Path(args.task), args.task_name), Path(args.task).resolve()
-    link = out / "task" / "glue" / GLUE_DIRS[name]
+        name = label = task_name_of(Path(spec), args.task_name)
+        source = Path(spec).resolve()
+        if preset.task_train_examples:
+            source = sampled_task(source, GLUE_TASKS[name], preset.task_train_examples, out / "task" / label)
+    link = out / "task" / ("glue" if spec == "generated" else f"glue-{label}") / GLUE_DIRS[name]
     link.parent.mkdir(parents=True, exist_ok=True)
     if not link.is_symlink() or link.resolve() != source.resolve():
         link.unlink(missing_ok=True)
         link.symlink_to(source.resolve(), target_is_directory=True)
-    return link.parent, "word-order" if args.task == "generated" else name
+    return link.parent, label
+
+
+def sampled_task(source: Path, task, rows: int, out: Path) -> Path:
+    """OUT: `source`'s training split cut to `rows` rows drawn at random (seed 0, file order kept, header kept) and
+    its dev files as they are; `source` itself when it has no more rows than that."""
+    train = (source / "train.tsv").read_text(encoding="utf-8-sig").splitlines(keepends=True)
+    header = 0 if task.positional else 1
+    if len(train) - header <= rows:
+        return source
+    keep = sorted(random.Random(0).sample(range(header, len(train)), rows))
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "train.tsv", "".join(train[:header] + [train[i] for i in keep]))
+    for name in (*task.dev_files, *(file for _, file in task.other_dev_files)):
+        if (source / name).is_file():
+            atomic_write_text(out / name, (source / name).read_text(encoding="utf-8-sig"))
+    return out
+
+
+def corpus_of(data: Path) -> dict:
+    """What a prepared dataset was made from (its meta.json): input files, vocabulary, tokens per split."""
+    meta = json.loads((data / "meta.json").read_text())
+    return {"inputs": [Path(p).name for p in meta.get("inputs", [])], "vocab_size": meta["vocab_size"],
+            "tokens": {split: entry["tokens"] for split, entry in meta["splits"].items()}}
+
+
+def train_all(runs: list[Run], configs: dict[str, str], ranks: int, parallel: int) -> None:
+    """Train every run (`train`), `parallel` at a time on the one device (each its own process)."""
+    if parallel <= 1:
+        for run in runs:
+            train(run, configs[run.name], ranks)
+        return
+    with ThreadPoolExecutor(parallel) as pool:
+        for done in [pool.submit(train, run, configs[run.name], ranks) for run in runs]:
+            done.result()
 
 
 def checked_configs(runs: list[Run], args, budget: float, preset) -> dict[str, str]:
@@ -194,10 +239,9 @@ def learning_rate_grid(objectives, args, budget: float, preset, ranks: int) -> d
     short = budget * args.lr_grid_fraction
     runs = {o.label: [Run(o, 0, Path(args.out), grid_lr=lr) for lr in grid] for o in objectives}
     configs = checked_configs([run for rs in runs.values() for run in rs], args, short, preset)
+    train_all([run for rs in runs.values() for run in rs], configs, ranks, args.parallel)
     chosen = {}
     for label, rs in runs.items():
-        for run in rs:
-            train(run, configs[run.name], ranks)
         losses = {run.grid_lr: eval_curve(run)[-1]["loss"] for run in rs}
         best = min(losses, key=losses.get)
         learned = {run.grid_lr: left_plateau(eval_curve(run)) for run in rs}
@@ -239,9 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"training FLOPs per run, or a preset ({presets}); default cpu-30min")
     parser.add_argument("--quick", action="store_true", help="the CI-sized preset (same as --budget quick)")
     parser.add_argument("--out", required=True, help="output directory (study.json, report.md, runs/, ...)")
-    parser.add_argument("--task", help="a GLUE task directory (train.tsv, dev.tsv), a GLUE directory of several "
-                        "(CoLA/, RTE/, ...) to fine-tune each encoder on through `fastmae glue`, or `generated`: word "
-                        "order (10 words as written, or shuffled) from --data's own text")
+    parser.add_argument("--task", action="append", help="a GLUE task directory (train.tsv, dev.tsv), a GLUE "
+                        "directory of several (CoLA/, RTE/, ...) to fine-tune each encoder on through `fastmae glue`, "
+                        "or `generated`: word order (10 words as written, or shuffled) from --data's own text; "
+                        "repeat it for several (e.g. --task generated --task glue/SST-2)")
     parser.add_argument("--task-name", choices=sorted(GLUE_TASKS), help="the task, when the directory name does "
                         "not say it")
     parser.add_argument("--seeds", type=int, default=0, help="pretraining seeds per objective (default: the "
@@ -254,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr-grid-fraction", type=float, default=0.2, help="share of the budget each grid run "
                         "trains for (default 0.2)")
     parser.add_argument("--ranks", type=int, default=0, help="processes per run (default: the GPUs, or 1 on CPU)")
+    parser.add_argument("--parallel", type=int, default=1, help="runs trained at once on the one device, each its "
+                        "own process (small models leave a GPU idle between kernels; their seconds then overlap). "
+                        "Default 1")
     parser.add_argument("--config", help="a run config YAML whose settings every run starts from")
     parser.add_argument("--rewrite-report", action="store_true", help="write --out's findings, study.json and "
                         "report.md again from its study.json alone (the neighbour probe judged by today's test); "
@@ -268,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
 
     def go():
-        if args.seeds < 0 or args.finetune_seeds < 0 or args.ranks < 0:
-            raise FastmaeError("--seeds, --finetune-seeds and --ranks must be positive")
+        if args.seeds < 0 or args.finetune_seeds < 0 or args.ranks < 0 or args.parallel < 1:
+            raise FastmaeError("--seeds, --finetune-seeds, --ranks and --parallel must be positive")
         if not args.rewrite_report and not args.data:
             raise FastmaeError("--data is required (a dataset directory written by `fastmae prepare`)")
         result = rewrite_report(Path(args.out)) if args.rewrite_report else study(args)

@@ -78,6 +78,9 @@ class StudyPreset:
     """(train, dev) examples of `--task generated` (fastmae.tasks.write_word_order_task)."""
     mlm_steps: int = 0
     """If > 0, the budget is this many of mlm's optimizer steps on the study's data instead (any vocabulary fits)."""
+    task_train_examples: int = 0
+    """If > 0, a real task (--task DIR) is fine-tuned on this many of its training rows, drawn at random (seed 0);
+    its dev set stays whole."""
 
 
 SMALL_CPU_RUN = (
@@ -108,6 +111,22 @@ ONE_GPU_RUN = (
     "train.zero_stage=2", "train.precision=auto", "eval.sequences=2048", "checkpoint.keep=1",
     "checkpoint.every=500", "log.every=20",
 )
+ONE_GPU_COMMAND_RUN = (
+    # near compute-optimal at 1e16 FLOPs a run: Chinchilla's N_opt = sqrt(C / 120) is 9M weights outside the
+    # embeddings; 8 x 384 has 14M (26M with 32K pieces), and mlm at 15% sees ~100M tokens (about 3.7 passes over the
+    # shared English corpus's 27M). 8 layers keep 3ml's 2-layer decoder a quarter of the encoder's depth, as 12 layers
+    # keep it a sixth at base; at this width the 32K-piece head on 50% of the rows is 3ml's largest extra cost (a 3ml
+    # step costs about what an mlm step does; the study prints it). Fills the GPU: 512 sequences of 128 tokens a
+    # micro-batch and a step. lr 1e-3 with Adam (0.9, 0.98) is the small-BERT range (ELECTRA-small: 5e-4 at batch
+    # 128); warmup-stable-decay so a run's schedule is the same shape at every budget.
+    "model.hidden_size=384", "model.num_heads=6", "model.encoder_layers=8", "model.intermediate_size=1536",
+    "model.max_seq_len=128", "model.position_embedding=rotary", "model.norm_position=pre", "model.dropout=0.0",
+    "model.attention_dropout=0.0", "data.packing=full", "data.tokens_per_micro_batch=65536",
+    "train.tokens_per_step=65536", "train.lr=1.0e-3", "train.warmup_steps=100", "train.schedule=wsd",
+    "train.decay_fraction=0.2", "train.decay_shape=1-sqrt", "train.betas=[0.9, 0.98]", "train.eps=1.0e-6",
+    "train.weight_decay=0.01", "train.clip=1.0", "train.zero_stage=2", "train.precision=auto",
+    "eval.sequences=2048", "checkpoint.keep=1", "checkpoint.every=100000", "log.every=50",
+)
 CPU_30MIN = StudyPreset(
     budget=9.0e12, run=SMALL_CPU_RUN, eval_points=10, seeds=2,
     finetune=FinetuneConfig(seeds=2, epochs=4, batch_size=32, lr=1e-3), analyze_sequences=256,
@@ -125,6 +144,13 @@ STUDY_PRESETS = {
         generated_task=(8000, 1000),
         what="RoBERTa-base's network and optimisation (batch 2K x 512, lr 7e-4) for about an hour per run on one "
              "H100 (8e17 FLOPs: mlm's measured 242 TFLOP/s); for your --data"),
+    "gpu-10min": StudyPreset(
+        budget=1.0e16, run=ONE_GPU_COMMAND_RUN, eval_points=8, seeds=2,
+        finetune=FinetuneConfig(seeds=2, epochs=2, batch_size=32), analyze_sequences=512,
+        generated_task=(4000, 872), task_train_examples=4000,
+        what="8 x 384 encoder, 128-token sequences, 65,536 tokens per step, WSD, 1e16 FLOPs per run: a 10-minute GPU "
+             "command (scripts/gpu_check.sh study) for mlm 15%, mlm 30% and 3ml, trained --parallel on one GPU; "
+             "real tasks fine-tuned on 4,000 of their training rows"),
     "cpu-30min": CPU_30MIN,
     "quick": StudyPreset(
         budget=0.0, run=(
@@ -134,7 +160,7 @@ STUDY_PRESETS = {
             "train.warmup_steps=5", "train.zero_stage=2", "train.precision=fp32", "eval.sequences=32",
             "checkpoint.keep=1", "checkpoint.every=1000", "log.every=5", "log.tensorboard=false"),
         eval_points=3, seeds=1, finetune=FinetuneConfig(seeds=2, epochs=1, batch_size=16, lr=1e-3),
-        analyze_sequences=16, generated_task=(64, 32), mlm_steps=40,
+        analyze_sequences=16, generated_task=(64, 32), mlm_steps=40, task_train_examples=32,
         what="the CI-sized check of the pipeline: a 2 x 64 encoder for 40 mlm steps' FLOPs; its numbers mean "
              "nothing"),
 }

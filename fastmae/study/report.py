@@ -62,6 +62,32 @@ def _mean_step(result) -> float:
     return result.flops / (sum(result.steps) / len(result.steps))
 
 
+def study_tasks(study: dict) -> dict[str, tuple[str, str]]:
+    """{task label: (its GLUE directory, its table)} of a study (one before several tasks could be given)."""
+    setup = study["setup"]
+    if "tasks" in setup:
+        return {t["name"]: (t["path"], study["glue_tables"][t["name"]]) for t in setup["tasks"]}
+    return {setup["task_name"]: (setup["task"], study["glue_table"])} if setup.get("task") else {}
+
+
+def _finetune_section(study: dict, rates: str) -> list[str]:
+    """The report's fine-tuning paragraph and each task's GLUE table (none without a task)."""
+    tasks, setup = study_tasks(study), study["setup"]
+    if not tasks:
+        return []
+    lines = [f"Fine-tuning: {', '.join(f'{label} from `{path}`' for label, (path, _) in tasks.items())} through "
+             f"`fastmae glue` (its cells in `glue*/`): per encoder a grid of learning rates {rates} "
+             f"(RoBERTa's, scaled to the width), batch {setup['finetune']['batch_size']}, "
+             f"{setup['finetune']['epochs']} epoch(s), {setup['finetune']['seeds']} seed(s) per cell; each "
+             "encoder counts at its best cell on dev, and the score is the median over every (pretraining seed, "
+             "fine-tuning seed) pair there, the range over the same runs. A fine-tune that predicted one class "
+             "or kept its training loss at chance did not train: no claim is made from it.", ""]
+    for label, (_, table) in tasks.items():
+        lines += [f"{label}, per encoder (rows: runs), the median over fine-tuning seeds of its best cell:", "",
+                  table, ""]
+    return lines
+
+
 def write_report(study: dict, out: Path) -> Path:
     """report.md from what study.json holds (its `objectives` as `ObjectiveResult`s)."""
     summary, setup = study["objectives"], study["setup"]
@@ -102,15 +128,7 @@ def write_report(study: dict, out: Path) -> Path:
               f"of {setup['analyze_sequences']} held-out sequences with 15% of their tokens replaced by `<mask>` "
               f"and without; width {setup['hidden_size']}. Centred: the same rows minus their mean (a pre-LN "
               "residual stream's shared mean direction alone can hold most of the uncentred energy).", "",
-              *([f"Fine-tuning: {setup['task_name']} from `{setup['task']}` through `fastmae glue` (its cells in "
-                 f"`glue/`): per encoder a grid of learning rates {rates} "
-                 f"(RoBERTa's, scaled to the width), batch {setup['finetune']['batch_size']}, "
-                 f"{setup['finetune']['epochs']} epoch(s), {setup['finetune']['seeds']} seed(s) per cell; each "
-                 "encoder counts at its best cell on dev, and the score is the median over every (pretraining seed, "
-                 "fine-tuning seed) pair there, the range over the same runs. A fine-tune that predicted one class "
-                 "or kept its training loss at chance did not train: no claim is made from it.", "",
-                 "Per encoder (rows: runs), the median over fine-tuning seeds of its best cell:", "",
-                 study["glue_table"], ""] if setup["task"] else []),
+              *_finetune_section(study, rates),
               "## What the numbers say", "",
               "A difference is claimed only when it exceeds the spread between seeds.", ""]
     lines += [f"- {line}" for line in study["findings"]]
@@ -131,6 +149,9 @@ def write_report(study: dict, out: Path) -> Path:
             lines.append(f"| `{label}` | {s.seed} | {s.steps} | {s.flops:.4g} | {s.final_eval_loss:.4f} "
                          f"| {s.final_eval_accuracy:.4f} | {_fmt(s.percent_of_mlm_compute_to_match, '.1f')} | "
                          f"{_fmt(s.seconds, '.0f')} |")
+    if setup.get("parallel", 1) > 1:
+        lines += ["", f"Runs trained {setup['parallel']} at a time on the one device (`--parallel`): their seconds "
+                  "overlap and say nothing of one run's speed."]
     sizes = [f"`{k}` {v['encoder_parameters']:,} / {v['parameters']:,}" for k, v in study["models"].items()]
     lines += ["", "Parameters (embeddings + encoder, what fine-tuning keeps / whole pretraining network): "
               + "; ".join(sizes),
