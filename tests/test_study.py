@@ -343,3 +343,5 @@ def test_presets_with_base_proportions_make_3ml_cheaper_and_mae_lm_dearer_per_st
     assert ratios("cpu-30min", 1000) == {"mlm": 1.0, "mae-lm": 1.51, "3ml": 0.87}
     assert ratios("cpu-1h", 1000) == {"mlm": 1.0, "mae-lm": 1.18, "3ml": 0.69}
     assert ratios("gpu-1h", 32000) == {"mlm": 1.0, "mae-lm": 1.16, "3ml": 0.75}
+    # the one-GPU-command study keeps base's proportions at 12 x 384 with 32K pieces (issue 56)
+    assert ratios("gpu-10min", 32000) == {"mlm": 1.0, "mae-lm": 1.16, "3ml": 0.86}

@@ -112,14 +112,15 @@ ONE_GPU_RUN = (
     "checkpoint.every=500", "log.every=20",
 )
 ONE_GPU_COMMAND_RUN = (
-    # near compute-optimal at 1e16 FLOPs a run: Chinchilla's N_opt = sqrt(C / 120) is 9M weights outside the
-    # embeddings; 8 x 384 has 14M (26M with 32K pieces), and mlm at 15% sees ~100M tokens (about 3.7 passes over the
-    # shared English corpus's 27M). 8 layers keep 3ml's 2-layer decoder a quarter of the encoder's depth, as 12 layers
-    # keep it a sixth at base; at this width the 32K-piece head on 50% of the rows is 3ml's largest extra cost (a 3ml
-    # step costs about what an mlm step does; the study prints it). Fills the GPU: 512 sequences of 128 tokens a
-    # micro-batch and a step. lr 1e-3 with Adam (0.9, 0.98) is the small-BERT range (ELECTRA-small: 5e-4 at batch
-    # 128); warmup-stable-decay so a run's schedule is the same shape at every budget.
-    "model.hidden_size=384", "model.num_heads=6", "model.encoder_layers=8", "model.intermediate_size=1536",
+    # base's proportions at 1e16 FLOPs a run: 12 layers keep 3ml's 2-layer decoder a sixth of the encoder's depth, so
+    # per step against mlm's (flops.py, 128-token sequences, 32K pieces) 3ml costs 0.86x and mae-lm 1.16x (at base
+    # 0.80x and 1.16x); 8 layers would leave 3ml no saving (1.03x: its 32K-piece head on 50% of the rows). Near
+    # compute-optimal: 21M weights outside the embeddings (33M with them) against Chinchilla's sqrt(C / 120) = 9M,
+    # within the flat part of its iso-FLOP curves, and mlm at 15% sees 69M tokens (2.5 passes over the shared English
+    # corpus's 27M). Fills the GPU: 512 sequences of 128 tokens a micro-batch and a step. lr 1e-3 with Adam (0.9,
+    # 0.98) is the small-BERT range (ELECTRA-small: 5e-4 at batch 128); warmup-stable-decay, so a run's schedule has
+    # one shape at every budget.
+    "model.hidden_size=384", "model.num_heads=6", "model.encoder_layers=12", "model.intermediate_size=1536",
     "model.max_seq_len=128", "model.position_embedding=rotary", "model.norm_position=pre", "model.dropout=0.0",
     "model.attention_dropout=0.0", "data.packing=full", "data.tokens_per_micro_batch=65536",
     "train.tokens_per_step=65536", "train.lr=1.0e-3", "train.warmup_steps=100", "train.schedule=wsd",
@@ -148,7 +149,7 @@ STUDY_PRESETS = {
         budget=1.0e16, run=ONE_GPU_COMMAND_RUN, eval_points=8, seeds=2,
         finetune=FinetuneConfig(seeds=2, epochs=2, batch_size=32), analyze_sequences=512,
         generated_task=(4000, 872), task_train_examples=4000,
-        what="8 x 384 encoder, 128-token sequences, 65,536 tokens per step, WSD, 1e16 FLOPs per run: a 10-minute GPU "
+        what="12 x 384 encoder, 128-token sequences, 65,536 tokens per step, WSD, 1e16 FLOPs per run: a 10-minute GPU "
              "command (scripts/gpu_check.sh study) for mlm 15%, mlm 30% and 3ml, trained --parallel on one GPU; "
              "real tasks fine-tuned on 4,000 of their training rows"),
     "cpu-30min": CPU_30MIN,
