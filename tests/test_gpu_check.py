@@ -207,6 +207,15 @@ def test_a_cut_phase_keeps_what_it_measured_and_a_step_missing_another_phases_fi
     assert json.loads((out / "cut" / "phase.json").read_text()) == record and gpu_check.out_problems(out) == []
     assert not gpu_check.done_for(results / "cut", "abc")
 
+    # a step expected to take what an earlier one took runs only when that much is left
+    sleepy = gpu_check.Step("sleepy", (gpu_check.PY, "-c", "import time; time.sleep(2.5)"))
+    again = gpu_check.Step("again", sleepy.command, fits_after="sleepy")
+    assert not gpu_check.run_phase(gpu_check.Phase("fits", 1, "stand-in", (sleepy, again, quick)), results, "abc",
+                                   force=False)
+    statuses = [step["status"] for step in json.loads((results / "fits" / "phase.json").read_text())["steps"]]
+    assert statuses[0] == statuses[2] == "exit 0" and re.fullmatch(r"not run: \d s left, sleepy took \d s",
+                                                                    statuses[1]), statuses
+
     (results / "other").mkdir()
     (results / "other" / "made.json").write_text("{}")  # collected into the tree: the step runs
     assert gpu_check.run_phase(gpu_check.Phase("cut", 1, "stand-in", (reads,)), results, "abc", force=True)

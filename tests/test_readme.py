@@ -75,3 +75,21 @@ def test_gpu_kernels_are_sorted_by_the_work_their_names_say():
         "some_kernel_of_another_kind": "other",
     }
     assert {name: common.kernel_kind(name) for name in names} == names
+
+
+def test_the_scale_table_reads_gaps_and_spreads_as_it_says():
+    """study_blocks' gaps: first arm less second, ± the sum of half ranges; one seed says so; fine-tunes that did not
+    train give both medians and no difference."""
+    import study_blocks
+
+    def arm(loss, spread, median, ft_spread, failed=()):
+        return {"final_eval_loss": loss, "final_eval_loss_spread": spread, "finetune": [
+            {"task": "sst2", "median": median, "spread": ft_spread, "runs": 4, "did_not_train": list(failed)}]}
+
+    objectives = {"3ml": arm(4.5, 0.2, 0.80, 0.04), "mlm:mask_rate=0.3": arm(4.0, 0.1, 0.85, 0.02)}
+    assert study_blocks._gap(objectives, "3ml", "mlm:mask_rate=0.3") == "+0.500 ± 0.150"
+    assert study_blocks._finetune_gaps(objectives, "3ml", "mlm:mask_rate=0.3") == "sst2 -0.050 ± 0.030"
+    assert study_blocks._gap(objectives, "3ml", "mlm") == "no such arm"
+    one = {"3ml": arm(4.5, None, 0.8, None, ["seed 0: one class"]), "mlm": arm(4.25, None, 0.9, None)}
+    assert study_blocks._gap(one, "3ml", "mlm") == "+0.250 (one seed)"
+    assert study_blocks._finetune_gaps(one, "3ml", "mlm") == "sst2 0.800 vs 0.900 (did not train: 3ml 1 of 4)"
