@@ -473,6 +473,12 @@ def test_two_nodes_on_loopback(dataset, tmp_path):
     ("eval.every=-1", "eval.every=-1"),
     ("eval.mask_rate=1.5", "eval.mask_rate=1.5"),
     ("data.builtin_valid_fraction=0", "data.builtin_valid_fraction=0"),
+    # the model section's values are typed as they load (issue 57), the field, value and type named
+    ("model.mask_rate={start: 0.5}", r"model.mask_rate: expected float, got \{'start': 0.5\}"),
+    ("model.dropout=[1]", r"model.dropout: expected float, got \[1\]"),
+    ("model.encoder_layers=two", "model.encoder_layers: expected int, got 'two'"),
+    ("model.ffn_gated=1", "model.ffn_gated: expected bool, got 1"),
+    ("model.preset=[mlm]", r"model.preset: expected str \(mlm, mae-lm or 3ml\), got \['mlm'\]"),
 ])
 def test_config_errors_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):

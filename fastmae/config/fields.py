@@ -36,21 +36,26 @@ def apply_overrides(config, overrides: dict, name: str | None = None):
     for key, value in overrides.items():
         if key not in fields:
             raise ConfigError(f"unknown key {name}.{key}; known: {sorted(fields)}")
-        current = values[key]
-        if isinstance(current, bool) or isinstance(value, bool):
-            ok = isinstance(value, bool) and isinstance(current, bool)
-        elif isinstance(current, float):
-            value = _as_float(value)
-            ok = isinstance(value, float)
-        elif isinstance(current, tuple):
-            ok = isinstance(value, (list, tuple))
-            value = tuple(value) if ok else value
-        else:
-            ok = isinstance(value, type(current))
-        if not ok:
-            raise ConfigError(f"{name}.{key}: expected {type(current).__name__}, got {value!r}")
-        values[key] = value
+        values[key] = typed_value(f"{name}.{key}", values[key], value)
     return type(config)(**values)
+
+
+def typed_value(where: str, current, value):
+    """`value` as the type of `current` (an int is accepted for a float, a list for a tuple); a ConfigError naming
+    `where`, the value and the type expected otherwise."""
+    if isinstance(current, bool) or isinstance(value, bool):
+        ok = isinstance(value, bool) and isinstance(current, bool)
+    elif isinstance(current, float):
+        value = _as_float(value)
+        ok = isinstance(value, float)
+    elif isinstance(current, tuple):
+        ok = isinstance(value, (list, tuple))
+        value = tuple(value) if ok else value
+    else:
+        ok = isinstance(value, type(current))
+    if not ok:
+        raise ConfigError(f"{where}: expected {type(current).__name__}, got {value!r}")
+    return value
 
 
 def option(default, help: str, *, choices: tuple | None = None, flag: str | None = None):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
-from .fields import apply_overrides
+from .fields import apply_overrides, typed_value
 from .model import ModelConfig
 from .tokens import SpecialTokens
 
@@ -321,8 +321,12 @@ def resolved_model(values: dict, data: DataConfig) -> ModelConfig:
     dataset's (which values written here must equal); a dataset not prepared yet needs model.vocab_size written."""
     values = dict(values)
     preset = values.pop("preset", None)
-    if preset is None:
-        raise ConfigError("model.preset is missing (mlm, mae-lm or 3ml)")
+    if not isinstance(preset, str):
+        raise ConfigError("model.preset is missing (mlm, mae-lm or 3ml)" if preset is None else
+                          f"model.preset: expected str (mlm, mae-lm or 3ml), got {preset!r}")
+    defaults = ModelConfig()
+    values = {key: typed_value(f"model.{key}", getattr(defaults, key), value) if hasattr(defaults, key) else value
+              for key, value in values.items()}
     fixed = dataset_tokens(data)
     if fixed is None and "vocab_size" not in values:
         raise ConfigError(f"data.path: {data.directory / 'meta.json'}: missing; run `fastmae prepare --output "
