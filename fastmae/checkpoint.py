@@ -245,6 +245,13 @@ def saved_world_size(directory: Path) -> int:
     return int(json.loads((Path(directory) / "COMPLETE").read_text())["world_size"])
 
 
+def saved_batch(directory: Path) -> dict | None:
+    """The global batch a checkpoint's run trained with ({micro_batches_per_step, tokens_per_micro_batch}; None from
+    checkpoints before it was kept)."""
+    state = torch.load(Path(directory) / "fastmae_rank0.pt", map_location="cpu", weights_only=True)
+    return state.get("batch")
+
+
 def saved_step(directory: Path, name: str) -> int:
     """The step of the complete checkpoint in `directory` (`name`: the setting that gave it, for errors)."""
     try:

@@ -172,8 +172,11 @@ def check_continuation(source: Path, saved: dict, schedule: Schedule, batch: dic
     Checkpoints from before these were recorded are not checked."""
     step = saved["step"]
     if "batch" in saved and saved["batch"] != batch:
+        micro, count = saved["batch"]["tokens_per_micro_batch"], saved["batch"]["micro_batches_per_step"]
         raise FastmaeError(f"{source}: trained with global batches of {_batch(saved['batch'])}, this run's are "
-                           f"{_batch(batch)}: resume or branch it with the batch it was trained with")
+                           f"{_batch(batch)}: resume or branch it with the batch it was trained with "
+                           f"(data.tokens_per_micro_batch={micro} and train.tokens_per_step={micro * count}, or "
+                           "train.tokens_per_step and train.grad_accum left unset: a resume keeps its batch)")
     if "mask_rates" in saved and mask_rates is not None:
         before = MaskRates(**saved["mask_rates"])
         differs = next((s for s in range(step) if before.rate(s) != mask_rates.rate(s)), None)

@@ -40,7 +40,7 @@ from .distributed import (
     ranks_on_node,
 )
 from .engine import build_engine, gradient_norm, master_weights
-from .errors import FastmaeError
+from .errors import ConfigError, FastmaeError
 from .evaluation import Evaluator, HeldOutSet
 from .faults import FaultHooks
 from .flops import plan_budget
@@ -88,10 +88,36 @@ def with_budget_planned(config: RunConfig, loader: PackedLoader) -> tuple[RunCon
     return planned, (set(plan.eval_steps) if config.eval.every_flops else None)
 
 
+def checkpoint_to_continue(config: RunConfig, resume: str | None) -> Path | None:
+    """Collective: the checkpoint this run continues: the one `--resume` names, else a decay branch's
+    (train.branch_from), else None."""
+    root = Path(config.log.dir) / "checkpoints"
+    found = checkpoint_to_resume(root, resume)
+    if found is None and config.train.branch_from:  # a decay branch starts where its checkpoint stopped
+        found = checkpoint_to_resume(root, config.train.branch_from)
+    return found
+
+
+def kept_batch(config: RunConfig, directory: Path | None, world: int) -> RunConfig:
+    """`config` for `world` ranks (`RunConfig.for_world`); continuing the checkpoint in `directory` with neither
+    train.tokens_per_step nor train.grad_accum set, at the checkpoint's global batch: accumulation follows the rank
+    count, so an elastic resume continues the same run."""
+    saved = checkpoint.saved_batch(directory) if directory is not None else None
+    train = config.train
+    if saved is None or train.tokens_per_step or train.grad_accum != 1:
+        return config.for_world(world)
+    tokens = saved["micro_batches_per_step"] * saved["tokens_per_micro_batch"]
+    try:
+        return dataclasses.replace(config, train=dataclasses.replace(train, tokens_per_step=tokens)).for_world(world)
+    except ConfigError as err:
+        raise ConfigError(f"{directory}: trained with global batches of {tokens} tokens, which a resume keeps when "
+                          f"train.tokens_per_step is not set; on {world} rank(s): {err}") from None
+
+
 def model_engine(config: RunConfig, precision: str, device: torch.device, non_finite: torch.Tensor,
-                 resume: str | None, source: Pretrained | None = None):
-    """Collective: (engine, DeepSpeed config, checkpoint to resume or None). The model gets identical initial weights
-    on every rank, the weights of `source` where it has them (train.init_from, a fresh start only); a checkpoint
+                 checkpoint_dir: Path | None, source: Pretrained | None = None):
+    """Collective: (engine, DeepSpeed config). The model gets identical initial weights on every rank, the weights of
+    `source` where it has them (train.init_from, a fresh start only); a checkpoint to continue (`checkpoint_dir`)
     saved by another number of ranks is made universal first. `non_finite` is the skip flag the engine's optimizer
     reads."""
     train, rank, world = config.train, dist.get_rank(), dist.get_world_size()
@@ -100,9 +126,6 @@ def model_engine(config: RunConfig, precision: str, device: torch.device, non_fi
     local = local_attention_note(config.model, device, DTYPES[precision])
     if local:
         log_line(local)
-    checkpoint_dir = checkpoint_to_resume(Path(config.log.dir) / "checkpoints", resume)
-    if checkpoint_dir is None and train.branch_from:  # a decay branch starts where its checkpoint stopped
-        checkpoint_dir = checkpoint_to_resume(Path(config.log.dir) / "checkpoints", train.branch_from)
     if source is not None and checkpoint_dir is None:
         new = initialise(model, source, train.init_decoder)
         log_line(f"initialised from {source.describe()}; "
@@ -120,7 +143,7 @@ def model_engine(config: RunConfig, precision: str, device: torch.device, non_fi
             checkpoint.make_universal(checkpoint_dir)
         dist.barrier()
     engine, ds_config = build_engine(model, config, precision, device, non_finite, load_universal=elastic)
-    return engine, ds_config, checkpoint_dir
+    return engine, ds_config
 
 
 def write_run_files(config: RunConfig, ds_config: dict, run_info: dict) -> None:
@@ -196,7 +219,8 @@ class Trainer:
 
     def __init__(self, config: RunConfig, resume: str | None = "auto"):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        config = config.for_world(self.world)  # train.tokens_per_step -> grad_accum
+        resumed_from = checkpoint_to_continue(config, resume)
+        config = kept_batch(config, resumed_from, self.world)  # train.tokens_per_step -> grad_accum
         self.run_dir = Path(config.log.dir)
         self.device = device = rank_device()
         torch.manual_seed(config.train.seed + self.rank)  # dropout differs per rank; restored on resume
@@ -219,8 +243,8 @@ class Trainer:
         self.precision = agreed_precision(train.precision, device)
         # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)
         self.non_finite = torch.zeros((), dtype=torch.float32, device=device)
-        self.engine, ds_config, resumed_from = model_engine(config, self.precision, device,
-                                                            self.non_finite, resume, self.source)
+        self.engine, ds_config = model_engine(config, self.precision, device, self.non_finite, resumed_from,
+                                              self.source)
         self.graph_plan = plan_graphs(config, device, self.precision)  # build_engine installs its recordings
         log_line(f"cuda graphs: {self.graph_plan.reason}")
         self.faults = FaultHooks.from_environment(device)

@@ -64,7 +64,9 @@ def test_a_continuation_is_refused_where_a_step_taken_would_change_its_rate_or_b
         check_continuation(tmp_path, state, Schedule.of(TrainConfig(schedule="wsd", steps=1000, warmup_steps=10,
                                                                     lr=2e-3, decay_steps=20)), batch)
     with pytest.raises(FastmaeError, match=r"trained with global batches of 2 micro-batches of 256 tokens, this "
-                                           r"run's are 4 micro-batches of 256 tokens"):
+                                           r"run's are 4 micro-batches of 256 tokens: .*\(data.tokens_per_micro_batch="
+                                           r"256 and train.tokens_per_step=512, or train.tokens_per_step and "
+                                           r"train.grad_accum left unset: a resume keeps its batch\)"):
         check_continuation(tmp_path, state, planned, {**batch, "micro_batches_per_step": 4})
     check_continuation(tmp_path, {"step": 80}, wsd(steps=20), batch)  # a checkpoint from before these were kept
 
