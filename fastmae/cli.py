@@ -10,8 +10,9 @@ SUBCOMMANDS = {
                                    "takes yours: a sentencepiece model or a Hugging Face tokenizer directory)"),
     "train": ("fastmae.train", "pretrain a masked LM (single process; use `deepspeed fastmae/train.py` for many)"),
     "plot": ("fastmae.plot", "draw loss and throughput curves of a run directory"),
-    "export": ("fastmae.export", "write the encoder as a Hugging Face RoBERTa, RoFormer or ESM-2 directory with its "
-                                 "tokenizer and a model card (needs the hf extra)"),
+    "export": ("fastmae.export", "write the encoder as a Hugging Face RoBERTa, RoFormer, ESM-2 or ModernBERT "
+                                 "directory (a BERT's as a BERT) with its tokenizer and a model card (needs the hf "
+                                 "extra)"),
     "finetune": ("fastmae.finetune", "fine-tune on GLUE-format classification or regression data, median of seeds"),
     "glue": ("fastmae.glue", "fine-tune every GLUE task found, the papers' grid or ModernBERT's settings, several "
                              "models side by side"),

@@ -1,9 +1,11 @@
 """`fastmae export MODEL_DIR OUTDIR`: the encoder as a Hugging Face directory: RoBERTa or RoFormer for
-post-LN encoders (learned or rotary positions), ESM-2 for pre-LN ones, ModernBERT for ModernBERT's layers
+post-LN encoders (learned or rotary positions), ESM-2 for pre-LN ones, ModernBERT for ModernBERT's layers, and the
+architecture a Hugging Face source came from where it can be written back (a BERT as a BERT, with its pooler)
 (fastmae.hf.export_architecture).
 
     OUTDIR/config.json             the architecture's config (+ `fastmae_model_config`, so fastmae reads it back)
-    OUTDIR/model.safetensors       fp32 master weights under Hugging Face's names (the LM head too for `mlm`)
+    OUTDIR/model.safetensors       fp32 master weights under Hugging Face's names (the LM head too for `mlm`, where
+                                   the model has one)
     OUTDIR/tokenizer.json ...      the tokenizer as a fast tokenizer: same ids, same specials (a Hugging Face
                                    tokenizer's own files; a sentencepiece model converted, and kept as tokenizer.model
                                    for fastmae's own commands)
@@ -31,6 +33,7 @@ from .checkpoint import WEIGHTS
 from .data.tokenizer import SentencePieceTokenizer
 from .errors import FastmaeError, run_command
 from .hf import export_architecture, hugging_face_config, to_hugging_face
+from .hf.classic import writes_head
 from .hf.tokenizer import hugging_face_tokenizer
 from .metrics import read_metrics
 from .pretrained import MODEL_HELP, Pretrained, load_pretrained
@@ -47,14 +50,15 @@ def export(source: str | Path, outdir: str | Path, overwrite: bool = False) -> P
         raise FastmaeError(f"{outdir}: exists and is not empty (pass --overwrite to replace it)")
     pretrained = load_pretrained(source)
     config = pretrained.config
-    tensors = to_hugging_face(config, pretrained.weights, pretrained.segment_row)
+    tensors = to_hugging_face(config, pretrained.weights, pretrained.origin)
+    with_head = writes_head(config, pretrained.weights)
     partial = outdir.with_name(f".{outdir.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     try:
         from safetensors.torch import save_file
 
         partial.mkdir(parents=True)
-        hugging_face_config(config).save_pretrained(partial)
+        hugging_face_config(config, pretrained.origin, with_head).save_pretrained(partial)
         save_file(tensors, str(partial / WEIGHTS),
                   metadata={"format": "pt", "fastmae_source": str(pretrained.weights_file),
                             "fastmae_step": str(pretrained.step)})
@@ -81,7 +85,7 @@ def _run_dir(weights_file: Path) -> Path | None:
 def model_card(pretrained: Pretrained, tensors: dict) -> str:
     """README.md of an export: what was trained, on what, how far, by which command, and what is not in it."""
     config, step = pretrained.config, pretrained.step
-    arch = export_architecture(config)
+    arch = export_architecture(config, pretrained.origin.name)
     encoder = sum(t.numel() for name, t in tensors.items() if not name.startswith(("lm_head.", "head.", "decoder.")))
     schedule = "" if config.mask_rate_end == -1.0 else f" -> {config.mask_rate_end:g}, {config.mask_rate_shape}"
     lines = ["---", "library_name: transformers", "tags: [fastmae, masked-language-modeling, "
@@ -151,9 +155,10 @@ def _require_transformers() -> None:
 
 HELP = """Write a trained encoder as a Hugging Face directory that transformers' AutoModel, AutoModelForMaskedLM and
 AutoTokenizer load without trust_remote_code: RoBERTa (post-LN, learned positions), RoFormer (post-LN, rotary
-positions) or ESM-2 (pre-LN), with the fp32 weights as safetensors, the tokenizer, and a model card (README.md:
-objective, size, data, training tokens and FLOPs, held-out loss, the training command). Needs the hf extra:
-pip install 'fastmae[hf]'."""
+positions), ESM-2 (pre-LN) or ModernBERT (ModernBERT's layers); an encoder that came from a BERT comes back as a BERT
+(its positions, token-type rows and pooler), and one without an MLM head is written without one. With the fp32
+weights as safetensors, the tokenizer, and a model card (README.md: objective, size, data, training tokens and
+FLOPs, held-out loss, the training command). Needs the hf extra: pip install 'fastmae[hf]'."""
 REFUSED = """Refused, with the reason and what would export: encoders with MAE-LM's relative position bias
 (model.relative_attention_bias), the mask-later encoders with 0 < insert_layer < encoder_layers, and post-LN encoders
 with rotary positions at a rotary_base other than 10000. fastmae finetune and fastmae analyze take those models from

@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 import yaml
 
+from .atomic import atomic_path
 from .checkpoint import WEIGHTS, complete_checkpoints, read_weights, saved_model_config, weights_metadata
 from .config import ModelConfig, RunConfig, SpecialTokens
 from .data.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 from .errors import FastmaeError
-from .hf import CONFIG_KEY, read_export, read_foreign
+from .hf import CONFIG_KEY, Origin, read_export, read_foreign
 from .hf.files import config_json
 from .model import MaskedLM
 
@@ -40,9 +41,15 @@ class Pretrained:
     weights_file: Path
     step: int
     foreign: str = ""
-    # [H]: the source's second-segment embedding less its first (a BERT's token-type rows), which fastmae's encoder
-    # does not compute: export writes it back, fine-tuning refuses pair tasks (`refuse_pairs`); None for the rest
-    segment_row: torch.Tensor | None = None
+    # what a Hugging Face source had beside what fastmae computes (a BERT's architecture, token-type rows and pooler),
+    # carried through continued runs and exports so that export writes it back; empty for fastmae's own models
+    origin: Origin = dataclasses.field(default_factory=Origin)
+
+    @property
+    def segment_row(self) -> torch.Tensor | None:
+        """[H]: the source's second-segment embedding less its first, which fastmae's encoder does not compute:
+        export writes it back, fine-tuning refuses pair tasks (`refuse_pairs`); None for the rest."""
+        return self.origin.segment_row
 
     def describe(self) -> str:
         """The source in words, as the training log names it."""
@@ -107,16 +114,16 @@ def source_kind(path: Path) -> str:
 
 def read_exported(path: Path) -> Pretrained:
     """A directory written by `fastmae export`: its config.json, weights and tokenizer."""
-    config, weights, step, segments = read_export(path)
-    return Pretrained(config, weights, _tokenizer(path, "the export"), path / WEIGHTS, step, segment_row=segments)
+    config, weights, step, origin = read_export(path)
+    return Pretrained(config, weights, _tokenizer(path, "the export"), path / WEIGHTS, step, origin=origin)
 
 
 def read_foreign_encoder(path: Path) -> Pretrained:
     """A Hugging Face encoder of an architecture `fastmae.hf` reads, with its tokenizer."""
     tokenizer = _tokenizer(path, "the model directory")
-    config, weights, architecture, segments = read_foreign(path, tokenizer.special)
+    config, weights, origin = read_foreign(path, tokenizer.special)
     weights_file = path / WEIGHTS if (path / WEIGHTS).is_file() else path  # sharded or pytorch_model.bin: the directory
-    return Pretrained(config, weights, tokenizer, weights_file, 0, architecture, segments)
+    return Pretrained(config, weights, tokenizer, weights_file, 0, origin.name, origin)
 
 
 def read_checkpoint(path: Path) -> Pretrained:
@@ -127,7 +134,7 @@ def read_checkpoint(path: Path) -> Pretrained:
                            "step and checkpoint again")
     weights, config_dict, step = read_weights(weights_file)
     return Pretrained(saved_model_config(config_dict, weights_file), weights, _run_tokenizer(path.parent.parent),
-                      weights_file, step)
+                      weights_file, step, origin=read_origin(path.parent.parent))
 
 
 def read_run(path: Path) -> Pretrained:
@@ -135,7 +142,36 @@ def read_run(path: Path) -> Pretrained:
     weights_file, step = _newest_weights(path)
     weights, config_dict, _ = read_weights(weights_file)
     return Pretrained(saved_model_config(config_dict, weights_file), weights, _run_tokenizer(path), weights_file,
-                      step)
+                      step, origin=read_origin(path))
+
+
+ORIGIN = "origin.safetensors"
+"""RUN/origin.safetensors: the `Origin` of the source a run was continued from (train.init_from), where it had one."""
+
+
+def write_origin(run_dir: Path, origin: Origin) -> None:
+    """Keep a continued run's source origin in its directory, for its exports (nothing for an origin-less source)."""
+    if not origin.name:
+        return
+    from safetensors.torch import save_file
+
+    tensors = {**origin.kept, **({"segment_row": origin.segment_row} if origin.segment_row is not None else {})}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(run_dir / ORIGIN) as tmp:
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata={"architecture": origin.name})
+
+
+def read_origin(run_dir: Path) -> Origin:
+    """The origin `write_origin` kept in a run directory (empty without one)."""
+    path = run_dir / ORIGIN
+    if not path.is_file():
+        return Origin()
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        name = handle.metadata()["architecture"]
+    return Origin(name, tensors.pop("segment_row", None), tensors)
 
 
 MODEL_HELP = ("a fastmae run, checkpoint or export directory, or a Hugging Face RoBERTa, BERT, ModernBERT, ESM "

@@ -51,7 +51,7 @@ from .metrics import LogWindow, MetricsWriter, eval_table, peak_memory_mib, read
 from .model import MaskedLM
 from .pipeline import masked_ahead
 from .plot import plot_run
-from .pretrained import Pretrained, continued, initialise
+from .pretrained import Pretrained, continued, initialise, write_origin
 from .schedule import MaskRates, Schedule, branch_plan, check_continuation
 from .step import RunCounters, train_step
 
@@ -267,6 +267,8 @@ class Trainer:
                 "device": device_name(device), "ranks": self.world, "precision": self.precision,
                 "peak_flops": self.peak.flops, "spec_peak_flops": self.spec_peak_flops,
                 "init_from": self.source and self.source.provenance(), "schedule": self.schedule.describe()})
+            if self.source is not None:  # what its exports write back of a Hugging Face source (a BERT's pooler)
+                write_origin(self.run_dir, self.source.origin)
 
     # ------------------------------------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:

@@ -19,7 +19,8 @@ def test_no_arguments_help_and_version(capsys):
     assert main(["--version"]) == 0 and capsys.readouterr().out == f"fastmae {__version__}\n"
     assert main(["exprot"]) == 2 and "unknown subcommand 'exprot'" in capsys.readouterr().err
     export_line = next(line for line in said.splitlines() if line.startswith("  export "))
-    assert all(name in export_line for name in ("RoBERTa", "RoFormer", "ESM-2", "model card", "hf extra"))
+    assert all(name in export_line for name in ("RoBERTa", "RoFormer", "ESM-2", "ModernBERT", "BERT's as a BERT",
+                                                "model card", "hf extra"))
     lines = {line.split()[0]: line for line in said.splitlines() if line.startswith("  ")}
     assert "Hugging Face tokenizer" in lines["prepare"] and "neighbour probe" in lines["analyze"]  # what they do today
 
@@ -51,6 +52,7 @@ def test_export_help_says_what_it_needs_writes_and_refuses(capsys):
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     said = " ".join(capsys.readouterr().out.split())
-    for fact in ("RoBERTa", "RoFormer", "ESM-2", "pip install 'fastmae[hf]'", "model card", "relative position bias",
+    for fact in ("RoBERTa", "RoFormer", "ESM-2", "ModernBERT", "comes back as a BERT", "without an MLM head",
+                 "pip install 'fastmae[hf]'", "model card", "relative position bias",
                  "0 < insert_layer < encoder_layers", "rotary_base other than 10000"):
         assert fact in said, fact

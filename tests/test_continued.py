@@ -112,6 +112,7 @@ def test_a_two_rank_run_switches_a_modernbert_to_3ml_and_its_export_fine_tunes(t
     from test_train import launch, overrides
 
     from fastmae.export import export
+    from fastmae.pretrained import read_origin
     from fastmae.finetune import main as finetune_main
     from fastmae.prepare import prepare
 
@@ -142,6 +143,7 @@ def test_a_two_rank_run_switches_a_modernbert_to_3ml_and_its_export_fine_tunes(t
     again = launch(args)  # a rerun resumes from its own checkpoint, not from the source
     assert again.returncode == 0 and "initialised from" not in again.stderr
 
+    assert read_origin(run_dir).name == "ModernBERT"  # what its exports write back of the source (issue 57)
     export(run_dir, tmp_path / "hf")
     card = (tmp_path / "hf" / "README.md").read_text()
     assert f"started from the Hugging Face ModernBERT encoder `{source.weights_file}`" in card

@@ -4,6 +4,7 @@ travel with it; small random RoBERTa, BERT, ESM-2 and RoFormer models saved by t
 the same hidden states (fp32) and masked-LM predictions; what cannot be mapped is refused by name. The 2-rank run of 3ml
 from the RoBERTa, its export and fine-tuning: test_continued.py."""
 
+import dataclasses
 import json
 import shutil
 
@@ -17,6 +18,7 @@ from fastmae.data.builtin import builtin_documents
 from fastmae.data.tokenizer import load_tokenizer
 from fastmae.errors import FastmaeError
 from fastmae.masking import mask_batch
+from fastmae.model import MaskedLM
 from fastmae.pretrained import load_pretrained, source_kind
 
 transformers = pytest.importorskip("transformers")
@@ -230,7 +232,7 @@ def test_a_foreign_encoder_is_taken_wherever_fastmae_takes_a_model(wordpiece_dir
 
     bert = foreign_model("bert", wordpiece_dir, tmp_path / "bert")
     export(bert, tmp_path / "hf")
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "roberta"
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "bert"  # a BERT comes back
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert [tokenizer(t).input_ids for t in TEXTS] == [
         transformers.AutoTokenizer.from_pretrained(bert)(t).input_ids for t in TEXTS]
@@ -267,6 +269,63 @@ def test_a_foreign_encoder_is_taken_wherever_fastmae_takes_a_model(wordpiece_dir
     assert finetune_main(["--model", str(bert), "--out", str(tmp_path / "ft"), "--task", "sst2", "--data",
                           str(tmp_path / "sst2"), "--seeds", "1", "--epochs", "1", "--batch-size", "16"]) == 0
     assert json.loads((tmp_path / "ft" / "results.json").read_text())["per_seed"][0]["history"]
+
+
+def test_a_headless_bert_with_a_pooler_comes_back_a_bert(wordpiece_dir, tmp_path):
+    """A `BertModel` (no MLM head, a pooler: every sentence-transformers model) exports as a BERT without a head:
+    model_type bert, positions from 0, its token-type rows and pooler, computing the source's hidden states and pooled
+    output on pairs (fp32, within 1e-5); so do an export of that export, and a run continued from it (the source's
+    origin kept in the run directory; with the MLM head the run trained)."""
+    from fastmae.checkpoint import write_weights
+    from fastmae.export import export
+    from fastmae.pretrained import write_origin
+
+    tokenizer = load_tokenizer(wordpiece_dir)
+    config = transformers.BertConfig(**SHAPE, vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.special.pad,
+                                     max_position_embeddings=64, type_vocab_size=2)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=True)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn(param.shape))
+    model.save_pretrained(tmp_path / "st")
+    for path in wordpiece_dir.iterdir():
+        shutil.copy(path, tmp_path / "st" / path.name)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "st")
+    pairs = hf_tokenizer(TEXTS, TEXTS[::-1], padding=True, return_tensors="pt", return_token_type_ids=True)
+    with torch.no_grad():
+        expected = model.eval()(**pairs)
+
+    def same_bert(directory, head: bool):
+        hf = json.loads((directory / "config.json").read_text())
+        assert hf["model_type"] == "bert" and hf["architectures"] == ["BertForMaskedLM" if head else "BertModel"]
+        again, info = transformers.BertModel.from_pretrained(directory, output_loading_info=True)
+        assert not info["missing_keys"], info  # the pooler came back
+        with torch.no_grad():
+            got = again.eval()(**pairs)
+        real = pairs["attention_mask"].bool()
+        assert (got.last_hidden_state[real] - expected.last_hidden_state[real]).abs().max() <= 1e-5
+        assert (got.pooler_output - expected.pooler_output).abs().max() <= 1e-5
+
+    export(tmp_path / "st", tmp_path / "hf")
+    same_bert(tmp_path / "hf", head=False)
+    export(tmp_path / "hf", tmp_path / "hf2")
+    same_bert(tmp_path / "hf2", head=False)
+
+    source = load_pretrained(tmp_path / "st")
+    run_dir = tmp_path / "run"  # what a run continued from it leaves: its weights (a head trained), its origin
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("{}\n")
+    for path in wordpiece_dir.iterdir():
+        shutil.copy(path, run_dir / path.name)
+    torch.manual_seed(1)
+    head = {name: t for name, t in MaskedLM(source.config).state_dict().items() if name.startswith("head.")}
+    write_weights(run_dir / "model.safetensors", {**source.weights, **head}, dataclasses.asdict(source.config), 7)
+    write_origin(run_dir, source.origin)
+    export(run_dir, tmp_path / "hf3")
+    same_bert(tmp_path / "hf3", head=True)
+    masked = transformers.BertForMaskedLM.from_pretrained(tmp_path / "hf3")
+    torch.testing.assert_close(masked.cls.predictions.transform.dense.weight, head["head.dense.weight"])
 
 
 def test_sharded_and_pytorch_bin_checkpoints_read_the_same_weights(bpe_dir, tmp_path):

@@ -74,16 +74,32 @@ def name_pairs(layout: Layout, config: ModelConfig, with_head: bool) -> list[tup
     return pairs
 
 
+def writes_head(config: ModelConfig, weights: dict[str, torch.Tensor]) -> bool:
+    """Whether an export writes the LM head: k = 0 (the head trained on the encoder's states) and the weights hold
+    one (a headless source, `BertModel` say, has none)."""
+    return config.insert_layer == 0 and "head.dense.weight" in weights
+
+
+def kept_tensors(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """A source's tensors that fastmae's network does not compute but an export writes back as they were (a BERT's
+    pooler, which sentence classifiers read), under `prefix`."""
+    return {_canonical(name, prefix): t.float().contiguous() for name, t in tensors.items()
+            if _canonical(name, prefix).startswith(f"{prefix}.pooler.")}
+
+
 def _qkv_names(layout: Layout, i: int) -> list[str]:
     return [f"{layout.prefix}.encoder.layer.{i}.attention.self.{p}" for p in ("query", "key", "value")]
 
 
 def write(layout: Layout, config: ModelConfig, weights: dict[str, torch.Tensor],
           segment_row: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """fastmae weights -> the architecture's names (the LM head only for k = 0: a decoder's head is not the
-    encoder's). The token-type table is written as zeros and `segment_row`, so that a BERT's pairs compute as the
+    """fastmae weights -> the architecture's names (the LM head only for k = 0 and where the weights have one: a
+    decoder's head is not the encoder's, a headless source has none). The token-type table is written as zeros and `segment_row`, so that a BERT's pairs compute as the
     original's; an architecture without the table refuses a segment row."""
-    out = {theirs: weights[ours] for ours, theirs in name_pairs(layout, config, config.insert_layer == 0)}
+    out = {theirs: weights[ours] for ours, theirs in name_pairs(layout, config, writes_head(config, weights))}
+    if config.position_embedding == "learned" and not layout.positions_after_pad:  # BERT: rows from position 0
+        positions = f"{layout.prefix}.embeddings.position_embeddings.weight"
+        out[positions] = out[positions][config.position_offset:]
     for i in range(config.encoder_layers):
         for p in ("weight", "bias"):
             for name, part in zip(_qkv_names(layout, i), weights[f"encoder.{i}.qkv.{p}"].chunk(3)):

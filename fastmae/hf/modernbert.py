@@ -136,7 +136,7 @@ def write(config: ModelConfig, weights: dict[str, torch.Tensor], segment_row: to
     is refused."""
     if segment_row is not None:
         raise FastmaeError("a second-segment embedding cannot be written to ModernBERT, which has no token-type table")
-    with_head = config.insert_layer == 0
+    with_head = classic.writes_head(config, weights)
     prefix = "model." if with_head else ""
     return {(theirs if theirs.startswith(("head.", "decoder.")) else prefix + theirs): weights[ours].contiguous()
             for ours, theirs in _name_pairs(config, with_head)}

@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--objectives", default="mlm,mae-lm,3ml",
                         help="comma-separated: mlm, mae-lm, 3ml, k=N, each with optional :field=value (default "
                              "mlm,mae-lm,3ml)")
-    presets = "; ".join(f"{name}: {preset.what}" for name, preset in STUDY_PRESETS.items())
+    presets = "; ".join(f"{name}: {preset.what}" for name, preset in STUDY_PRESETS.items()).replace("%", "%%")
     parser.add_argument("--budget", default="cpu-30min",
                         help=f"training FLOPs per run, or a preset ({presets}); default cpu-30min")
     parser.add_argument("--quick", action="store_true", help="the CI-sized preset (same as --budget quick)")
