@@ -13,7 +13,7 @@ import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.zero import stage3, stage_1_and_2
-from deepspeed.utils import safe_get_full_fp32_param
+from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 
 from .atomic import atomic_stream
 from .config import RunConfig
@@ -131,12 +131,19 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
     if train.compile:
         model.compile_layers()
     schedule = Schedule.of(train)
+    # DeepSpeed casts the module to the half dtype before it makes the fp32 masters from it: they would start rounded
+    # (a source's fp32 weights lost to bf16 at step 0), so the module's own fp32 values are put back into them below
+    exact = ({name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+             if precision != "fp32" else {})
     # a function, not the Schedule: LambdaLR saves and restores a callable object's fields with its state, which
     # would bring a checkpoint's plan back over an extended or branched run's
     engine, wrapped, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config,
         lr_scheduler=(lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule.multiplier(step))),
         model_parameters=None if optimizer is not None else param_groups(model, train.weight_decay))
+    for name, param in engine.module.named_parameters():
+        if name in exact:
+            safe_set_full_fp32_param(param, exact[name].to(device))
     # after DeepSpeed placed the parameters
     if isinstance(model, MaskedLM) and plan_graphs(config, device, precision).enabled:
         StepGraphs(model, capture=True)
