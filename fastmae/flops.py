@@ -67,7 +67,7 @@ def training_flops(config: ModelConfig, seqlens: torch.Tensor, visible_seqlens: 
     full = {"global": layer_flops(config, tokens, int((seqlens**2).sum()))}
     visible = {"global": layer_flops(config, visible_tokens, int((visible_seqlens**2).sum()))}
     if "local" in kinds:
-        local = window_pairs(seqlens, config.local_window // 2)
+        local = window_pairs(seqlens, config.local_half_window)
         full["local"] = layer_flops(config, tokens, int(local.sum()))
         kept = visible_seqlens / np.maximum(seqlens, 1)
         visible["local"] = layer_flops(config, visible_tokens, round(float((local * kept**2).sum())))

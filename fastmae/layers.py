@@ -117,7 +117,7 @@ def stream_views(cfg: ModelConfig, layers: nn.ModuleList, x: torch.Tensor, meta:
             continue
         table, layer_meta, window = bias_by_distance, meta, None
         if layer.kind == "local":
-            window = cfg.local_window // 2
+            window = cfg.local_half_window
             table = window_by_distance(window, cfg.num_heads, x.device)
             if meta.rotary is not None and cfg.local_rotary_base != cfg.rotary_base:
                 layer_meta = meta._replace(rotary=rotary_tables(meta.positions, cfg.head_dim,
@@ -162,7 +162,7 @@ def local_attention_note(config: ModelConfig, device: torch.device, dtype: torch
     for stream, backend in backends.items():
         how = f"{backend!r}"
         if local_in_bands(backend, device, dtype):
-            how += f" in bands of {config.local_window // 2}-row blocks (fastmae.banded)"
+            how += f" in bands of {config.local_half_window}-row blocks (fastmae.banded)"
         if stream == "consecutive":
             how += " on streams of consecutive positions" + (
                 " (its window of rows is the window of positions)" if backend == "torch_flash" else "")
@@ -170,4 +170,4 @@ def local_attention_note(config: ModelConfig, device: torch.device, dtype: torch
             how += " on the shortened stream (its rows skip positions: the window is a position bias)"
         hows.append(how)
     return (f"local attention: {config.layer_kinds.count('local')} of {config.encoder_layers} encoder layers see the "
-            f"tokens within {config.local_window // 2} original positions of each token, on {'; '.join(hows)}")
+            f"tokens within {config.local_half_window} original positions of each token, on {'; '.join(hows)}")

@@ -1,113 +1,20 @@
-"""ModernBERT's architecture in fastmae (issue 48, in part): local layers attend by original position, on every CPU
-backend against an independent per-sequence oracle, forward and backward; a small random ModernBERT saved by
-transformers (both kinds of layer, a window shorter than the sequences, the nested and the flat config keys) is read
+"""ModernBERT's architecture in fastmae (issue 48, in part; its local layers' window against an oracle:
+test_local_window.py): a small random ModernBERT saved by transformers (both kinds of layer, a window shorter than the sequences, the nested and the flat config keys) is read
 computing transformers' hidden states (eager and sdpa) and MLM logits at step 0; what fastmae does not compute is
 refused by name."""
 
 import json
-import math
 
 import pytest
 import torch
 from test_foreign import TEXTS, byte_level_bpe
 
 from fastmae import PackedBatch
-from fastmae.attention import StreamBias, VarlenMeta, varlen_attention
 from fastmae.data.tokenizer import load_tokenizer
 from fastmae.errors import FastmaeError
-from fastmae.positions import window_by_distance
 from fastmae.pretrained import load_pretrained
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_flex_skips_the_blocks_outside_a_window_and_computes_the_same(seed):
-    """FlexAttention (forward only on CPU) with the window in its block mask: the rows of a 1,000-token sequence and
-    a shortened one equal the oracle's, and most blocks are skipped (128 x 128 rows each)."""
-    generator = torch.Generator().manual_seed(seed)
-    lengths = [1000, 300]
-    positions = torch.cat([torch.arange(1000), torch.sort(torch.randperm(600, generator=generator)[:300])[0]])
-    cu = torch.tensor([0, 1000, 1300], dtype=torch.int32)
-    meta = VarlenMeta.build(cu, 1000, torch.repeat_interleave(torch.arange(2), torch.tensor(lengths)),
-                            positions.int())
-    q, k, v = (torch.randn(1300, 2, 8, generator=generator) for _ in range(3))
-    bias = StreamBias.build(window_by_distance(16, 2), meta, meta, "flex", torch.float32, window=16)
-    with torch.no_grad():
-        out = varlen_attention(q, k, v, meta, backend="flex", bias=bias)
-    assert (out.double() - windowed_oracle(q, k, v, positions, cu, 16)).abs().max() <= 1e-5
-    dense = StreamBias.build(window_by_distance(16, 2), meta, meta, "flex", torch.float32).block_mask
-    # the stream padded to whole blocks (11 of 128 rows; the compiled kernel is told its length divides); the window
-    # computes under half the blocks the document mask computes
-    assert tuple(bias.block_mask.seq_lengths) == tuple(dense.seq_lengths) == (1408, 1408)
-    assert 100 - bias.block_mask.sparsity() < 0.5 * (100 - dense.sparsity())  # sparsity: percent of blocks skipped
-
-
-def windowed_oracle(q, k, v, positions, cu_seqlens, half):
-    """Softmax attention per sequence, in fp64, each query seeing the keys within `half` of its original position."""
-    outs = []
-    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        qb, kb, vb = (t[start:end].double().transpose(0, 1) for t in (q, k, v))
-        pos = positions[start:end].long()
-        scores = qb @ kb.transpose(1, 2) / math.sqrt(q.shape[-1])
-        scores = scores.masked_fill((pos[None, :] - pos[:, None]).abs()[None] > half, -math.inf)
-        outs.append((scores.softmax(-1) @ vb).transpose(0, 1))
-    return torch.cat(outs)
-
-
-@pytest.mark.parametrize("backend", ["padded", "math", "reference"])
-@pytest.mark.parametrize("dtype, seed", [(torch.float32, 0), (torch.float32, 1), (torch.bfloat16, 2)])
-def test_a_local_layer_attends_by_original_position_on_a_shortened_stream(backend, dtype, seed):
-    """Visible rows of a 3ml-like stream (positions skip the removed tokens; sequences of 13, 1 and 29 rows):
-    every key within 3 original positions and no other, forward and the gradients of q, k and v."""
-    generator = torch.Generator().manual_seed(seed)
-    lengths = [13, 1, 29]
-    positions = torch.cat([torch.sort(torch.randperm(2 * n, generator=generator)[:n])[0] for n in lengths])
-    positions[[0, 13, 14]] = 0  # each sequence keeps its first token (<s> is never removed)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    seq_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
-    meta = VarlenMeta.build(cu, max(lengths), seq_ids, positions.int())
-    q, k, v = (torch.randn(sum(lengths), 2, 8, generator=generator).to(dtype).requires_grad_() for _ in range(3))
-    bias = StreamBias.build(window_by_distance(3, 2), meta, meta, backend, dtype, window=3)
-    assert_windowed_as_oracle(varlen_attention(q, k, v, meta, backend=backend, bias=bias), (q, k, v), positions, cu,
-                              3, generator)
-
-
-def assert_windowed_as_oracle(out, qkv, positions, cu_seqlens, half, generator):
-    """`out` of q, k, v (`qkv`) and the gradients of q, k and v equal `windowed_oracle`'s (fp32: within 1e-5,
-    bf16: 3e-2; the gradients 4x that)."""
-    expected = windowed_oracle(*qkv, positions, cu_seqlens, half)
-    grad = torch.randn(out.shape, generator=generator)
-    ours = torch.autograd.grad(out.float(), qkv, grad)
-    theirs = torch.autograd.grad(expected, qkv, grad.double())
-    tolerance = 1e-5 if out.dtype == torch.float32 else 3e-2
-    assert (out.double() - expected).abs().max() <= tolerance
-    for mine, oracle in zip(ours, theirs):
-        assert (mine.double() - oracle).abs().max() <= tolerance * 4
-
-
-@pytest.mark.parametrize("dtype, seed", [(torch.float32, 0), (torch.float32, 1), (torch.bfloat16, 2)])
-def test_padded_attention_on_cpu_runs_a_local_layer_in_bands(dtype, seed, monkeypatch):
-    """Padded SDPA's form of a window on CPU (fastmae.banded): blocks of 16 rows against their neighbours' on a
-    full sequence of 203 rows and a shortened one (positions skip), forward and the gradients of q, k and v equal the
-    oracle's (in fp32 too, where it is not used: exact there); no dense mask is built, and attention dropout there
-    is refused."""
-    import fastmae.attention
-
-    assert (torch.bfloat16 in fastmae.attention.BAND_DTYPES) and (torch.float32 not in fastmae.attention.BAND_DTYPES)
-    monkeypatch.setattr(fastmae.attention, "BAND_DTYPES", (dtype,))
-    generator = torch.Generator().manual_seed(seed)
-    lengths = [203, 90]
-    positions = torch.cat([torch.arange(203), torch.sort(torch.randperm(180, generator=generator)[:90])[0]])
-    cu = torch.tensor([0, 203, 293], dtype=torch.int32)
-    meta = VarlenMeta.build(cu, 203, torch.repeat_interleave(torch.arange(2), torch.tensor(lengths)), positions.int())
-    q, k, v = (torch.randn(293, 3, 16, generator=generator).to(dtype).requires_grad_() for _ in range(3))
-    bias = StreamBias.build(window_by_distance(16, 3), meta, meta, "padded", dtype, window=16)
-    assert bias.band is not None and bias.dense is None
-    assert_windowed_as_oracle(varlen_attention(q, k, v, meta, backend="padded", bias=bias), (q, k, v), positions,
-                              cu, 16, generator)
-    with pytest.raises(ValueError, match="no attention dropout"):
-        varlen_attention(q, k, v, meta, dropout_p=0.1, backend="padded", bias=bias)
 
 
 @pytest.fixture(scope="module")

@@ -130,6 +130,11 @@ class ModelConfig:
         return tuple("global" if i % self.global_attention_every == 0 else "local" for i in range(self.encoder_layers))
 
     @property
+    def local_half_window(self) -> int:
+        """How many original positions a local layer's token sees on each side (ModernBERT's local_attention / 2)."""
+        return self.local_window // 2
+
+    @property
     def ffn_input_size(self) -> int:
         """Width of the feed-forward's input projection: 2 x intermediate_size when gated."""
         return self.intermediate_size * (2 if self.ffn_gated else 1)
