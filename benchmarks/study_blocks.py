@@ -37,7 +37,7 @@ def _study(directory: str, findings: bool = True) -> str:
     result = read_json(RESULTS_DIR / directory / "study.json")
     setup, objectives = result["setup"], result["objectives"]
     rows = ["| objective | steps | held-out loss (mean ± half range) | accuracy | % of mlm's compute to reach mlm's "
-            "final loss | word-order accuracy (median) | encoder's neighbour probe: best layer vs layer 0, per seed | "
+            "final loss | word-order accuracy (median) | encoder's neighbour probe: best layer vs what the token alone tells, per seed | "
             "last-layer "
             "epsilon rank, no `<mask>`: uncentred / centred |",
             "|---|---|---|---|---|---|---|---|"]
@@ -77,14 +77,15 @@ def _finetuned(finetune) -> str:
 
 
 def _probes(probes: list[dict] | None) -> str:
-    """Each seed's neighbour probe: its best layer's accuracy against the embeddings' (layer 0), the gain's z against
-    the threshold for the best of the layers, and the verdict (`fastmae.analyze.context_verdict`, applied to every
-    record however old)."""
+    """Each seed's neighbour probe: its best layer's accuracy against its control (the layer's token-only part, or in
+    older records the embeddings' probe or the bigram table, whichever is higher), the gain's z against the threshold
+    for the best of the layers, and the verdict (`fastmae.analyze.context_verdict`, applied to every record however
+    old)."""
     if not probes:
         return "-"
     judged_probes = [judged(p) for p in probes]
-    return ", ".join(f"{p['probe_accuracy'][p['best_layer']]:.3f} vs {p['probe_accuracy'][0]:.3f} (z "
-                     f"{p['context_z']:.1f} of {p['z_threshold']:.1f}: "
+    return ", ".join(f"{p['probe_accuracy'][p['best_layer']]:.3f} vs {p['control_accuracy']:.3f} {p['control']} "
+                     f"(z {p['context_z']:.1f} of {p['z_threshold']:.1f}: "
                      f"{'context' if p['learned_context'] else 'none shown'})" for p in judged_probes)
 
 

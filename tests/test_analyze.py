@@ -108,7 +108,7 @@ def test_the_neighbour_probe_tells_context_from_a_context_free_encoder(seed):
     """Layers whose states are the token's alone (its embedding, rotated and noised: what a context-free encoder
     hands on, however deep) do not beat the embeddings' probe, even though the narrow probe scores below the bigram
     table; a layer that holds some of the neighbour (what attending to it gives) does, by far more than the noise."""
-    from fastmae.analyze import neighbour_probe
+    from fastmae.analyze import bigram_table, context_verdict, neighbour_probe
 
     rng = np.random.default_rng(seed)
     vocab, hidden, n = 200, 16, 8000
@@ -128,12 +128,20 @@ def test_the_neighbour_probe_tells_context_from_a_context_free_encoder(seed):
     assert in_context["context_gain"] > 0.05  # yet still below the bigram table, which the old verdict required
     assert in_context["probe_accuracy"][4] < in_context["bigram_accuracy"]
     assert in_context["bigram_accuracy"] == pytest.approx(alone["bigram_accuracy"])
+    # a layer that maps each token to its most frequent neighbour's embedding (a function of the token alone, which a
+    # feed-forward stack computes) beats the embeddings' probe by far, yet shows no context against its own
+    # token-only part (issue 57: against layer 0 it read as context, z 5.2-6.8, for every seed)
+    table = bigram_table(tokens[train], neighbours[train], vocab, 0)
+    lookup = neighbour_probe([embedding[tokens], embedding[table[tokens]]], tokens, neighbours, train, vocab)
+    assert lookup["probe_accuracy"][1] > lookup["probe_accuracy"][0] + 0.03
+    assert not lookup["learned_context"] and lookup["control"] == "token-only", lookup
+    assert context_verdict(lookup["probe_accuracy"], lookup["test_pairs"])["learned_context"]  # the old verdict's
 
 
 def test_the_context_verdict_pays_for_choosing_the_best_layer():
     """study_cpu_1h's 3ml encoder, seed 0: layer 0 at 0.139, its best of 12 layers at 0.1568 on 7,626 pairs (z 3.1):
     past 3 standard errors for one layer, not past the threshold for the best of 12; seed 1's best (0.1697, z 5.0)
-    is. Layer 0 alone has nothing to compare."""
+    is, against layer 0. Layer 0 alone has nothing to compare."""
     from fastmae.analyze import context_verdict, judged
 
     seed0 = [0.139, 0.1444, 0.1404, 0.1458, 0.145, 0.1456, 0.1438, 0.1475, 0.1549, 0.1568, 0.1558, 0.1543, 0.1529]
@@ -145,9 +153,13 @@ def test_the_context_verdict_pays_for_choosing_the_best_layer():
     assert not twelve["learned_context"] and twelve["z_threshold"] > 3.6 and twelve["best_layer"] == 9
     assert context_verdict(seed1, 7626)["learned_context"]
     assert not context_verdict([0.2], 7626)["learned_context"]
+    # a record from before the token-only control, re-judged: its best layer (0.1697) must beat what a token alone
+    # tells, the bigram table (0.1726), which it does not; a layer above it would count
     old = {"probe_accuracy": seed1, "bigram_accuracy": 0.1726, "test_pairs": 7626, "standard_error": 0.00433,
-           "best_layer": 10, "learned_context": False}  # a record of the old test, re-judged
-    assert judged(old)["learned_context"] and "standard_error" not in judged(old)
+           "best_layer": 10, "learned_context": True}
+    again = judged(old)
+    assert not again["learned_context"] and again["control"] == "bigram" and "standard_error" not in again
+    assert judged({**old, "probe_accuracy": [*seed1[:-1], 0.21]})["learned_context"]
 
 
 @pytest.mark.parametrize("seed", [0, 1])

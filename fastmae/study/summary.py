@@ -40,8 +40,9 @@ def left_plateau(curve: list[dict]) -> bool:
     return min(r["loss"] for r in curve) < curve[-1]["unigram_entropy"] - PLATEAU_MARGIN
 
 
-NO_CONTEXT = ("a seed's encoder showed no context (no layer's neighbour probe beat the embeddings' beyond chance, "
-              "`fastmae analyze` at the end of the budget), so its held-out loss may have come from its decoder")
+NO_CONTEXT = ("a seed's encoder showed no context (no layer's neighbour probe beat what the token alone tells beyond "
+              "chance, `fastmae analyze` at the end of the budget), so its held-out loss may have come from its "
+              "decoder")
 
 
 def matched_points(curves: dict[str, list[list[dict]]], encoder_learned: dict[str, list[bool]] | None = None
@@ -166,9 +167,10 @@ def findings(summary: dict[str, ObjectiveResult], chosen_on_plateau: dict[str, b
         if no_context[label]:
             seeds = ", ".join(map(str, no_context[label]))
             lines.append(f"`{label}`'s encoder (seed(s) {seeds}) showed no context: no layer's linear probe for a "
-                         "token's right neighbour beat the same probe of the embeddings (layer 0) beyond chance, the "
-                         "choice of the best layer counted (the neighbour probe). That is no evidence of context, "
-                         "not evidence of none; no claim about its encoder is made from it.")
+                         "token's right neighbour beat what the token alone tells (the same probe of the layer's "
+                         "token-only part; in records from before it, the embeddings' probe or the bigram table) "
+                         "beyond chance, the choice of the best layer counted (the neighbour probe). That is no "
+                         "evidence of context, not evidence of none; no claim about its encoder is made from it.")
     for label, entry in summary.items():
         if label == "mlm" or label in blind_grid or "mlm" in blind_grid:
             continue
