@@ -129,10 +129,11 @@ def test_no_rank_claim_about_an_encoder_that_learned_no_context():
 
 
 def test_a_committed_study_is_rejudged_from_its_json_alone(tmp_path, capsys):
-    """--rewrite-report on study_cpu_1h as an older version wrote it (the probe held against the bigram table: every
-    3ml seed 'learned nothing'): today's test finds context in seed 1 and not in seed 0, the findings and report say
-    so, and 3ml stays out of the ranks at matched loss. A verdict that would let an objective in is refused: that
-    needs the runs' weights."""
+    """--rewrite-report on study_cpu_1h as an older version wrote it (every probe's verdict set by another test):
+    today's test, which holds these records (they predate the token-only control) against the best a token alone is
+    known to tell, the bigram table here, finds context in neither 3ml seed (seed 1's best layer, 0.1697, is below the
+    bigram's 0.1726) and in both of mlm's; the findings and report say so, and 3ml stays out of the ranks at matched
+    loss. A verdict that would let an objective in is refused: that needs the runs' weights."""
     out = tmp_path / "study"
     shutil.copytree(Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "study_cpu_1h", out)
     stored = json.loads((out / "study.json").read_text())
@@ -144,15 +145,16 @@ def test_a_committed_study_is_rejudged_from_its_json_alone(tmp_path, capsys):
     (out / "study.json").write_text(json.dumps(stored))
     assert study_main(["--rewrite-report", "--out", str(out)]) == 0
     rewritten = json.loads((out / "study.json").read_text())
-    assert [p["learned_context"] for p in rewritten["objectives"]["3ml"]["neighbour_probe"]] == [False, True]
+    assert [p["learned_context"] for p in rewritten["objectives"]["3ml"]["neighbour_probe"]] == [False, False]
     assert [p["learned_context"] for p in rewritten["objectives"]["mlm"]["neighbour_probe"]] == [True, True]
-    assert any(line.startswith("`3ml`'s encoder (seed(s) 0) showed no context") for line in rewritten["findings"])
+    assert {p["control"] for entry in rewritten["objectives"].values() for p in entry["neighbour_probe"]} == {"bigram"}
+    assert any(line.startswith("`3ml`'s encoder (seed(s) 0, 1) showed no context") for line in rewritten["findings"])
     assert "showed no context" in rewritten["objectives"]["3ml"]["ranks_at_matched_loss"]["excluded"]
-    assert "`3ml`'s encoder (seed(s) 0) showed no context" in (out / "report.md").read_text()
+    assert "`3ml`'s encoder (seed(s) 0, 1) showed no context" in (out / "report.md").read_text()
     assert rewritten["objectives"]["mlm"]["per_seed"] == stored["objectives"]["mlm"]["per_seed"]
 
-    strong = rewritten["objectives"]["3ml"]["neighbour_probe"][0]
-    strong["probe_accuracy"][9] = 0.2  # seed 0 now shows context: 3ml would join the matched-loss ranks
+    for strong in rewritten["objectives"]["3ml"]["neighbour_probe"]:
+        strong["probe_accuracy"][9] = 0.2  # past the bigram table: 3ml would join the matched-loss ranks
     (out / "study.json").write_text(json.dumps(rewritten))
     capsys.readouterr()
     assert study_main(["--rewrite-report", "--out", str(out)]) == 1
