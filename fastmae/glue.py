@@ -21,7 +21,8 @@ same settings. The protocols:
   unscaled, so a fastmae encoder stands beside ModernBERT's reported scores. ModernBERT has no WNLI job.
 
 `--from-mnli` starts RTE, MRPC and STS-B from the encoder of the model's best MNLI cell (its median seed), as
-RoBERTa did. Every finished cell is a file under DIR/cells; a rerun skips them. `--max-cells` or `--budget-hours`
+RoBERTa did; those cells are keyed by the MNLI cell they started from (its file and a digest of its weights), so a
+later run whose best MNLI cell is another fine-tunes them again. Every finished cell is a file under DIR/cells; a rerun skips them. `--max-cells` or `--budget-hours`
 plans the largest part of the grid that fits, smallest tasks first, and says what it leaves out; a grid setting the
 budget cut short (fewer seeds than asked) competes for a task's best cell only where no setting finished every seed,
 and the score says so (`complete: false`, marked ‡ in glue.md).
@@ -46,6 +47,7 @@ from tqdm import tqdm
 
 from .atomic import atomic_write_text
 from .config import ModelConfig
+from .data.shards import file_sha256
 from .errors import FastmaeError, run_command
 from .finetune import FinetuneConfig, framed_split, train_one_seed
 from .glue_plan import (
@@ -75,6 +77,8 @@ class Encoders:
         self.tasks, self.max_seq_len = tasks, max_seq_len
         self._pretrained: dict[str, Pretrained] = {}
         self._framed: dict[tuple[str, str], tuple] = {}
+        self._capped: set[int] = set()
+        self._digests: dict[Path, str] = {}
 
     def pretrained(self, model: str) -> Pretrained:
         if model not in self._pretrained:
@@ -82,7 +86,11 @@ class Encoders:
         return self._pretrained[model]
 
     def length(self, config: ModelConfig) -> int:
-        """The longest input for a model of `config`: --max-seq-len, at most the model's."""
+        """The longest input for a model of `config`: --max-seq-len, at most the model's (a cap said once)."""
+        if self.max_seq_len > config.max_seq_len and config.max_seq_len not in self._capped:
+            self._capped.add(config.max_seq_len)
+            log(f"--max-seq-len {self.max_seq_len}: capped at {config.max_seq_len}, the most positions a model here "
+                "has")
         return min(self.max_seq_len or config.max_seq_len, config.max_seq_len)
 
     def data(self, model: str, task: str) -> tuple[tuple, tuple, dict[str, tuple]]:
@@ -98,20 +106,27 @@ class Encoders:
                                          {name: framed(path) for name, path in files.other_devs.items()})
         return self._framed[model, task]
 
-    def from_mnli(self, model: str, records: list[dict], seeds: int) -> tuple[Pretrained, str]:
-        """`model` with the encoder of its best MNLI cell's median seed (cells of `seeds` seeds), and that cell's file
-        name."""
+    def mnli_source(self, model: str, records: list[dict], seeds: int) -> tuple[Path, str]:
+        """(the classifier of `model`'s best MNLI cell's median seed (cells of `seeds` seeds), what names it: its
+        file and a digest of its weights). The cells that start from it are keyed by the second: a later run whose
+        best MNLI cell is another fine-tunes them again."""
         best = task_scores([r for r in records if r["model"] == model and r["init"] == "pretrained"], "mnli", seeds)
         if best is None:
             raise FastmaeError(f"--from-mnli: {model} has no finished MNLI cell to start from (is MNLI under --data, "
                                "and inside the budget?)")
         weights_file = Path(best["median_cell"]).with_suffix(".safetensors")
+        if weights_file not in self._digests:
+            self._digests[weights_file] = file_sha256(weights_file)[:16]
+        return weights_file, f"{weights_file.name}:{self._digests[weights_file]}"
+
+    def from_mnli(self, model: str, records: list[dict], seeds: int) -> tuple[Pretrained, str]:
+        """`model` with the encoder of its best MNLI cell (`mnli_source`), and what names that cell."""
+        weights_file, source = self.mnli_source(model, records, seeds)
         from safetensors.torch import load_file
 
         classifier = load_file(str(weights_file))
         weights = {k.removeprefix("encoder."): v for k, v in classifier.items() if k.startswith("encoder.")}
-        return dataclasses.replace(self.pretrained(model), weights=weights, weights_file=weights_file), \
-            weights_file.name
+        return dataclasses.replace(self.pretrained(model), weights=weights, weights_file=weights_file), source
 
 
 def cell_contexts(encoders: Encoders, models: list[str], from_mnli: bool,
@@ -229,7 +244,17 @@ def glue(models: list[str], data: Path, out: Path, protocol: str = "papers", see
     todo = [c for c in kept if c not in records]
     log(f"{len(kept)} cells planned ({len(kept) - len(todo)} finished before), {len(todo)} to run; {len(tasks)} "
         f"task(s): {', '.join(GLUE_DIRS[t] for t in tasks)}")
-    for cell in tqdm(todo, desc="cells", unit="cell", dynamic_ncols=True):
+
+    def started_elsewhere(cell: Cell) -> bool:  # (MNLI runs first: its cells are finished when this is asked)
+        init = records[cell]["init"]
+        return init != "pretrained" and init != encoders.mnli_source(cell.model, list(records.values()), seeds)[1]
+
+    for cell in tqdm(kept, desc="cells", unit="cell", dynamic_ncols=True):
+        if cell in records and not started_elsewhere(cell):
+            continue
+        if cell in records:
+            log(f"{GLUE_DIRS[cell.task]} cell {cell.file(out).name}: started from another MNLI cell than the "
+                "model's best now; fine-tuned again")
         records[cell] = run_cell(cell, encoders, out, precision, device, list(records.values()), from_mnli, seeds)
     finished = [records[c] for c in kept]
     result = {"protocol": protocol, "from_mnli": from_mnli, "seeds": seeds, "quick": quick, "precision": precision,

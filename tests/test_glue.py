@@ -128,13 +128,26 @@ def test_from_mnli_starts_rte_from_the_best_mnli_cell_and_never_reuses_a_cell_of
     cells = {c["task"]: c for c in result["cells"]}
     mnli_weights = (out / cells["mnli"]["file"]).with_suffix(".safetensors")
     assert cells["mnli"]["file"] == first["mnli"]["file"] and cells["mnli"]["init"] == "pretrained"
-    assert mnli_weights.is_file() and result["from_mnli"] and cells["rte"]["init"] == mnli_weights.name
+    assert mnli_weights.is_file() and result["from_mnli"] and cells["rte"]["init"].startswith(mnli_weights.name)
     assert cells["rte"]["context"]["init"] == "mnli" and cells["rte"]["file"] != first["rte"]["file"]
     assert glue_main([*common, "--from-mnli"]) == 0
-    assert "2 cells planned (2 finished before), 0 to run" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "2 cells planned (2 finished before), 0 to run" in said and "fine-tuned again" not in said
+    # the MNLI cell RTE started from is no longer the one there (its weights changed): RTE is fine-tuned again from
+    # the one there now, its record naming it
+    from safetensors.torch import load_file, save_file
+
+    save_file({k: v + 0.01 for k, v in load_file(str(mnli_weights)).items()}, str(mnli_weights))
+    assert glue_main([*common, "--from-mnli"]) == 0
+    assert "started from another MNLI cell than the model's best now; fine-tuned again" in capsys.readouterr().err
+    again = {c["task"]: c for c in json.loads((out / "glue.json").read_text())["cells"]}
+    assert again["rte"]["init"] != cells["rte"]["init"] and again["rte"]["init"].startswith(mnli_weights.name)
     assert glue_main([*common, "--from-mnli", "--max-seq-len", "32"]) == 0
     assert "2 cells planned (0 finished before), 2 to run" in capsys.readouterr().err
     assert {c["context"]["max_seq_len"] for c in json.loads((out / "glue.json").read_text())["cells"]} == {32}
+    assert glue_main([*common, "--from-mnli", "--max-seq-len", "100000"]) == 0  # above the model's: said, capped
+    said = capsys.readouterr().err
+    assert "--max-seq-len 100000: capped at" in said and "2 cells planned (2 finished before)" in said
 
 
 def test_the_grid_chooses_by_the_metric_it_reports_and_a_cell_cut_short_does_not_compete(models, glue_dir, tmp_path):
