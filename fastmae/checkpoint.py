@@ -180,9 +180,9 @@ def resolve_resume(root: Path, resume: str | None, log) -> Path | None:
 
 
 def save(engine, root: Path, step: int, trainer_state: dict, keep: int, metadata: dict,
-         weights: dict[str, torch.Tensor] | None) -> Path:
+         weights: dict[str, torch.Tensor] | None, keep_every: int = 0) -> Path:
     """Collective: every rank writes its part, rank 0 also the gathered fp32 `weights` (None on other ranks); rank 0
-    seals the checkpoint and drops the oldest beyond `keep`. metadata must hold the `model_config` dict."""
+    seals the checkpoint and drops what `rotated_out` says. metadata must hold the `model_config` dict."""
     root = Path(root)
     rank, world = dist.get_rank(), dist.get_world_size()
     partial, final = root / f".partial-step{step:08d}", step_dir(root, step)
@@ -203,12 +203,18 @@ def save(engine, root: Path, step: int, trainer_state: dict, keep: int, metadata
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
-        for _, old in complete_checkpoints(root)[:-keep]:
+        for old in rotated_out(complete_checkpoints(root), keep, keep_every):
             doomed = old.with_name(f".deleting-{old.name}")
             old.rename(doomed)
             shutil.rmtree(doomed)
     dist.barrier()
     return final
+
+
+def rotated_out(found: list[tuple[int, Path]], keep: int, keep_every: int = 0) -> list[Path]:
+    """Of the complete checkpoints `found` ((step, directory), oldest first), those a save drops: all but the newest
+    `keep` and, with `keep_every`, those of steps that are its multiples."""
+    return [path for step, path in found[:-keep] if not (keep_every and step % keep_every == 0)]
 
 
 LEFTOVER_DIRS = (".partial-*", ".deleting-*")
@@ -312,9 +318,9 @@ def load(engine, directory: Path, model_config: dict) -> list[dict]:
 class Checkpointer:
     """When and where a run checkpoints: every `every` steps, at the last step, and when the run stops early."""
 
-    def __init__(self, root: Path, every: int, keep: int, last_step: int, model_config: dict):
+    def __init__(self, root: Path, every: int, keep: int, last_step: int, model_config: dict, keep_every: int = 0):
         self.root, self.every, self.keep, self.last_step = Path(root), every, keep, last_step
-        self.model_config = model_config
+        self.model_config, self.keep_every = model_config, keep_every
         self.root_identity = _identity(self.root)  # None until the directory exists
 
     def due(self, step: int, stopping: bool, inside_bad_streak: Callable[[], bool] = lambda: False) -> bool:
@@ -329,7 +335,8 @@ class Checkpointer:
             raise FastmaeError(f"{self.root}: vanished during the run (deleted, moved, or its file system unmounted), "
                                "and the checkpoints this run wrote there with it; not re-created, so that no "
                                "checkpoint lands where a resume would not look: restore it and resume")
-        path = save(engine, self.root, step, trainer_state, self.keep, {"model_config": self.model_config}, weights)
+        path = save(engine, self.root, step, trainer_state, self.keep, {"model_config": self.model_config}, weights,
+                    self.keep_every)
         self.root_identity = _identity(self.root)
         return path
 

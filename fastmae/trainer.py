@@ -255,7 +255,7 @@ class Trainer:
         self.stop = StopAgreement(device, log_line)
         self.checkpointer = checkpoint.Checkpointer(self.run_dir / "checkpoints", config.checkpoint.every,
                                                     config.checkpoint.keep, train.steps,
-                                                    dataclasses.asdict(self.config.model))
+                                                    dataclasses.asdict(self.config.model), config.checkpoint.keep_every)
         if resumed_from is not None:  # last: nothing may draw from the restored RNG before the loop
             self._restore(continue_from(self.engine, resumed_from, config, self.schedule, self.mask_rates,
                                         self.loader))

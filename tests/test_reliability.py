@@ -200,3 +200,14 @@ def test_a_record_torn_by_a_kill_is_dropped(tmp_path):
     writer = MetricsWriter(tmp_path, tensorboard=False)  # the resumed run appends after the last whole record
     writer.write({"kind": "train", "step": 2, "loss": 1.5})
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0), (2, 1.5)]
+
+
+def test_rotation_keeps_the_newest_and_every_multiple_of_keep_every():
+    """A save drops all but the newest `checkpoint.keep` checkpoints, except, with `checkpoint.keep_every`, those of
+    its multiples (what a warmup-stable-decay branch starts from)."""
+    from fastmae.checkpoint import rotated_out
+
+    found = [(step, Path(f"step{step:08d}")) for step in range(5, 45, 5)]
+    assert [p.name for p in rotated_out(found, 3)] == [f"step{s:08d}" for s in (5, 10, 15, 20, 25)]
+    assert [p.name for p in rotated_out(found, 3, keep_every=10)] == [f"step{s:08d}" for s in (5, 15, 25)]
+    assert rotated_out(found[:2], 3, keep_every=10) == []

@@ -126,7 +126,7 @@ def train(name):
         return f"REFUSED {err}"
     return load_file(root / name / "model.safetensors")
 
-long, _ = train("long"), train("short")
+long, _, _ = train("long"), train("short"), train("stable")
 as_if_killed_after(root / "short", 3, root / "extended")
 (root / "short" / "model.safetensors").unlink()  # resumable again: its step-6 checkpoint is its newest
 masked = train("masked")
@@ -147,8 +147,8 @@ print(train("decaying"))
 def test_an_extended_run_and_a_branched_decay_end_as_the_run_planned_that_long(tmp_path):
     """`long`: 10 steps, wsd with a 3-step decay (stable to step 7). `short` planned 6 (stable to 3): its checkpoint
     of step 3, resumed with train.steps=10, ends bit-identical to `long` (weights; dropout on, so the RNG carries
-    over). A branch of `long`'s step-7 checkpoint with train.decay_steps=3, in a directory of its own, ends
-    bit-identical to it too. Branching from step 8 (decaying) and resuming `short`'s step-6 checkpoint with another
+    over). A branch of the step-7 checkpoint of `stable` (12 steps, no decay), given its config and
+    train.decay_steps=3 but not its length, in a directory of its own, ends bit-identical to `long` too. Branching from step 8 (decaying) and resuming `short`'s step-6 checkpoint with another
     length are refused naming both rates. A run whose masking rate falls 40% -> 15% (mae-lm: its encoder stream
     grows) masks each step at its rate, resumes mid-schedule bit-identical, and refuses another length, which would
     have masked its past steps otherwise. One process, a world of one, the real DeepSpeed engine."""
@@ -172,7 +172,12 @@ def test_an_extended_run_and_a_branched_decay_end_as_the_run_planned_that_long(t
                            run_args("masked_resumed", 6, **schedule), run_args("masked_longer", 10, **schedule),
                            run_args("budgeted", 1000, **schedule, **{"train.flops_budget": budget}),
                            run_args("extended", 10),
-                           run_args("branched", 10, **{"train.branch_from": checkpoints / "step00000007"}),
+                           run_args("stable", 12, **{"train.decay_steps": 0, "train.decay_fraction": 0.0}),
+                           # the stable run's own config (12 steps, no decay), its length not restated: the branch
+                           # plans 7 + 3 steps itself
+                           run_args("branched", 12, **{"train.decay_steps": 3, "train.decay_fraction": 0.0,
+                                                       "train.branch_from": tmp_path / "stable" / "checkpoints"
+                                                       / "step00000007"}),
                            run_args("late_branch", 10, **{"train.branch_from": checkpoints / "step00000008"}),
                            run_args("decaying", 10, **{"log.dir": tmp_path / "short"})],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -199,5 +204,5 @@ def test_an_extended_run_and_a_branched_decay_end_as_the_run_planned_that_long(t
     assert "gives step 8 a learning rate of 0.001 where it was 0.000666667" in late
     assert "step 6 was reached under" in decaying and "stable to step 3" in decaying
     assert "gives step 4 a learning rate of 0.001 where it was 0.000666667" in decaying
-    assert f"branched from {checkpoints / 'step00000007'} at step 7" in done.stderr
+    assert f"branched from {tmp_path / 'stable' / 'checkpoints' / 'step00000007'} at step 7" in done.stderr
     assert f"resumed from {tmp_path / 'extended' / 'checkpoints' / 'step00000003'} at step 3" in done.stderr

@@ -466,6 +466,7 @@ def test_two_nodes_on_loopback(dataset, tmp_path):
     ("log.every=0", "log.every=0: must be positive"),
     ("checkpoint.every=0", "checkpoint.every=0: must be positive"),
     ("checkpoint.keep=-1", "checkpoint.keep=-1"),
+    ("checkpoint.keep_every=7", "checkpoint.keep_every=7: must be 0 or a multiple of checkpoint.every"),
     ("train.steps=-5", "train.steps=-5: must be positive"),
     ("train.warmup_steps=-1", "train.warmup_steps=-1"),
     ("train.precision=fp8", "train.precision='fp8'"),

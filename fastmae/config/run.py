@@ -213,11 +213,17 @@ class CheckpointConfig:
     """Save every N optimizer steps (and at the end)."""
     keep: int = 3
     """Keep the newest K checkpoints."""
+    keep_every: int = 0
+    """Also keep, beside the newest, every checkpoint of a step that is a multiple of N (0: none): the stable run of
+    warmup-stable-decay keeps the checkpoints its branches start from."""
 
     def validate(self) -> None:
         for key in ("every", "keep"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"checkpoint.{key}={getattr(self, key)}: must be positive")
+        if self.keep_every < 0 or (self.keep_every and self.keep_every % self.every):
+            raise ConfigError(f"checkpoint.keep_every={self.keep_every}: must be 0 or a multiple of "
+                              f"checkpoint.every={self.every} (the steps checkpointed)")
 
 
 @dataclass
