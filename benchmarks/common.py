@@ -22,6 +22,16 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def measured_when(result: dict) -> str:
+    """When and at which commit a result was measured (its `stamp`)."""
+    return f"{result['date'][:10]}, git {result['git_sha']}"
+
+
+def mfu_text(value: float | None) -> str:
+    """An MFU figure, or a dash where no measured peak stood behind it (the peak was a rate achieved)."""
+    return "—" if value is None else f"{value:.2f}"
+
+
 def median_time(fn, warmup: int = 2, repeats: int = 5, host_only: bool = False) -> float:
     """Median wall time of `fn()` in seconds, after `warmup` untimed calls (synchronising CUDA). `host_only`: until
     `fn()` returns, the device then drained untimed (the host's time to issue the work)."""

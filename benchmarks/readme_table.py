@@ -5,24 +5,22 @@
     python benchmarks/readme_table.py --check    # exit 1 naming each block that differs or is missing (tests run it)
 
 Every figure README.md or a page under docs/ states as fastmae's measurement sits between `<!-- results: NAME -->`
-and `<!-- /results -->`; each NAME appears once among the documents and is produced here from one artifact that a
-committed script regenerates:
+and `<!-- /results -->`; each NAME appears once among the documents and is produced from one artifact that a
+committed script regenerates: the studies' blocks in study_blocks.py (`fastmae study`, benchmarks/readme_runs.sh,
+benchmarks/continued.py), throughput's and the GPU check's in throughput_blocks.py (benchmarks/throughput.py,
+scripts/gpu_check.sh, scripts/flash_probe.py), the rest here:
 
     demo         benchmarks/results/demo/metrics.jsonl          bash benchmarks/readme_runs.sh demo
-    study        benchmarks/results/study_cpu_30min/study.json  bash benchmarks/readme_runs.sh study
-    study_mask_more_or_later  benchmarks/results/study_mask_more_or_later/study.json
-                                                    bash benchmarks/readme_runs.sh mask-more-or-later
     throughput   benchmarks/results/throughput.json             python benchmarks/throughput.py [--size S] [--quick]
     budget       benchmarks/results/budget.json                 python benchmarks/budget.py
     attention    benchmarks/results/attention.json              python benchmarks/attention.py
     data_scale   benchmarks/results/data_scale.json             python benchmarks/data.py --only-scale
     data         benchmarks/results/data.json                   python benchmarks/data.py
-    gpu          benchmarks/results/gpu/*/{throughput,kernels}.json    bash scripts/gpu_check.sh (on a GPU)
     doc_padding  benchmarks/results/doc_padding.json            python benchmarks/doc_padding.py
     mask_schedule_shapes  benchmarks/results/mask_schedule_shapes.json  python benchmarks/mask_schedule_shapes.py
     chaos        benchmarks/results/chaos.json                  python benchmarks/chaos.py
     local_attention  benchmarks/results/local_attention.json    python benchmarks/local_attention.py
-    gpu_kernel_kinds  benchmarks/results/gpu/*/**/throughput*.json  python benchmarks/throughput.py (on a GPU)
+    host_overhead  benchmarks/results/host_overhead*.json       python benchmarks/host_overhead.py
 """
 
 from __future__ import annotations
@@ -33,8 +31,9 @@ import re
 import sys
 from pathlib import Path
 
-from common import KERNEL_KINDS, RESULTS_DIR, read_json
+from common import RESULTS_DIR, measured_when, mfu_text, read_json
 from study_blocks import GENERATORS as STUDY_GENERATORS
+from throughput_blocks import GENERATORS as THROUGHPUT_GENERATORS
 
 from fastmae.metrics import eval_table
 
@@ -46,10 +45,6 @@ def documents() -> list[Path]:
     """Where results blocks live: README.md and every page under docs/."""
     return [README, *sorted(DOCS.glob("*.md"))]
 BLOCK = re.compile(r"(<!-- results: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
-
-
-def _stamp(result: dict) -> str:
-    return f"{result['date'][:10]}, git {result['git_sha']}"
 
 
 def demo() -> str:
@@ -77,11 +72,6 @@ def demo() -> str:
             "(`metrics.jsonl`, `curves.png`, `config.yaml`, `run.md` says on what machine).\n")
 
 
-def _mfu(value: float | None) -> str:
-    """An MFU figure, or a dash where no measured peak stood behind it (the peak was a rate achieved)."""
-    return "—" if value is None else f"{value:.2f}"
-
-
 def throughput() -> str:
     """The CPU throughput table."""
     result = read_json(RESULTS_DIR / "throughput.json")
@@ -90,11 +80,11 @@ def throughput() -> str:
     for r in result["results"]:
         x_hf = f"{r['x_hf']:.2f}" if r.get("x_hf") else "—"
         rows.append(f"| {r['size']} | {r['system']} | {r.get('attention', '—')} | {r['tokens_per_s']:,.0f} | {x_hf} "
-                    f"| {r['step_s']:.2f} | {r['flops_per_step'] / 1e9:,.0f} | {_mfu(r['mfu'])} | "
+                    f"| {r['step_s']:.2f} | {r['flops_per_step'] / 1e9:,.0f} | {mfu_text(r['mfu'])} | "
                     f"{r['peak_memory_mib']:,.0f} |")
     head = (f"Sizes {', '.join(result['sizes'])}, {result['sequences']} × {result['seq_len']} tokens, vocab "
             f"{result['vocab_size']:,}, {result['dtype']}, on {result['device']} (CPU capability "
-            f"{result['cpu_capability']}), GEMM peak {result['peak_flops'] / 1e9:,.0f} GFLOP/s, {_stamp(result)}:")
+            f"{result['cpu_capability']}), GEMM peak {result['peak_flops'] / 1e9:,.0f} GFLOP/s, {measured_when(result)}:")
     return head + "\n\n" + "\n".join(rows) + "\n"
 
 
@@ -115,7 +105,7 @@ def attention() -> str:
     result = read_json(RESULTS_DIR / "attention.json")
     nested = [r["nested / padded"] for r in result["results"]]
     math = [r["padded / math, dropout"] for r in result["results"]]
-    text = (f"On CPU ({result['cpu_capability']}, {_stamp(result)}, `benchmarks/results/attention.md`), padded SDPA "
+    text = (f"On CPU ({result['cpu_capability']}, {measured_when(result)}, `benchmarks/results/attention.md`), padded SDPA "
             f"beat nested-jagged SDPA by {min(nested):.1f}x-{max(nested):.1f}x for forward + backward at every "
             f"shape, and with attention dropout the `math` backend ran {min(math):.1f}x-{max(math):.1f}x faster "
             "than padded SDPA with dropout.")
@@ -125,7 +115,7 @@ def attention() -> str:
         padded = [r["padded ms (dropout 0.1)"] for r in rows]
         nested_gpu = [r["nested ms (dropout 0.1)"] for r in rows]
         tokens = [r["tokens"] for r in rows]
-        text += (f" On {gpu['device']} ({_stamp(gpu)}, torch {gpu['torch']}, "
+        text += (f" On {gpu['device']} ({measured_when(gpu)}, torch {gpu['torch']}, "
                  f"`benchmarks/results/gpu/{path.parent.name}/attention.md`), with dropout, for "
                  f"{min(tokens):,}-{max(tokens):,} tokens: padded SDPA {min(padded):.1f}-{max(padded):.1f} ms "
                  f"forward + backward, nested-jagged {min(nested_gpu):.0f}-{max(nested_gpu):.0f} ms.")
@@ -141,7 +131,7 @@ def data_scale() -> str:
         rows.append(f"| {r['packing']} | {r['sequences'] / 1e6:.0f} M | {r['tokens'] / 1e9:.0f} G | "
                     f"{r['index_mb']:.0f} | {r['peak_rss_mb']:.0f} | {1e3 * r['first_step_s']:.1f} | "
                     f"{1e3 * r['resume_s']:.1f} | {r['per_step_ms']:.2f} | {r['epoch_s']:.1f} |")
-    return f"{result['device']} ({result['cpu_capability']}), {_stamp(result)}:\n\n" + "\n".join(rows) + "\n"
+    return f"{result['device']} ({result['cpu_capability']}), {measured_when(result)}:\n\n" + "\n".join(rows) + "\n"
 
 
 def data() -> str:
@@ -149,49 +139,11 @@ def data() -> str:
     result = read_json(RESULTS_DIR / "data.json")
     tokenise = next(r for r in result["results"] if r["stage"].startswith("prepare JSONL"))
     loaders = [r for r in result["results"] if r["stage"].startswith("loader")]
-    return (f"Measured on {result['device']} ({result['cpu_capability']}), {_stamp(result)} "
+    return (f"Measured on {result['device']} ({result['cpu_capability']}), {measured_when(result)} "
             f"(`benchmarks/results/data.md`): tokenising with a given tokenizer {tokenise['rate']:.0f} MB/s of text "
             f"({tokenise['detail']}); the loader {min(r['rate'] for r in loaders) / 1e6:.1f}-"
             f"{max(r['rate'] for r in loaders) / 1e6:.1f} M tokens/s, {min(r['x model'] for r in loaders):,.0f}-"
             f"{max(r['x model'] for r in loaders):,.0f}x what a small model's CPU training step consumes.\n")
-
-
-def gpu() -> str:
-    """The one GPU run so far: throughput and the fused cross-entropy, with the commit and date they measured."""
-    blocks = []
-    for directory in sorted((RESULTS_DIR / "gpu").iterdir()):
-        result = _gpu_result(gpu_file(directory, "headline/throughput_headline.json", "throughput.json"))
-        rows = ["| system | tokens/s | MFU | GPU busy | peak memory | CUDA graphs |", "|---|---|---|---|---|---|"]
-        for r in result["results"]:
-            name = "Hugging Face RoBERTa" if r["system"] == "hf-roberta" else f"fastmae {r['system']}"
-            rows.append(f"| {name} | {r['tokens_per_s'] / 1e3:,.0f}K | {_mfu(r['mfu'])} | {r['gpu_busy']:.2f} | "
-                        f"{r['peak_memory_mib'] / 1024:.1f} GiB | {r.get('cuda_graphs', 'no')} |")
-        block = (f"{result['device']}, {_stamp(result)} (`benchmarks/results/gpu/{directory.name}/`), torch "
-                 f"{result['torch']}, base size, {result['sequences']} x {result['seq_len']} tokens, vocab "
-                 f"{result['vocab_size']:,}, {result['dtype']}, MFU against the {result['peak_flops'] / 1e12:,.0f} "
-                 "TFLOP/s GEMM peak measured in the run:\n\n" + "\n".join(rows) + "\n")
-        kernels_path = gpu_file(directory, "kernels/kernels.json", "kernels.json")
-        if kernels_path.is_file():
-            ce = {r["op (fwd+bwd)"]: r for r in read_json(kernels_path)["results"]}["linear cross-entropy"]
-            block += (f"\nThe fused cross-entropy (`linear cross-entropy` in `kernels.md`): {ce['triton GPU ms']:.1f} "
-                      f"ms of GPU time, {ce['% of peak FLOP/s']:.0f}% of the data-sheet FLOP/s, {ce['speedup']:.1f}x "
-                      f"torch's reference in wall time and {ce['torch MiB'] / ce['triton MiB']:.0f}x less memory.\n")
-        blocks.append(block)
-    return "\n".join(blocks)
-
-
-def _gpu_result(path: Path) -> dict:
-    """A GPU benchmark's result, stamped with the commit its phase measured (phase.json beside it), where it has one:
-    the stamp's own commit is whatever `git` found on the lent machine."""
-    result = read_json(path)
-    record = path.parent / "phase.json"
-    return {**result, "git_sha": read_json(record)["commit"][:7]} if record.is_file() else result
-
-
-def gpu_file(directory: Path, collected: str, first_run: str) -> Path:
-    """A GPU result of `directory`: the phase's file as `scripts/gpu_check.sh --collect` lays it out, else the file of
-    the first GPU run, which predates phases."""
-    return directory / collected if (directory / collected).is_file() else directory / first_run
 
 
 def chaos() -> str:
@@ -206,7 +158,7 @@ def chaos() -> str:
                     f"{r['killed in after the end']} | {r['fallbacks']} | {r['processes_left']} | "
                     f"{r['leftover_files']} | {r['keep_honoured']} / {r['trials']} | {r['median_lost_s']:.0f} s "
                     f"(uninterrupted run {r['reference_s']:.0f} s) |")
-    return (f"{result['device']}, {_stamp(result)}, seed {result['seed']}, {result['steps']} steps "
+    return (f"{result['device']}, {measured_when(result)}, seed {result['seed']}, {result['steps']} steps "
             "(`benchmarks/results/chaos.md`, every trial in `chaos.json`):\n\n" + "\n".join(rows) + "\n")
 
 
@@ -227,7 +179,7 @@ def host_overhead() -> str:
                         f"{r['syncs_per_step']} |")
     first = results[0]
     return (f"{first['sequences']} x {first['seq_len']} tokens in one micro-batch, bf16, base depth, vocabulary "
-            f"32,000, width 96, the CUDA code path emulated on {first['device']}, {_stamp(first)} (`benchmarks/results/"
+            f"32,000, width 96, the CUDA code path emulated on {first['device']}, {measured_when(first)} (`benchmarks/results/"
             + "`, `".join(f"{name}.md" for name in names) + "`). The CUDA-graph rows are modelled, not measured: the "
             "CPU twin counts each replay as one launch, as a captured graph would be; no GPU has counted them "
             "yet:\n\n" + "\n".join(rows) + "\n")
@@ -246,7 +198,7 @@ def doc_padding() -> str:
                         f"{r['filler_rows_pct']:.1f}% | {r['dummy_predicted_pct']:.1f}% | "
                         f"{r['mask_ms']:.2f} / {r['pad_ms']:.2f} |")
     return (f"One epoch of the embedded corpus under `doc` packing, 3ml's masking, {result['device']}, "
-            f"{_stamp(result)} (`benchmarks/results/doc_padding.md`, mlm and mae-lm there too):\n\n"
+            f"{measured_when(result)} (`benchmarks/results/doc_padding.md`, mlm and mae-lm there too):\n\n"
             + "\n".join(rows) + "\n")
 
 
@@ -259,62 +211,8 @@ def mask_schedule_shapes() -> str:
              f"{r['recorded']} | {r['replayed_pct']:.1f}% | {r['eager_pct']:.1f}% |" for r in result["results"]]
     steps = result["results"][0]["steps"]
     return (f"{steps:,} one-micro-batch steps of the embedded corpus (512 tokens, sequences of 64), the host's "
-            f"masking and padding and the graphs' recording policy only, {result['device']}, {_stamp(result)} "
+            f"masking and padding and the graphs' recording policy only, {result['device']}, {measured_when(result)} "
             "(`benchmarks/results/mask_schedule_shapes.md`):\n\n" + "\n".join(rows) + "\n")
-
-
-def throughput_modernbert() -> str:
-    """fastmae's objectives on ModernBERT's layers against transformers' ModernBertForMaskedLM, one CPU run."""
-    return _modernbert_rows(RESULTS_DIR / "throughput_modernbert.json")
-
-
-def throughput_modernbert_gpu() -> str:
-    """The same rows from the GPU check's `modernbert` phase, on each device that ran it."""
-    return "\n".join(_modernbert_rows(path) for path in
-                     sorted((RESULTS_DIR / "gpu").glob("*/modernbert/throughput_modernbert_gpu.json")))
-
-
-def _modernbert_rows(path: Path) -> str:
-    result = _gpu_result(path)
-    rows = ["| system | tokens/s | × ModernBertForMaskedLM | model GFLOP / step | × its FLOPs | MFU "
-            "| peak memory (MiB) |", "|---|---|---|---|---|---|---|"]
-    by_system = {r["system"]: r for r in result["results"]}
-    peer = by_system["hf-modernbert"]
-    for r in result["results"]:
-        rows.append(f"| {r['system']} | {r['tokens_per_s']:,.0f} | {r['x_hf']:.2f} | {r['gflops_per_step']:,.0f} | "
-                    f"{r['flops_per_step'] / peer['flops_per_step']:.2f} | {_mfu(r['mfu'])} | "
-                    f"{r['peak_memory_mib']:,.0f} |")
-    return (f"{', '.join(result['sizes'])} ({SIZE_SHAPES.get(result['sizes'][0], '')}), {result['sequences']} x "
-            f"{result['seq_len']} tokens a step, vocabulary {result['vocab_size']:,}, {result['dtype']}, on "
-            f"{result['device']} (CPU capability {result['cpu_capability']}), GEMM peak "
-            f"{result['peak_flops'] / 1e9:,.0f} GFLOP/s, {_stamp(result)} "
-            f"(`{path.relative_to(RESULTS_DIR.parent.parent).with_suffix('.md')}`):"
-            "\n\n" + "\n".join(rows) + "\n")
-
-
-KIND_ORDER = (*(kind for kind, _ in KERNEL_KINDS), "other")  # benchmarks/common.kernel_kind's kinds
-
-
-def gpu_kernel_kinds() -> str:
-    """Each GPU step's kernel time by kind (benchmarks/common.kernel_kind), from every GPU throughput run that
-    recorded it: where a step's non-GEMM time goes."""
-    blocks = []
-    for path in sorted((RESULTS_DIR / "gpu").rglob("throughput*.json")):  # rows without kinds predate them
-        result = _gpu_result(path)
-        rows = [r for r in result["results"] if r.get("gpu_kernel_kinds")]
-        if not rows:
-            continue
-        lines = ["| system | backend | " + " | ".join(KIND_ORDER) + " | all kernels | step |",
-                 "|---|---|" + "---|" * (len(KIND_ORDER) + 2)]
-        for r in rows:
-            kinds = r["gpu_kernel_kinds"]
-            lines.append(f"| {r['system']} | {r['attention']} | "
-                         + " | ".join(f"{kinds[k][0]:.1f}" if k in kinds else "-" for k in KIND_ORDER)
-                         + f" | {sum(ms for ms, _ in kinds.values()):.1f} | {1e3 * r['step_s']:.1f} |")
-        blocks.append(f"{result['device']}, {_stamp(result)}, {result['sequences']} x {result['seq_len']} tokens a "
-                      f"step, {result['dtype']}, ms per step (`{path.relative_to(RESULTS_DIR.parent.parent)}`):\n\n"
-                      + "\n".join(lines) + "\n")
-    return "\n".join(blocks)
 
 
 def local_attention() -> str:
@@ -329,28 +227,13 @@ def local_attention() -> str:
                     f"{r['local ms']:.0f} | {r['window as a dense mask ms']:.0f} | {share:.2f} | "
                     f"{r['local / global']:.2f} | {r['target: share x 1.2']:.2f} | {r['met']} |")
     return (f"Forward + backward, median of repeats, {result['device']} (CPU capability {result['cpu_capability']}), "
-            f"{_stamp(result)} (`benchmarks/results/local_attention.md`):\n\n" + "\n".join(rows) + "\n")
+            f"{measured_when(result)} (`benchmarks/results/local_attention.md`):\n\n" + "\n".join(rows) + "\n")
 
 
-SIZE_SHAPES = {"small": "6 x 512", "base": "12 x 768"}
-
-
-def micro_batch() -> str:
-    """The recipes' micro-batch from measured GPU memory (benchmarks/micro_batch.py)."""
-    result = read_json(RESULTS_DIR / "micro_batch.json")
-    return ("Chosen per recipe (`benchmarks/results/micro_batch.md`, "
-            f"{result['budget']:.0%} of the device's {result['device_gib']:.0f} GB): "
-            + "; ".join(f"`{r['recipe']}` {r['chosen_tokens']:,} tokens ({r['slope_from']})" for r in result["results"])
-            + ".\n")
-
-
-GENERATORS = {**STUDY_GENERATORS, "demo": demo, "throughput": throughput,
-              "budget": budget, "attention": attention, "data_scale": data_scale, "data": data, "gpu": gpu,
-              "host_overhead": host_overhead, "doc_padding": doc_padding, "chaos": chaos,
-              "mask_schedule_shapes": mask_schedule_shapes,
-              "micro_batch": micro_batch,
-              "throughput_modernbert": throughput_modernbert, "throughput_modernbert_gpu": throughput_modernbert_gpu,
-              "local_attention": local_attention, "gpu_kernel_kinds": gpu_kernel_kinds}
+GENERATORS = {**STUDY_GENERATORS, **THROUGHPUT_GENERATORS, "demo": demo, "throughput": throughput, "budget": budget,
+              "attention": attention, "data_scale": data_scale, "data": data, "host_overhead": host_overhead,
+              "doc_padding": doc_padding, "chaos": chaos, "mask_schedule_shapes": mask_schedule_shapes,
+              "local_attention": local_attention}
 
 
 def render(text: str, where: str = "README.md") -> tuple[str, list[str]]:

@@ -259,3 +259,32 @@ GENERATORS = {"study": study, "study_base_depth": study_base_depth, "continued":
               "study_mask_more_or_later": study_mask_more_or_later, "study_presets": study_presets,
               "mae_lm_diagnosis": mae_lm_diagnosis, "study_scale": study_scale,
               "study_scale_summary": study_scale_summary}
+
+
+def mask_more_or_later_findings() -> str:
+    """README's reading of the masking study (its study.json): what masking more bought mlm, and 3ml at the same 50%
+    against mlm at 50%, each figure the study's own."""
+    result = read_json(RESULTS_DIR / "study_mask_more_or_later" / "study.json")
+    arms, models = result["objectives"], result["models"]
+    mlm, more = arms["mlm"], [arms["mlm:mask_rate=0.3"], arms["mlm:mask_rate=0.5"]]
+    ml3, mlm50, ramp = arms["3ml"], arms["mlm:mask_rate=0.5"], arms["mlm:mask_rate=0.3:mask_rate_end=0.15"]
+    percents = sorted(arm["percent_of_mlm_compute_to_match"] for arm in more)
+    lower = min(mlm["final_eval_loss"] - arm["final_eval_loss"] for arm in more)
+    tuned = [arm["finetune"][0]["median"] for arm in more]
+
+    def loss(arm: dict) -> str:
+        return f"{arm['final_eval_loss']:.3f} ± {arm['final_eval_loss_spread'] / 2:.3f}"
+
+    failed = len(ml3["finetune"][0]["did_not_train"])
+    return (f"mlm at 30% or 50% reaches mlm-15%'s final held-out loss with {percents[0]:.0f}-{percents[-1]:.0f}% "
+            f"of its compute, ends at least {lower:.2f} nats lower and fine-tunes to {min(tuned):.2f}-"
+            f"{max(tuned):.2f} against {mlm['finetune'][0]['median']:.2f} word-order accuracy. 3ml at the same 50% "
+            f"ends {ml3['final_eval_loss'] - mlm50['final_eval_loss']:.2f} nats above mlm at 50% ({loss(ml3)} "
+            f"against {loss(mlm50)}) although its cheaper steps ({models['3ml']['flops_per_step_vs_mlm']:.2f}x "
+            f"mlm's) bought it {100 * (ml3['steps'][0] / mlm50['steps'][0] - 1):.0f}% more of them, and {failed} of "
+            f"its {ml3['finetune'][0]['runs']} fine-tunes did not train (chance is 0.5). The 30% -> 15% schedule ends "
+            f"at {loss(ramp)}. Each difference is held to the seed spread in the study's report "
+            "(`benchmarks/results/study_mask_more_or_later/report.md`).\n")
+
+
+GENERATORS["mask_more_or_later_findings"] = mask_more_or_later_findings

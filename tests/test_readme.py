@@ -2,6 +2,7 @@
 and fails on a figure that differs from its artifact, a block that is missing or one that appears twice."""
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -47,14 +48,16 @@ def test_the_gpu_block_reads_a_collected_phase_before_the_first_runs_files(tmp_p
     """After `gpu_check.sh --collect`, a device directory holds PHASE/ folders: the block reads headline's throughput
     and kernels' kernels.json there, the first run's flat files only where no phase has come home."""
     device = tmp_path / "gpu" / "GPU"
+    import throughput_blocks
+
     shutil.copytree(readme_table.RESULTS_DIR / "gpu" / "NVIDIA_H100_80GB_HBM3", device)
-    monkeypatch.setattr(readme_table, "RESULTS_DIR", tmp_path)
-    first = readme_table.gpu()
+    monkeypatch.setattr(throughput_blocks, "RESULTS_DIR", tmp_path)
+    first = throughput_blocks.gpu()
     result = readme_table.read_json(device / "throughput.json")
     result["results"][0]["tokens_per_s"] = 123456.0
     (device / "headline").mkdir(exist_ok=True)  # the real run's headline failed: no throughput there
     (device / "headline" / "throughput_headline.json").write_text(json.dumps(result))
-    assert readme_table.gpu() != first and "| 123K |" in readme_table.gpu()
+    assert throughput_blocks.gpu() != first and "| 123K |" in throughput_blocks.gpu()
 
 
 def test_gpu_kernels_are_sorted_by_the_work_their_names_say():
@@ -93,3 +96,21 @@ def test_the_scale_table_reads_gaps_and_spreads_as_it_says():
     one = {"3ml": arm(4.5, None, 0.8, None, ["seed 0: one class"]), "mlm": arm(4.25, None, 0.9, None)}
     assert study_blocks._gap(one, "3ml", "mlm") == "+0.250 (one seed)"
     assert study_blocks._finetune_gaps(one, "3ml", "mlm") == "sst2 0.800 vs 0.900 (did not train: 3ml 1 of 4)"
+
+
+MEASURED = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?x\b|\d+\.\d+ ?(?:ms|nats|s)\b|\d+(?:\.\d+)?[KM]? tokens/s|MFU \d\.\d+"
+                      r"|\d+\.\d+%|busy \d\.\d+)")
+
+
+def test_no_measured_figure_sits_in_the_prose_outside_a_block():
+    """README and docs/ state fastmae's measurements only inside results blocks (regenerated and checked from their
+    artifacts): a ratio, a time, a loss in nats, a tokens/s, an MFU or a busy share in the prose around them is one
+    the check cannot keep true (a target an issue set is not a measurement: its line says `target`)."""
+    found = []
+    for path in readme_table.documents():
+        prose = readme_table.BLOCK.sub("", path.read_text())
+        for number, line in enumerate(prose.splitlines(), 1):
+            if line.startswith(("    ", "|")) or "target" in line:
+                continue
+            found += [f"{path.name}: {match.group(0)!r} in {line.strip()[:80]!r}" for match in MEASURED.finditer(line)]
+    assert not found, found
