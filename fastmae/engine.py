@@ -6,6 +6,8 @@ The trainer and benchmarks/throughput.py build their engines here, so both time 
 from __future__ import annotations
 
 import importlib.util
+import stat
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -156,7 +158,23 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
         optimizer.global_norm = lambda: wrapped._global_grad_norm
     if type(engine.checkpoint_engine) is TorchCheckpointEngine:  # DeepSpeed's default: its files by fastmae's write
         engine.checkpoint_engine = AtomicCheckpointEngine(engine._config)
+    # the recovery scripts DeepSpeed copies beside its ZeRO shards (zero_to_fp32.py, ...) by the same write
+    engine._copy_recovery_script = lambda save_path: copy_recovery_scripts(save_path)
     return engine, ds_config
+
+
+def copy_recovery_scripts(save_path: str) -> None:
+    """DeepSpeed's `_copy_recovery_script` (its ZeRO checkpoints carry the scripts that turn them into fp32 weights),
+    each file written as fastmae writes its own (`atomic.atomic_stream`), executable: a full disk meets it as it meets
+    every other checkpoint file."""
+    scripts = Path(deepspeed.__file__).parent / "utils"
+    for name in ("zero_to_fp32.py", "zero_to_torch.py"):
+        if not (scripts / name).is_file():
+            continue
+        destination = Path(save_path) / name
+        with atomic_stream(destination) as file:
+            file.write((scripts / name).read_bytes())
+        destination.chmod(destination.stat().st_mode | stat.S_IEXEC)
 
 
 class AtomicCheckpointEngine(TorchCheckpointEngine):

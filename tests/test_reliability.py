@@ -26,6 +26,25 @@ def test_a_full_disk_names_the_directory_and_the_file(tmp_path, monkeypatch):
     assert not target.exists() and not list((tmp_path / "ckpt").iterdir())  # no temporary left behind
 
 
+def test_deepspeeds_recovery_scripts_meet_a_full_disk_as_every_checkpoint_file_does(tmp_path, monkeypatch):
+    """The scripts DeepSpeed copies beside its ZeRO shards (zero_to_fp32.py, ...) go through fastmae's one write
+    (`engine.copy_recovery_scripts`, which build_engine puts in DeepSpeed's place): executable, atomic, and a full
+    disk (FASTMAE_FAULT_ENOSPC's, or a real one) is named with the directory and the file."""
+    from fastmae.engine import copy_recovery_scripts
+
+    copy_recovery_scripts(str(tmp_path))
+    assert (tmp_path / "zero_to_fp32.py").stat().st_mode & 0o100
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("fastmae.atomic.open_for_write", full)
+    (tmp_path / "full").mkdir()
+    with pytest.raises(FastmaeError, match=f"^no space left on {tmp_path / 'full'} while writing zero_to_fp32.py"):
+        copy_recovery_scripts(str(tmp_path / "full"))
+    assert not list((tmp_path / "full").iterdir())
+
+
 def test_a_directory_turned_read_only_is_named(tmp_path, monkeypatch):
     def read_only(path):
         raise OSError(errno.EROFS, "Read-only file system")
