@@ -26,10 +26,8 @@ tensors made from host data (`torch.tensor(...)` on the device: a blocking host-
 synchronize calls of the accelerator, asked for by anything but fastmae (its reads of the masks' host counts look the
 same on CPU and are reported apart as `fastmae_host_reads`; on CUDA, FASTMAE_SYNC_DEBUG=1 proves them host-side). On
 CPU the op count also takes in the few ops on those host counts. `host_ms_per_step` is the median time until the
-step's call returns: on a GPU at full size, on CPU with CPU kernels at a tiny shape (2 sequences of 32 tokens), where
-compute is nearly nothing, so it is the host's cost of issuing the step on this machine.
-
-Writes benchmarks/results/NAME.{json,md} (--name, default host_overhead).
+step's call returns: on a GPU at full size, on CPU at a tiny shape (2 x 32 tokens, compute nearly nothing): the host's
+cost of issuing the step on this machine. Writes benchmarks/results/NAME.{json,md} (--name, default host_overhead).
 """
 
 from __future__ import annotations
@@ -56,14 +54,9 @@ REPO = Path(__file__).resolve().parent.parent
 SYNC_OPS = {"_local_scalar_dense": "host read", "lift_fresh": "host-to-device copy"}
 
 
-# ------------------------------------------------------------------------------------------------------ counting
 class StepCounter(TorchDispatchMode):
-    """Counts what the host asks of the device while active: ops (views excluded), syncs, Triton launches (`kernel`).
-
-    Syncs are the host reads, tensors from host data and accelerator synchronize calls asked for by DeepSpeed, torch
-    or anything else outside fastmae. fastmae's own reads in a step are of host tensors (the masks' counts), which on
-    CPU look the same: they are kept apart in `host_reads` (on CUDA, FASTMAE_SYNC_DEBUG=1 proves them host-side).
-    """
+    """Counts what the host asks of the device while active: ops (views excluded), syncs and fastmae's own host reads
+    apart (`host_reads`, the module doc says why), Triton launches (`kernel`)."""
 
     def __init__(self):
         super().__init__()
@@ -294,11 +287,10 @@ def emulate_cuda_path(counter_of) -> None:
         original_resolve(backend, device, dropout_p, dtype, biased, **stream) if biased else "flash")
 
 
-# --------------------------------------------------------------------------------------------- one system, one process
 def _step(system: str, sequences: int, seq_len: int, narrow: bool, precision: str, run, graphs: bool = False):
-    """A training-step closure of `system` on one engine (benchmarks/throughput.py's steps); `graphs`: fastmae's
-    model replays its forward and backward (captured on CUDA as the run config allows, else CUDA graphs' CPU twin)."""
-    from throughput import GRAPHS_TWIN, _fastmae_step, _hf_step, make_tokens, model_config
+    """A training-step closure of `system` on one engine (benchmarks/systems.py's steps); `graphs`: fastmae's model
+    replays its forward and backward (captured on CUDA as the run config allows, else CUDA graphs' CPU twin)."""
+    from systems import GRAPHS_TWIN, fastmae_step, hf_step, make_tokens, model_config
 
     from fastmae.config import SpecialTokens
 
@@ -307,19 +299,19 @@ def _step(system: str, sequences: int, seq_len: int, narrow: bool, precision: st
     tokens[:, -1] = SpecialTokens().eos
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if system == "hf-roberta":
-        return _hf_step(config, tokens, device, precision, run)[0]
-    return _fastmae_step(config, tokens, device, precision, GRAPHS_TWIN if graphs else None, run)[0]
+        return hf_step(config, tokens, device, precision, run)[0]
+    return fastmae_step(config, tokens, device, precision, GRAPHS_TWIN if graphs else None, run)[0]
 
 
 def measure_system(system: str, sequences: int, seq_len: int, overrides: list[str], graphs: bool) -> dict:
     """Counts of one steady-state optimizer step of `system` (CUDA path emulated), and its host milliseconds;
     `graphs`: fastmae's systems replay CUDA graphs (on CPU the twin, each replay counted as one launch)."""
     global ACTIVE
-    from throughput import _init_world_of_one
+    from systems import init_world_of_one
 
     from fastmae.config import load_run_config
 
-    _init_world_of_one()
+    init_world_of_one()
     count_phases(lambda: ACTIVE)
     torch.manual_seed(0)
     run = load_run_config(None, ["train.zero_stage=1", f"train.cuda_graphs={'auto' if graphs else 'never'}",

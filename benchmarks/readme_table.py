@@ -84,7 +84,8 @@ def throughput() -> str:
                     f"{r['peak_memory_mib']:,.0f} |")
     head = (f"Sizes {', '.join(result['sizes'])}, {result['sequences']} × {result['seq_len']} tokens, vocab "
             f"{result['vocab_size']:,}, {result['dtype']}, on {result['device']} (CPU capability "
-            f"{result['cpu_capability']}), GEMM peak {result['peak_flops'] / 1e9:,.0f} GFLOP/s, {measured_when(result)}:")
+            f"{result['cpu_capability']}), GEMM peak {result['peak_flops'] / 1e9:,.0f} GFLOP/s, "
+            f"{measured_when(result)}:")
     return head + "\n\n" + "\n".join(rows) + "\n"
 
 
@@ -105,7 +106,8 @@ def attention() -> str:
     result = read_json(RESULTS_DIR / "attention.json")
     nested = [r["nested / padded"] for r in result["results"]]
     math = [r["padded / math, dropout"] for r in result["results"]]
-    text = (f"On CPU ({result['cpu_capability']}, {measured_when(result)}, `benchmarks/results/attention.md`), padded SDPA "
+    text = (f"On CPU ({result['cpu_capability']}, {measured_when(result)}, `benchmarks/results/attention.md`), "
+            "padded SDPA "
             f"beat nested-jagged SDPA by {min(nested):.1f}x-{max(nested):.1f}x for forward + backward at every "
             f"shape, and with attention dropout the `math` backend ran {min(math):.1f}x-{max(math):.1f}x faster "
             "than padded SDPA with dropout.")
@@ -179,7 +181,8 @@ def host_overhead() -> str:
                         f"{r['syncs_per_step']} |")
     first = results[0]
     return (f"{first['sequences']} x {first['seq_len']} tokens in one micro-batch, bf16, base depth, vocabulary "
-            f"32,000, width 96, the CUDA code path emulated on {first['device']}, {measured_when(first)} (`benchmarks/results/"
+            f"32,000, width 96, the CUDA code path emulated on {first['device']}, {measured_when(first)} "
+            "(`benchmarks/results/"
             + "`, `".join(f"{name}.md" for name in names) + "`). The CUDA-graph rows are modelled, not measured: the "
             "CPU twin counts each replay as one launch, as a captured graph would be; no GPU has counted them "
             "yet:\n\n" + "\n".join(rows) + "\n")

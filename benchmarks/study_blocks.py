@@ -8,7 +8,8 @@ from pathlib import Path
 
 from common import RESULTS_DIR, read_json
 
-from fastmae.analyze import judged
+from fastmae.probe import judged
+
 
 def study() -> str:
     """The cpu-30min study's results table and the facts the README draws from it."""
@@ -37,7 +38,8 @@ def _study(directory: str, findings: bool = True) -> str:
     result = read_json(RESULTS_DIR / directory / "study.json")
     setup, objectives = result["setup"], result["objectives"]
     rows = ["| objective | steps | held-out loss (mean ± half range) | accuracy | % of mlm's compute to reach mlm's "
-            "final loss | word-order accuracy (median) | encoder's neighbour probe: best layer vs what the token alone tells, per seed | "
+            "final loss | word-order accuracy (median) | encoder's neighbour probe: best layer vs what the token alone "
+            "tells, per seed | "
             "last-layer "
             "epsilon rank, no `<mask>`: uncentred / centred |",
             "|---|---|---|---|---|---|---|---|"]
@@ -79,7 +81,7 @@ def _finetuned(finetune) -> str:
 def _probes(probes: list[dict] | None) -> str:
     """Each seed's neighbour probe: its best layer's accuracy against its control (the layer's token-only part, or in
     older records the embeddings' probe or the bigram table, whichever is higher), the gain's z against the threshold
-    for the best of the layers, and the verdict (`fastmae.analyze.context_verdict`, applied to every record however
+    for the best of the layers, and the verdict (`fastmae.probe.context_verdict`, applied to every record however
     old)."""
     if not probes:
         return "-"

@@ -98,8 +98,9 @@ def gpu_kernel_kinds() -> str:
             lines.append(f"| {r['system']} | {r['attention']} | "
                          + " | ".join(f"{kinds[k][0]:.1f}" if k in kinds else "-" for k in KIND_ORDER)
                          + f" | {sum(ms for ms, _ in kinds.values()):.1f} | {1e3 * r['step_s']:.1f} |")
-        blocks.append(f"{result['device']}, {measured_when(result)}, {result['sequences']} x {result['seq_len']} tokens a "
-                      f"step, {result['dtype']}, ms per step (`{path.relative_to(RESULTS_DIR.parent.parent)}`):\n\n"
+        blocks.append(f"{result['device']}, {measured_when(result)}, {result['sequences']} x {result['seq_len']} "
+                      f"tokens a step, {result['dtype']}, ms per step "
+                      f"(`{path.relative_to(RESULTS_DIR.parent.parent)}`):\n\n"
                       + "\n".join(lines) + "\n")
     return "\n".join(blocks)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import re
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .atomic import atomic_path, atomic_write_bytes, atomic_write_text, named_disk_errors
-from .config import ModelConfig
+from .config import ModelConfig, RunConfig
 from .data.shards import file_sha256
 from .errors import FastmaeError
 
@@ -322,6 +323,13 @@ class Checkpointer:
         self.root, self.every, self.keep, self.last_step = Path(root), every, keep, last_step
         self.model_config, self.keep_every = model_config, keep_every
         self.root_identity = _identity(self.root)  # None until the directory exists
+
+    @classmethod
+    def of_run(cls, config: RunConfig) -> Checkpointer:
+        """The checkpointer of a run: LOG_DIR/checkpoints, its `checkpoint` settings, its last step, its model."""
+        settings = config.checkpoint
+        return cls(Path(config.log.dir) / "checkpoints", settings.every, settings.keep, config.train.steps,
+                   dataclasses.asdict(config.model), settings.keep_every)
 
     def due(self, step: int, stopping: bool, inside_bad_streak: Callable[[], bool] = lambda: False) -> bool:
         """Whether to checkpoint after `step`: on a stop, at the last step, and every `every` steps unless

@@ -20,12 +20,12 @@ same settings. The protocols:
   32 and 5e-5; MRPC 10 at 32 and 8e-5; STS-B 10 at 32 and 3e-5; its decoupled weight decay converted to AdamW's),
   unscaled, so a fastmae encoder stands beside ModernBERT's reported scores. ModernBERT has no WNLI job.
 
-`--from-mnli` starts RTE, MRPC and STS-B from the encoder of the model's best MNLI cell (its median seed), as
-RoBERTa did; those cells are keyed by the MNLI cell they started from (its file and a digest of its weights), so a
-later run whose best MNLI cell is another fine-tunes them again. Every finished cell is a file under DIR/cells; a rerun skips them. `--max-cells` or `--budget-hours`
-plans the largest part of the grid that fits, smallest tasks first, and says what it leaves out; a grid setting the
-budget cut short (fewer seeds than asked) competes for a task's best cell only where no setting finished every seed,
-and the score says so (`complete: false`, marked ‡ in glue.md).
+`--from-mnli` starts RTE, MRPC and STS-B from the encoder of the model's best MNLI cell (its median seed), as RoBERTa
+did; those cells are keyed by the MNLI cell they started from (its file and a digest of its weights), so a later run
+whose best MNLI cell is another fine-tunes them again. Every finished cell is a file under DIR/cells; a rerun skips
+them. `--max-cells` or `--budget-hours` plans the largest part of the grid that fits, smallest tasks first, and says
+what it leaves out; a grid setting the budget cut short (fewer seeds than asked) competes for a task's best cell only
+where no setting finished every seed, and the score says so (`complete: false`, marked ‡ in glue.md).
 
     DIR/glue.json   every cell (task, lr, batch, seed, metric per epoch, whether it trained) and each model's scores
     DIR/glue.md     one row per model: each task's score and the GLUE average (WNLI left out, as the papers average)

@@ -26,13 +26,13 @@ from . import __version__, checkpoint
 from .atomic import atomic_write_text
 from .batch import to_device_ahead
 from .config import RunConfig
+from .continuation import checkpoint_to_continue, continue_from, global_batch, kept_batch
 from .data import PackedLoader
 from .data.order import DIGEST_MODULUS
 from .data.tokenizer import load_tokenizer
 from .distributed import (
     StopAgreement,
     agreed_precision,
-    checkpoint_to_resume,
     job_mfu_peak,
     log_line,
     progress_bar,
@@ -40,7 +40,7 @@ from .distributed import (
     ranks_on_node,
 )
 from .engine import build_engine, gradient_norm, master_weights
-from .errors import ConfigError, FastmaeError
+from .errors import FastmaeError
 from .evaluation import Evaluator, HeldOutSet
 from .faults import FaultHooks
 from .flops import plan_budget
@@ -52,7 +52,7 @@ from .model import MaskedLM
 from .pipeline import masked_ahead
 from .plot import plot_run
 from .pretrained import Pretrained, continued, initialise, write_origin
-from .schedule import MaskRates, Schedule, branch_plan, check_continuation
+from .schedule import MaskRates, Schedule, branch_plan
 from .step import RunCounters, train_step
 
 
@@ -88,32 +88,6 @@ def with_budget_planned(config: RunConfig, loader: PackedLoader) -> tuple[RunCon
     return planned, (set(plan.eval_steps) if config.eval.every_flops else None)
 
 
-def checkpoint_to_continue(config: RunConfig, resume: str | None) -> Path | None:
-    """Collective: the checkpoint this run continues: the one `--resume` names, else a decay branch's
-    (train.branch_from), else None."""
-    root = Path(config.log.dir) / "checkpoints"
-    found = checkpoint_to_resume(root, resume)
-    if found is None and config.train.branch_from:  # a decay branch starts where its checkpoint stopped
-        found = checkpoint_to_resume(root, config.train.branch_from)
-    return found
-
-
-def kept_batch(config: RunConfig, directory: Path | None, world: int) -> RunConfig:
-    """`config` for `world` ranks (`RunConfig.for_world`); continuing the checkpoint in `directory` with neither
-    train.tokens_per_step nor train.grad_accum set, at the checkpoint's global batch: accumulation follows the rank
-    count, so an elastic resume continues the same run."""
-    saved = checkpoint.saved_batch(directory) if directory is not None else None
-    train = config.train
-    if saved is None or train.tokens_per_step or train.grad_accum != 1:
-        return config.for_world(world)
-    tokens = saved["micro_batches_per_step"] * saved["tokens_per_micro_batch"]
-    try:
-        return dataclasses.replace(config, train=dataclasses.replace(train, tokens_per_step=tokens)).for_world(world)
-    except ConfigError as err:
-        raise ConfigError(f"{directory}: trained with global batches of {tokens} tokens, which a resume keeps when "
-                          f"train.tokens_per_step is not set; on {world} rank(s): {err}") from None
-
-
 def model_engine(config: RunConfig, precision: str, device: torch.device, non_finite: torch.Tensor,
                  checkpoint_dir: Path | None, source: Pretrained | None = None):
     """Collective: (engine, DeepSpeed config). The model gets identical initial weights on every rank, the weights of
@@ -146,12 +120,14 @@ def model_engine(config: RunConfig, precision: str, device: torch.device, non_fi
     return engine, ds_config
 
 
-def write_run_files(config: RunConfig, ds_config: dict, run_info: dict) -> None:
+def write_run_files(config: RunConfig, ds_config: dict, run_info: dict, source: Pretrained | None) -> None:
     """Rank 0: the resolved configs, the tokenizer (so the run directory stands alone for export, finetune and
-    analyze, wherever the data goes later) and `run_info.json` (device, ranks, precision, MFU peaks, the command and
-    fastmae's version)."""
+    analyze, wherever the data goes later), `run_info.json` (device, ranks, precision, MFU peaks, the command and
+    fastmae's version) and, continued from a `source`, what its exports write back of it (`write_origin`)."""
     run_dir = Path(config.log.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if source is not None:
+        write_origin(run_dir, source.origin)
     arguments = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher's, not the user's
     run_info = {**run_info, "command": shlex.join(["fastmae/train.py", *arguments]), "fastmae_version": __version__}
     atomic_write_text(run_dir / "config.yaml", config.to_yaml())
@@ -199,20 +175,6 @@ def closing_lines(run_dir: Path, graphs, finished: bool, records: list[dict]) ->
     return lines
 
 
-def continue_from(engine, directory: Path, config: RunConfig, schedule: Schedule, mask_rates: MaskRates,
-                  loader: PackedLoader) -> list[dict]:
-    """Collective: the trainer states of every rank of the checkpoint in `directory`, loaded into `engine`, once
-    `check_continuation` agrees that this run (its schedules, the batches of its `loader`) continues it exactly."""
-    states = checkpoint.load(engine, directory, dataclasses.asdict(config.model))
-    check_continuation(directory, states[0], schedule, global_batch(loader), mask_rates)
-    return states
-
-
-def global_batch(loader: PackedLoader) -> dict:
-    """A step's global batch, as checkpoints keep it (a run continues exactly only with the same)."""
-    return {"micro_batches_per_step": loader.micro_batches_per_step, "tokens_per_micro_batch": loader.tokens_per_batch}
-
-
 # -------------------------------------------------------------------------------------------------------- trainer
 class Trainer:
     """Builds data, model and engine for this rank, then runs, evaluates and checkpoints."""
@@ -253,9 +215,7 @@ class Trainer:
         self.counters = RunCounters(torch.zeros((), dtype=torch.float32, device=device),
                                     torch.zeros((), dtype=torch.float32, device=device))
         self.stop = StopAgreement(device, log_line)
-        self.checkpointer = checkpoint.Checkpointer(self.run_dir / "checkpoints", config.checkpoint.every,
-                                                    config.checkpoint.keep, train.steps,
-                                                    dataclasses.asdict(self.config.model), config.checkpoint.keep_every)
+        self.checkpointer = checkpoint.Checkpointer.of_run(config)
         if resumed_from is not None:  # last: nothing may draw from the restored RNG before the loop
             self._restore(continue_from(self.engine, resumed_from, config, self.schedule, self.mask_rates,
                                         self.loader))
@@ -266,9 +226,8 @@ class Trainer:
             write_run_files(config, ds_config, {
                 "device": device_name(device), "ranks": self.world, "precision": self.precision,
                 "peak_flops": self.peak.flops, "spec_peak_flops": self.spec_peak_flops,
-                "init_from": self.source and self.source.provenance(), "schedule": self.schedule.describe()})
-            if self.source is not None:  # what its exports write back of a Hugging Face source (a BERT's pooler)
-                write_origin(self.run_dir, self.source.origin)
+                "init_from": self.source and self.source.provenance(), "schedule": self.schedule.describe()},
+                self.source)
 
     # ------------------------------------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:

@@ -1,6 +1,5 @@
-"""The GPU check in phases: each one command of at most 8 minutes on a lent machine, its set-up included, in the order
-of what they decide (a lent machine gives 15 to 30 minutes in all, 10 per command, and each call may start a fresh, bare
-machine).
+"""The GPU check in phases (scripts/gpu_phases.py: what each runs), each one command of at most 8 minutes on a lent
+machine, its set-up included (the study's 9), in the order of what they decide; docs/gpu-check.md says how to run it.
 
     bash scripts/gpu_check.sh --plan               # one line per phase: name, minutes (timed or estimated), command
     bash scripts/gpu_check.sh PHASE [--force]      # run one phase (skipped when already done for this commit)
@@ -8,33 +7,22 @@ machine).
     bash scripts/gpu_check.sh --collect DIR        # what a lent machine brought back from $OUT, into the tree
     bash scripts/gpu_check.sh all                  # every phase not yet done, in order (not under $OUT)
 
-A phase first installs what the machine lacks, offline: the wheels `scripts/gpu_wheels.sh` put in .whl/ (carried with
-the tree) for the modules that are missing, then fastmae itself with --no-deps (the image's torch stays as it is),
-and names any module fastmae imports that is still missing. Then its steps run in order, each within what is left of
-the phase's 8 minutes (a step past it is stopped and recorded as cut). Everything lands in
-benchmarks/results/gpu/DEVICE/PHASE/: each step's log, the files it wrote, and phase.json (the commit measured, each
-step's exit status and seconds), rewritten after every step. The commit comes from FASTMAE_COMMIT (a lent machine's
-copy of the tree has no .git), else git.
-
-How the files come home. A lent machine returns only files under $OUT at most two folders down, at most 8 of them,
-16 MiB each, named in letters, digits, '.', '_' and '-'. So after every step a phase mirrors itself as $OUT/PHASE/:
-phase.json, the files its steps keep (at most 6 a phase, flat) and logs.tar.gz (every step's log, each cut to its
-last 4 MiB); a cut phase keeps what it measured. One phase per call: `all` refuses to run with $OUT set. Back here,
-`bash scripts/gpu_check.sh --collect FILES_AT` (the folder the device tool put them in) rebuilds
-benchmarks/results/gpu/DEVICE/PHASE/ (DEVICE from phase.json's machine), logs unpacked; commit that directory with the
-commit it measured.
-
-What a fresh machine has is the tree that travels (tracked files, untracked ones git does not ignore, and .whl/
-carried), nothing a previous call left there. So the skip of a phase already done for this commit reads the
-phase.json collected into the tree, and a step that reads another phase's results (recipe's micro-batch refit reads
-headline's throughput) names them in `needs`: they must have been collected into the tree first, or the step is not
-run and says which file it lacks. Standard library only: it runs before anything is installed.
+A phase first installs what the machine lacks, offline (the wheels `scripts/gpu_wheels.sh` put in .whl/, then fastmae
+with --no-deps), and names any module still missing. Its steps run in order, each within what is left of the phase's
+minutes (a step past them is cut; a step that expects an earlier one's seconds again runs only when they are left).
+Everything lands in benchmarks/results/gpu/DEVICE/PHASE/: each step's log, the files it wrote, and phase.json (the
+commit measured: FASTMAE_COMMIT, else git; each step's exit status and seconds), rewritten after every step and
+mirrored as $OUT/PHASE/ within what the device tool brings back (two folders down, 8 files, 16 MiB each, plain
+names): phase.json, the files its steps keep (at most 6, flat) and logs.tar.gz (each step's log, its last 4 MiB).
+`--collect` rebuilds the phase's directory from that. A fresh machine has only the tree that travels: a phase done for
+the commit is skipped by the phase.json collected into the tree, and a step that reads another phase's results names
+them in `needs` (not run, and says so, where they were not collected first). Standard library only: it runs before
+anything is installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import importlib.util
 import json
@@ -59,172 +47,9 @@ OUT_MAX_FILES, OUT_MAX_BYTES, OUT_MAX_FOLDERS = 8, 16 * 2**20, 2
 OUT_NAME = re.compile(r"[A-Za-z0-9._-]+")
 KEPT_PER_PHASE = OUT_MAX_FILES - 2  # beside phase.json and logs.tar.gz
 LOG_TAIL_BYTES = 4 * 2**20  # of each step's log in logs.tar.gz: a phase's 3 logs stay under 16 MiB unpacked
-PY = "{python}"  # stands for the interpreter running this script
 
-# Modules a phase needs, with the distribution that provides each. Those in CARRIED install from .whl/ when missing;
-# a missing one of the others is named and the phase stops.
-CARRIED = {"setuptools": "setuptools", "wheel": "wheel", "deepspeed": "deepspeed", "hjson": "hjson",
-           "pydantic": "pydantic", "pydantic_core": "pydantic-core", "annotated_types": "annotated-types",
-           "typing_inspection": "typing-inspection", "zstandard": "zstandard", "einops": "einops",
-           "msgpack": "msgpack", "cpuinfo": "py-cpuinfo", "ninja": "ninja"}
-IMAGE = {"torch": "torch", "triton": "triton", "numpy": "numpy", "tqdm": "tqdm", "yaml": "pyyaml",
-         "sentencepiece": "sentencepiece", "safetensors": "safetensors", "psutil": "psutil",
-         "matplotlib": "matplotlib", "pytest": "pytest", "transformers": "transformers", "packaging": "packaging"}
-
-RUN_3ML_BASE = ["--config", "configs/3ml-base.yaml", "--resume", "none", "data.path=builtin",
-                "data.builtin_vocab_size=8000", "train.warmup_steps=1", "checkpoint.keep=1"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Step:
-    name: str
-    command: tuple[str, ...]
-    keeps: tuple[str, ...] = ()  # files the command writes, copied into the phase's directory
-    env: tuple[tuple[str, str], ...] = ()
-    # files of another phase the command reads ({results} = benchmarks/results/gpu/DEVICE): on a fresh machine they
-    # exist only where they were collected into the tree and travelled with it
-    needs: tuple[str, ...] = ()
-    # an earlier step of the phase whose seconds this one is expected to take again: it runs only when they are left
-    fits_after: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Phase:
-    name: str
-    minutes: int  # on a fresh machine, set-up from .whl/ and Triton compiles included
-    decides: str
-    steps: tuple[Step, ...]
-    # `minutes` as the phase ran on a lent machine (headline: an H200, 2026-11-26, rounded up), else estimated (smoke
-    # ran in 3 there before its FlashAttention and fused-kernel tests, about 30 s on an H100; modernbert's steps ran in
-    # about 3 on an H100, 2026-11-26, outside the phase)
-    timed: bool = False
-    budget_s: int = 0  # the phase's limit, set-up included (0: PHASE_BUDGET_S)
-    # what the command line must give the phase (`--corpus PATH`: {corpus} in its steps)
-    arguments: tuple[str, ...] = ()
-    # {name} in its steps: (name, value, the value under --quick, the same steps at the CPU's scale)
-    values: tuple[tuple[str, str, str], ...] = ()
-
-
-def _pytest(*args: str) -> tuple[str, ...]:
-    return (PY, "-m", "pytest", "-q", *args)
-
-
-PHASES = (
-    Phase("smoke", 4, "torch's FlashAttention-2 kernels compute the windowed oracle; captured graphs compute what "
-                      "eager computes; no host-device sync in a steady step", (
-        # the torch_flash backend's CUDA kernels against the oracle (global, windows; lengths no block divides),
-        # dropout redrawn from the rng state and in a recorded graph
-        Step("flash_tests", _pytest("tests/test_flash.py", "tests/test_attention.py", "-k",
-                                    "torch_flash or window or rng_state or recorded_graph or traces_whole")),
-        # the layers' fused kernels (rotary of q and k; residual add + LayerNorm) compiled for this GPU, against
-        # their references forward and backward
-        Step("fused_kernel_tests", _pytest("-m", "not large", "tests/kernels/test_kernel_rotary.py",
-                                           "tests/kernels/test_kernel_norm.py")),
-        Step("graph_tests", _pytest("tests/test_graphs.py", "-k", "captured")),
-        Step("sync_tests", _pytest("tests/test_train.py", "-k", "steady_state")),
-        # one 3ml base step replayed from its recording under set_sync_debug_mode("error"): step 3 of 4 (the second
-        # sight records; the last step is logged), at the recipe's 65,536 tokens per micro-batch
-        Step("sync_step_3ml_base", (PY, "-m", "fastmae.train", *RUN_3ML_BASE, "train.steps=4",
-                                    "train.tokens_per_step=65536", "eval.every=0", "checkpoint.every=1000",
-                                    "log.every=4",
-                                    "log.dir=runs/gpu-check/sync-3ml-base"),
-             keeps=("runs/gpu-check/sync-3ml-base/metrics.jsonl", "runs/gpu-check/sync-3ml-base/run_info.json"),
-             env=(("FASTMAE_SYNC_DEBUG", "1"),)),
-    )),
-    Phase("headline", 3, "3ml and mlm against Hugging Face RoBERTa at base size: tokens/s, MFU, GPU busy", (
-        Step("throughput_headline", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
-                                     "--systems", "hf-roberta,mlm,3ml", "--eager", "--name", "throughput_headline"),
-             keeps=tuple(f"benchmarks/results/throughput_headline.{ext}" for ext in ("json", "md", "png"))),
-    ), timed=True),
-    Phase("modernbert", 5, "fastmae on ModernBERT's layers against transformers' ModernBertForMaskedLM at base size", (
-        Step("throughput_modernbert", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
-                                       "--systems", "hf-modernbert,modern-mlm,modern-3ml,modern-mae-lm",
-                                       "--name", "throughput_modernbert_gpu"),
-             keeps=tuple(f"benchmarks/results/throughput_modernbert_gpu.{ext}" for ext in ("json", "md", "png"))),
-        Step("local_attention", (PY, "benchmarks/local_attention.py"),
-             keeps=("benchmarks/results/local_attention_flex.json", "benchmarks/results/local_attention_flex.md")),
-    )),
-    Phase("kernels", 6, "every Triton kernel compiled for this GPU against its torch reference; their speed", (
-        Step("kernel_tests", _pytest("-n", "8", "-m", "not large", "tests/kernels")),
-        Step("kernel_benchmark", (PY, "benchmarks/kernels.py"),
-             keeps=("benchmarks/results/kernels.json", "benchmarks/results/kernels.md")),
-    )),
-    Phase("attention", 6, "every attention backend against the naive reference; their speed", (
-        Step("attention_tests", _pytest("-m", "large or not large", "tests/test_attention.py")),
-        Step("relative_bias_tests", _pytest("tests/test_model.py", "-k", "relative_bias")),
-        Step("attention_benchmark", (PY, "benchmarks/attention.py"),
-             keeps=("benchmarks/results/attention.json", "benchmarks/results/attention.md")),
-    )),
-    Phase("overhead", 5, "device ops, launches and syncs per step, eager and replayed; bf16 fine-tuning", (
-        Step("host_overhead_benchmark", (PY, "benchmarks/host_overhead.py"),
-             keeps=("benchmarks/results/host_overhead.json", "benchmarks/results/host_overhead.md")),
-        Step("host_overhead_graphs_benchmark", (PY, "benchmarks/host_overhead.py", "--zero-stage", "2",
-                                                "--cuda-graphs", "--name", "host_overhead_zero2_graphs"),
-             keeps=("benchmarks/results/host_overhead_zero2_graphs.json",
-                    "benchmarks/results/host_overhead_zero2_graphs.md")),
-        Step("finetune_tests", _pytest("tests/test_finetune.py", "-k", "bf16")),
-    )),
-    Phase("large_kernels", 7, "the kernels at realistic shapes (up to 14 GB each)", (
-        Step("kernel_tests_large", _pytest("-m", "large", "tests/kernels")),
-    )),
-    Phase("recipe", 7, "the recipes' micro-batch from measured memory; 50 steps of 3ml-base", (
-        Step("micro_batch", (PY, "benchmarks/micro_batch.py", "--device-dir", "{results}/headline"),
-             keeps=("benchmarks/results/micro_batch.json", "benchmarks/results/micro_batch.md"),
-             needs=("{results}/headline/throughput_headline.json",)),
-        Step("train_3ml_base", (PY, "-m", "fastmae.train", *RUN_3ML_BASE, "train.steps=50",
-                                "train.tokens_per_step=131072", "eval.every=50", "eval.sequences=256",
-                                "checkpoint.every=50", "log.every=5", "log.dir=runs/gpu-check/3ml-base"),
-             keeps=tuple(f"runs/gpu-check/3ml-base/{name}" for name in
-                         ("metrics.jsonl", "curves.png", "config.yaml", "run_info.json"))),
-    )),
-)
-
-
-STUDY_OUT = "runs/gpu-study"
-STUDY_KEEPS = tuple(f"{STUDY_OUT}/study/{name}" for name in ("study.json", "report.md", "loss_vs_flops.png",
-                                                              "ranks.png"))
-
-
-def _study(seeds: int) -> tuple[str, ...]:
-    """The masking study at the preset's scale (issue 56): mlm at 15% and 30% and 3ml at 50%, each run under one
-    FLOP budget, 3 trained at once on the one GPU, fine-tuned on word order and on the real task given."""
-    return (PY, "-m", "fastmae.study", "--data", f"{STUDY_OUT}/data", "--budget", "{budget}", "--objectives",
-            "mlm,mlm:mask_rate=0.3,3ml", "--seeds", str(seeds), "--parallel", "3", "--task", "generated",
-            "--task", "{task}", "--out", f"{STUDY_OUT}/study")
-
-
-# the study's per-run records (training logs, metrics, configs, its GLUE cells' summaries) as one archive
-PACK_RUNS = ("sh", "-c", f"cd {STUDY_OUT}/study && tar czf ../study_runs.tar.gz logs configs runs/*/metrics.jsonl "
-             "runs/*/run_info.json glue*/glue.json")
-
-PHASES += (
-    Phase("study", 9, "does 3ml pay at 1e16 FLOPs a run? mlm 15% / 30% and 3ml 50% on real English text, "
-                      "pretrained, evaluated, probed and fine-tuned in one command", (
-        # the corpus's 32K-piece tokenizer on the machine's cores (lines sampled: sentencepiece's time grows with
-        # them), held-out documents split off by document
-        Step("prepare", (PY, "-m", "fastmae.prepare", "--input", "{corpus}", "--format", "jsonl", "--output",
-                         f"{STUDY_OUT}/data", "--vocab-size", "{vocab}", "--valid-fraction", "0.02",
-                         "--docs-per-shard", "500", "--input-sentence-size", "150000")),
-        # one seed of each arm first: a result whatever the second costs
-        Step("study_one_seed", _study(1), keeps=STUDY_KEEPS),
-        Step("pack_one_seed", PACK_RUNS, keeps=(f"{STUDY_OUT}/study_runs.tar.gz",)),
-        Step("study_two_seeds", _study(2), keeps=STUDY_KEEPS, fits_after="study_one_seed"),
-        Step("pack_two_seeds", PACK_RUNS, keeps=(f"{STUDY_OUT}/study_runs.tar.gz",)),
-    ), budget_s=9 * 60, arguments=("corpus", "task"),
-        values=(("budget", "gpu-10min", "quick"), ("vocab", "32000", "1000"))),
-)
-
-
-# What a lent GPU should run for an issue but no lease holds: named by --plan, run on a machine held for hours.
-MASK_MORE_OR_LATER = ("mlm,mlm:mask_rate=0.3,mlm:mask_rate=0.5,mlm:mask_rate=0.3:mask_rate_end=0.15,3ml,"
-                      "3ml:mask_rate_end=0.3")
-BEYOND_A_LEASE = (
-    ("mask-more-or-later", "12 runs of about an hour each on one H100 (issue 49: cpu-1h's study at RoBERTa-base size, "
-     "on a corpus of the user's prepared with `fastmae prepare`: the embedded one is far too small for it)",
-     ("fastmae", "study", "--data", "DATASET_DIR", "--budget", "gpu-1h", "--task", "generated", "--out",
-      "runs/study-mask-more-or-later-gpu", "--objectives", MASK_MORE_OR_LATER, "train.schedule=wsd",
-      "train.decay_fraction=0.2", "train.decay_shape=1-sqrt")),
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_phases.py beside it, however this file was loaded
+from gpu_phases import BEYOND_A_LEASE, CARRIED, IMAGE, PHASES, PY, Phase, Step  # noqa: E402
 
 
 def phase_named(name: str) -> Phase:

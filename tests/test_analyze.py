@@ -108,7 +108,7 @@ def test_the_neighbour_probe_tells_context_from_a_context_free_encoder(seed):
     """Layers whose states are the token's alone (its embedding, rotated and noised: what a context-free encoder
     hands on, however deep) do not beat the embeddings' probe, even though the narrow probe scores below the bigram
     table; a layer that holds some of the neighbour (what attending to it gives) does, by far more than the noise."""
-    from fastmae.analyze import bigram_table, context_verdict, neighbour_probe
+    from fastmae.probe import bigram_table, context_verdict, neighbour_probe
 
     rng = np.random.default_rng(seed)
     vocab, hidden, n = 200, 16, 8000
@@ -142,7 +142,7 @@ def test_the_context_verdict_pays_for_choosing_the_best_layer():
     """study_cpu_1h's 3ml encoder, seed 0: layer 0 at 0.139, its best of 12 layers at 0.1568 on 7,626 pairs (z 3.1):
     past 3 standard errors for one layer, not past the threshold for the best of 12; seed 1's best (0.1697, z 5.0)
     is, against layer 0. Layer 0 alone has nothing to compare."""
-    from fastmae.analyze import context_verdict, judged
+    from fastmae.probe import context_verdict, judged
 
     seed0 = [0.139, 0.1444, 0.1404, 0.1458, 0.145, 0.1456, 0.1438, 0.1475, 0.1549, 0.1568, 0.1558, 0.1543, 0.1529]
     seed1 = [0.14, 0.1338, 0.1364, 0.1463, 0.1475, 0.1537, 0.1518, 0.1521, 0.1642, 0.1644, 0.1697, 0.1696, 0.1682]
@@ -166,7 +166,7 @@ def test_the_context_verdict_pays_for_choosing_the_best_layer():
 def test_the_bigram_table_is_the_dense_tables_argmax_without_the_dense_table(seed):
     """Each token's most frequent neighbour (smallest id among ties; the fallback for an unseen token), counted over
     distinct pairs, equals the argmax of the [V, V] count table it never builds (a real vocabulary's would not fit)."""
-    from fastmae.analyze import bigram_table
+    from fastmae.probe import bigram_table
 
     rng = np.random.default_rng(seed)
     vocab = 40

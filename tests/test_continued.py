@@ -112,9 +112,9 @@ def test_a_two_rank_run_switches_a_modernbert_to_3ml_and_its_export_fine_tunes(t
     from test_train import launch, overrides
 
     from fastmae.export import export
-    from fastmae.pretrained import read_origin
     from fastmae.finetune import main as finetune_main
     from fastmae.prepare import prepare
+    from fastmae.pretrained import read_origin
 
     source_dir = modernbert(byte_level_bpe(tmp_path / "bpe"), tmp_path / "modernbert")
     (tmp_path / "corpus.txt").write_text("\n".join(doc.replace("\n", " ") for doc in corpus(60)) + "\n")

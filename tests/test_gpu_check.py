@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
 gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
+gpu_phases = sys.modules["gpu_phases"]  # the phases gpu_check imported from beside it
 
 
 def script(*args, env_extra=None):
@@ -54,8 +55,8 @@ def test_the_plan_puts_what_decides_first_and_every_phase_fits_a_command():
     # the masking study the CPU ran at cpu-1h, named with the gpu-1h preset and the same arms
     study = next(line for line in done.stdout.splitlines() if line.startswith("# beyond a lease: mask-more-or-later"))
     runs = (ROOT / "benchmarks" / "readme_runs.sh").read_text()
-    assert "--budget gpu-1h" in study and f'--objectives "{gpu_check.MASK_MORE_OR_LATER}"' in runs
-    assert f"--objectives {gpu_check.MASK_MORE_OR_LATER}" in study
+    assert "--budget gpu-1h" in study and f'--objectives "{gpu_phases.MASK_MORE_OR_LATER}"' in runs
+    assert f"--objectives {gpu_phases.MASK_MORE_OR_LATER}" in study
 
 
 def dry_run(phase: str) -> tuple[dict, list[str]]:
@@ -257,8 +258,9 @@ def test_the_study_phase_runs_end_to_end_at_the_cpus_scale(tmp_path, monkeypatch
     """The study phase (issue 56) under --quick, as the GPU runs it but at the `quick` budget and 1,000 pieces, on
     documents of the embedded corpus written as the JSONL the shared corpus is, and an SST-2 of its own: prepared,
     studied with one seed, then (its seconds left) two, packed, and brought home within the device tool's limits."""
-    from fastmae.data.builtin import builtin_documents
     from synthetic import write_glue
+
+    from fastmae.data.builtin import builtin_documents
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": text, "source": source}) + "\n"
@@ -280,4 +282,5 @@ def test_the_study_phase_runs_end_to_end_at_the_cpus_scale(tmp_path, monkeypatch
     assert [t["name"] for t in study["setup"]["tasks"]] == ["word-order", "sst2"]
     assert study["setup"]["corpus"]["vocab_size"] == 1000 and study["setup"]["parallel"] == 3
     said = (results / "study" / "study_two_seeds.log").read_text()
-    assert "36 cells planned (18 finished before), 18 to run" in said  # the second seed's study reused the first's runs and cells
+    # the second seed's study reused the first's runs and cells
+    assert "36 cells planned (18 finished before), 18 to run" in said

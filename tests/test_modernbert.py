@@ -1,7 +1,7 @@
 """ModernBERT's architecture in fastmae (issue 48, in part; its local layers' window against an oracle:
-test_local_window.py): a small random ModernBERT saved by transformers (both kinds of layer, a window shorter than the sequences, the nested and the flat config keys) is read
-computing transformers' hidden states (eager and sdpa) and MLM logits at step 0; what fastmae does not compute is
-refused by name."""
+test_local_window.py): a small random ModernBERT saved by transformers (both kinds of layer, a window shorter than the
+sequences, the nested and the flat config keys) is read computing transformers' hidden states (eager and sdpa) and MLM
+logits at step 0; what fastmae does not compute is refused by name."""
 
 import json
 

@@ -146,12 +146,13 @@ print(train("decaying"))
 
 def test_an_extended_run_and_a_branched_decay_end_as_the_run_planned_that_long(tmp_path):
     """`long`: 10 steps, wsd with a 3-step decay (stable to step 7). `short` planned 6 (stable to 3): its checkpoint
-    of step 3, resumed with train.steps=10, ends bit-identical to `long` (weights; dropout on, so the RNG carries
-    over). A branch of the step-7 checkpoint of `stable` (12 steps, no decay), given its config and
-    train.decay_steps=3 but not its length, in a directory of its own, ends bit-identical to `long` too. Branching from step 8 (decaying) and resuming `short`'s step-6 checkpoint with another
-    length are refused naming both rates. A run whose masking rate falls 40% -> 15% (mae-lm: its encoder stream
-    grows) masks each step at its rate, resumes mid-schedule bit-identical, and refuses another length, which would
-    have masked its past steps otherwise. One process, a world of one, the real DeepSpeed engine."""
+    of step 3, resumed with train.steps=10, ends bit-identical to `long` (weights; dropout on, so the RNG carries over).
+    A branch of the step-7 checkpoint of `stable` (12 steps, no decay), given its config and train.decay_steps=3 but not
+    its length, in a directory of its own, ends bit-identical to `long` too. Branching from step 8 (decaying) and
+    resuming `short`'s step-6 checkpoint with another length are refused naming both rates. A run whose masking rate
+    falls 40% -> 15% (mae-lm: its encoder stream grows) masks each step at its rate, resumes mid-schedule bit-identical,
+    and refuses another length, which would have masked its past steps otherwise. One process, a world of one, the real
+    DeepSpeed engine."""
     (tmp_path / "data").mkdir()
     data = prepare_word_dataset(tmp_path / "data", WORDS, 200, 40, vocab_size=40, valid_fraction=0.1)
     wsd_args = {"train.schedule": "wsd", "train.decay_steps": 3, "train.warmup_steps": 2, "eval.every": 0,

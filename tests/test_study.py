@@ -194,7 +194,7 @@ def test_generated_word_order_task(dataset, tmp_path):
 
 
 def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypatch):
-    from fastmae import analyze
+    from fastmae import probe
     from fastmae.study import summary
 
     data = dataset
@@ -204,8 +204,8 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
     args = ["--data", str(data), "--quick", "--objectives", "mlm,3ml", "--task", "generated", "--out", str(out),
             "--lr-grid", "2e-3", "--lr-grid-fraction", "0.5", "--parallel", "2"]
     monkeypatch.setattr(summary, "PLATEAU_MARGIN", -10.0)  # 40 steps leave no plateau: count every run as learned
-    verdict = analyze.context_verdict  # ... and every encoder as having learned context (its real figures kept)
-    monkeypatch.setattr(analyze, "context_verdict", lambda *a: {**verdict(*a), "learned_context": True})
+    verdict = probe.context_verdict  # ... and every encoder as having learned context (its real figures kept)
+    monkeypatch.setattr(probe, "context_verdict", lambda *a: {**verdict(*a), "learned_context": True})
     assert study_main(args) == 0
     study = json.loads((out / "study.json").read_text())
     for label in ("mlm", "3ml"):

@@ -775,7 +775,7 @@ from fastmae.engine import build_engine, gradient_norm, master_weights
 init_distributed()
 sys.path.insert(0, "benchmarks")
 from host_overhead import StepCounter
-import throughput
+import systems
 import fastmae.step
 from fastmae import MaskedLM, ModelConfig, PackedBatch
 from fastmae.config import RunConfig
@@ -886,7 +886,7 @@ torch.testing.assert_close(torch.stack(trained[2][0]), torch.stack(trained[0][0]
 
 calls = []
 fastmae.step.train_step = lambda *args, **kwargs: calls.append(1) or train_step(*args, **kwargs)
-step, _ = throughput._fastmae_step(config, torch.randint(5, 50, (2, 32)), torch.device("cpu"), "fp32", None)
+step, _ = systems.fastmae_step(config, torch.randint(5, 50, (2, 32)), torch.device("cpu"), "fp32", None)
 step()
 step()
 assert len(calls) == 2, calls

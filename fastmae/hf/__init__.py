@@ -18,8 +18,9 @@ both ways and what it refuses, as these names:
                                            weights have one)
     hugging_face_config(config, carried)   its PretrainedConfig, with `carried` (fastmae's config) inside
 
-An architecture that claims nothing (BERT) writes only what came from it (`Origin`: a BERT comes back a BERT). Adding one (EuroBERT, say) is a module with these
-names and its line in `ARCHITECTURES`; the BERT lineage's modules share `classic.py`.
+An architecture that claims nothing (BERT) writes only what came from it (`Origin`: a BERT comes back a BERT). Adding
+one (EuroBERT, say) is a module with these names and its line in `ARCHITECTURES`; the BERT lineage's modules share
+`classic.py`.
 """
 
 from __future__ import annotations

@@ -94,8 +94,9 @@ def _qkv_names(layout: Layout, i: int) -> list[str]:
 def write(layout: Layout, config: ModelConfig, weights: dict[str, torch.Tensor],
           segment_row: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """fastmae weights -> the architecture's names (the LM head only for k = 0 and where the weights have one: a
-    decoder's head is not the encoder's, a headless source has none). The token-type table is written as zeros and `segment_row`, so that a BERT's pairs compute as the
-    original's; an architecture without the table refuses a segment row."""
+    decoder's head is not the encoder's, a headless source has none). The token-type table is written as zeros and
+    `segment_row`, so that a BERT's pairs compute as the original's; an architecture without the table refuses a segment
+    row."""
     out = {theirs: weights[ours] for ours, theirs in name_pairs(layout, config, writes_head(config, weights))}
     if config.position_embedding == "learned" and not layout.positions_after_pad:  # BERT: rows from position 0
         positions = f"{layout.prefix}.embeddings.position_embeddings.weight"

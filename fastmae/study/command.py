@@ -13,12 +13,12 @@ from pathlib import Path
 
 import yaml
 
-from ..analyze import judged
 from ..atomic import atomic_write_text
 from ..errors import FastmaeError, run_command
 from ..glue import best_cells, glue
 from ..glue_plan import task_directories
 from ..glue_report import glue_table
+from ..probe import judged
 from ..tasks import GLUE_DIRS, GLUE_TASKS, write_word_order_task
 from .objectives import STUDY_PRESETS, parse_objectives, resolve_budget
 from .report import plot_curves, plot_ranks, shared_settings, write_report
@@ -122,7 +122,7 @@ def study(args) -> dict:
 
 def rewrite_report(out: Path) -> dict:
     """--rewrite-report: the findings, study.json and report.md again from what OUT/study.json holds, its neighbour
-    probes judged by today's test (`analyze.context_verdict`); no run, weights or data needed. Refused where today's
+    probes judged by today's test (`probe.context_verdict`); no run, weights or data needed. Refused where today's
     verdict changes which objectives the ranks at matched loss compare, or the level (they need the runs' weights:
     run the study again on the same --out)."""
     path = out / "study.json"

@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 
-from ..analyze import judged
 from ..claims import compare, spread
+from ..probe import judged
 from ..tasks import GLUE_TASKS
 from .objectives import Objective
 from .runs import Run, eval_curve
