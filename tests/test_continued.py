@@ -101,7 +101,7 @@ def test_what_cannot_be_mapped_is_refused_naming_both(dataset, mlm_source, tmp_p
 
 def test_a_two_rank_run_switches_a_modernbert_to_3ml_and_its_export_fine_tunes(tmp_path):
     """From a Hugging Face ModernBERT (random, small: local and global layers, a window shorter than the sequences)
-    and data prepared with its byte-level BPE tokenizer, through DeepSpeed on 2 CPU ranks (ZeRO-2): 20 steps of 3ml
+    and data prepared with its byte-level BPE tokenizer, through DeepSpeed on 2 CPU ranks (ZeRO-2): 8 steps of 3ml
     (its local layers on the shortened stream). The run names its source and starts from its encoder; a rerun
     resumes from its own checkpoint; the export loads in AutoModelForMaskedLM and AutoTokenizer (the source's ids,
     fastmae's hidden states) and fine-tunes. (The other architectures take the same path: test_foreign.)"""
@@ -121,9 +121,9 @@ def test_a_two_rank_run_switches_a_modernbert_to_3ml_and_its_export_fine_tunes(t
     dataset = tmp_path / "data"
     prepare([tmp_path / "corpus.txt"], dataset, tokenizer_path=str(source_dir), valid_fraction=0.1, progress=False)
     run_dir = tmp_path / "continued"
-    args = overrides(dataset, run_dir, steps=20, **{"model.preset": "3ml", "model.decoder_layers": 1,
-                                                     "train.init_from": str(source_dir), "eval.every": 0,
-                                                     "checkpoint.every": 10})
+    args = overrides(dataset, run_dir, steps=8, **{"model.preset": "3ml", "model.decoder_layers": 1,
+                                                    "train.init_from": str(source_dir), "eval.every": 0,
+                                                    "checkpoint.every": 4})
     args = [a for a in args if a.split("=")[0] not in ("model.hidden_size", "model.num_heads",
                                                          "model.encoder_layers", "model.intermediate_size",
                                                          "model.max_seq_len")]

@@ -281,7 +281,13 @@ def test_the_study_phase_runs_end_to_end_at_the_cpus_scale(tmp_path, monkeypatch
     study = json.loads((out / "study" / "study.json").read_text())
     assert list(study["objectives"]) == ["mlm", "mlm:mask_rate=0.3", "3ml"] and study["setup"]["seeds"] == 1
     assert [t["name"] for t in study["setup"]["tasks"]] == ["word-order", "sst2"]
+    for entry in study["objectives"].values():  # each encoder fine-tuned on both, word order's cells apart
+        assert [ft["task"] for ft in entry["finetune"]] == ["word-order", "sst2"]
+    # the real task cut to the quick preset's 32 training rows, drawn at random with the header kept
+    rows = (tmp_path / "tree" / gpu_phases.STUDY_OUT / "study" / "task" / "sst2" / "train.tsv").read_text().splitlines()
+    source = (task / "train.tsv").read_text().splitlines()
+    assert len(rows) == 33 and rows[0] == source[0] and set(rows) < set(source)
     assert study["setup"]["corpus"]["vocab_size"] == 1000 and study["setup"]["parallel"] == 3
     said = (results / "study" / "study_two_seeds.log").read_text()
     # the second step (at the GPU's scale a second seed; here the first again) reused every run and cell
-    assert "fastmae study: training" not in said and "18 cells planned (18 finished before), 0 to run" in said
+    assert "fastmae study: training" not in said and "9 cells planned (9 finished before), 0 to run" in said

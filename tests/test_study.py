@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_batch, tiny_config
-from synthetic import keyword_split, prepare_word_dataset, write_glue
+from synthetic import keyword_split, prepare_word_dataset
 
 from fastmae.config import ModelConfig
 from fastmae.data import PackedLoader
@@ -238,7 +238,7 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
         assert entry["final_eval_loss"] == curve[-1]["loss"] and np.isfinite(entry["final_eval_loss"])
         percent = entry["percent_of_mlm_compute_to_match"]
         assert percent is None or 0 < percent <= 100 * flops[-1] / study["objectives"]["mlm"]["flops"] + 1e-9
-        assert [ft["task"] for ft in entry["finetune"]] == ["word-order"] and entry["finetune"][0]["runs"] == 2
+        assert [ft["task"] for ft in entry["finetune"]] == ["word-order"] and entry["finetune"][0]["runs"] == 1
         layers = study["models"][label]["encoder_layers"] + 1
         assert len(entry["effective_rank"]["real_unmasked_input"]) == layers
     assert 0 < study["objectives"]["mlm"]["percent_of_mlm_compute_to_match"] <= 100.0  # < 100 if its loss rose late
@@ -268,7 +268,7 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
 
     # fine-tuning went through `fastmae glue`: each encoder at 3 rates x 2 seeds, scored at its best cell
     glue = json.loads((out / "glue" / "glue.json").read_text())
-    assert len(study["setup"]["finetune"]["lrs"]) == 3 and len(glue["cells"]) == 2 * 3 * 2
+    assert len(study["setup"]["finetune"]["lrs"]) == 3 and len(glue["cells"]) == 2 * 3 * 1
     for label in ("mlm", "3ml"):
         cells = [c for c in glue["cells"] if c["model"] == str(out / "runs" / f"{label}-seed0")]
         best = max({c["lr"] for c in cells}, key=lambda lr: np.median([c["scores"]["accuracy"] for c in cells
@@ -280,25 +280,9 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
     # the same arguments again: every run, fine-tuning and analysis is reused, the numbers are the same
     assert study_main(args) == 0
     said = capsys.readouterr().err
-    assert "fastmae study: training" not in said and "12 cells planned (12 finished before), 0 to run" in said
+    assert "fastmae study: training" not in said and "6 cells planned (6 finished before), 0 to run" in said
     again = json.loads((out / "study.json").read_text())
     assert again["objectives"] == study["objectives"]
-
-    # several tasks: the trained encoders and the word-order cells are reused, a real task cut to the preset's 32
-    # training rows (drawn at random, header kept), fine-tuned and reported beside it
-    glue_dir = write_glue(tmp_path / "glue-data", WORDS, n_train=48, n_dev=24)
-    assert study_main([*args, "--task", str(glue_dir / "RTE")]) == 0
-    said = capsys.readouterr().err
-    assert "fastmae study: training" not in said and "12 cells planned (12 finished before), 0 to run" in said
-    several = json.loads((out / "study.json").read_text())
-    for label in ("mlm", "3ml"):
-        assert [ft["task"] for ft in several["objectives"][label]["finetune"]] == ["word-order", "rte"]
-        assert several["objectives"][label]["finetune"][0] == study["objectives"][label]["finetune"][0]
-    rows = (out / "task" / "rte" / "train.tsv").read_text().splitlines()
-    source = (glue_dir / "RTE" / "train.tsv").read_text().splitlines()
-    assert len(rows) == 33 and rows[0] == source[0] and set(rows) < set(source)
-    assert [t["name"] for t in several["setup"]["tasks"]] == ["word-order", "rte"]
-    assert "RTE (acc)" in (out / "report.md").read_text() and "SST-2 (acc)" in (out / "report.md").read_text()
 
     # other settings for the same --out are refused before anything runs
     assert study_main([*args, "model.hidden_size=32"]) == 1

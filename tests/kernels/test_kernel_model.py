@@ -42,7 +42,7 @@ def test_training_with_kernels_follows_the_references(monkeypatch):
         monkeypatch.setenv("FASTMAE_KERNELS", mode)
         model = tiny_model("3ml", seed=1).to(KERNEL_DEVICE)
         docs = demo_documents(model.config.vocab_size, seed=0)
-        loop = LoopConfig(steps=6, warmup_steps=2, sequences_per_batch=4, seed=0)
+        loop = LoopConfig(steps=3, warmup_steps=1, sequences_per_batch=4, seed=0)
         losses[mode] = train_on_documents(model, docs, loop)
     torch.testing.assert_close(torch.tensor(losses["triton"]), torch.tensor(losses["torch"]), rtol=1e-4, atol=1e-5)
 
