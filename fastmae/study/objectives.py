@@ -147,11 +147,13 @@ STUDY_PRESETS = {
              "H100 (8e17 FLOPs: mlm's measured 242 TFLOP/s); for your --data"),
     "gpu-10min": StudyPreset(
         budget=1.0e16, run=ONE_GPU_COMMAND_RUN, eval_points=8, seeds=2,
-        finetune=FinetuneConfig(seeds=2, epochs=2, batch_size=32), analyze_sequences=512,
-        generated_task=(4000, 872), task_train_examples=4000,
+        # fine-tuning sized to fit beside the training: 3 rates x 1 seed x 2 tasks per encoder, 2 epochs of 2,000
+        # rows at batch 32 (each pretraining seed its own runs; a GPU runs such a cell in seconds)
+        finetune=FinetuneConfig(seeds=1, epochs=2, batch_size=32), analyze_sequences=512,
+        generated_task=(2000, 872), task_train_examples=2000,
         what="12 x 384 encoder, 128-token sequences, 65,536 tokens per step, WSD, 1e16 FLOPs per run: a 10-minute GPU "
              "command (scripts/gpu_check.sh study) for mlm 15%, mlm 30% and 3ml, trained --parallel on one GPU; "
-             "real tasks fine-tuned on 4,000 of their training rows"),
+             "real tasks fine-tuned on 2,000 of their training rows"),
     "cpu-30min": CPU_30MIN,
     "quick": StudyPreset(
         budget=0.0, run=(
