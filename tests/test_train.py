@@ -148,16 +148,32 @@ def test_a_flop_budget_ends_and_evaluates_where_the_plan_says(straight_with_drop
 
 
 @pytest.mark.xdist_group("fault")
-def test_killed_run_with_damaged_checkpoints_resumes_from_the_newest_intact_one(dataset, straight_with_dropout,
-                                                                                budget_plan, tmp_path):
-    """Killed hard right after step 6 (checkpoints 3-6 kept); the three newest then damaged three ways (a flipped
-    byte in the weights, a truncated optimizer shard, a garbage marker): `--resume auto` says what it skips and why,
-    resumes from step 3 and ends bit-identical to the uninterrupted run (losses, FLOP count, weights)."""
+def test_a_full_disk_then_a_kill_then_damaged_checkpoints_resume_from_the_newest_intact_one(
+        dataset, straight_with_dropout, budget_plan, tmp_path):
+    """One run through three faults, each resume continuing the last. Rank 1's disk fills up half-way through its
+    part of step 5's checkpoint (FASTMAE_FAULT_ENOSPC: every file it writes, DeepSpeed's optimizer shard first,
+    written by fastmae's one write) while rank 0's writes succeed: the run stops (no rank waits in a collective) with
+    one line naming the rank, the directory, DeepSpeed's file and the space left. Run again, it clears the
+    half-written checkpoint, resumes from step 4 and is killed hard right after step 6 (checkpoints 3-6 kept); the
+    three newest are then damaged three ways (a flipped byte in the weights, a truncated optimizer shard, a garbage
+    marker): `--resume auto` says what it skips and why, resumes from step 3 and ends bit-identical to the run that
+    never failed (losses, FLOP count, weights)."""
     straight, budget = straight_with_dropout[0], budget_plan[0]
-    run_dir = tmp_path / "damaged"
+    run_dir = tmp_path / "faults"
+    checkpoints = run_dir / "checkpoints"
+    failed = launch(budget_args(dataset, run_dir, budget), env_extra={"FASTMAE_FAULT_ENOSPC": "1:5"}, timeout=240)
+    assert failed.returncode != 0
+    partial = checkpoints / ".partial-step00000005"
+    assert re.search(rf"fastmae train \[rank 1 of 2\]: error: no space left on {re.escape(str(partial))} while "
+                     r"writing zero_pp_rank_1_mp_rank_00_optim_states\.pt \([0-9,]+ bytes free\)", failed.stderr), \
+        failed.stderr[-3000:]
+    assert not list(partial.glob("zero_pp_rank_1_*"))  # the half-written shard never stands under its name
+    assert partial.is_dir() and not (checkpoints / "step00000005").exists()
+
     killed = launch(budget_args(dataset, run_dir, budget), env_extra={"FASTMAE_FAULT_AT_STEP": "6"})
     assert killed.returncode != 0  # died hard right after the step-6 checkpoint
-    checkpoints = run_dir / "checkpoints"
+    assert f"removed {partial}, left half-written by an earlier run" in killed.stderr
+    assert f"resumed from {checkpoints / 'step00000004'} at step 4" in killed.stderr
     assert sorted(p.name for p in checkpoints.glob("step*")) == [f"step0000000{s}" for s in (3, 4, 5, 6)]
     weights = checkpoints / "step00000006" / "model.safetensors"
     raw = bytearray(weights.read_bytes())
@@ -176,32 +192,6 @@ def test_killed_run_with_damaged_checkpoints_resumes_from_the_newest_intact_one(
     expected, got = records_of(straight), records_of(run_dir)
     assert {s: r["loss"] for s, r in got.items()} == {s: r["loss"] for s, r in expected.items()}
     assert {s: r["flops"] for s, r in got.items()} == {s: r["flops"] for s, r in expected.items()}
-    a, b = load_file(straight / "model.safetensors"), load_file(run_dir / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.xdist_group("fault")
-def test_a_full_disk_on_one_rank_stops_the_run_and_the_resume_is_bit_identical(dataset, straight_with_dropout,
-                                                                                budget_plan, tmp_path):
-    """Rank 1's disk fills up half-way through its part of step 5's checkpoint (FASTMAE_FAULT_ENOSPC: every file it
-    writes, DeepSpeed's optimizer shard first, written by fastmae's one write) while rank 0's writes succeed: the run
-    stops (no rank waits in a collective) with one line naming the rank, the directory, DeepSpeed's file and the
-    space left; the half-written checkpoint is cleared and never chosen, the resume starts from step 4 and ends
-    bit-identical to the run that never failed."""
-    straight, budget = straight_with_dropout[0], budget_plan[0]
-    run_dir = tmp_path / "full"
-    failed = launch(budget_args(dataset, run_dir, budget), env_extra={"FASTMAE_FAULT_ENOSPC": "1:5"}, timeout=240)
-    assert failed.returncode != 0
-    partial = run_dir / "checkpoints" / ".partial-step00000005"
-    assert re.search(rf"fastmae train \[rank 1 of 2\]: error: no space left on {re.escape(str(partial))} while "
-                     r"writing zero_pp_rank_1_mp_rank_00_optim_states\.pt \([0-9,]+ bytes free\)", failed.stderr), \
-        failed.stderr[-3000:]
-    assert not list(partial.glob("zero_pp_rank_1_*"))  # the half-written shard never stands under its name
-    assert partial.is_dir() and not (run_dir / "checkpoints" / "step00000005").exists()
-    resumed = launch(budget_args(dataset, run_dir, budget))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"removed {partial}, left half-written by an earlier run" in resumed.stderr
-    assert f"resumed from {run_dir / 'checkpoints' / 'step00000004'} at step 4" in resumed.stderr
     a, b = load_file(straight / "model.safetensors"), load_file(run_dir / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
