@@ -238,9 +238,10 @@ def study_scale() -> str:
                     f"{setup['device'].split(',')[0]} |")
     return ("\n".join(rows) + "\n\nA gap is the first arm's mean (fine-tuned: median) less the second's, ± the sum of "
             "their half ranges between pretraining seeds: positive means 3ml is worse in loss, better in a "
-            "fine-tuned score. A study of one seed has no spread, and its gap is one seed's. Held-out loss is "
-            "every study's own protocol (15% of the tokens hidden the same way for every arm), so gaps compare "
-            "across rows, the losses themselves only within one (their corpora and vocabularies differ).\n")
+            "fine-tuned score. A study of one seed has no spread, and its gap is one seed's. Each row's losses come "
+            "from its own held-out protocol (15% of the tokens hidden the same way for every arm) on its own corpus "
+            "and vocabulary: a gap is exact within its row, and rows set side by side show a direction, not a "
+            "calibrated trend.\n")
 
 
 def study_scale_summary() -> str:
