@@ -159,7 +159,7 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
     if type(engine.checkpoint_engine) is TorchCheckpointEngine:  # DeepSpeed's default: its files by fastmae's write
         engine.checkpoint_engine = AtomicCheckpointEngine(engine._config)
     # the recovery scripts DeepSpeed copies beside its ZeRO shards (zero_to_fp32.py, ...) by the same write
-    engine._copy_recovery_script = lambda save_path: copy_recovery_scripts(save_path)
+    engine._copy_recovery_script = copy_recovery_scripts
     return engine, ds_config
 
 

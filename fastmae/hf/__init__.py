@@ -33,7 +33,8 @@ import torch
 from ..checkpoint import WEIGHTS, saved_model_config
 from ..config import ModelConfig, SpecialTokens
 from ..errors import FastmaeError
-from . import bert, classic, esm, modernbert, roberta, roformer
+from . import bert, esm, modernbert, roberta, roformer
+from .classic import kept_tensors
 from .files import config_json, read_tensors
 
 CONFIG_KEY = "fastmae_model_config"  # fastmae's ModelConfig inside config.json
@@ -112,7 +113,7 @@ def read_export(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], 
     tensors, metadata = read_tensors(directory)
     module = BY_MODEL_TYPE.get(hf_config.get("model_type")) or export_architecture(config)
     weights, segment_row = module.read(config, tensors, directory / WEIGHTS)
-    origin = Origin(module.NAME, segment_row, classic.kept_tensors(tensors, module.MODEL_TYPE))
+    origin = Origin(module.NAME, segment_row, kept_tensors(tensors, module.MODEL_TYPE))
     return config, weights, int(metadata.get("fastmae_step", -1)), origin
 
 
@@ -127,5 +128,5 @@ def read_foreign(directory: Path, special: SpecialTokens) -> tuple[ModelConfig, 
     config = module.model_config(hf, special, directory)
     tensors, _ = read_tensors(directory)
     weights, segment_row = module.read(config, tensors, directory / WEIGHTS)
-    origin = Origin(module.NAME, segment_row, classic.kept_tensors(tensors, module.MODEL_TYPE))
+    origin = Origin(module.NAME, segment_row, kept_tensors(tensors, module.MODEL_TYPE))
     return config, {name: t.float().contiguous() for name, t in weights.items()}, origin

@@ -83,8 +83,8 @@ def writes_head(config: ModelConfig, weights: dict[str, torch.Tensor]) -> bool:
 def kept_tensors(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """A source's tensors that fastmae's network does not compute but an export writes back as they were (a BERT's
     pooler, which sentence classifiers read), under `prefix`."""
-    return {_canonical(name, prefix): t.float().contiguous() for name, t in tensors.items()
-            if _canonical(name, prefix).startswith(f"{prefix}.pooler.")}
+    canonical = {_canonical(name, prefix): t for name, t in tensors.items()}
+    return {name: t.float().contiguous() for name, t in canonical.items() if name.startswith(f"{prefix}.pooler.")}
 
 
 def _qkv_names(layout: Layout, i: int) -> list[str]:

@@ -204,12 +204,8 @@ def corpus_of(data: Path) -> dict:
 
 
 def train_all(runs: list[Run], configs: dict[str, str], ranks: int, parallel: int) -> None:
-    """Train every run (`train`), `parallel` at a time on the one device (each its own process)."""
-    if parallel <= 1:
-        for run in runs:
-            train(run, configs[run.name], ranks)
-        return
-    with ThreadPoolExecutor(parallel) as pool:
+    """Train every run (`train`), `parallel` at a time on the one device (each its own process; 1: in order)."""
+    with ThreadPoolExecutor(max(1, parallel)) as pool:
         for done in [pool.submit(train, run, configs[run.name], ranks) for run in runs]:
             done.result()
 
