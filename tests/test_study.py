@@ -296,7 +296,9 @@ def test_bad_input_is_named(dataset, tmp_path, capsys):
         (["--data", str(tmp_path), "--quick"], "not a prepared dataset"),
         (["--data", str(data), "--quick", "--objectives", "3ml"], "must include mlm"),
         (["--data", str(data), "--quick", "--task", str(tmp_path)], "--task-name"),
-        (["--data", str(data), "--budget", "1e3"], "less than one optimizer step"),
+        (["--data", str(data), "--budget", "1e3"], "--budget: 1000 FLOPs is less than one optimizer step of mlm"),
+        (["--data", str(data), "--quick", "--lr-grid", "1e-3", "--lr-grid-fraction", "1e-9"],
+         "--lr-grid-fraction 1e-09 of the budget: "),
         (["--data", str(data), "--quick", "train.nonsense=1"], "unknown key train.nonsense"),
         # the quick preset's encoder has 2 layers: k=2 and a decoder of 0 layers leave no layer after the insertion
         (["--data", str(data), "--quick", "--objectives", "mlm,k=2"], "objective 'k=2': model.insert_layer=2"),
@@ -305,7 +307,7 @@ def test_bad_input_is_named(dataset, tmp_path, capsys):
     for args, message in cases:
         assert study_main([*args, "--out", str(tmp_path / "out")]) == 1
         assert message in capsys.readouterr().err, message
-        assert not (tmp_path / "out" / "runs").exists()  # refused before anything ran
+        assert not (tmp_path / "out" / "runs").exists() and not (tmp_path / "out" / "logs").exists()  # nothing ran
 
 
 def test_presets_with_base_proportions_make_3ml_cheaper_and_mae_lm_dearer_per_step():

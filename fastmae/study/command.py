@@ -57,10 +57,11 @@ def study(args) -> dict:
     flops_per_step = {o.label: step_flops(o, args, preset, ranks) for o in objectives}  # each config checked here
     if preset.mlm_steps:
         budget = preset.mlm_steps * flops_per_step["mlm"]
+    at_least_one_step(budget, flops_per_step, "--budget")
     print("fastmae study: FLOPs of the first optimizer step against mlm's: " + ", ".join(
         f"{label} {flops / flops_per_step['mlm']:.2f}x ({flops:.3g})" for label, flops in flops_per_step.items()),
         file=sys.stderr)
-    lr_grid = learning_rate_grid(objectives, args, budget, preset, ranks) if args.lr_grid else {}
+    lr_grid = learning_rate_grid(objectives, args, budget, preset, ranks, flops_per_step) if args.lr_grid else {}
     runs = {o.label: [Run(o, seed, out, lr=lr_grid[o.label]["chosen"] if lr_grid else None)
                       for seed in range(seeds)] for o in objectives}
     configs = checked_configs([run for rs in runs.values() for run in rs], args, budget, preset)
@@ -203,6 +204,15 @@ def corpus_of(data: Path) -> dict:
             "tokens": {split: entry["tokens"] for split, entry in meta["splits"].items()}}
 
 
+def at_least_one_step(budget: float, flops_per_step: dict[str, float], setting: str) -> None:
+    """Refuse a budget below one optimizer step of some objective before any run starts (each run's trainer would
+    refuse it, one process at a time)."""
+    for label, flops in flops_per_step.items():
+        if budget < flops:
+            raise FastmaeError(f"{setting}: {budget:.4g} FLOPs is less than one optimizer step of {label} "
+                               f"({flops:.4g} FLOPs)")
+
+
 def train_all(runs: list[Run], configs: dict[str, str], ranks: int, parallel: int) -> None:
     """Train every run (`train`), `parallel` at a time on the one device (each its own process; 1: in order)."""
     with ThreadPoolExecutor(max(1, parallel)) as pool:
@@ -221,7 +231,8 @@ def checked_configs(runs: list[Run], args, budget: float, preset) -> dict[str, s
     return configs
 
 
-def learning_rate_grid(objectives, args, budget: float, preset, ranks: int) -> dict[str, dict]:
+def learning_rate_grid(objectives, args, budget: float, preset, ranks: int,
+                       flops_per_step: dict[str, float]) -> dict[str, dict]:
     """--lr-grid: each objective trained (seed 0) at each learning rate of the grid for --lr-grid-fraction of the
     budget (its own schedule over that budget); per objective the held-out loss each reached and the rate with the
     lowest, which the study's runs then train at from the start."""
@@ -233,6 +244,7 @@ def learning_rate_grid(objectives, args, budget: float, preset, ranks: int) -> d
         raise FastmaeError(f"--lr-grid {args.lr_grid!r} --lr-grid-fraction {args.lr_grid_fraction}: rates must be "
                            "positive and the fraction in (0, 1]")
     short = budget * args.lr_grid_fraction
+    at_least_one_step(short, flops_per_step, f"--lr-grid-fraction {args.lr_grid_fraction:g} of the budget")
     runs = {o.label: [Run(o, 0, Path(args.out), grid_lr=lr) for lr in grid] for o in objectives}
     configs = checked_configs([run for rs in runs.values() for run in rs], args, short, preset)
     train_all([run for rs in runs.values() for run in rs], configs, ranks, args.parallel)
