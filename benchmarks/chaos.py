@@ -62,15 +62,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list[str], ranks: int = 2, env_extra: dict | None = None,
-          stdout=subprocess.DEVNULL) -> subprocess.Popen:
+DEEPSPEED_LAUNCHER = ("-m", "deepspeed.launcher.launch")
+
+
+def start(args: list[str], ranks: int = 2, env_extra: dict | None = None, stdout=subprocess.DEVNULL,
+          launcher: tuple[str, ...] = DEEPSPEED_LAUNCHER) -> subprocess.Popen:
     """`ranks` ranks of fastmae/train.py under DeepSpeed's per-node launcher (what `deepspeed --num_gpus N` starts on
-    one node, minus that command's own process), in a new process group; its stderr (text) in the returned process
-    (the suite's launches start here too)."""
+    one node, minus that command's own process), in a new process group; its stderr (text) in the returned process.
+    `launcher`: the per-node launcher's module or script, given its command line (the suite passes its own
+    stand-in for DeepSpeed's, tests/rank_launcher.py, where the launcher is not what a test is about)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
     env.update({"PYTHONUNBUFFERED": "1", **(env_extra or {})})
     world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(ranks))}).encode()).decode()
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
+    cmd = [sys.executable, "-u", *launcher, f"--world_info={world}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / "fastmae" / "train.py"), *args]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

@@ -163,7 +163,7 @@ def test_the_failing_rank_names_itself_and_its_peer_does_not_bury_it(tmp_path):
     """A token id outside the vocabulary in a sequence only rank 1 draws in step 1: rank 1 stops with its one-line
     error, rank 0 (waiting for it in a collective) with one line pointing at it, no traceback; exit non-zero."""
     import numpy as np
-    from test_train import WORDS, launch, overrides, prepare_word_dataset
+    from test_train import WORDS, chaos, launch, overrides, prepare_word_dataset
 
     from fastmae.data import PackedLoader
     from fastmae.data.shards import shard_files
@@ -179,7 +179,7 @@ def test_the_failing_rank_names_itself_and_its_peer_does_not_bury_it(tmp_path):
     tokens = np.fromfile(tokens_path, dtype=np.uint16)
     tokens[start] = 999  # under `doc` packing a sequence's stream position is its first token's index
     tokens.tofile(tokens_path)
-    run = launch(args)
+    run = launch(args, launcher=chaos.DEEPSPEED_LAUNCHER)  # DeepSpeed's launcher stops rank 0 once rank 1 fails
     assert run.returncode != 0
     lines = [line for line in run.stderr.splitlines() if line.startswith("fastmae train")]
     assert any(line.startswith("fastmae train [rank 1 of 2]: error: ") and "token id 999 is outside" in line

@@ -51,11 +51,15 @@ def overrides(dataset, run_dir, steps=6, **extra):
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def launch(args, env_extra=None, ranks=2, timeout=300):
-    """`ranks` ranks of fastmae/train.py on this machine through DeepSpeed's per-node launcher (benchmarks/chaos.py's
-    `start`): what `deepspeed --num_gpus N` runs on one node, minus that command's own process (~2.5 s of imports
-    per launch). The command itself is tested by the two-node and launcher-SIGTERM tests."""
-    process = chaos.start(args, ranks, env_extra, stdout=subprocess.PIPE)
+SUITE_LAUNCHER = (str(ROOT / "tests" / "rank_launcher.py"),)
+
+
+def launch(args, env_extra=None, ranks=2, timeout=300, launcher=SUITE_LAUNCHER):
+    """`ranks` ranks of fastmae/train.py on this machine (benchmarks/chaos.py's `start`) under the suite's per-node
+    launcher, tests/rank_launcher.py: what DeepSpeed's starts, without its ~6 s a launch. `launcher=chaos.
+    DEEPSPEED_LAUNCHER` for DeepSpeed's own; the `deepspeed` command itself is tested by the two-node and
+    launcher-SIGTERM tests."""
+    process = chaos.start(args, ranks, env_extra, stdout=subprocess.PIPE, launcher=launcher)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -208,7 +212,7 @@ def test_a_shard_that_vanishes_mid_run_stops_it_named_and_a_resume_once_restored
     shard = data / "train" / "shard_00000.tokens"
     args = budget_args(data, run_dir, budget_plan[0])
     release = tmp_path / "release"
-    run = running_until(chaos.start(args, 2, {"FASTMAE_FAULT_HOLD": f"1:{release}"}),
+    run = running_until(chaos.start(args, 2, {"FASTMAE_FAULT_HOLD": f"1:{release}"}, launcher=SUITE_LAUNCHER),
                         run_dir / "checkpoints" / "step00000001")
     shard.rename(tmp_path / "aside")
     release.touch()
@@ -276,7 +280,10 @@ def test_mfu_stays_a_fraction_when_the_peak_was_measured_on_a_busy_machine(datas
     assert sorted(records) == list(range(1, 7))
     for step, record in records.items():
         assert mfu_as_its_peak_says(record), (step, record["mfu"], said[-2000:])
-    assert records[1]["peak_source"] == "remeasured" and 0 < records[1]["mfu"] < 1, said[-2000:]
+    # the first window beats the low peak and re-measures; where the machine is still busy then (the suite's other
+    # worker), the re-measured GEMM may itself lose to the rate achieved and a later window measures again
+    remeasured = [step for step, record in records.items() if record["peak_source"] == "remeasured"]
+    assert remeasured and 0 < records[remeasured[0]]["mfu"] < 1, said[-2000:]
     first, last = records[1]["peak_flops"], records[6]["peak_flops"]
     assert last >= first > 0 and "step 1: " in said and "achieved beat the matmul peak" in said
     peaks = [records[step]["peak_flops"] for step in sorted(records)]
