@@ -24,9 +24,8 @@ OPTIONS = [pytest.param({}, id="plain"), pytest.param({"label_smoothing": 0.1}, 
 @pytest.mark.parametrize("rows, hidden, vocab", SHAPES)
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_fused_linear_cross_entropy(rows, hidden, vocab, options, dtype, seed, nan_empty):
-    gen = torch.Generator().manual_seed(seed)
+def test_fused_linear_cross_entropy(rows, hidden, vocab, options, dtype, nan_empty):
+    gen = torch.Generator().manual_seed(rows + sum(map(ord, "".join(options))))  # a seed per shape and option
     x, w, b = torch.randn(rows, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen) / hidden**0.5, \
         torch.randn(vocab, generator=gen)
     labels = torch.randint(0, vocab, (rows,), generator=gen)
