@@ -19,9 +19,18 @@ quietly() {  # run a step with its output in the log; on failure show the log an
   fi
 }
 python -c "import torch" 2>/dev/null || quietly python -m pip install --no-compile "torch==${FASTMAE_TORCH_VERSION:-2.13.0}"
-DS_BUILD_OPS=0 quietly python -m pip install --no-compile -e ".[dev]"
-# pip byte-compiles what it installs on one core (~60 s here); compileall does the same on every core. The .pyc files
-# must exist before the first import: where PYTHONDONTWRITEBYTECODE is set, imports never write them.
-python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+# the rest through uv where it installs (66 packages: 14 s against pip's 50 s on a fresh 2-core machine); torch, already
+# here, satisfies fastmae's bound, so uv fetches no other build of it
+if python -m pip install uv >> "$log" 2>&1; then
+  DS_BUILD_OPS=0 quietly python -m uv pip install --python "$venv/bin/python" -e ".[dev]"
+else
+  DS_BUILD_OPS=0 quietly python -m pip install --no-compile -e ".[dev]"
+fi
+# byte-compiled on every core (pip compiles on one, uv not at all). The .pyc files must exist before the first import:
+# where PYTHONDONTWRITEBYTECODE is set, imports never write them. What nothing here imports is left out (27 s against
+# 37 s): transformers' models but the architectures fastmae reads and writes, packaging tools, test suites.
+python -m compileall -q -j 0 \
+  -x '/(transformers/models/(?!(auto|bert|roberta|modernbert|roformer)/)|pip/|setuptools/|pygments/|fontTools/|[^/]+/tests?/)' \
+  "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
   >> "$log" 2>&1 || true  # a few packages ship files for other Python versions that do not compile; pip skips them too
 python -c "import fastmae, fastmae.kernels" # fail here, not in the tests, if the install is broken
