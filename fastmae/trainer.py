@@ -278,7 +278,8 @@ class Trainer:
             log_line(line)
         if self.metrics is not None:
             self.metrics.close()
-            log_line(f"wrote {plot_run(self.run_dir)}")
+            if self.config.log.curves:
+                log_line(f"wrote {plot_run(self.run_dir)}")
 
     def _loop(self, bar) -> None:
         """Optimizer steps until the last one (or a stop request), each followed by the stages that act on it.

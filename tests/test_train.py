@@ -47,7 +47,7 @@ def overrides(dataset, run_dir, steps=6, **extra):
               "train.warmup_steps": 2, "train.lr": 1e-3, "train.zero_stage": 2, "train.precision": "fp32",
               "eval.every": 3, "eval.sequences": 16,
               "checkpoint.every": 3, "checkpoint.keep": 2, "log.every": 1, "log.dir": str(run_dir),
-              "log.tensorboard": False, **extra}
+              "log.tensorboard": False, "log.curves": False, **extra}
     return [f"{k}={v}" for k, v in values.items()]
 
 
@@ -422,10 +422,16 @@ def test_loss_weighs_every_predicted_token_of_the_step_the_same(dataset, tmp_pat
         assert (got[name] - value).abs().max() <= 1e-4 * step + 1e-7, name
 
 
-def test_two_nodes_on_loopback(dataset, tmp_path):
+def test_two_nodes_on_loopback_stop_when_one_nodes_deepspeed_command_gets_sigterm(dataset, tmp_path):
+    """The `deepspeed` command on each of two nodes on loopback (a hostfile of two, --no_ssh), one rank each: a world
+    of 2 whose first two steps are the pinned ones. Then SIGTERM to node 1's command alone (DeepSpeed's runner has no
+    handler: it dies at once): its rank notices its launcher gone, both ranks finish the step, write one complete
+    checkpoint and exit, rank 0 (on node 0) saying why, and so does every launcher."""
+    import psutil
+
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    port = str(_free_port())
+    port, run_dir = str(_free_port()), tmp_path / "two-nodes"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)
     deepspeed = shutil.which("deepspeed") or "deepspeed"
@@ -433,16 +439,27 @@ def test_two_nodes_on_loopback(dataset, tmp_path):
     def node(rank):
         cmd = [deepspeed, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank), "--master_addr",
                "127.0.0.1", "--master_port", port, str(ROOT / "fastmae" / "train.py"),
-               *overrides(dataset, tmp_path / "two-nodes", steps=2, **MLM, **{"eval.every": 0})]
+               *overrides(dataset, run_dir, steps=100_000, **MLM, **{"eval.every": 0, "checkpoint.every": 100_000})]
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     second, first = node(1), node(0)
-    out0, _ = first.communicate(timeout=300)
-    out1, _ = second.communicate(timeout=60)
-    assert first.returncode == 0 and second.returncode == 0, out0[-3000:] + out1[-3000:]
-    marker = json.loads((tmp_path / "two-nodes" / "checkpoints" / "step00000002" / "COMPLETE").read_text())
-    assert marker["world_size"] == 2
-    check_pinned("mlm-2-ranks", train_losses(tmp_path / "two-nodes"))
+    deadline = time.monotonic() + 240
+    while len(records_of(run_dir) if (run_dir / "metrics.jsonl").is_file() else {}) < 2:
+        assert first.poll() is None and second.poll() is None and time.monotonic() < deadline, \
+            (first.poll(), second.poll())
+        time.sleep(0.2)
+    family = [p for command in (first, second) for p in psutil.Process(command.pid).children(recursive=True)]
+    assert len([p for p in family if "--local_rank" in " ".join(p.cmdline())]) == 2
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(timeout=10) == -signal.SIGTERM  # the command itself dies at once: exit 143 in a shell
+    _, alive = psutil.wait_procs(family, timeout=60)
+    assert not alive, [p.cmdline() for p in alive]
+    out0, _ = first.communicate(timeout=60)
+    assert first.returncode == 0, out0[-3000:]
+    saved = sorted((run_dir / "checkpoints").glob("step*"))
+    assert len(saved) == 1 and json.loads((saved[0] / "COMPLETE").read_text())["world_size"] == 2
+    assert "the launcher of rank 1 is gone: saving a checkpoint and exiting" in out0 and f"saved {saved[0]}" in out0
+    check_pinned("mlm-2-ranks", {step: loss for step, loss in train_losses(run_dir).items() if step <= 2})
 
 
 @pytest.mark.parametrize("override, message", [
@@ -551,7 +568,7 @@ def two_ranks(dataset, tmp_path_factory):
 def one_process(dataset, tmp_path_factory):
     """The same run through `python -m fastmae.train`: one process, grad_accum 2 derived from tokens_per_step."""
     run_dir = tmp_path_factory.mktemp("elastic") / "one-process"
-    proc = single_process(overrides(dataset, run_dir, **ELASTIC))
+    proc = single_process(overrides(dataset, run_dir, **ELASTIC, **{"log.curves": True}))
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     return run_dir
@@ -595,6 +612,7 @@ def assert_same_run(expected_dir, got_dir):
 @pytest.mark.xdist_group("elastic")
 def test_one_process_and_two_ranks_train_the_same_steps(two_ranks, one_process):
     assert_same_run(two_ranks, one_process)
+    assert not (two_ranks / "curves.png").exists()  # log.curves=false (the one process drew its curves)
     check_pinned("mae-lm-2-ranks", train_losses(two_ranks))
     check_pinned("mae-lm-1-process", train_losses(one_process))
 
