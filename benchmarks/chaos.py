@@ -155,12 +155,12 @@ def kill(process: subprocess.Popen, whole_group: bool) -> str:
 
 
 def trial(args: list[str], run_dir: Path, kill_after_s: float, whole_group: bool, max_runs: int = 4,
-          clock_from: Path | None = None) -> dict:
+          clock_from: Path | None = None, launcher: tuple[str, ...] = DEEPSPEED_LAUNCHER) -> dict:
     """One kill `kill_after_s` after the start (or after `clock_from` appears: a moment inside training whatever the
     machine's start-up time), then the same command until a run of it exits cleanly. Returns what happened (module
-    docstring)."""
+    docstring). `launcher`: as `start` takes it."""
     began = time.perf_counter()
-    process = start(args)
+    process = start(args, launcher=launcher)
     while clock_from is not None and not clock_from.exists() and process.poll() is None:
         time.sleep(0.05)
     try:
@@ -177,7 +177,7 @@ def trial(args: list[str], run_dir: Path, kill_after_s: float, whole_group: bool
     runs, fallback = 0, False
     while landed != "after the end":
         runs += 1
-        process = start(args)
+        process = start(args, launcher=launcher)
         _, stderr = process.communicate(timeout=600)
         fallback |= "skipping checkpoint" in stderr
         if process.returncode == 0:

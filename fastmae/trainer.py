@@ -11,6 +11,7 @@ and each of the last four decides for itself whether it acts at this step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -265,11 +266,8 @@ class Trainer:
     def run(self) -> None:
         """Train until config.train.steps optimizer steps; checkpoint at the end (or on SIGTERM/SIGINT)."""
         self.stop.install_signal_handlers()
-        bar = progress_bar(self.config.train.steps, self.counters.step)
-        try:
+        with contextlib.closing(progress_bar(self.config.train.steps, self.counters.step)) as bar:
             self._loop(bar)
-        finally:
-            bar.close()
         finished = self.counters.step == self.config.train.steps
         if finished:
             self.export_weights(self.run_dir / checkpoint.WEIGHTS)

@@ -118,9 +118,10 @@ def budget_plan(dataset):
     return budget, plan_budget(stream.every_rank(), config, 2, budget, eval_every_flops=budget / 3)
 
 
-def budget_args(dataset, run_dir, budget):
+def budget_args(dataset, run_dir, budget, **extra):
     return overrides(dataset, run_dir, steps=1000, **{"train.flops_budget": budget, "eval.every_flops": budget / 3,
-                                                      "eval.every": 0, "checkpoint.every": 1, "checkpoint.keep": 4})
+                                                      "eval.every": 0, "checkpoint.every": 1, "checkpoint.keep": 4,
+                                                      **extra})
 
 
 @pytest.fixture(scope="module")
@@ -227,13 +228,18 @@ def test_a_shard_that_vanishes_mid_run_stops_it_named_and_a_resume_once_restored
     assert chaos.weights_sha256(run_dir) == chaos.weights_sha256(straight_with_dropout[0])
 
 
-def test_non_finite_losses_on_one_rank_are_skipped_on_every_rank_alike(dataset, budget_plan, tmp_path):
+def test_non_finite_losses_on_one_rank_are_skipped_on_every_rank_alike_under_zero3_bf16(dataset, budget_plan,
+                                                                                       tmp_path):
     """NaN losses (and gradients) in steps 3-4 on rank 1 only (FASTMAE_FAULT_NAN): the gradients every rank receives
     are NaN then, so a rank that stepped would hold NaN weights from there on; every rank skips both steps (counted),
-    and the final weights, gathered from both ranks' shards, are finite. (A burst longer than train.max_bad_steps:
+    and the final weights, gathered from both ranks' shards, are finite. ZeRO-3 in bf16, with the relative bias table:
+    sharded like every parameter and read once per pass for all encoder layers (MaskedLM's own parameter, gathered
+    for its forward), it trains. (A burst longer than train.max_bad_steps:
     `test_non_finite_losses_are_skipped_then_stop_the_run`.)"""
     run_dir = tmp_path / "nan-on-rank1"
-    run = launch(budget_args(dataset, run_dir, budget_plan[0]), env_extra={"FASTMAE_FAULT_NAN": "1:3-4"})
+    run = launch(budget_args(dataset, run_dir, budget_plan[0], **{
+        "model.relative_attention_bias": True, "train.zero_stage": 3, "train.precision": "bf16"}),
+        env_extra={"FASTMAE_FAULT_NAN": "1:3-4"})
     assert run.returncode == 0, run.stderr[-3000:]
     assert "non-finite loss: 1 step(s) skipped up to step 3 (1 so far)" in run.stderr
     assert "non-finite loss: 1 step(s) skipped up to step 4 (2 so far)" in run.stderr
@@ -241,6 +247,8 @@ def test_non_finite_losses_on_one_rank_are_skipped_on_every_rank_alike(dataset, 
     assert records[4]["skipped"] == 2 and all(r["loss"] == r["loss"] for r in records.values())
     weights = load_file(run_dir / "model.safetensors")
     assert all(torch.isfinite(tensor).all() for tensor in weights.values())
+    early = load_file(run_dir / "checkpoints" / f"step{max(records) - 3:08d}" / "model.safetensors")["relative_bias"]
+    assert early.shape == (64, 2) and (weights["relative_bias"] - early).abs().max() > 0
 
 
 BUSY = "import torch\na = torch.randn(512, 512)\nwhile True:\n    a @ a"
@@ -325,10 +333,12 @@ def test_zero3_bf16_matches_zero2_and_mfu_is_a_fraction(bf16_runs, tmp_path):
 def chaos_trial(args, run_dir, seed, first_checkpoint):
     """benchmarks/chaos.py's trial at a fixed seed: SIGKILL to the whole group or to rank 1 alone at a moment drawn
     uniformly over the 2 s after the run's first checkpoint (inside training, evaluation or a checkpoint write,
-    whatever the machine's start-up time), then the same command until it finishes."""
+    whatever the machine's start-up time), then the same command until it finishes; under the suite's launcher
+    (the benchmark's trials run DeepSpeed's)."""
     draw = random.Random(seed)
     kill_after, whole_group = draw.uniform(0, 2), draw.random() < 0.5
-    record = chaos.trial(args, run_dir, kill_after, whole_group, clock_from=run_dir / "checkpoints" / first_checkpoint)
+    record = chaos.trial(args, run_dir, kill_after, whole_group, clock_from=run_dir / "checkpoints" / first_checkpoint,
+                         launcher=SUITE_LAUNCHER)
     return record, chaos.weights_sha256
 
 
@@ -343,20 +353,6 @@ def test_a_run_killed_at_a_random_moment_resumes_to_the_same_weights_zero2(datas
     assert digest(run_dir) == digest(straight_with_dropout[0]), record
     assert record["processes_left"] == 0 and record["leftover_files"] == [] and record["checkpoints_kept"] <= 4
     assert records_of(run_dir).keys() == records_of(straight_with_dropout[0]).keys()
-
-
-def test_relative_bias_trains_under_zero3_bf16(dataset, tmp_path):
-    """The relative bias table is sharded like every parameter under ZeRO-3 and read once per pass for all encoder
-    layers (MaskedLM's own parameter, gathered for its forward). Two CPU ranks, bf16: the run trains, the table
-    moves."""
-    run = launch(overrides(dataset, tmp_path / "run", steps=4, **{
-        "model.relative_attention_bias": True, "train.zero_stage": 3, "train.precision": "bf16", "eval.every": 0,
-        "checkpoint.every": 2}))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert sorted(train_losses(tmp_path / "run")) == [1, 2, 3, 4]
-    early = load_file(tmp_path / "run" / "checkpoints" / "step00000002" / "model.safetensors")["relative_bias"]
-    final = load_file(tmp_path / "run" / "model.safetensors")["relative_bias"]
-    assert early.shape == (64, 2) and (final - early).abs().max() > 0
 
 
 def check_weights_and_export(run_dir, export_dir):
