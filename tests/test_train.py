@@ -640,16 +640,18 @@ def single_process(args, timeout=300, env_extra=None, **popen):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
-def test_a_checkpoint_directory_that_vanishes_mid_run_stops_it_named_not_recreated(dataset, tmp_path):
-    """The run's checkpoint directory moved away while the run waits after step 2 (FASTMAE_FAULT_HOLD), as a deleted
+def test_a_checkpoint_directory_that_vanishes_mid_run_stops_it_named_and_the_resume_logs_what_it_averages(
+        dataset, tmp_path):
+    """The run's checkpoint directory moved away while the run waits after step 3 (FASTMAE_FAULT_HOLD), as a deleted
     directory or an unmounted file system would leave it: the next save stops the run naming it, and nothing is
     created in its place (checkpoints would land where the resume does not look); moved back, the run resumes from
-    its step-2 checkpoint and finishes."""
+    its step-3 checkpoint and finishes, with the pinned losses. log.every=2: records average two steps, but the first
+    after the resume (at step 3) only one, and says so."""
     run_dir, release = tmp_path / "run", tmp_path / "release"
     checkpoints = run_dir / "checkpoints"
-    args = overrides(dataset, run_dir, steps=4, **{"checkpoint.every": 1, "eval.every": 0})
-    run = running_until(single_process(args, env_extra={"FASTMAE_FAULT_HOLD": f"2:{release}"}),
-                        checkpoints / "step00000002")
+    args = overrides(dataset, run_dir, steps=5, **MLM, **{"log.every": 2, "checkpoint.every": 1, "eval.every": 0})
+    run = running_until(single_process(args, env_extra={"FASTMAE_FAULT_HOLD": f"3:{release}"}),
+                        checkpoints / "step00000003")
     checkpoints.rename(tmp_path / "aside")
     release.touch()
     _, stderr = run.communicate(timeout=240)
@@ -663,8 +665,10 @@ def test_a_checkpoint_directory_that_vanishes_mid_run_stops_it_named_not_recreat
     resumed = single_process(args)
     _, stderr = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, stderr[-3000:]
-    assert f"resumed from {checkpoints / 'step00000002'} at step 2" in stderr
-    assert sorted(records_of(run_dir)) == [1, 2, 3, 4]
+    assert f"resumed from {checkpoints / 'step00000003'} at step 3" in stderr
+    averaged = {s: r["averaged_steps"] for s, r in records_of(run_dir).items()}
+    assert averaged == {2: 2, 4: 1, 5: 1}
+    check_pinned("mlm-1-process-resumed", train_losses(run_dir))
 
 
 def test_a_mistyped_data_path_is_an_error_not_the_embedded_corpus(tmp_path):
@@ -682,20 +686,6 @@ def test_a_mistyped_data_path_is_an_error_not_the_embedded_corpus(tmp_path):
     assert demo.path == "builtin" and demo.directory == Path("runs/data/builtin-v1000")
     with pytest.raises(ValueError, match="prepare_builtin"):  # the old switch is gone, and says so by name
         load_run_config(str(ROOT / "configs" / "tiny-cpu.yaml"), ["data.prepare_builtin=true"])
-
-
-def test_train_records_say_how_many_steps_they_average(dataset, tmp_path):
-    """log.every=2: records average two steps, but the first after a resume (at step 3) only one, and says so."""
-    args = overrides(dataset, tmp_path / "avg", steps=5, **MLM, **{"log.every": 2, "eval.every": 0})
-    killed = single_process(args, env_extra={"FASTMAE_FAULT_AT_STEP": "3"})
-    killed.communicate(timeout=300)
-    assert killed.returncode == 17
-    resumed = single_process(args)
-    _, stderr = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, stderr[-3000:]
-    averaged = {s: r["averaged_steps"] for s, r in records_of(tmp_path / "avg").items()}
-    assert averaged == {2: 2, 4: 1, 5: 1}
-    check_pinned("mlm-1-process-resumed", train_losses(tmp_path / "avg"))
 
 
 def test_non_finite_losses_are_skipped_then_stop_the_run(dataset, tmp_path):
