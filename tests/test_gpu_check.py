@@ -257,7 +257,7 @@ def test_a_graph_row_whose_profile_missed_the_replayed_kernels_reports_no_gpu_bu
 def test_the_study_phase_runs_end_to_end_at_the_cpus_scale(tmp_path, monkeypatch):
     """The study phase (issue 56) under --quick, as the GPU runs it but at the `quick` budget and 1,000 pieces, on
     documents of the embedded corpus written as the JSONL the shared corpus is, and an SST-2 of its own: prepared,
-    studied with one seed (three arms trained at once), studied again (its seconds left; on a GPU the second seed),
+    studied with one seed (two arms trained at once), studied again (its seconds left; on a GPU the second seed),
     packed, and brought home within the device tool's limits."""
     from synthetic import write_glue
 
@@ -279,7 +279,7 @@ def test_the_study_phase_runs_end_to_end_at_the_cpus_scale(tmp_path, monkeypatch
     assert gpu_check.out_problems(out) == []
     assert sorted(p.name for p in (out / "study").iterdir()) == sorted(Path(f).name for f in gpu_check.out_files(phase))
     study = json.loads((out / "study" / "study.json").read_text())
-    assert list(study["objectives"]) == ["mlm", "mlm:mask_rate=0.3", "3ml"] and study["setup"]["seeds"] == 1
+    assert list(study["objectives"]) == ["mlm", "3ml"] and study["setup"]["seeds"] == 1
     assert [t["name"] for t in study["setup"]["tasks"]] == ["word-order", "sst2"]
     for entry in study["objectives"].values():  # each encoder fine-tuned on both, word order's cells apart
         assert [ft["task"] for ft in entry["finetune"]] == ["word-order", "sst2"]
@@ -290,4 +290,4 @@ def test_the_study_phase_runs_end_to_end_at_the_cpus_scale(tmp_path, monkeypatch
     assert study["setup"]["corpus"]["vocab_size"] == 1000 and study["setup"]["parallel"] == 3
     said = (results / "study" / "study_two_seeds.log").read_text()
     # the second step (at the GPU's scale a second seed; here the first again) reused every run and cell
-    assert "fastmae study: training" not in said and "9 cells planned (9 finished before), 0 to run" in said
+    assert "fastmae study: training" not in said and "6 cells planned (6 finished before), 0 to run" in said
