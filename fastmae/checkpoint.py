@@ -339,14 +339,17 @@ class Checkpointer:
     def save(self, engine, step: int, trainer_state: dict, weights: dict[str, torch.Tensor] | None) -> Path:
         """Collective: `save` with this run's settings (`weights`: the gathered fp32 masters on rank 0). Raises
         FastmaeError, before writing, where the checkpoint directory this rank saw has gone or been replaced."""
-        if self.root_identity is not None and _identity(self.root) != self.root_identity:
+        # the directory's identity is read once (at start-up, or here when the first save makes it), never after a
+        # save: a directory that vanished while a save finished (rotating old checkpoints out) would be forgotten
+        if self.root_identity is None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.root_identity = _identity(self.root)
+        elif _identity(self.root) != self.root_identity:
             raise FastmaeError(f"{self.root}: vanished during the run (deleted, moved, or its file system unmounted), "
                                "and the checkpoints this run wrote there with it; not re-created, so that no "
                                "checkpoint lands where a resume would not look: restore it and resume")
-        path = save(engine, self.root, step, trainer_state, self.keep, {"model_config": self.model_config}, weights,
+        return save(engine, self.root, step, trainer_state, self.keep, {"model_config": self.model_config}, weights,
                     self.keep_every)
-        self.root_identity = _identity(self.root)
-        return path
 
 
 def _identity(directory: Path) -> tuple[int, int] | None:

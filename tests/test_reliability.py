@@ -154,6 +154,27 @@ def test_the_failing_rank_names_itself_and_its_peer_does_not_bury_it(tmp_path):
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
 
 
+def test_a_checkpoint_directory_that_vanishes_as_a_save_ends_is_named_by_the_next_save(tmp_path, monkeypatch):
+    """The directory moved away after a save wrote its checkpoint but before the save returned (say while it rotated
+    old ones out): the next save refuses by name, as for a directory that vanished between saves, instead of
+    re-creating it (a checkpointer that read the directory's identity again would have found none and forgotten it)."""
+    from fastmae import checkpoint
+
+    root = tmp_path / "checkpoints"
+
+    def save_then_vanish(engine, directory, step, *args):
+        (directory / f"step{step:08d}").mkdir(parents=True)
+        directory.rename(tmp_path / "aside")
+        return directory / f"step{step:08d}"
+
+    monkeypatch.setattr(checkpoint, "save", save_then_vanish)
+    saver = checkpoint.Checkpointer(root, every=1, keep=2, last_step=4, model_config={})
+    saver.save(None, 1, {}, None)
+    with pytest.raises(FastmaeError, match="vanished during the run"):
+        saver.save(None, 2, {}, None)
+    assert not root.exists()
+
+
 def test_what_a_killed_run_left_half_written_is_cleared_and_nothing_else(tmp_path):
     """A kill can land inside a checkpoint write, between a deletion's first and last file, inside an atomic write or
     between eval weights and their marker: `clear_leftovers` removes exactly those, before the run resumes."""

@@ -649,7 +649,8 @@ def test_a_checkpoint_directory_that_vanishes_mid_run_stops_it_named_and_the_res
     after the resume (at step 3) only one, and says so."""
     run_dir, release = tmp_path / "run", tmp_path / "release"
     checkpoints = run_dir / "checkpoints"
-    args = overrides(dataset, run_dir, steps=5, **MLM, **{"log.every": 2, "checkpoint.every": 1, "eval.every": 0})
+    args = overrides(dataset, run_dir, steps=5, **MLM, **{"log.every": 2, "checkpoint.every": 1, "checkpoint.keep": 5,
+                                                           "eval.every": 0})
     run = running_until(single_process(args, env_extra={"FASTMAE_FAULT_HOLD": f"3:{release}"}),
                         checkpoints / "step00000003")
     checkpoints.rename(tmp_path / "aside")
