@@ -67,10 +67,10 @@ DEEPSPEED_LAUNCHER = ("-m", "deepspeed.launcher.launch")
 
 def start(args: list[str], ranks: int = 2, env_extra: dict | None = None, stdout=subprocess.DEVNULL,
           launcher: tuple[str, ...] = DEEPSPEED_LAUNCHER) -> subprocess.Popen:
-    """`ranks` ranks of fastmae/train.py under DeepSpeed's per-node launcher (what `deepspeed --num_gpus N` starts on
-    one node, minus that command's own process), in a new process group; its stderr (text) in the returned process.
-    `launcher`: the per-node launcher's module or script, given its command line (the suite passes its own
-    stand-in for DeepSpeed's, tests/rank_launcher.py, where the launcher is not what a test is about)."""
+    """`ranks` ranks of fastmae/train.py under a per-node launcher, in a new process group; its stderr (text) in the
+    returned process. `launcher`: DeepSpeed's by default (what `deepspeed --num_gpus N` starts on one node, minus that
+    command's own process); the suite passes its stand-in, tests/rank_launcher.py, where the launcher is not what a
+    test is about."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
     env.update({"PYTHONUNBUFFERED": "1", **(env_extra or {})})
     world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(ranks))}).encode()).decode()
