@@ -30,10 +30,16 @@ from pathlib import Path
 
 import torch
 
+# each architecture by its full name (a module of this package; `from . import` reads as the package itself)
+import fastmae.hf.bert as bert
+import fastmae.hf.esm as esm
+import fastmae.hf.modernbert as modernbert
+import fastmae.hf.roberta as roberta
+import fastmae.hf.roformer as roformer
+
 from ..checkpoint import WEIGHTS, saved_model_config
 from ..config import ModelConfig, SpecialTokens
 from ..errors import FastmaeError
-from . import bert, esm, modernbert, roberta, roformer
 from .classic import kept_tensors
 from .files import config_json, read_tensors
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
+import fastmae.hf.classic as classic
+
 from ..config import ModelConfig, SpecialTokens
-from . import classic
 
 MODEL_TYPE = "bert"
 NAME = "BERT"

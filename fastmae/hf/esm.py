@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
+import fastmae.hf.classic as classic
+
 from ..config import ModelConfig, SpecialTokens
 from ..positions import rotary_inverse_frequencies
-from . import classic
 
 MODEL_TYPE = "esm"
 NAME = "ESM-2"

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
+import fastmae.hf.classic as classic
+
 from ..config import ModelConfig, SpecialTokens
 from ..errors import FastmaeError
-from . import classic
 
 MODEL_TYPE = "modernbert"
 NAME = "ModernBERT"

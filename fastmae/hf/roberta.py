@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
+import fastmae.hf.classic as classic
+
 from ..config import ModelConfig, SpecialTokens
-from . import classic
 
 MODEL_TYPE = "roberta"
 NAME = "RoBERTa"
