@@ -7,6 +7,7 @@ module is imported (the @triton.jit decorator reads it), so it is set here, befo
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 import torch
@@ -21,6 +22,13 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# the tunables fastmae's entry points restart with (fastmae/malloc.py), set once here: the processes the suite
+# starts skip that restart, and they match the warm server's (which must have them from its start)
+from fastmae.malloc import malloc_env  # noqa: E402
+
+os.environ.update(malloc_env(os.environ))
+
+import warm_python  # noqa: E402
 from synthetic import markov_documents  # noqa: E402
 
 from fastmae import MaskedLM, ModelConfig, PackedBatch  # noqa: E402
@@ -71,3 +79,25 @@ def nan_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_server(tmp_path_factory):
+    """The warm Python server of this pytest process (tests/warm_python.py), named to the processes the suite starts
+    through FASTMAE_WARM_PYTHON; none where a CUDA device is (a process forked from one that has asked about CUDA
+    may not use it), and the suite's processes start cold."""
+    if torch.cuda.is_available():
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("warm-python")
+    path = folder / "socket"
+    with (folder / "server.log").open("w") as log:
+        server = warm_python.start_server(str(path), log)
+    os.environ[warm_python.SOCKET_VARIABLE] = str(path)
+    yield server
+    del os.environ[warm_python.SOCKET_VARIABLE]
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()

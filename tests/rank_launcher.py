@@ -8,8 +8,9 @@ LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, CUDA_VISIBLE_DEVICES), the same `--local_ran
 a rank that exits non-zero stops the others and the launcher exits with its code; SIGTERM or SIGINT to the launcher
 stops every rank. What it skips is DeepSpeed's cost on a 2-core CPU: ~4 s importing torch and DeepSpeed before the
 first rank starts, a 1-s poll and ~1.5 s of interpreter teardown, every launch. Tests whose subject is the launcher
-itself (the two-node run, SIGTERM to the `deepspeed` command, a failing rank's peer, the random kills) run
-DeepSpeed's.
+itself (the two-node run, SIGTERM to the `deepspeed` command, a failing rank's peer, benchmarks/chaos.py's kills) run
+DeepSpeed's. Each rank starts through the suite's warm Python (tests/warm_python.py): forked from a process that
+has imported torch and DeepSpeed, its command line the one above.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import time
 
 import psutil
+import warm_python
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -63,7 +65,7 @@ def main() -> int:
            "WORLD_SIZE": str(sum(len(ids) for ids in world.values())), "CROSS_RANK": str(args.node_rank),
            "CROSS_SIZE": str(len(nodes)), "LOCAL_SIZE": str(len(local_ids)),
            "CUDA_VISIBLE_DEVICES": ",".join(map(str, local_ids))}
-    processes = [subprocess.Popen([sys.executable, "-u", args.training_script, f"--local_rank={local}",
+    processes = [subprocess.Popen([*warm_python.COMMAND, "-u", args.training_script, f"--local_rank={local}",
                                    *args.training_script_args],
                                   env={**env, "RANK": str(first_rank + local), "LOCAL_RANK": str(local)})
                  for local in range(len(local_ids))]

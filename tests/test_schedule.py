@@ -5,10 +5,10 @@ long; what cannot continue exactly is refused naming both values."""
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 from synthetic import prepare_word_dataset
 from test_train import WORDS, overrides
 
@@ -168,7 +168,7 @@ def test_an_extended_run_and_a_branched_decay_end_as_the_run_planned_that_long(t
                            model.replace(mask_rate_end=-1.0), 1, 1e30, exact_micro_batches=4).flops_per_step
     budget = 7.5 * constant  # at 40% throughout: 7 steps; falling to 15% (mae-lm: dearer steps), fewer
     plan = plan_budget(PackedLoader(data, max_seq_len=64, tokens_per_batch=256).every_rank(), model, 1, budget)
-    done = subprocess.run([sys.executable, "-c", EXTEND_AND_BRANCH, str(tmp_path), run_args("long", 10),
+    done = subprocess.run([*warm_python.COMMAND, "-c", EXTEND_AND_BRANCH, str(tmp_path), run_args("long", 10),
                            run_args("short", 6), run_args("masked", 6, **schedule),
                            run_args("masked_resumed", 6, **schedule), run_args("masked_longer", 10, **schedule),
                            run_args("budgeted", 1000, **schedule, **{"train.flops_budget": budget}),
@@ -181,7 +181,7 @@ def test_an_extended_run_and_a_branched_decay_end_as_the_run_planned_that_long(t
                                                        / "step00000007"}),
                            run_args("late_branch", 10, **{"train.branch_from": checkpoints / "step00000008"}),
                            run_args("decaying", 10, **{"log.dir": tmp_path / "short"})],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=warm_python.environment(), capture_output=True, text=True, timeout=300)
     lines = done.stdout.splitlines()
     assert "EXTENDED True" in lines and "BRANCHED True" in lines, done.stdout + done.stderr[-3000:]
     assert "MASKED_RESUMED True" in lines

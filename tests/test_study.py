@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import warm_python
 from conftest import tiny_batch, tiny_config
 from synthetic import keyword_split, prepare_word_dataset
 
@@ -195,7 +196,8 @@ def test_generated_word_order_task(dataset, tmp_path):
 
 def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypatch):
     from fastmae import probe
-    from fastmae.study import summary
+    from fastmae.study import runs, summary
+    from fastmae.study.runs import launch_command
 
     data = dataset
     out = tmp_path / "study"
@@ -203,6 +205,8 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
     # a learning-rate grid of one rate (its plumbing: short runs, the choice, the runs at the chosen rate)
     args = ["--data", str(data), "--quick", "--objectives", "mlm,3ml", "--task", "generated", "--out", str(out),
             "--lr-grid", "2e-3", "--lr-grid-fraction", "0.5", "--parallel", "2"]
+    monkeypatch.setattr(runs, "launch_command", lambda run, ranks: warm_python.warm(launch_command(run, ranks)))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the training processes' environment, as the server's
     monkeypatch.setattr(summary, "PLATEAU_MARGIN", -10.0)  # 40 steps leave no plateau: count every run as learned
     verdict = probe.context_verdict  # ... and every encoder as having learned context (its real figures kept)
     monkeypatch.setattr(probe, "context_verdict", lambda *a: {**verdict(*a), "learned_context": True})

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 import yaml
 from pinned import check_pinned
 from safetensors.torch import load_file
@@ -334,11 +335,13 @@ def chaos_trial(args, run_dir, seed, first_checkpoint):
     """benchmarks/chaos.py's trial at a fixed seed: SIGKILL to the whole group or to rank 1 alone at a moment drawn
     uniformly over the 2 s after the run's first checkpoint (inside training, evaluation or a checkpoint write,
     whatever the machine's start-up time), then the same command until it finishes; under the suite's launcher
-    (the benchmark's trials run DeepSpeed's)."""
+    (the benchmark's trials run DeepSpeed's). The ranks the suite's warm Python forked count among the processes
+    left: the trial finds by command line only their clients (tests/warm_python.py)."""
     draw = random.Random(seed)
     kill_after, whole_group = draw.uniform(0, 2), draw.random() < 0.5
     record = chaos.trial(args, run_dir, kill_after, whole_group, clock_from=run_dir / "checkpoints" / first_checkpoint,
                          launcher=SUITE_LAUNCHER)
+    record["processes_left"] += len(warm_python.forked_processes())
     return record, chaos.weights_sha256
 
 
@@ -634,9 +637,8 @@ def test_a_run_resumes_on_another_number_of_ranks(dataset, tmp_path, two_ranks, 
 
 
 def single_process(args, timeout=300, env_extra=None, **popen):
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
-    env.update({"PYTHONUNBUFFERED": "1", **(env_extra or {})})
-    return subprocess.Popen([sys.executable, "-m", "fastmae.train", *args], cwd=ROOT, env=env,
+    env = warm_python.environment(PYTHONUNBUFFERED="1", **(env_extra or {}))
+    return subprocess.Popen([*warm_python.COMMAND, "-m", "fastmae.train", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
@@ -887,9 +889,6 @@ def test_world_of_one_skips_the_all_reduce_with_identical_updates():
     the same weights as the eager model (bf16 ZeRO-2, two micro-batches per step). bf16's fp32 masters start from
     the module's fp32 values at ZeRO-1, -2 and -3 (what export and checkpoints gather).
     And benchmarks/throughput.py's step is `train_step`."""
-    env = {**os.environ}
-    env.pop("TRITON_INTERPRET", None)
-    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")}
-    done = subprocess.run([sys.executable, "-c", WORLD_OF_ONE], cwd=ROOT, env=env,
+    done = subprocess.run([*warm_python.COMMAND, "-c", WORLD_OF_ONE], cwd=ROOT, env=warm_python.environment(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout[-3000:] + done.stderr[-3000:]

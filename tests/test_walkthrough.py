@@ -3,13 +3,12 @@
 on a GLUE-format directory -> `fastmae analyze`; each command says where its outputs went and what to run next."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from synthetic import keyword_split, prepare_word_dataset
 
 from fastmae.analyze import main as analyze_main
@@ -34,9 +33,8 @@ def test_run_export_transformers_finetune_analyze(tmp_path, capsys):
                 "train.steps": 6, "train.warmup_steps": 2, "train.precision": "fp32", "eval.every": 3,
                 "eval.sequences": 16, "checkpoint.every": 6, "log.every": 3, "log.dir": str(run),
                 "log.tensorboard": False}
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
-    trained = subprocess.run([sys.executable, "-m", "fastmae.train", *(f"{k}={v}" for k, v in settings.items())],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    trained = subprocess.run([*warm_python.COMMAND, "-m", "fastmae.train", *(f"{k}={v}" for k, v in settings.items())],
+                             cwd=ROOT, env=warm_python.environment(), capture_output=True, text=True, timeout=300)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert f"next: fastmae export {run} exports/tiny-cpu" in trained.stderr
     assert "cuda graphs: eager: the device is cpu, not CUDA" in trained.stderr  # why the step is not replayed
