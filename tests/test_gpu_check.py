@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 from fastmae.config import load_run_config
 from fastmae.prepare import build_parser as prepare_parser
@@ -271,6 +272,10 @@ def test_the_study_phase_runs_end_to_end_at_the_cpus_scale(tmp_path, monkeypatch
     stand_in_machine(tmp_path, monkeypatch, out)
     monkeypatch.setattr(gpu_check, "ROOT", tmp_path / "tree")  # the steps' relative paths land here
     (tmp_path / "tree").mkdir()
+    # the steps' python commands through the suite's warm Python (tests/warm_python.py), in its environment
+    command_line = gpu_check.command_line
+    monkeypatch.setattr(gpu_check, "command_line", lambda *a: warm_python.warm(command_line(*a)))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     phase = gpu_check.phase_named("study")
     values = gpu_check.phase_values(phase, {"corpus": str(corpus), "task": str(task)}, quick=True)
     assert gpu_check.run_phase(phase, results, "abc", False, values, quick=True)
