@@ -3,9 +3,9 @@ prints the help and succeeds."""
 
 import re
 import subprocess
-import sys
 
 import pytest
+import warm_python
 
 from fastmae import __version__
 from fastmae.cli import SUBCOMMANDS, main
@@ -33,7 +33,8 @@ def test_the_commands_that_take_a_model_say_which_esm_they_read(capsys):
 
 
 def test_the_console_script_with_no_arguments_exits_zero():
-    done = subprocess.run([sys.executable, "-m", "fastmae.cli"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([*warm_python.COMMAND, "-m", "fastmae.cli"], capture_output=True, text=True, timeout=60,
+                          env=warm_python.environment())
     assert done.returncode == 0 and done.stdout.startswith("usage: fastmae"), done.stderr
 
 

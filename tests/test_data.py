@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import warm_python
 
 from fastmae.config import SpecialTokens
 from fastmae.data import PackedLoader, ShardSet
@@ -526,9 +527,9 @@ def test_empty_input_and_undecodable_bytes(tmp_path):
 
 def test_missing_jsonl_field_fails_the_cli_in_one_line(tmp_path):
     (tmp_path / "in.jsonl").write_text('{"text": "a b c"}\n{"body": "d e f"}\n')
-    proc = subprocess.run([sys.executable, "-m", "fastmae.prepare", "--input", str(tmp_path / "in.jsonl"),
+    proc = subprocess.run([*warm_python.COMMAND, "-m", "fastmae.prepare", "--input", str(tmp_path / "in.jsonl"),
                            "--format", "jsonl", "--output", str(tmp_path / "ds"), "--vocab-size", "20"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=warm_python.environment())
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"fastmae prepare: error: {tmp_path / 'in.jsonl'}:2: no field "
                                                 "'text' (use --field to name the text field)"]
@@ -587,8 +588,9 @@ def test_a_truncated_archive_is_a_one_line_error_naming_it(tmp_path, kind):
     data = "".join(json.dumps({"text": f"{WORDS[i % 30]} {i}"}) + "\n" for i in range(3000)).encode()
     path = tmp_path / f"in.jsonl.{kind}"
     path.write_bytes(_compress(kind, data)[:-40])
-    proc = subprocess.run([sys.executable, "-m", "fastmae.prepare", "--input", str(path), "--format", "jsonl",
-                           "--output", str(tmp_path / "ds"), "--vocab-size", "30"], capture_output=True, text=True)
+    proc = subprocess.run([*warm_python.COMMAND, "-m", "fastmae.prepare", "--input", str(path), "--format", "jsonl",
+                           "--output", str(tmp_path / "ds"), "--vocab-size", "30"], capture_output=True, text=True,
+                          env=warm_python.environment())
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith(f"fastmae prepare: error: {path}: corrupt or truncated")
@@ -648,5 +650,6 @@ for split in ("train", "valid"):
     assert tokens > 0
 print("ok")
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([*warm_python.COMMAND, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=warm_python.environment())
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

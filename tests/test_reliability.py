@@ -2,12 +2,12 @@
 
 import errno
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import warm_python
 
 from fastmae.atomic import atomic_path, atomic_write_bytes
 from fastmae.errors import FastmaeError
@@ -68,8 +68,9 @@ def test_a_library_write_error_counts_as_a_full_disk_only_when_the_disk_is_full(
 def test_prepare_output_that_is_a_file_is_a_one_line_error(tmp_path):
     (tmp_path / "in.txt").write_text("a b c\n" * 50)
     (tmp_path / "out").write_text("a file")
-    done = subprocess.run([sys.executable, "-m", "fastmae.prepare", "--input", str(tmp_path / "in.txt"), "--output",
-                           str(tmp_path / "out"), "--vocab-size", "20"], capture_output=True, text=True)
+    done = subprocess.run([*warm_python.COMMAND, "-m", "fastmae.prepare", "--input", str(tmp_path / "in.txt"),
+                           "--output", str(tmp_path / "out"), "--vocab-size", "20"], capture_output=True, text=True,
+                          env=warm_python.environment())
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [f"fastmae prepare: error: --output {tmp_path / 'out'}: exists and is "
                                                 "not a directory"]
