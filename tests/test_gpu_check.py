@@ -272,10 +272,13 @@ def test_the_study_phase_runs_end_to_end_at_the_cpus_scale(tmp_path, monkeypatch
     stand_in_machine(tmp_path, monkeypatch, out)
     monkeypatch.setattr(gpu_check, "ROOT", tmp_path / "tree")  # the steps' relative paths land here
     (tmp_path / "tree").mkdir()
-    # the steps' python commands through the suite's warm Python (tests/warm_python.py), in its environment
+    # the steps' python commands, and the study's training runs, through the suite's warm Python
+    # (tests/warm_python.py), in its environment
     command_line = gpu_check.command_line
     monkeypatch.setattr(gpu_check, "command_line", lambda *a: warm_python.warm(command_line(*a)))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if warm_python.started_executable:
+        monkeypatch.setenv(warm_python.EXECUTABLE_VARIABLE, warm_python.started_executable)
     phase = gpu_check.phase_named("study")
     values = gpu_check.phase_values(phase, {"corpus": str(corpus), "task": str(task)}, quick=True)
     assert gpu_check.run_phase(phase, results, "abc", False, values, quick=True)

@@ -53,6 +53,20 @@ def test_a_command_runs_forked_as_it_runs_cold(tmp_path):
     # a variable a preloaded module reads as it is imported, set otherwise: cold (exec'd in the client's place)
     _, parent, _ = run([*warm_python.COMMAND, "-c", SHOW, "0"], {**env, "TORCH_SHOW_CPP_STACKTRACES": "1"}, tmp_path)
     assert parent == os.getpid()
+    # handed a descriptor besides the standard streams (a worker's pipe): cold, so that it keeps the descriptor
+    read, write = os.pipe()
+    try:
+        done = subprocess.run([*warm_python.COMMAND, "-c", f"import os; os.fstat({read}); print(os.getppid())"],
+                              env=env, pass_fds=(read,), capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(read), os.close(write)
+    assert done.stdout == f"{os.getpid()}\n", done.stderr
+    # with EXECUTABLE_VARIABLE, the python a forked process starts through sys.executable is forked too
+    nested = ("import subprocess, sys; "
+              "sys.exit(subprocess.run([sys.executable, '-c', 'import os; print(os.getppid())']).returncode)")
+    done = subprocess.run([*warm_python.COMMAND, "-c", nested], capture_output=True, text=True, timeout=120,
+                          env={**env, warm_python.EXECUTABLE_VARIABLE: warm_python.started_executable})
+    assert done.stdout == f"{warm_python.started_server.pid}\n", done.stderr
 
 
 WAIT = """

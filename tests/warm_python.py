@@ -15,10 +15,12 @@ SIGHUP to it reaches the process, the process's exit code or signal is its own, 
 it or to its process group) the server kills the process at once.
 
 What stays cold (the client runs `python` itself, exec'd in its place): no server, a server that cannot be reached,
-a command line of another form, and an environment that differs from the server's in any variable a preloaded module
-reads at import (TORCH*, TRITON*, OMP_*, DS_*, PYTHON* ...: see `_IMPORT_TIME`). What differs from a cold process:
-its parent is the server (a rank's launcher is its client's parent), and the few milliseconds between the client's
-death and the process's.
+a command line of another form, a client handed file descriptors besides its standard streams, and an environment
+that differs from the server's in any variable a preloaded module reads at import (TORCH*, TRITON*, OMP_*, DS_*,
+PYTHON* ...: see `_IMPORT_TIME`). What differs from a cold process: its parent is the server (a rank's launcher is
+its client's parent; fastmae finds DeepSpeed's launcher by its parents, so tests of that launcher start cold), and
+the few milliseconds between the client's death and the process's. With FASTMAE_WARM_PYTHON_EXECUTABLE set, the
+`python` a forked process starts through sys.executable (a study's training runs) is forked too.
 """
 
 from __future__ import annotations
@@ -31,8 +33,12 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 
 SOCKET_VARIABLE = "FASTMAE_WARM_PYTHON"
+EXECUTABLE_VARIABLE = "FASTMAE_WARM_PYTHON_EXECUTABLE"
+"""Where set (to an executable that runs this client), a forked process's sys.executable: the `python` processes it
+starts itself (a study's training runs) start warm too."""
 _HEADER = struct.Struct("!Q")
 # variables whose value a preloaded module may have read while it was imported: a request must agree with the server
 # (and glibc's, which it reads as a process starts: fastmae's entry points restart with GLIBC_TUNABLES set)
@@ -89,14 +95,25 @@ def forked_processes() -> list:
 def start_server(path: str, log) -> subprocess.Popen:
     """The server on the Unix socket `path`, its output to `log`, with the suite's environment less COLD_VARIABLES:
     the environment of the processes the suite starts. It imports for ~7 s; requests meanwhile wait."""
-    global started_server
+    global started_server, started_executable
+    started_executable = f"{path}.python"
+    with open(started_executable, "w") as shim:
+        shim.write(f'#!/bin/sh\nexec {shlex.quote(COMMAND[0])} {shlex.quote(COMMAND[1])} "$@"\n')
+    os.chmod(started_executable, 0o755)
     started_server = subprocess.Popen([*COMMAND[:1], "-u", COMMAND[1], "--serve", path], env=environment(),
                                       stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):  # bound (its imports follow): a client from now on waits for it, not runs cold
+        if started_server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"warm_python: the server did not start (exit {started_server.poll()}); see {log.name}")
+        time.sleep(0.01)
     return started_server
 
 
 started_server: subprocess.Popen | None = None
 """The server this process started (start_server)."""
+started_executable: str | None = None
+"""An executable that runs this client, beside that server's socket: EXECUTABLE_VARIABLE's value."""
 
 
 # ---------------------------------------------------------------------------------------------------------- client
@@ -119,10 +136,23 @@ def _read_line(connection: socket.socket) -> dict | None:
     return json.loads(data)
 
 
+def _inherited_descriptors() -> list[int]:
+    """File descriptors beyond the standard streams that this process was started with (Popen's pass_fds:
+    multiprocessing's and the inductor's workers get their pipes so): the server forks with the three alone."""
+    inherited = []
+    for fd in range(3, 256):
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        inherited.append(fd)
+    return inherited
+
+
 def client(args: list[str]) -> None:
     """Run `python ARGS` in a process forked by the server; exit as it exits. Falls back to exec'ing `python`."""
     path = os.environ.get(SOCKET_VARIABLE)
-    if not path or _parse(args) is None:
+    if not path or _parse(args) is None or _inherited_descriptors():
         _cold(args)
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -328,7 +358,8 @@ def run(request: dict) -> None:
     torch.seed()  # a fresh process's generators start from the OS's entropy
     numpy.random.seed()
     sys.argv = argv
-    sys.orig_argv = [sys.executable, *request["args"]]  # a process that re-executes itself runs the command, cold
+    sys.executable = os.environ.get(EXECUTABLE_VARIABLE) or sys.executable
+    sys.orig_argv = [sys.executable, *request["args"]]  # a process that re-executes itself runs the command
     main = types.ModuleType("__main__")  # a fresh __main__, as `python` makes (this file's module stays aside)
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
