@@ -216,33 +216,40 @@ def agreed_precision(requested: str, device: torch.device) -> str:
     return PRECISIONS[int(choice.item())]
 
 
-def job_peak_flops(device: torch.device, precision: str) -> tuple[float, float | None]:
+def job_peak_flops(device: torch.device, precision: str, pinned: float | None = None) -> tuple[float, float | None]:
     """Collective: (measured, data-sheet or None) peak FLOP/s of the whole job in the training dtype: the
     denominators of MFU. A GPU belongs to one rank, so each rank measures its own. CPU ranks of a node share its
-    cores, so the node's first rank measures once with all of them while the others wait, and only it counts."""
+    cores, so the node's first rank measures once with all of them while the others wait, and only it counts.
+    `pinned` (the test hook FASTMAE_FAULT_STARTUP_PEAK_FLOPS): what each measurement reads, unmeasured."""
     dtype = DTYPES[precision]
     measured, spec = 0.0, spec_peak_flops(device, dtype) or 0.0
+
+    def measure() -> float:
+        return matmul_flops(device, dtype) if pinned is None else pinned
+
     if device.type == "cpu":
         dist.barrier()
         if local_rank() == 0:
             with all_cpu_cores():
-                measured = matmul_flops(device, dtype)
+                measured = measure()
         dist.barrier()
     else:
-        measured = matmul_flops(device, dtype)
+        measured = measure()
     totals = torch.tensor([measured, spec, float(spec == 0.0)], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     measured, spec, unknown = totals.tolist()
     return measured, (spec if spec and not unknown else None)
 
 
-def job_mfu_peak(device: torch.device, precision: str,
-                 read_as: Callable[[float], float] = float) -> tuple[PeakFlops, float | None]:
+def job_mfu_peak(device: torch.device, precision: str, read_as: Callable[[float], float] = float,
+                 pinned: float | None = None) -> tuple[PeakFlops, float | None]:
     """Collective: the peak MFU divides by (`job_peak_flops`, measured again over the job when a logged window beats
-    it: `hardware.PeakFlops`) and the data sheet's peak or None; the log says which. `read_as` is the test hook
-    that makes the start-up measurement read as on a busy machine (`FaultHooks.startup_peak`)."""
-    measured, spec = job_peak_flops(device, precision)
-    peak = PeakFlops(read_as(measured), remeasure=lambda: job_peak_flops(device, precision)[0], log=log_line)
+    it: `hardware.PeakFlops`) and the data sheet's peak or None; the log says which. `read_as` and `pinned` are
+    test hooks: the start-up measurement read as on a busy machine (`FaultHooks.startup_peak`), and what a start-up
+    GEMM reads, given instead of measured (`FaultHooks.pinned_peak`; the same on every rank)."""
+    measured, spec = job_peak_flops(device, precision, pinned)
+    peak = PeakFlops(read_as(measured), remeasure=lambda: job_peak_flops(device, precision)[0], log=log_line,
+                     origin=None if pinned is None else "given by FASTMAE_FAULT_STARTUP_PEAK_FLOPS, unmeasured")
     log_line(f"MFU divides by the {peak.source} over the job in {precision}"
              + (f" (and mfu_spec by the data sheet's {format_flops(spec)})" if spec else ""))
     return peak, spec

@@ -15,6 +15,10 @@ production code that names this module.
   at a known point of the run, not at a moment it has to guess.
 - FASTMAE_FAULT_STARTUP_PEAK=F: the matmul peak measured at start-up reads F times what it measured (F < 1: as on
   a machine far busier than a test can make it reliably), so the first logged window beats it.
+- FASTMAE_FAULT_STARTUP_PEAK_FLOPS=PRECISION:FLOPS[,PRECISION:FLOPS]: the start-up matmul peak of a run in that
+  training precision (fp32, bf16, fp16) is FLOPS, unmeasured (FASTMAE_FAULT_STARTUP_PEAK still scales it): the
+  suite measures once a session what each of its runs would measure, ~1 s of all cores a run on a 2-core CPU. A
+  window that beats it re-measures as ever; empty: measured.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class FaultHooks:
     full_disk_at: tuple[int, int, int] | None = None  # (rank, step, step)
     nan_at: tuple[int, int, int] | None = None  # (rank, first step, last step)
     hold_at: tuple[int, Path] | None = None  # (step, the file that releases it)
+    startup_peak_flops: tuple[tuple[str, float], ...] = ()  # (precision, FLOP/s) pairs
 
     @classmethod
     def from_environment(cls, device: torch.device) -> FaultHooks:
@@ -48,7 +53,8 @@ class FaultHooks:
                    startup_peak_factor=float(os.environ.get("FASTMAE_FAULT_STARTUP_PEAK", "1")),
                    full_disk_at=_rank_and_steps(os.environ.get("FASTMAE_FAULT_ENOSPC")),
                    nan_at=_rank_and_steps(os.environ.get("FASTMAE_FAULT_NAN")),
-                   hold_at=_step_and_file(os.environ.get("FASTMAE_FAULT_HOLD")))
+                   hold_at=_step_and_file(os.environ.get("FASTMAE_FAULT_HOLD")),
+                   startup_peak_flops=_precision_and_flops(os.environ.get("FASTMAE_FAULT_STARTUP_PEAK_FLOPS")))
 
     def poison_losses(self, model: torch.nn.Module, rank: int, step) -> None:
         """Where FASTMAE_FAULT_NAN names this rank: its model's training loss is NaN while `step()` (the optimizer
@@ -65,6 +71,10 @@ class FaultHooks:
     def startup_peak(self, measured: float) -> float:
         """The matmul peak measured at start-up, as FASTMAE_FAULT_STARTUP_PEAK has it read."""
         return measured * self.startup_peak_factor
+
+    def pinned_peak(self, precision: str) -> float | None:
+        """The start-up peak FASTMAE_FAULT_STARTUP_PEAK_FLOPS gives for `precision`; None: measure it."""
+        return dict(self.startup_peak_flops).get(precision)
 
     def forbid_syncs(self, on: bool) -> None:
         """While `on`, a host-device synchronisation raises (FASTMAE_SYNC_DEBUG=1 on CUDA only)."""
@@ -122,6 +132,14 @@ def _rank_and_steps(value: str | None) -> tuple[int, int, int] | None:
     rank, steps = value.split(":")
     first, _, last = steps.partition("-")
     return int(rank), int(first), int(last or first)
+
+
+def _precision_and_flops(value: str | None) -> tuple[tuple[str, float], ...]:
+    """`PRECISION:FLOPS[,PRECISION:FLOPS]` as ((precision, flops), ...)."""
+    if not value:
+        return ()
+    pairs = [pair.split(":") for pair in value.split(",")]
+    return tuple((precision, float(flops)) for precision, flops in pairs)
 
 
 def _step_and_file(value: str | None) -> tuple[int, Path] | None:

@@ -99,10 +99,12 @@ class PeakFlops:
     a re-measured peak is taken, and once when the achieved rate first stands in.
     """
 
-    def __init__(self, measured: float, remeasure: Callable[[], float], log: Callable[[str], None]):
+    def __init__(self, measured: float, remeasure: Callable[[], float], log: Callable[[str], None],
+                 origin: str | None = None):
         self.remeasure, self.log = remeasure, log
         self.flops, self.kind = measured, "measured"
-        self.source = f"matmul peak {format_flops(self.flops)} (measured at start-up, the best of several GEMMs)"
+        origin = origin or "measured at start-up, the best of several GEMMs"
+        self.source = f"matmul peak {format_flops(self.flops)} ({origin})"
 
     def mfu(self, achieved: float, where: str) -> float | None:
         """achieved / peak for `achieved` FLOP/s, the peak measured again first where `achieved` beat it (`where`,

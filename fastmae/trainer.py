@@ -211,7 +211,8 @@ class Trainer:
         self.graph_plan = plan_graphs(config, device, self.precision)  # build_engine installs its recordings
         log_line(f"cuda graphs: {self.graph_plan.reason}")
         self.faults = FaultHooks.from_environment(device)
-        self.peak, self.spec_peak_flops = job_mfu_peak(device, self.precision, self.faults.startup_peak)
+        self.peak, self.spec_peak_flops = job_mfu_peak(device, self.precision, self.faults.startup_peak,
+                                                       self.faults.pinned_peak(self.precision))
         self.faults.poison_losses(self.engine.module, self.rank, lambda: self.counters.step + 1)
         self.counters = RunCounters(torch.zeros((), dtype=torch.float32, device=device),
                                     torch.zeros((), dtype=torch.float32, device=device))

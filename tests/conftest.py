@@ -82,6 +82,21 @@ def nan_empty(monkeypatch):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def startup_peak():
+    """The matmul peaks this machine's training runs measure at start-up, measured once here and given to every run
+    of the session (FASTMAE_FAULT_STARTUP_PEAK_FLOPS, fastmae/faults.py): ~1 s of all cores a run otherwise. The
+    MFU tests measure their own."""
+    if torch.cuda.is_available():
+        return
+    from fastmae.hardware import all_cpu_cores, matmul_flops
+
+    with all_cpu_cores():
+        peaks = {name: matmul_flops(torch.device("cpu"), dtype) for name, dtype in
+                 (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    os.environ["FASTMAE_FAULT_STARTUP_PEAK_FLOPS"] = ",".join(f"{name}:{flops!r}" for name, flops in peaks.items())
+
+
+@pytest.fixture(scope="session", autouse=True)
 def warm_server(tmp_path_factory):
     """The warm Python server of this pytest process (tests/warm_python.py), named to the processes the suite starts
     through FASTMAE_WARM_PYTHON; none where a CUDA device is (a process forked from one that has asked about CUDA
