@@ -7,7 +7,10 @@ module is imported (the @triton.jit decorator reads it), so it is set here, befo
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,18 +100,25 @@ def startup_peak():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def warm_server(tmp_path_factory):
+def warm_server():
     """The warm Python server of this pytest process (tests/warm_python.py), named to the processes the suite starts
     through FASTMAE_WARM_PYTHON; none where a CUDA device is (a process forked from one that has asked about CUDA
-    may not use it), and the suite's processes start cold."""
+    may not use it), and the suite's processes start cold. A server that does not start leaves them cold too, and
+    tests/test_warm_python.py fails naming why. Its socket and log live in a short directory of their own (a Unix
+    socket's path is limited to 107 bytes)."""
     if torch.cuda.is_available():
         yield None
         return
-    folder = tmp_path_factory.mktemp("warm-python")
-    path = folder / "socket"
-    with (folder / "server.log").open("w") as log:
-        server = warm_python.start_server(str(path), log)
-    os.environ[warm_python.SOCKET_VARIABLE] = str(path)
+    folder = Path(tempfile.mkdtemp(prefix="fastmae-warm-"))
+    try:
+        with (folder / "server.log").open("w") as log:
+            server = warm_python.start_server(str(folder / "socket"), log)
+    except RuntimeError as err:
+        warm_python.start_failure = f"{err}:\n{(folder / 'server.log').read_text()[-3000:]}"
+        shutil.rmtree(folder, ignore_errors=True)
+        yield None
+        return
+    os.environ[warm_python.SOCKET_VARIABLE] = str(folder / "socket")
     yield server
     del os.environ[warm_python.SOCKET_VARIABLE]
     server.terminate()
@@ -116,3 +126,4 @@ def warm_server(tmp_path_factory):
         server.wait(timeout=30)
     except subprocess.TimeoutExpired:
         server.kill()
+    shutil.rmtree(folder, ignore_errors=True)

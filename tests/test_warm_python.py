@@ -17,6 +17,8 @@ import warm_python
 
 @pytest.fixture(autouse=True)
 def server(warm_server):
+    if warm_python.start_failure:
+        pytest.fail(f"the warm server did not start: {warm_python.start_failure}")
     if warm_server is None:
         pytest.skip("no warm server where a CUDA device is (tests/conftest.py)")
 

@@ -105,7 +105,7 @@ def start_server(path: str, log) -> subprocess.Popen:
     deadline = time.monotonic() + 60
     while not os.path.exists(path):  # bound (its imports follow): a client from now on waits for it, not runs cold
         if started_server.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"warm_python: the server did not start (exit {started_server.poll()}); see {log.name}")
+            raise RuntimeError(f"warm_python: the server did not start (exit {started_server.poll()})")
         time.sleep(0.01)
     return started_server
 
@@ -114,6 +114,8 @@ started_server: subprocess.Popen | None = None
 """The server this process started (start_server)."""
 started_executable: str | None = None
 """An executable that runs this client, beside that server's socket: EXECUTABLE_VARIABLE's value."""
+start_failure: str | None = None
+"""Why the server this process tried to start did not (tests/conftest.py)."""
 
 
 # ---------------------------------------------------------------------------------------------------------- client
