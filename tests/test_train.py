@@ -436,8 +436,7 @@ def test_two_nodes_on_loopback_stop_when_one_nodes_deepspeed_command_gets_sigter
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     port, run_dir = str(_free_port()), tmp_path / "two-nodes"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("TRITON_INTERPRET", None)
+    env = warm_python.environment(PYTHONUNBUFFERED="1")  # started cold: DeepSpeed's launcher is the subject
     deepspeed = shutil.which("deepspeed") or "deepspeed"
 
     def node(rank):

@@ -96,18 +96,20 @@ def start_server(path: str, log) -> subprocess.Popen:
     """The server on the Unix socket `path`, its output to `log`, with the suite's environment less COLD_VARIABLES:
     the environment of the processes the suite starts. It imports for ~7 s; requests meanwhile wait."""
     global started_server, started_executable
-    started_executable = f"{path}.python"
-    with open(started_executable, "w") as shim:
+    executable = f"{path}.python"
+    with open(executable, "w") as shim:
         shim.write(f'#!/bin/sh\nexec {shlex.quote(COMMAND[0])} {shlex.quote(COMMAND[1])} "$@"\n')
-    os.chmod(started_executable, 0o755)
-    started_server = subprocess.Popen([*COMMAND[:1], "-u", COMMAND[1], "--serve", path], env=environment(),
-                                      stdout=log, stderr=subprocess.STDOUT)
+    os.chmod(executable, 0o755)
+    server = subprocess.Popen([*COMMAND[:1], "-u", COMMAND[1], "--serve", path], env=environment(), stdout=log,
+                              stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while not os.path.exists(path):  # bound (its imports follow): a client from now on waits for it, not runs cold
-        if started_server.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"warm_python: the server did not start (exit {started_server.poll()})")
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise RuntimeError(f"warm_python: the server did not start (exit {server.poll()})")
         time.sleep(0.01)
-    return started_server
+    started_server, started_executable = server, executable
+    return server
 
 
 started_server: subprocess.Popen | None = None
@@ -140,15 +142,17 @@ def _read_line(connection: socket.socket) -> dict | None:
 
 def _inherited_descriptors() -> list[int]:
     """File descriptors beyond the standard streams that this process was started with (Popen's pass_fds:
-    multiprocessing's and the inductor's workers get their pipes so): the server forks with the three alone."""
+    multiprocessing's and the inductor's workers get their pipes so): the server forks with the three alone. (The
+    descriptor that lists /proc/self/fd is closed by the time each is checked.)"""
+    listed = [int(name) for name in os.listdir("/proc/self/fd")]
     inherited = []
-    for fd in range(3, 256):
+    for fd in listed:
         try:
             os.fstat(fd)
         except OSError:
             continue
         inherited.append(fd)
-    return inherited
+    return [fd for fd in inherited if fd > 2]
 
 
 def client(args: list[str]) -> None:
