@@ -188,7 +188,7 @@ def analyze(pretrained: Pretrained, sequences: list[np.ndarray], config: Analyze
                 probe_states[layer].append(b[pair.to(device)].float().cpu().numpy())
     pairs = np.concatenate(probe_pairs)
     probe = neighbour_probe([np.concatenate(s) for s in probe_states], pairs[:, 0], pairs[:, 1], pairs[:, 2] % 2 == 0,
-                            pretrained.config.vocab_size)
+                            pretrained.config.vocab_size, device=device)
     return {**_record(stats, config, hidden), "normalised": normalise, "neighbour_probe": probe}
 
 

@@ -9,7 +9,8 @@ machine, its set-up included (the study's 9), in the order of what they decide; 
 
 A phase first installs what the machine lacks, offline (the wheels `scripts/gpu_wheels.sh` put in .whl/, then fastmae
 with --no-deps), and names any module still missing. Its steps run in order, each within what is left of the phase's
-minutes (a step past them is cut; a step that expects an earlier one's seconds again runs only when they are left).
+minutes (a step past them is cut; a step that expects an earlier one's seconds again runs only when they are left;
+the seconds of a closing step, one that packs what the others wrote, are kept back for it from those before).
 Everything lands in benchmarks/results/gpu/DEVICE/PHASE/: each step's log, the files it wrote, and phase.json (the
 commit measured: FASTMAE_COMMIT, else git; each step's exit status and seconds), rewritten after every step and
 mirrored as $OUT/PHASE/ within what the device tool brings back (two folders down, 8 files, 16 MiB each, plain
@@ -300,8 +301,10 @@ def run_phase(phase: Phase, results: Path, commit: str, force: bool, values: dic
     deadline = time.monotonic() + budget_s
     record = PhaseRecord(phase, directory, commit, set_up())
     record.data["quick"] = quick
+    kept_back = sum(step.finally_s for step in phase.steps)  # for the steps that run however the others end
     for step in phase.steps:
-        left = deadline - time.monotonic() - RECORD_MARGIN_S
+        kept_back -= step.finally_s
+        left = deadline - time.monotonic() - RECORD_MARGIN_S - kept_back
         missing = [path for path in needed_files(step, results) if not path.is_file()]
         took = {s["name"]: s["seconds"] for s in record.data["steps"]}.get(step.fits_after, 0.0)
         if left <= 0 or missing or took > left:

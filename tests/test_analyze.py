@@ -138,6 +138,30 @@ def test_the_neighbour_probe_tells_context_from_a_context_free_encoder(seed):
     assert context_verdict(lookup["probe_accuracy"], lookup["test_pairs"])["learned_context"]  # the old verdict's
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_probe_scores_the_ids_seen_as_the_whole_vocabulary_would(seed):
+    """The probe scores only the ids some fitted row has for neighbour (the others' weights are zero): its accuracy
+    is the dense probe's, the argmax over every id (the plain reference here), with half the ids never seen (seen
+    failing when the scored columns are read as ids)."""
+    import torch
+
+    from fastmae.probe import _probe_accuracy
+
+    rng = np.random.default_rng(seed)
+    vocab, n = 40, 600
+    x = rng.normal(size=(n, 6))
+    neighbours = rng.integers(1, vocab // 2, n) * 2 + (x[:, 0] > 1)  # mostly even ids from 2, some odd
+    fit = np.arange(n) % 3 != 0
+    dense_x = np.concatenate([x, np.ones((n, 1))], axis=1)
+    gram = dense_x[fit].T @ dense_x[fit]
+    targets = np.zeros((vocab, dense_x.shape[1]))
+    np.add.at(targets, neighbours[fit], dense_x[fit])
+    weights = np.linalg.solve(gram + 1e-2 * np.trace(gram) / len(gram) * np.eye(len(gram)), targets.T)
+    expected = float(((dense_x[~fit] @ weights).argmax(1) == neighbours[~fit]).mean())
+    got = _probe_accuracy(torch.from_numpy(x), torch.from_numpy(neighbours), torch.from_numpy(fit), vocab, 1e-2)
+    assert got == pytest.approx(expected, abs=1e-12) and expected > 0
+
+
 def test_the_context_verdict_pays_for_choosing_the_best_layer():
     """study_cpu_1h's 3ml encoder, seed 0: layer 0 at 0.139, its best of 12 layers at 0.1568 on 7,626 pairs (z 3.1):
     past 3 standard errors for one layer, not past the threshold for the best of 12; seed 1's best (0.1697, z 5.0)

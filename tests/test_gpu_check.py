@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -197,13 +198,16 @@ def test_a_cut_phase_keeps_what_it_measured_and_a_step_missing_another_phases_fi
     quick = gpu_check.Step("quick", (gpu_check.PY, "-c", "print('measured')"))
     slow = gpu_check.Step("slow", (gpu_check.PY, "-c", "import time; time.sleep(30)"))
     reads = gpu_check.Step("reads", (gpu_check.PY, "-c", "print('read')"), needs=("{results}/other/made.json",))
-    cut = gpu_check.Phase("cut", 1, "stand-in", (quick, reads, slow, quick))
+    # a closing step runs however the others ended, in the seconds kept back for it (seen failing without them)
+    closing = gpu_check.Step("closing", (gpu_check.PY, "-c", "print('packed')"), finally_s=3)
+    cut = gpu_check.Phase("cut", 1, "stand-in", (quick, reads, slow, quick, closing))
     assert not gpu_check.run_phase(cut, results, "abc", force=False)
     record = json.loads((results / "cut" / "phase.json").read_text())
     assert record["commit"] == "abc" and record["machine"] == {"device": "Stand-in GPU 80GB"}
     assert not record["complete"]
     statuses = [step["status"] for step in record["steps"]]
     assert statuses[0] == "exit 0" and statuses[2].startswith("cut after") and statuses[3].startswith("not run")
+    assert statuses[4] == "exit 0" and (results / "cut" / "closing.log").read_text() == "packed\n"
     assert statuses[1].startswith("not run: needs ") and "other/made.json" in statuses[1]
     assert (results / "cut" / "quick.log").read_text() == "measured\n"
     assert json.loads((out / "cut" / "phase.json").read_text()) == record and gpu_check.out_problems(out) == []
@@ -299,3 +303,8 @@ def test_the_study_phase_runs_end_to_end_at_the_cpus_scale(tmp_path, monkeypatch
     said = (results / "study" / "study_two_seeds.log").read_text()
     # the second step (at the GPU's scale a second seed; here the first again) reused every run and cell
     assert "fastmae study: training" not in said and "6 cells planned (6 finished before), 0 to run" in said
+    assert list(study["seconds"]) == ["train", "fine-tune (word-order)", "fine-tune (sst2)", "analyze",
+                                      "ranks at matched loss"]
+    with tarfile.open(out / "study" / "study_runs.tar.gz") as archive:  # each run's records, its seconds too
+        packed = {Path(name).name for name in archive.getnames()}
+    assert {"study_run.json", "metrics.jsonl", "run_info.json", "analysis.json", "glue.json"} <= packed

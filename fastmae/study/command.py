@@ -8,7 +8,9 @@ import json
 import random
 import shlex
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -65,14 +67,17 @@ def study(args) -> dict:
     runs = {o.label: [Run(o, seed, out, lr=lr_grid[o.label]["chosen"] if lr_grid else None)
                       for seed in range(seeds)] for o in objectives}
     configs = checked_configs([run for rs in runs.values() for run in rs], args, budget, preset)
-    train_all([run for rs in runs.values() for run in rs], configs, ranks, args.parallel)
+    seconds = {}
+    with stage("train", seconds):
+        train_all([run for rs in runs.values() for run in rs], configs, ranks, args.parallel)
     ft = preset.finetune
     ft_setup = {"seeds": args.finetune_seeds or ft.seeds, "epochs": ft.epochs, "batch_size": ft.batch_size}
     finetuned, glue_tables, lrs = {label: {} for label in runs}, {}, set()
     for index, (task_dir, task_label) in enumerate(tasks):
-        glue_result = glue([str(run.dir) for rs in runs.values() for run in rs], task_dir,
-                           out / ("glue" if index == 0 else f"glue-{task_label}"), seeds=ft_setup["seeds"],
-                           precision=ft.precision, epochs=ft.epochs, batch_sizes=(ft.batch_size,))
+        with stage(f"fine-tune ({task_label})", seconds):
+            glue_result = glue([str(run.dir) for rs in runs.values() for run in rs], task_dir,
+                               out / ("glue" if index == 0 else f"glue-{task_label}"), seeds=ft_setup["seeds"],
+                               precision=ft.precision, epochs=ft.epochs, batch_sizes=(ft.batch_size,))
         cells = glue_result["cells"]
         for label, rs in runs.items():
             finetuned[label].update({(task_label if task_label != "glue" else task): [
@@ -83,10 +88,13 @@ def study(args) -> dict:
     if tasks:
         ft_setup["lrs"] = sorted(lrs)
     sequences = preset.analyze_sequences
-    analyses = {label: [analyze_run(run, data, sequences) for run in rs] for label, rs in runs.items()}
+    with stage("analyze", seconds):
+        analyses = {label: [analyze_run(run, data, sequences) for run in rs] for label, rs in runs.items()}
     learned = {label: [judged(r["neighbour_probe"])["learned_context"] for r in records]
                for label, records in analyses.items()}
-    summary = summarize(objectives, runs, finetuned, analyses, ranks_at_matched_loss(runs, data, sequences, learned))
+    with stage("ranks at matched loss", seconds):
+        matched = ranks_at_matched_loss(runs, data, sequences, learned)
+    summary = summarize(objectives, runs, finetuned, analyses, matched)
     first = runs["mlm"][0]
     facts = {label: {**model_facts(rs[0]), "flops_per_step": flops_per_step[label],
                      "flops_per_step_vs_mlm": flops_per_step[label] / flops_per_step["mlm"]}
@@ -112,6 +120,7 @@ def study(args) -> dict:
         "command": shlex.join(["fastmae", "study", *args.argv]),
         "commands": {label: [shlex.join(launch_command(run, ranks)) for run in rs] for label, rs in runs.items()},
         "configs": [str(run.config_file.relative_to(out)) for rs in runs.values() for run in rs],
+        "seconds": seconds,
     }
     as_json = {**result, "objectives": {label: entry.to_json() for label, entry in summary.items()}}
     atomic_write_text(out / "study.json", json.dumps(as_json, indent=1) + "\n")
@@ -211,6 +220,16 @@ def at_least_one_step(budget: float, flops_per_step: dict[str, float], setting: 
         if budget < flops:
             raise FastmaeError(f"{setting}: {budget:.4g} FLOPs is less than one optimizer step of {label} "
                                f"({flops:.4g} FLOPs)")
+
+
+@contextmanager
+def stage(name: str, seconds: dict[str, float]):
+    """Time one stage of the study: its wall seconds into `seconds[name]` and a line on stderr (a cut run's log says
+    how far it got and what each stage cost)."""
+    started = time.monotonic()
+    yield
+    seconds[name] = round(time.monotonic() - started, 1)
+    print(f"fastmae study: {name} took {seconds[name]:.0f} s", file=sys.stderr)
 
 
 def train_all(runs: list[Run], configs: dict[str, str], ranks: int, parallel: int) -> None:

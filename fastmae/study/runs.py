@@ -114,8 +114,10 @@ def train(run: Run, config_text: str, ranks: int) -> None:
         tail = log.read_text(errors="replace").strip().splitlines()[-5:]
         raise FastmaeError(f"training {run.name} failed (exit {done.returncode}); last lines of {log}:\n"
                            + "\n".join(tail))
-    atomic_write_text(run.dir / "study_run.json", json.dumps({"seconds": round(time.time() - started, 1),
-                                                               "command": shlex.join(command)}) + "\n")
+    seconds = round(time.time() - started, 1)
+    atomic_write_text(run.dir / "study_run.json", json.dumps({"seconds": seconds, "command": shlex.join(command)})
+                      + "\n")
+    print(f"fastmae study: trained {run.name} in {seconds:.0f} s", file=sys.stderr)
 
 
 def analyze_run(run: Run, data: Path, sequences: int, step: int | None = None) -> dict:
