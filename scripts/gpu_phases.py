@@ -149,7 +149,7 @@ PACK_RUNS = ("sh", "-c", f"cd {STUDY_OUT}/study && find . -name '*.log' -o -name
              "tar czf ../study_runs.tar.gz -T -")
 
 PHASES += (
-    Phase("study", 9, "does 3ml pay at 1e16 FLOPs a run? mlm 15% / 30% and 3ml 50% on real English text, "
+    Phase("study", 9, "does 3ml pay at 8e15 FLOPs a run? mlm 15% / 30% and 3ml 50% on real English text, "
                       "pretrained, evaluated, probed and fine-tuned in one command", (
         # the corpus's 32K-piece tokenizer on the machine's cores (lines sampled: sentencepiece's time grows with
         # them; 150,000 took 52 s of an H100 machine's 16 cores, 2026-11-27), held-out documents split off by document

@@ -112,11 +112,11 @@ ONE_GPU_RUN = (
     "checkpoint.every=500", "log.every=20",
 )
 ONE_GPU_COMMAND_RUN = (
-    # base's proportions at 1e16 FLOPs a run: 12 layers keep 3ml's 2-layer decoder a sixth of the encoder's depth, so
+    # base's proportions at 8e15 FLOPs a run: 12 layers keep 3ml's 2-layer decoder a sixth of the encoder's depth, so
     # per step against mlm's (flops.py, 128-token sequences, 32K pieces) 3ml costs 0.86x and mae-lm 1.16x (at base
     # 0.80x and 1.16x); 8 layers would leave 3ml no saving (1.03x: its 32K-piece head on 50% of the rows). Near
-    # compute-optimal: 21M weights outside the embeddings (33M with them) against Chinchilla's sqrt(C / 120) = 9M,
-    # within the flat part of its iso-FLOP curves, and mlm at 15% sees 69M tokens (2.5 passes over the shared English
+    # compute-optimal: 21M weights outside the embeddings (33M with them) against Chinchilla's sqrt(C / 120) = 8M,
+    # within the flat part of its iso-FLOP curves, and mlm at 15% sees 55M tokens (2.0 passes over the shared English
     # corpus's 27M). Fills the GPU: 512 sequences of 128 tokens a micro-batch and a step. lr 1e-3 with Adam (0.9,
     # 0.98) is the small-BERT range (ELECTRA-small: 5e-4 at batch 128); warmup-stable-decay, so a run's schedule has
     # one shape at every budget.
@@ -146,12 +146,15 @@ STUDY_PRESETS = {
         what="RoBERTa-base's network and optimisation (batch 2K x 512, lr 7e-4) for about an hour per run on one "
              "H100 (8e17 FLOPs: mlm's measured 242 TFLOP/s); for your --data"),
     "gpu-10min": StudyPreset(
-        budget=1.0e16, run=ONE_GPU_COMMAND_RUN, eval_points=8, seeds=2,
+        # 8e15: three runs trained at once on an H100 ran at ~7 steps/s each after ~50 s of start-up and evaluation
+        # (benchmarks/results/gpu/NVIDIA_H100_80GB_HBM3/study_3e15/), so the last of them (3ml) trains in ~200 s and
+        # the phase's 9 minutes keep room for preparing, fine-tuning and analysis (1e16 left under a minute)
+        budget=8.0e15, run=ONE_GPU_COMMAND_RUN, eval_points=8, seeds=2,
         # fine-tuning sized to fit beside the training: 3 rates x 1 seed x 2 tasks per encoder, 2 epochs of 2,000
         # rows at batch 32 (each pretraining seed its own runs; a GPU runs such a cell in seconds)
         finetune=FinetuneConfig(seeds=1, epochs=2, batch_size=32), analyze_sequences=512,
         generated_task=(2000, 872), task_train_examples=2000,
-        what="12 x 384 encoder, 128-token sequences, 65,536 tokens per step, WSD, 1e16 FLOPs per run: a 10-minute GPU "
+        what="12 x 384 encoder, 128-token sequences, 65,536 tokens per step, WSD, 8e15 FLOPs per run: a 10-minute GPU "
              "command (scripts/gpu_check.sh study) for mlm 15%, mlm 30% and 3ml, trained --parallel on one GPU; "
              "real tasks fine-tuned on 2,000 of their training rows"),
     "cpu-30min": CPU_30MIN,
