@@ -84,25 +84,27 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None = None,
                 meta_k: VarlenMeta | None = None, bias: StreamBias | None = None) -> torch.Tensor:
         """x: [rows, H] on layout `meta`. With `context` [T_k, H] (layout meta_k), queries attend to it instead.
-        `bias`: a relative position bias added to the attention scores. Each residual add and the LayerNorm after
-        it run as one op (`ops.add_layer_norm`: one Triton kernel on CUDA)."""
+        `bias`: a relative position bias added to the attention scores. Each sublayer's dropout, the residual add
+        and the LayerNorm after it run as one op (`ops.add_layer_norm`: one Triton kernel on CUDA)."""
         if self.pre_norm:
             ctx = None if context is None else self.attn_norm(context)
-            attended = self.dropout(self._attention(self.attn_norm(x), meta, ctx, meta_k, bias))
-            normed, x = _add_norm(attended, x, self.ffn_norm, keep_sum=True)
+            attended = self._attention(self.attn_norm(x), meta, ctx, meta_k, bias)
+            normed, x = _add_norm(attended, x, self.ffn_norm, self.dropout, keep_sum=True)
             return x + self.dropout(self._ffn(normed))
-        x = _add_norm(self.dropout(self._attention(x, meta, context, meta_k, bias)), x, self.attn_norm)[0]
-        return _add_norm(self.dropout(self._ffn(x)), x, self.ffn_norm)[0]
+        x = _add_norm(self._attention(x, meta, context, meta_k, bias), x, self.attn_norm, self.dropout)[0]
+        return _add_norm(self._ffn(x), x, self.ffn_norm, self.dropout)[0]
 
 
-def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, dropout: Dropout,
               keep_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(norm(x + residual), x + residual if keep_sum): one op for a LayerNorm whose inputs and weight share a dtype,
-    else the add and the module (an Identity; under autocast, where dtypes mix and the norm runs in fp32)."""
+    """(norm(dropout(x) + residual), the sum if keep_sum): one op for a LayerNorm whose inputs and weight share a
+    dtype, else the dropout, the add and the module (an Identity; under autocast, where dtypes mix and the norm runs
+    in fp32)."""
     if (isinstance(norm, nn.LayerNorm) and x.dtype == residual.dtype == norm.weight.dtype
             and not torch.is_autocast_enabled(x.device.type)):
-        return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, keep_sum)
-    summed = x + residual
+        return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, keep_sum,
+                                  dropout.p if dropout.training else 0.0)
+    summed = dropout(x) + residual
     return norm(summed), summed
 
 

@@ -11,6 +11,7 @@ import os
 import torch
 
 from . import kernels
+from .dropout import dropout
 
 KERNEL_MODES = ("auto", "triton", "torch")
 
@@ -43,4 +44,16 @@ embed_rows = _dispatch("embed_rows")
 insert_rows = _dispatch("insert_rows")
 linear_cross_entropy = _dispatch("linear_cross_entropy")
 rotary_qk = _dispatch("rotary_qk")  # q and k rotated by their rows' rotary tables
-add_layer_norm = _dispatch("add_layer_norm")  # a layer's norm(x + residual), and the sum where it is kept
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   eps: float = 1e-5, keep_sum: bool = False,
+                   dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's norm(dropout(x) + residual), and the sum where it is kept: one Triton kernel where `x` goes to
+    Triton, its dropout hashed under a key drawn from torch's generator of x's device (so seeds, saved RNG states and
+    CUDA graphs reproduce it); else fastmae's `dropout` (cheap on CPU, fused by inductor when compiled) and the torch
+    reference."""
+    if use_triton(x) and not torch.compiler.is_compiling():
+        key = torch.randint(0, 2**32, (1,), dtype=torch.int64, device=x.device) if dropout_p else None
+        return kernels.add_layer_norm(x, residual, weight, bias, eps, keep_sum, dropout_p, key)
+    return kernels.add_layer_norm_reference(dropout(x, dropout_p), residual, weight, bias, eps, keep_sum)

@@ -7,7 +7,7 @@ Compiles each (kernel, block size, warps, flags, dtype) the launchers can choose
 `cuobjdump --dump-resource-usage`, the tool shipped inside the triton wheel. Run without TRITON_INTERPRET.
 
 The table is a pure function of this directory's sources and Triton's version (`inputs_sha256`), and compiling all
-490 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
+562 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
 REGENERATE) and the suite checks it is of the kernels it has, compiling a few configurations itself; --match compiles
 those whose "kernel config" matches.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -120,19 +121,21 @@ def _norm_configs():
         block_r, warps = rows.tile_launch(block)
         for dtype in ("fp32", "bf16"):
             fwd = dict(X=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", B=f"*{dtype}", Y=f"*{dtype}", H_OUT=f"*{dtype}",
-                       MEAN="*fp32", RSTD="*fp32", n_rows="i32", H="i32", stride_x="i32", stride_r="i32", eps="fp32")
-            for has_bias in (0, 1):
-                for store_sum in (0, 1):
-                    yield ("norm._add_norm_fwd_kernel", f"{dtype} BLOCK_H={block} bias={has_bias} sum={store_sum}",
-                           fwd, dict(HAS_BIAS=has_bias, STORE_SUM=store_sum, BLOCK_R=block_r,
-                                     BLOCK_H=block), warps)
+                       MEAN="*fp32", RSTD="*fp32", KEY="*i64", n_rows="i32", H="i32", stride_x="i32",
+                       stride_r="i32", eps="fp32", threshold="i32", scale="fp32")
+            for has_bias, store_sum, dropout in itertools.product((0, 1), repeat=3):
+                yield ("norm._add_norm_fwd_kernel",
+                       f"{dtype} BLOCK_H={block} bias={has_bias} sum={store_sum} dropout={dropout}", fwd,
+                       dict(HAS_BIAS=has_bias, STORE_SUM=store_sum, HAS_DROPOUT=dropout, BLOCK_R=block_r,
+                            BLOCK_H=block), warps)
             bwd = dict(DY=f"*{dtype}", DH=f"*{dtype}", X=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", MEAN="*fp32",
-                       RSTD="*fp32", DX=f"*{dtype}", DR=f"*{dtype}", DW_PART="*fp32", DB_PART="*fp32", n_rows="i32",
-                       H="i32", stride_x="i32", stride_r="i32")
+                       RSTD="*fp32", KEY="*i64", DX=f"*{dtype}", DR=f"*{dtype}", DW_PART="*fp32", DB_PART="*fp32",
+                       n_rows="i32", H="i32", stride_x="i32", stride_r="i32", threshold="i32", scale="fp32")
             for has_dh in (0, 1):
-                yield ("norm._add_norm_bwd_kernel", f"{dtype} BLOCK_H={block} dh={has_dh}", bwd,
-                       dict(HAS_DH=has_dh, BLOCK_R=block_r, BLOCK_H=block,
-                            TILES=max(1, norm.ROWS_PER_PROGRAM // block_r)), warps)
+                for dropout in (0, 1):
+                    yield ("norm._add_norm_bwd_kernel", f"{dtype} BLOCK_H={block} dh={has_dh} dropout={dropout}", bwd,
+                           dict(HAS_DH=has_dh, HAS_DROPOUT=dropout, BLOCK_R=block_r, BLOCK_H=block,
+                                TILES=max(1, norm.ROWS_PER_PROGRAM // block_r)), warps)
     for dtype in ("fp32", "bf16"):
         yield ("norm._sum_parts_kernel", f"{dtype}", dict(PARTS="*fp32", DW=f"*{dtype}", DB=f"*{dtype}",
                                                           programs="i32", H="i32"),

@@ -56,3 +56,22 @@ def uniform_bits(counters: torch.Tensor, key: int | torch.Tensor) -> torch.Tenso
 def row_uniform_bits(num_rows: int, key: int, device) -> torch.Tensor:
     """[num_rows] int64 in [0, 2^32): the hash of each row index under `key`."""
     return uniform_bits(torch.arange(num_rows, dtype=torch.int64, device=device), key)
+
+
+def dropout_threshold(p: float) -> tuple[int, float]:
+    """(threshold, scale) of the hashed dropout at probability `p` in [0, 1): an element whose hash's top 31 bits are
+    below threshold = round(p * 2^31) is dropped, the others scaled by 1 / (1 - threshold / 2^31), the probability
+    used (a 31-bit threshold is an int32 for Triton whatever p is: one compiled kernel)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability {p} is not in [0, 1)")
+    threshold = min(round(p * 2**31), 2**31 - 1)
+    return threshold, 2**31 / (2**31 - threshold)
+
+
+def hashed_keep(rows: int, hidden: int, p: float, key: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(kept [rows, hidden] bool, scale): the hashed dropout of a [rows, hidden] tensor under `key` (an int64 tensor
+    of one 32-bit value): element (r, c) is kept unless the top 31 bits of the hash of its counter r * hidden + c
+    (mod 2^32) are below `dropout_threshold(p)`'s threshold. The Triton kernels draw the same bits (kernels/norm.py)."""
+    threshold, scale = dropout_threshold(p)
+    counters = torch.arange(rows * hidden, dtype=torch.int64, device=key.device).view(rows, hidden) & _U32
+    return (uniform_bits(counters, key.view(1, 1)) >> 1) >= threshold, scale

@@ -1,15 +1,19 @@
-"""Residual add + LayerNorm in one kernel, forward and backward: a transformer layer's `norm(x + sublayer)`.
+"""Dropout + residual add + LayerNorm in one kernel, forward and backward: a transformer layer's
+`norm(dropout(sublayer) + x)`.
 
-    h = x + residual  (rounded to x's dtype, as torch's add gives it)      y = LayerNorm(h) * weight + bias
+    h = dropout(x) + residual  (each rounded to x's dtype, as torch gives them)      y = LayerNorm(h) * weight + bias
 
 Forward reads x and residual once and writes y (and h, where the caller keeps the residual stream: pre-LN layers),
 with each row's mean and 1 / std in fp32. Backward reads dy (and dh, h's own gradient) once, recomputes h from x and
-residual, and writes dh_total = dLayerNorm(dy) + dh, the gradient of x and of residual (two tensors); the weight's
-and bias's gradients are per-program partial sums over ROWS_PER_PROGRAM rows, summed by a second kernel in a fixed
-order (no float atomics: deterministic). Each direction's buffers are one allocation (`_carve`).
-Unfused, torch runs the add, the LayerNorm, its input gradient and its weight gradient (`GammaBetaBackward`, 6.9 ms of
-a RoBERTa-base mlm step on an H100 at 128 x 512 tokens) as four passes over the rows. Reference:
-`add_layer_norm_reference` in reference.py.
+residual, and writes dh_total = dLayerNorm(dy) + dh as the residual's gradient and, through the dropout, as x's (two
+tensors); the weight's and bias's gradients are per-program partial sums over ROWS_PER_PROGRAM rows, summed by a
+second kernel in a fixed order (no float atomics: deterministic). Each direction's buffers are one allocation
+(`_carve`). The dropout is hashed (`hashing.hashed_keep`): element (r, c) is dropped where the top 31 bits of its
+counter's hash under a 32-bit key are below round(p * 2^31), so the backward draws the same bits again from the key
+alone, no mask stored (`fastmae.ops.add_layer_norm` draws the key from torch's generator of the device: seeds,
+checkpoints and CUDA graphs reproduce it). Unfused, torch runs the dropout forward and backward, the add, the
+LayerNorm, its input gradient and its weight gradient (`GammaBetaBackward`, 6.9 ms of a RoBERTa-base mlm step on an
+H100 at 128 x 512 tokens) as six passes over the rows. Reference: `add_layer_norm_reference` in reference.py.
 """
 
 from __future__ import annotations
@@ -18,27 +22,38 @@ import torch
 import triton
 import triton.language as tl
 
+from .hashing import dropout_threshold
+from .mask_select import _hash32_tl, _mul32_tl
 from .rows import MAX_HIDDEN, ROWS_PER_PROGRAM, tile_launch
 
 
 @triton.jit
-def _summed_rows(X, R, rows, stride_x, stride_r, cols, mask):
-    """fp32 h [BLOCK_R, BLOCK_H] of `rows`: x + residual, rounded to x's dtype first (what torch's add stores)."""
+def _kept(rows, cols, H, KEY, threshold):
+    """bool [BLOCK_R, BLOCK_H]: the elements the hashed dropout keeps (`hashing.hashed_keep`)."""
+    counters = (rows[:, None] * H + cols[None, :]) & 0xFFFFFFFF
+    return (_hash32_tl((_mul32_tl(counters, 0x9E3779B1) + tl.load(KEY)) & 0xFFFFFFFF) >> 1) >= threshold
+
+
+@triton.jit
+def _summed_rows(X, R, rows, stride_x, stride_r, cols, mask, H, KEY, threshold, scale, HAS_DROPOUT: tl.constexpr):
+    """fp32 h [BLOCK_R, BLOCK_H] of `rows`: dropout(x) + residual, each rounded to x's dtype (what torch stores)."""
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_DROPOUT:
+        x = tl.where(_kept(rows, cols, H, KEY, threshold), (x.to(tl.float32) * scale).to(X.dtype.element_ty), 0.0)
     res = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
     return (x.to(tl.float32) + res.to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
-def _add_norm_fwd_kernel(X, R, W, B, Y, H_OUT, MEAN, RSTD, n_rows, H, stride_x, stride_r, eps,
-                         HAS_BIAS: tl.constexpr, STORE_SUM: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+def _add_norm_fwd_kernel(X, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, stride_x, stride_r, eps, threshold,
+                         scale, HAS_BIAS: tl.constexpr, STORE_SUM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
     in_rows = rows < n_rows
     mask = in_rows[:, None] & (cols[None, :] < H)
     offsets = rows[:, None] * H + cols[None, :]
-    h = _summed_rows(X, R, rows, stride_x, stride_r, cols, mask)
+    h = _summed_rows(X, R, rows, stride_x, stride_r, cols, mask, H, KEY, threshold, scale, HAS_DROPOUT)
     if STORE_SUM:
         tl.store(H_OUT + offsets, h.to(H_OUT.dtype.element_ty), mask=mask)
     mean = tl.sum(h, axis=1) / H
@@ -53,8 +68,9 @@ def _add_norm_fwd_kernel(X, R, W, B, Y, H_OUT, MEAN, RSTD, n_rows, H, stride_x, 
 
 
 @triton.jit
-def _add_norm_bwd_kernel(DY, DH, X, R, W, MEAN, RSTD, DX, DR, DW_PART, DB_PART, n_rows, H, stride_x, stride_r,
-                         HAS_DH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, TILES: tl.constexpr):
+def _add_norm_bwd_kernel(DY, DH, X, R, W, MEAN, RSTD, KEY, DX, DR, DW_PART, DB_PART, n_rows, H, stride_x, stride_r,
+                         threshold, scale, HAS_DH: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_H: tl.constexpr, TILES: tl.constexpr):
     """Program p: TILES tiles of BLOCK_R rows, from row p * TILES * BLOCK_R; its partial weight and bias gradients
     into row p of DW_PART, DB_PART."""
     pid = tl.program_id(0).to(tl.int64)
@@ -68,7 +84,7 @@ def _add_norm_bwd_kernel(DY, DH, X, R, W, MEAN, RSTD, DX, DR, DW_PART, DB_PART, 
         mask = in_rows[:, None] & (cols[None, :] < H)
         offsets = rows[:, None] * H + cols[None, :]
         dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
-        h = _summed_rows(X, R, rows, stride_x, stride_r, cols, mask)
+        h = _summed_rows(X, R, rows, stride_x, stride_r, cols, mask, H, KEY, threshold, scale, HAS_DROPOUT)
         rstd = tl.load(RSTD + rows, mask=in_rows, other=0.0)[:, None]
         hhat = tl.where(mask, (h - tl.load(MEAN + rows, mask=in_rows, other=0.0)[:, None]) * rstd, 0.0)
         wdy = w * dy
@@ -77,8 +93,10 @@ def _add_norm_bwd_kernel(DY, DH, X, R, W, MEAN, RSTD, DX, DR, DW_PART, DB_PART, 
         dh = (wdy - (hhat * c1 + c2)) * rstd
         if HAS_DH:
             dh += tl.load(DH + offsets, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
         tl.store(DR + offsets, dh.to(DR.dtype.element_ty), mask=mask)  # its own tensor: no aliased gradients
+        if HAS_DROPOUT:
+            dh = tl.where(_kept(rows, cols, H, KEY, threshold), dh * scale, 0.0)
+        tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
         dw += tl.sum(dy * hhat, axis=0)
         db += tl.sum(dy, axis=0)
     tl.store(DW_PART + pid * H + cols, dw, mask=cols < H)
@@ -119,24 +137,26 @@ def _carve(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) ->
 
 class _AddLayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, keep_sum):
+    def forward(ctx, x, residual, weight, bias, eps, keep_sum, dropout_p, key):
         rows, hidden = x.shape
+        threshold, scale = dropout_threshold(dropout_p)
         y, h, stats = _carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden) if keep_sum else (0,), x.dtype),
                              ((2, rows), torch.float32))
         block = triton.next_power_of_2(hidden)
         block_r, warps = tile_launch(block)
         if rows:
             _add_norm_fwd_kernel[(triton.cdiv(rows, block_r),)](
-                x, residual, weight, bias if bias is not None else weight, y, h, stats[0], stats[1], rows, hidden,
-                x.stride(0), residual.stride(0), eps, HAS_BIAS=bias is not None, STORE_SUM=keep_sum, BLOCK_R=block_r,
+                x, residual, weight, bias if bias is not None else weight, y, h, stats[0], stats[1],
+                key if threshold else stats, rows, hidden, x.stride(0), residual.stride(0), eps, threshold, scale,
+                HAS_BIAS=bias is not None, STORE_SUM=keep_sum, HAS_DROPOUT=threshold > 0, BLOCK_R=block_r,
                 BLOCK_H=block, num_warps=warps)
-        ctx.save_for_backward(x, residual, weight, stats)
-        ctx.has_bias, ctx.keep_sum = bias is not None, keep_sum
+        ctx.save_for_backward(x, residual, weight, stats, key if threshold else stats)
+        ctx.has_bias, ctx.keep_sum, ctx.threshold, ctx.scale = bias is not None, keep_sum, threshold, scale
         return (y, h) if keep_sum else (y, None)
 
     @staticmethod
     def backward(ctx, dy, dh):
-        x, residual, weight, stats = ctx.saved_tensors
+        x, residual, weight, stats, key = ctx.saved_tensors
         rows, hidden = x.shape
         block = triton.next_power_of_2(hidden)
         block_r, warps = tile_launch(block)
@@ -149,22 +169,28 @@ class _AddLayerNorm(torch.autograd.Function):
         has_dh = ctx.keep_sum and dh is not None
         if rows:
             _add_norm_bwd_kernel[(programs,)](dy.contiguous(), dh.contiguous() if has_dh else dy, x, residual, weight,
-                                              stats[0], stats[1], dx, dr, parts[0], parts[1], rows, hidden, x.stride(0),
-                                              residual.stride(0), HAS_DH=has_dh, BLOCK_R=block_r, BLOCK_H=block,
-                                              TILES=tiles, num_warps=warps)
+                                              stats[0], stats[1], key, dx, dr, parts[0], parts[1], rows, hidden,
+                                              x.stride(0), residual.stride(0), ctx.threshold, ctx.scale,
+                                              HAS_DH=has_dh, HAS_DROPOUT=ctx.threshold > 0, BLOCK_R=block_r,
+                                              BLOCK_H=block, TILES=tiles, num_warps=warps)
         _sum_parts_kernel[(triton.cdiv(hidden, SUM_BLOCK_H),)](parts, dw, db, programs, hidden, BLOCK_P=SUM_BLOCK_P,
                                                               BLOCK_H=SUM_BLOCK_H)
-        return dx, dr, dw, db if ctx.has_bias else None, None, None
+        return dx, dr, dw, db if ctx.has_bias else None, None, None, None, None
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   eps: float = 1e-5, keep_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(LayerNorm(x + residual), x + residual if keep_sum else None) for rows x, residual [N, H] (the same dtype,
-    their last dimension contiguous), weight [H], bias [H] or None. Differentiable in x, residual, weight, bias."""
+                   eps: float = 1e-5, keep_sum: bool = False, dropout_p: float = 0.0,
+                   key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(LayerNorm(h), h if keep_sum else None), h = dropout(x) + residual, for rows x, residual [N, H] (the same
+    dtype, their last dimension contiguous), weight [H], bias [H] or None; the dropout hashed under `key` (an int64
+    tensor of one 32-bit value on x's device) where dropout_p > 0. Differentiable in x, residual, weight, bias."""
     if x.dim() != 2 or x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"add_layer_norm: x and residual must be [rows, H] of one dtype; got {tuple(x.shape)} "
                          f"{x.dtype} and {tuple(residual.shape)} {residual.dtype}")
     if x.shape[1] > MAX_HIDDEN or x.stride(1) != 1 or residual.stride(1) != 1:
         raise ValueError(f"add_layer_norm: rows of at most {MAX_HIDDEN} contiguous elements; got shape "
                          f"{tuple(x.shape)}, strides {x.stride()} and {residual.stride()}")
-    return _AddLayerNorm.apply(x, residual, weight, bias, eps, keep_sum)
+    if dropout_p and (key is None or key.numel() != 1 or key.dtype != torch.int64 or key.device != x.device):
+        raise ValueError(f"add_layer_norm: dropout_p={dropout_p} needs its key as one int64 on {x.device}; got "
+                         f"{None if key is None else (tuple(key.shape), key.dtype, str(key.device))}")
+    return _AddLayerNorm.apply(x, residual, weight, bias, eps, keep_sum, dropout_p, key)

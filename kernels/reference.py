@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .hashing import row_uniform_bits
+from .hashing import hashed_keep, row_uniform_bits
 
 # ------------------------------------------------------------------------------------------ masked selection
 
@@ -161,7 +161,10 @@ def rotary_qk_reference(q, k, cos_q, sin_q, cos_k, sin_k) -> tuple[torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------------- add + LayerNorm
-def add_layer_norm_reference(x, residual, weight, bias, eps=1e-5, keep_sum=False):
-    """`add_layer_norm` in plain torch."""
+def add_layer_norm_reference(x, residual, weight, bias, eps=1e-5, keep_sum=False, dropout_p=0.0, key=None):
+    """`add_layer_norm` in plain torch: the hashed dropout of x under `key` where dropout_p > 0 (`hashed_keep`)."""
+    if dropout_p:
+        kept, scale = hashed_keep(x.shape[0], x.shape[1], dropout_p, key)
+        x = x.masked_fill(~kept, 0.0) * scale
     summed = x + residual
     return F.layer_norm(summed, summed.shape[-1:], weight, bias, eps), summed if keep_sum else None

@@ -47,3 +47,25 @@ def test_identity_in_eval_and_at_zero_and_bad_probabilities_named():
             Dropout(bad)
         with pytest.raises(ValueError, match=str(bad)):
             dropout(x, bad)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_the_hashed_dropout_drops_at_its_rate_and_each_key_its_own_elements(p):
+    """The fused norm kernel's dropout (kernels/hashing.py `hashed_keep`): the rate p within 5 sigma over each row and
+    column band, the scale 1 / (1 - p used), and two keys' masks as unrelated as two draws (agreeing on p^2 + (1-p)^2
+    of the elements)."""
+    from fastmae.kernels.hashing import dropout_threshold, hashed_keep
+
+    rows, hidden = 4096, 768
+    masks = [hashed_keep(rows, hidden, p, torch.tensor([key]))[0] for key in (0, 1, 0x9E3779B1)]
+    sigma = (p * (1 - p) / (rows * hidden)) ** 0.5
+    for kept in masks:
+        assert abs(1 - kept.double().mean().item() - p) < 5 * sigma
+        for band in (kept[:64], kept[:, :16]):  # the first rows, the first columns: no counter pattern shows
+            assert abs(1 - band.double().mean().item() - p) < 5 * (p * (1 - p) / band.numel()) ** 0.5
+    agree = (masks[0] == masks[1]).double().mean().item()
+    assert abs(agree - (p * p + (1 - p) ** 2)) < 10 * sigma
+    threshold, scale = dropout_threshold(p)
+    assert threshold == round(p * 2**31) and scale == pytest.approx(1 / (1 - p), rel=1e-8)
+    with pytest.raises(ValueError, match="not in"):
+        dropout_threshold(1.0)

@@ -1,5 +1,6 @@
-"""Residual add + LayerNorm in one kernel (Triton) against its torch reference, forward and backward: with and without
-a bias, with the sum kept (pre-LN: the residual stream goes on, its gradient comes back) or not, rows of any stride."""
+"""Dropout + residual add + LayerNorm in one kernel (Triton) against its torch reference, forward and backward: with and
+without a bias, with the sum kept (pre-LN: the residual stream goes on, its gradient comes back) or not, with and
+without dropout, rows of any stride."""
 
 import pytest
 import torch
@@ -14,12 +15,14 @@ SHAPES = [pytest.param(1, 8, id="N1-H8"), pytest.param(37, 100, id="N37-H100"), 
 
 @pytest.mark.parametrize("rows, hidden", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("with_bias, keep_sum", [(True, False), (False, True)],  # RoBERTa's post-LN; ModernBERT's
-                         ids=["bias-post-LN", "no-bias-pre-LN"])                  # pre-LN without biases
+@pytest.mark.parametrize("with_bias, keep_sum, dropout_p", [(True, False, 0.1), (False, True, 0.0), (True, True, 0.3)],
+                         ids=["bias-post-LN-dropout", "no-bias-pre-LN", "bias-pre-LN-dropout"])  # RoBERTa's; ModernBERT's
 @pytest.mark.parametrize("seed", [0, 1])
-def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden, dtype, with_bias, keep_sum, seed,
-                                                                   nan_empty):
+def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden, dtype, with_bias, keep_sum, dropout_p,
+                                                                   seed, nan_empty):
+    """The hashed dropout's bits are the reference's under the same key: the same elements dropped, the same scale."""
     gen = torch.Generator().manual_seed(seed)
+    key = torch.tensor([0x9E3779B1 * (seed + 1) % 2**32], dtype=torch.int64, device=KERNEL_DEVICE)
     wide = torch.randn(rows, hidden + 5, generator=gen)  # x as a strided view: rows hidden + 5 apart
     residual = 3 * torch.randn(rows, hidden, generator=gen) + 1
     weight, bias = 1 + 0.2 * torch.randn(hidden, generator=gen), 0.3 * torch.randn(hidden, generator=gen)
@@ -27,7 +30,8 @@ def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden,
 
     def run(fn, run_dtype):
         leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (wide, residual, weight, bias)]
-        y, h = fn(leaves[0][:, :hidden], leaves[1], leaves[2], leaves[3] if with_bias else None, 1e-5, keep_sum)
+        y, h = fn(leaves[0][:, :hidden], leaves[1], leaves[2], leaves[3] if with_bias else None, 1e-5, keep_sum,
+                  dropout_p, key)
         outs, grads = [y], [grad_y]
         if keep_sum:
             outs.append(h)
@@ -79,3 +83,34 @@ def test_a_layer_under_autocast_adds_and_norms_as_torch_does(norm_position, monk
             outs.append(layer(x, meta))
     assert outs[1].dtype == outs[0].dtype
     torch.testing.assert_close(outs[1], outs[0])
+
+
+def test_a_layers_fused_dropout_is_keyed_by_torchs_generator(monkeypatch):
+    """On the Triton path a training layer's dropout runs inside the norm kernel under a key drawn from torch's
+    generator: the same seed repeats its output, another seed drops other elements, and without dropout (eval) the
+    Triton and torch paths agree."""
+    from conftest import tiny_config
+
+    from fastmae.attention import VarlenMeta
+    from fastmae.layers import TransformerLayer
+
+    config = tiny_config("mlm", norm_position="post")
+    torch.manual_seed(0)
+    layer = TransformerLayer(config, dropout=0.2, attention_dropout=0.0).to(KERNEL_DEVICE).train()
+    layer.attention_backend = "padded"
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    seq_ids = torch.repeat_interleave(torch.arange(2), torch.tensor([5, 9]))
+    meta = VarlenMeta.build(cu.to(KERNEL_DEVICE), 9, seq_ids.to(KERNEL_DEVICE),
+                            (torch.arange(14) - cu.long()[seq_ids]).int().to(KERNEL_DEVICE), consecutive=True)
+    x = torch.randn(14, config.hidden_size, device=KERNEL_DEVICE)
+    monkeypatch.setenv("FASTMAE_KERNELS", "triton")
+    outs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        outs.append(layer(x, meta))
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    layer.eval()
+    fused = layer(x, meta)
+    monkeypatch.setenv("FASTMAE_KERNELS", "torch")
+    torch.testing.assert_close(fused, layer(x, meta))
+    assert not torch.allclose(outs[0], fused)  # training dropped something
