@@ -44,6 +44,7 @@ embed_rows = _dispatch("embed_rows")
 insert_rows = _dispatch("insert_rows")
 linear_cross_entropy = _dispatch("linear_cross_entropy")
 rotary_qk = _dispatch("rotary_qk")  # q and k rotated by their rows' rotary tables
+geglu = _dispatch("geglu")  # a gated feed-forward's gelu(x) * gate from the rows [x | gate]
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -1,7 +1,7 @@
 """fastmae.kernels: Triton kernels for packed varlen tensors, each with a plain-torch reference.
 
 Every op comes in two implementations with the same signature: `name` (Triton; CUDA, or CPU under
-TRITON_INTERPRET=1), in the module of its topic (mask_select, rows, cross_entropy, rotary, norm), and
+TRITON_INTERPRET=1), in the module of its topic (mask_select, rows, cross_entropy, rotary, norm, activation), and
 `name_reference` (plain torch: the CPU path, the oracle of the tests, the benchmark baseline), in reference.py. The
 references and the masking hash (hashing.py) import no Triton; the Triton ops are imported on first use, so fastmae
 installs and trains on CPU where Triton is not installed (macOS, CPU-only boxes). They know no model. This folder
@@ -16,6 +16,7 @@ from .reference import (
     add_layer_norm_reference,
     apply_rotary_reference,
     embed_rows_reference,
+    geglu_reference,
     insert_rows_reference,
     linear_cross_entropy_reference,
     rank_within_sequences,
@@ -25,7 +26,7 @@ from .reference import (
 
 TRITON_OPS = {"select_masked": "mask_select", "embed_rows": "rows", "insert_rows": "rows",
               "linear_cross_entropy": "cross_entropy", "rotary_qk": "rotary",
-              "add_layer_norm": "norm"}  # op -> module, imported on first use
+              "add_layer_norm": "norm", "geglu": "activation"}  # op -> module, imported on first use
 
 
 def __getattr__(name: str):
@@ -49,6 +50,8 @@ __all__ = [
     "apply_rotary_reference",
     "embed_rows",
     "embed_rows_reference",
+    "geglu",
+    "geglu_reference",
     "hash32",
     "insert_rows",
     "insert_rows_reference",

@@ -7,7 +7,7 @@ Compiles each (kernel, block size, warps, flags, dtype) the launchers can choose
 `cuobjdump --dump-resource-usage`, the tool shipped inside the triton wheel. Run without TRITON_INTERPRET.
 
 The table is a pure function of this directory's sources and Triton's version (`inputs_sha256`), and compiling all
-562 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
+586 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
 REGENERATE) and the suite checks it is of the kernels it has, compiling a few configurations itself; --match compiles
 those whose "kernel config" matches.
 """
@@ -142,6 +142,20 @@ def _norm_configs():
                dict(BLOCK_P=norm.SUM_BLOCK_P, BLOCK_H=norm.SUM_BLOCK_H), 4)
 
 
+def _activation_configs():
+    from . import activation
+
+    for columns in (64, 256, activation.COLUMNS_PER_PROGRAM):  # narrow rows, and a full column block (wide rows)
+        block_r, block_c, warps = activation.launch_shape(columns)
+        for dtype in ("fp32", "bf16"):
+            sizes = dict(n_rows="i32", I="i32")
+            blocks = dict(BLOCK_R=block_r, BLOCK_C=block_c)
+            yield ("activation._geglu_fwd_kernel", f"{dtype} BLOCK_C={block_c}",
+                   dict(A=f"*{dtype}", Y=f"*{dtype}", **sizes), blocks, warps)
+            yield ("activation._geglu_bwd_kernel", f"{dtype} BLOCK_C={block_c}",
+                   dict(DY=f"*{dtype}", A=f"*{dtype}", DA=f"*{dtype}", **sizes), blocks, warps)
+
+
 def all_configs():
     """Every (kernel, description, signature, constexprs, num_warps) the launchers can use."""
     yield from _row_configs()
@@ -149,6 +163,7 @@ def all_configs():
     yield from _ce_configs()
     yield from _rotary_configs()
     yield from _norm_configs()
+    yield from _activation_configs()
 
 
 def _cuobjdump() -> str:

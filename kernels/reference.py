@@ -168,3 +168,9 @@ def add_layer_norm_reference(x, residual, weight, bias, eps=1e-5, keep_sum=False
         x = x.masked_fill(~kept, 0.0) * scale
     summed = x + residual
     return F.layer_norm(summed, summed.shape[-1:], weight, bias, eps), summed if keep_sum else None
+
+
+def geglu_reference(a):
+    """`geglu` in plain torch: gelu(x) * gate for rows a = [x | gate]."""
+    x, gate = a.chunk(2, dim=-1)
+    return F.gelu(x) * gate

@@ -1,0 +1,66 @@
+"""GeGLU in one kernel (Triton) against its torch reference, forward and backward: rows of odd and wide widths (wide
+rows take several programs a row), fp32 and bf16, several seeds; and a gated layer on the Triton path computing what
+the torch path computes."""
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE
+from fastmae.kernels import geglu, geglu_reference
+from tolerance import assert_as_accurate
+
+DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
+SHAPES = [pytest.param(1, 8, id="N1-I8"), pytest.param(37, 100, id="N37-I100"),
+          pytest.param(9, 2600, id="N9-I2600"),  # three column blocks, the last partial
+          pytest.param(16384, 1152, id="N16384-I1152", marks=pytest.mark.large)]  # ModernBERT-base's
+
+
+@pytest.mark.parametrize("rows, columns", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_geglu_matches_the_reference_forward_and_backward(rows, columns, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    a = 2 * torch.randn(rows, 2 * columns, generator=gen)  # x over GELU's bend and tails, a gate of either sign
+    grad_y = torch.randn(rows, columns, generator=gen)
+
+    def run(fn, run_dtype):
+        leaf = a.to(KERNEL_DEVICE, run_dtype).requires_grad_()
+        y = fn(leaf)
+        (da,) = torch.autograd.grad(y, leaf, grad_y.to(KERNEL_DEVICE, run_dtype))
+        return y, da
+
+    got, plain, exact = run(geglu, dtype), run(geglu_reference, dtype), run(geglu_reference, torch.float64)
+    for name, g, p, e in zip(("y", "da"), got, plain, exact):
+        assert g.dtype == dtype
+        assert_as_accurate(f"geglu {name}", g.cpu(), p.cpu(), e.cpu(), dtype, factor=2)
+
+
+def test_geglu_names_what_it_cannot_take():
+    a = torch.randn(4, 8, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match=r"\[N, 2I\]"):
+        geglu(a[:, :7])
+    with pytest.raises(ValueError, match="contiguous"):
+        geglu(a.t())
+
+
+def test_a_gated_layer_computes_on_the_triton_path_what_the_torch_path_computes(monkeypatch):
+    from conftest import tiny_config
+
+    from fastmae.attention import VarlenMeta
+    from fastmae.layers import TransformerLayer
+
+    config = tiny_config("mlm", norm_position="pre", ffn_gated=True)
+    torch.manual_seed(0)
+    layer = TransformerLayer(config, dropout=0.0, attention_dropout=0.0).to(KERNEL_DEVICE)
+    layer.attention_backend = "padded"
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    seq_ids = torch.repeat_interleave(torch.arange(2), torch.tensor([5, 9]))
+    meta = VarlenMeta.build(cu.to(KERNEL_DEVICE), 9, seq_ids.to(KERNEL_DEVICE),
+                            (torch.arange(14) - cu.long()[seq_ids]).int().to(KERNEL_DEVICE), consecutive=True)
+    x = torch.randn(14, config.hidden_size, device=KERNEL_DEVICE, requires_grad=True)
+    results = []
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("FASTMAE_KERNELS", mode)
+        out = layer(x, meta)
+        results.append((out, *torch.autograd.grad(out.square().sum(), (x, layer.ffn_in.weight))))
+    for fused, plain in zip(results[1], results[0]):
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
