@@ -30,32 +30,33 @@ def _gelu_parts(x):
 
 
 @triton.jit
-def _tile(n_rows, I, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """(offsets of the tile's x elements in a [N, 2I] row-major tensor, of its y elements in [N, I], its mask)."""
+def _tile(n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(offsets of the tile's x elements in a [N, 2 n_cols] row-major tensor, of its y elements in [N, n_cols], its
+    mask)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < I)
-    return rows[:, None] * (2 * I) + cols[None, :], rows[:, None] * I + cols[None, :], mask
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return rows[:, None] * (2 * n_cols) + cols[None, :], rows[:, None] * n_cols + cols[None, :], mask
 
 
 @triton.jit
-def _geglu_fwd_kernel(A, Y, n_rows, I, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    a_offsets, y_offsets, mask = _tile(n_rows, I, BLOCK_R, BLOCK_C)
+def _geglu_fwd_kernel(A, Y, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    a_offsets, y_offsets, mask = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
     x = tl.load(A + a_offsets, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(A + a_offsets + I, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(A + a_offsets + n_cols, mask=mask, other=0.0).to(tl.float32)
     gelu, _ = _gelu_parts(x)
     tl.store(Y + y_offsets, (gelu * gate).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _geglu_bwd_kernel(DY, A, DA, n_rows, I, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    a_offsets, y_offsets, mask = _tile(n_rows, I, BLOCK_R, BLOCK_C)
+def _geglu_bwd_kernel(DY, A, DA, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    a_offsets, y_offsets, mask = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
     dy = tl.load(DY + y_offsets, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(A + a_offsets, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(A + a_offsets + I, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(A + a_offsets + n_cols, mask=mask, other=0.0).to(tl.float32)
     gelu, slope = _gelu_parts(x)
     tl.store(DA + a_offsets, (dy * gate * slope).to(DA.dtype.element_ty), mask=mask)
-    tl.store(DA + a_offsets + I, (dy * gelu).to(DA.dtype.element_ty), mask=mask)
+    tl.store(DA + a_offsets + n_cols, (dy * gelu).to(DA.dtype.element_ty), mask=mask)
 
 
 def launch_shape(columns: int) -> tuple[int, int, int]:

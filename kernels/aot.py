@@ -148,7 +148,7 @@ def _activation_configs():
     for columns in (64, 256, activation.COLUMNS_PER_PROGRAM):  # narrow rows, and a full column block (wide rows)
         block_r, block_c, warps = activation.launch_shape(columns)
         for dtype in ("fp32", "bf16"):
-            sizes = dict(n_rows="i32", I="i32")
+            sizes = dict(n_rows="i32", n_cols="i32")
             blocks = dict(BLOCK_R=block_r, BLOCK_C=block_c)
             yield ("activation._geglu_fwd_kernel", f"{dtype} BLOCK_C={block_c}",
                    dict(A=f"*{dtype}", Y=f"*{dtype}", **sizes), blocks, warps)

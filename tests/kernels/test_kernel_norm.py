@@ -15,8 +15,9 @@ SHAPES = [pytest.param(1, 8, id="N1-H8"), pytest.param(37, 100, id="N37-H100"), 
 
 @pytest.mark.parametrize("rows, hidden", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("with_bias, keep_sum, dropout_p", [(True, False, 0.1), (False, True, 0.0), (True, True, 0.3)],
-                         ids=["bias-post-LN-dropout", "no-bias-pre-LN", "bias-pre-LN-dropout"])  # RoBERTa's; ModernBERT's
+@pytest.mark.parametrize("with_bias, keep_sum, dropout_p",  # RoBERTa's post-LN; ModernBERT's pre-LN; a pre-LN with both
+                         [(True, False, 0.1), (False, True, 0.0), (True, True, 0.3)],
+                         ids=["bias-post-LN-dropout", "no-bias-pre-LN", "bias-pre-LN-dropout"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden, dtype, with_bias, keep_sum, dropout_p,
                                                                    seed, nan_empty):
