@@ -110,6 +110,18 @@ def test_a_layers_fused_dropout_is_keyed_by_torchs_generator(monkeypatch):
         torch.manual_seed(seed)
         outs.append(layer(x, meta))
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    # activation checkpointing recomputes the forward in the backward: torch.utils.checkpoint restores the generator,
+    # so the recomputation draws the same key and the gradients are the uncheckpointed ones
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(5)
+        leaf = x.clone().requires_grad_()
+        out = torch.utils.checkpoint.checkpoint(layer, leaf, meta, use_reentrant=False) if checkpointed else \
+            layer(leaf, meta)
+        assert torch.equal(out, outs[0])
+        grads.append(torch.autograd.grad(out.square().sum(), (leaf, layer.ffn_norm.weight)))
+    for plain, recomputed in zip(*grads):
+        assert torch.equal(plain, recomputed)
     layer.eval()
     fused = layer(x, meta)
     monkeypatch.setenv("FASTMAE_KERNELS", "torch")
