@@ -78,7 +78,7 @@ class TransformerLayer(nn.Module):
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:  # GeGLU: gelu(input) * gate (`ops.geglu`: one Triton kernel each way on CUDA)
             return self.ffn_out(ops.geglu(self.ffn_in(x)))
-        return self.ffn_out(F.gelu(self.ffn_in(x)))
+        return self.ffn_out(ops.linear_gelu(x, self.ffn_in.weight, self.ffn_in.bias))  # one kernel on CUDA
 
     def forward(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None = None,
                 meta_k: VarlenMeta | None = None, bias: StreamBias | None = None) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from . import kernels
 from .dropout import dropout
@@ -58,3 +59,14 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
         key = torch.randint(0, 2**32, (1,), dtype=torch.int64, device=x.device) if dropout_p else None
         return kernels.add_layer_norm(x, residual, weight, bias, eps, keep_sum, dropout_p, key)
     return kernels.add_layer_norm_reference(dropout(x, dropout_p), residual, weight, bias, eps, keep_sum)
+
+
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """gelu(x W^T + b), a feed-forward's input projection and activation: where `x` goes to Triton, the projection
+    without its bias and the bias + GELU in one kernel each way (`kernels.bias_gelu`: the bias gradient summed with
+    the GELU's); else, and under autocast (where the bias's dtype and the projection's differ), torch's linear and
+    GELU."""
+    if (bias is not None and use_triton(x) and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled(x.device.type)):
+        return kernels.bias_gelu(F.linear(x, weight), bias)
+    return F.gelu(F.linear(x, weight, bias))

@@ -15,6 +15,7 @@ from .reference import (
     MaskSelection,
     add_layer_norm_reference,
     apply_rotary_reference,
+    bias_gelu_reference,
     embed_rows_reference,
     geglu_reference,
     insert_rows_reference,
@@ -26,7 +27,8 @@ from .reference import (
 
 TRITON_OPS = {"select_masked": "mask_select", "embed_rows": "rows", "insert_rows": "rows",
               "linear_cross_entropy": "cross_entropy", "rotary_qk": "rotary",
-              "add_layer_norm": "norm", "geglu": "activation"}  # op -> module, imported on first use
+              "add_layer_norm": "norm", "geglu": "activation",
+              "bias_gelu": "activation"}  # op -> module, imported on first use
 
 
 def __getattr__(name: str):
@@ -48,6 +50,8 @@ __all__ = [
     "add_layer_norm",
     "add_layer_norm_reference",
     "apply_rotary_reference",
+    "bias_gelu",
+    "bias_gelu_reference",
     "embed_rows",
     "embed_rows_reference",
     "geglu",

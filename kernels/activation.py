@@ -1,13 +1,16 @@
-"""GeGLU in one kernel, forward and backward: a gated feed-forward's `gelu(x) * gate` (ModernBERT's), straight from
-the input projection's output.
+"""The feed-forward's activation in one kernel each way, straight from the input projection's output: GeGLU (a gated
+feed-forward's `gelu(x) * gate`, ModernBERT's) and bias + GELU (RoBERTa's `gelu(x W^T + b)`), the exact (erf) GELU
+computed in fp32 and rounded once.
 
-    a = [x | gate]  [N, 2I] (the projection's rows, as `chunk(2, dim=-1)` splits them)      y = gelu(x) * gate  [N, I]
+    geglu:      a = [x | gate]  [N, 2I] (the projection's rows, as `chunk(2, dim=-1)` splits them)  ->  gelu(x) * gate
+    bias_gelu:  a = x W^T  [N, I] (the projection without its bias), b [I]                         ->  gelu(a + b)
 
-with the exact (erf) GELU, computed in fp32 and rounded once. Forward reads a once and writes y; backward reads dy
-and a once and writes da = [dy * gate * gelu'(x) | dy * gelu(x)] as one [N, 2I] tensor, the projection's output
-gradient as it is. Unfused, torch runs the GELU, the product, the product's two gradients, the GELU's gradient and
-the concatenation of the halves' gradients (`chunk`'s backward): six passes over the rows where this makes two.
-Reference: `geglu_reference` in reference.py.
+GeGLU's forward reads a once and writes y; its backward reads dy and a once and writes da = [dy * gate * gelu'(x) |
+dy * gelu(x)] as one [N, 2I] tensor, the projection's output gradient as it is. Unfused, torch runs the GELU, the
+product, the product's two gradients, the GELU's gradient and the concatenation of the halves' gradients (`chunk`'s
+backward): six passes over the rows where this makes two. bias + GELU's backward writes da and, from the same
+registers, each program's partial column sums of it (the bias gradient, summed in a fixed order): unfused, the
+bias's gradient reads da once more. References: `geglu_reference`, `bias_gelu_reference` in reference.py.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import triton.language as tl
 from .rows import tile_launch
 
 COLUMNS_PER_PROGRAM = 1024  # a program's block of the I columns (at most): wide rows take several programs
+ROWS_PER_BIAS_PROGRAM = 64  # bias + GELU's backward: rows a program sums, so the bias gradient's partials stay few
 
 
 @triton.jit
@@ -59,6 +63,38 @@ def _geglu_bwd_kernel(DY, A, DA, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C:
     tl.store(DA + a_offsets + n_cols, (dy * gelu).to(DA.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _bias_gelu_fwd_kernel(A, B, Y, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    offsets = rows[:, None] * n_cols + cols[None, :]
+    x = tl.load(A + offsets, mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    gelu, _ = _gelu_parts(x)
+    tl.store(Y + offsets, gelu.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(DY, A, B, DA, DB_PART, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                          TILES: tl.constexpr):
+    """Program (p, c): TILES tiles of BLOCK_R rows from row p * TILES * BLOCK_R, columns block c; its partial bias
+    gradient into row p of DB_PART."""
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    bias = tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    db = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for tile in range(TILES):
+        rows = (tl.program_id(0).to(tl.int64) * TILES + tile) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        offsets = rows[:, None] * n_cols + cols[None, :]
+        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+        _, slope = _gelu_parts(tl.load(A + offsets, mask=mask, other=0.0).to(tl.float32) + bias)
+        da = tl.where(mask, dy * slope, 0.0)
+        tl.store(DA + offsets, da.to(DA.dtype.element_ty), mask=mask)
+        db += tl.sum(da, axis=0)
+    tl.store(DB_PART + tl.program_id(0).to(tl.int64) * n_cols + cols, db, mask=cols < n_cols)
+
+
 def launch_shape(columns: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps) for rows of `columns` outputs: `tile_launch`'s tile of a column block."""
     block_c = min(triton.next_power_of_2(columns), COLUMNS_PER_PROGRAM)
@@ -93,6 +129,43 @@ class _GeGLU(torch.autograd.Function):
                                                                        BLOCK_R=block_r, BLOCK_C=block_c,
                                                                        num_warps=warps)
         return da
+
+
+class _BiasGELU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, bias):
+        rows, columns = a.shape
+        y = torch.empty_like(a)
+        block_r, block_c, warps = launch_shape(columns)
+        if rows and columns:
+            _bias_gelu_fwd_kernel[_grid(rows, columns, block_r, block_c)](a, bias, y, rows, columns, BLOCK_R=block_r,
+                                                                           BLOCK_C=block_c, num_warps=warps)
+        ctx.save_for_backward(a, bias)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, bias = ctx.saved_tensors
+        rows, columns = a.shape
+        block_r, block_c, warps = launch_shape(columns)
+        tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
+        programs = triton.cdiv(rows, tiles * block_r)
+        da = torch.empty_like(a)
+        parts = torch.empty(programs, columns, device=a.device, dtype=torch.float32)
+        if rows and columns:
+            _bias_gelu_bwd_kernel[(programs, triton.cdiv(columns, block_c))](
+                dy.contiguous(), a, bias, da, parts, rows, columns, BLOCK_R=block_r, BLOCK_C=block_c, TILES=tiles,
+                num_warps=warps)
+        return da, parts.sum(0).to(bias.dtype)  # the partials in a fixed order: deterministic
+
+
+def bias_gelu(a: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """gelu(a + bias) for rows a [N, I] (contiguous; exact GELU) and bias [I]: [N, I] in a's dtype. Differentiable in a
+    and bias."""
+    if a.dim() != 2 or not a.is_contiguous() or bias.shape != (a.shape[1],):
+        raise ValueError(f"bias_gelu: a must be contiguous rows [N, I] and bias [I]; got {tuple(a.shape)} (strides "
+                         f"{a.stride()}) and {tuple(bias.shape)}")
+    return _BiasGELU.apply(a, bias)
 
 
 def geglu(a: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ Compiles each (kernel, block size, warps, flags, dtype) the launchers can choose
 `cuobjdump --dump-resource-usage`, the tool shipped inside the triton wheel. Run without TRITON_INTERPRET.
 
 The table is a pure function of this directory's sources and Triton's version (`inputs_sha256`), and compiling all
-586 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
+610 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
 REGENERATE) and the suite checks it is of the kernels it has, compiling a few configurations itself; --match compiles
 those whose "kernel config" matches.
 """
@@ -154,6 +154,11 @@ def _activation_configs():
                    dict(A=f"*{dtype}", Y=f"*{dtype}", **sizes), blocks, warps)
             yield ("activation._geglu_bwd_kernel", f"{dtype} BLOCK_C={block_c}",
                    dict(DY=f"*{dtype}", A=f"*{dtype}", DA=f"*{dtype}", **sizes), blocks, warps)
+            yield ("activation._bias_gelu_fwd_kernel", f"{dtype} BLOCK_C={block_c}",
+                   dict(A=f"*{dtype}", B=f"*{dtype}", Y=f"*{dtype}", **sizes), blocks, warps)
+            yield ("activation._bias_gelu_bwd_kernel", f"{dtype} BLOCK_C={block_c}",
+                   dict(DY=f"*{dtype}", A=f"*{dtype}", B=f"*{dtype}", DA=f"*{dtype}", DB_PART="*fp32", **sizes),
+                   {**blocks, "TILES": max(1, activation.ROWS_PER_BIAS_PROGRAM // block_r)}, warps)
 
 
 def all_configs():

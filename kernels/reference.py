@@ -174,3 +174,8 @@ def geglu_reference(a):
     """`geglu` in plain torch: gelu(x) * gate for rows a = [x | gate]."""
     x, gate = a.chunk(2, dim=-1)
     return F.gelu(x) * gate
+
+
+def bias_gelu_reference(a, bias):
+    """`bias_gelu` in plain torch: gelu(a + bias)."""
+    return F.gelu(a + bias)

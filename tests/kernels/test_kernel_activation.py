@@ -1,11 +1,11 @@
-"""GeGLU in one kernel (Triton) against its torch reference, forward and backward: rows of odd and wide widths (wide
-rows take several programs a row), fp32 and bf16, several seeds; and a gated layer on the Triton path computing what
-the torch path computes."""
+"""GeGLU and bias + GELU, each in one kernel (Triton), against their torch references, forward and backward: rows of
+odd and wide widths (wide rows take several programs a row; many rows, several bias-gradient partials), fp32 and
+bf16, several seeds; and layers on the Triton path computing what the torch path computes."""
 
 import pytest
 import torch
 from conftest import KERNEL_DEVICE
-from fastmae.kernels import geglu, geglu_reference
+from fastmae.kernels import bias_gelu, bias_gelu_reference, geglu, geglu_reference
 from tolerance import assert_as_accurate
 
 DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
@@ -34,21 +34,43 @@ def test_geglu_matches_the_reference_forward_and_backward(rows, columns, dtype, 
         assert_as_accurate(f"geglu {name}", g.cpu(), p.cpu(), e.cpu(), dtype, factor=2)
 
 
+@pytest.mark.parametrize("rows, columns", [*SHAPES[:3], pytest.param(300, 70, id="N300-I70")])  # 3 row programs
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bias_gelu_matches_the_reference_forward_and_backward(rows, columns, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    a, bias = 2 * torch.randn(rows, columns, generator=gen), torch.randn(columns, generator=gen)
+    grad_y = torch.randn(rows, columns, generator=gen)
+
+    def run(fn, run_dtype):
+        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (a, bias)]
+        y = fn(*leaves)
+        return (y, *torch.autograd.grad(y, leaves, grad_y.to(KERNEL_DEVICE, run_dtype)))
+
+    got, plain, exact = run(bias_gelu, dtype), run(bias_gelu_reference, dtype), run(bias_gelu_reference, torch.float64)
+    for name, g, p, e in zip(("y", "da", "dbias"), got, plain, exact):
+        assert g.dtype == dtype
+        assert_as_accurate(f"bias_gelu {name}", g.cpu(), p.cpu(), e.cpu(), dtype, factor=2)
+
+
 def test_geglu_names_what_it_cannot_take():
     a = torch.randn(4, 8, device=KERNEL_DEVICE)
     with pytest.raises(ValueError, match=r"\[N, 2I\]"):
         geglu(a[:, :7])
     with pytest.raises(ValueError, match="contiguous"):
         geglu(a.t())
+    with pytest.raises(ValueError, match=r"bias \[I\]"):
+        bias_gelu(a, a[0, :4])
 
 
-def test_a_gated_layer_computes_on_the_triton_path_what_the_torch_path_computes(monkeypatch):
+@pytest.mark.parametrize("gated", [True, False], ids=["GeGLU", "bias-GELU"])
+def test_a_layer_computes_on_the_triton_path_what_the_torch_path_computes(gated, monkeypatch):
     from conftest import tiny_config
 
     from fastmae.attention import VarlenMeta
     from fastmae.layers import TransformerLayer
 
-    config = tiny_config("mlm", norm_position="pre", ffn_gated=True)
+    config = tiny_config("mlm", norm_position="pre", ffn_gated=True) if gated else tiny_config("mlm")
     torch.manual_seed(0)
     layer = TransformerLayer(config, dropout=0.0, attention_dropout=0.0).to(KERNEL_DEVICE)
     layer.attention_backend = "padded"
@@ -61,6 +83,7 @@ def test_a_gated_layer_computes_on_the_triton_path_what_the_torch_path_computes(
     for mode in ("torch", "triton"):
         monkeypatch.setenv("FASTMAE_KERNELS", mode)
         out = layer(x, meta)
-        results.append((out, *torch.autograd.grad(out.square().sum(), (x, layer.ffn_in.weight))))
+        wanted = (x, layer.ffn_in.weight) if gated else (x, layer.ffn_in.weight, layer.ffn_in.bias)
+        results.append((out, *torch.autograd.grad(out.square().sum(), wanted)))
     for fused, plain in zip(results[1], results[0]):
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
