@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import tile_launch
+from .rows import carve, tile_launch
 
 COLUMNS_PER_PROGRAM = 1024  # a program's block of the I columns (at most): wide rows take several programs
 ROWS_PER_BIAS_PROGRAM = 64  # bias + GELU's backward: rows a program sums, so the bias gradient's partials stay few
@@ -150,8 +150,7 @@ class _BiasGELU(torch.autograd.Function):
         block_r, block_c, warps = launch_shape(columns)
         tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
         programs = triton.cdiv(rows, tiles * block_r)
-        da = torch.empty_like(a)
-        parts = torch.empty(programs, columns, device=a.device, dtype=torch.float32)
+        da, parts = carve(a.device, ((rows, columns), a.dtype), ((programs, columns), torch.float32))
         if rows and columns:
             _bias_gelu_bwd_kernel[(programs, triton.cdiv(columns, block_c))](
                 dy.contiguous(), a, bias, da, parts, rows, columns, BLOCK_R=block_r, BLOCK_C=block_c, TILES=tiles,

@@ -8,7 +8,7 @@ with each row's mean and 1 / std in fp32. Backward reads dy (and dh, h's own gra
 residual, and writes dh_total = dLayerNorm(dy) + dh as the residual's gradient and, through the dropout, as x's (two
 tensors); the weight's and bias's gradients are per-program partial sums over ROWS_PER_PROGRAM rows, summed by a
 second kernel in a fixed order (no float atomics: deterministic). Each direction's buffers are one allocation
-(`_carve`). The dropout is hashed (`hashing.hashed_keep`): element (r, c) is dropped where the top 31 bits of its
+(`rows.carve`). The dropout is hashed (`hashing.hashed_keep`): element (r, c) is dropped where the top 31 bits of its
 counter's hash under a 32-bit key are below round(p * 2^31), so the backward draws the same bits again from the key
 alone, no mask stored (`fastmae.ops.add_layer_norm` draws the key from torch's generator of the device: seeds,
 checkpoints and CUDA graphs reproduce it). Unfused, torch runs the dropout forward and backward, the add, the
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .hashing import dropout_threshold
 from .mask_select import _hash32_tl, _mul32_tl
-from .rows import MAX_HIDDEN, ROWS_PER_PROGRAM, tile_launch
+from .rows import MAX_HIDDEN, ROWS_PER_PROGRAM, carve, tile_launch
 
 
 @triton.jit
@@ -123,24 +123,12 @@ def _sum_parts_kernel(PARTS, DW, DB, programs, H, BLOCK_P: tl.constexpr, BLOCK_H
 SUM_BLOCK_P, SUM_BLOCK_H = 32, 64  # _sum_parts_kernel's tile: 32 partial rows x 64 columns
 
 
-def _carve(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
-    """Tensors of the given (shape, dtype) as views of one allocation, each 256-byte aligned: one op for the host to
-    issue however many buffers a kernel writes (benchmarks/host_overhead.py counts each allocation)."""
-    offsets, size = [], 0
-    for shape, dtype in specs:
-        offsets.append(size)
-        size += -(-torch.Size(shape).numel() * dtype.itemsize // 256) * 256
-    buffer = torch.empty(max(size, 1), device=device, dtype=torch.uint8)
-    return [buffer[start:start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
-            for start, (shape, dtype) in zip(offsets, specs)]
-
-
 class _AddLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, keep_sum, dropout_p, key):
         rows, hidden = x.shape
         threshold, scale = dropout_threshold(dropout_p)
-        y, h, stats = _carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden) if keep_sum else (0,), x.dtype),
+        y, h, stats = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden) if keep_sum else (0,), x.dtype),
                              ((2, rows), torch.float32))
         block = triton.next_power_of_2(hidden)
         block_r, warps = tile_launch(block)
@@ -163,7 +151,7 @@ class _AddLayerNorm(torch.autograd.Function):
         tiles = max(1, ROWS_PER_PROGRAM // block_r)  # rows a program: at least ROWS_PER_PROGRAM (few partials)
         programs = triton.cdiv(rows, tiles * block_r)
         # dx and dr two tensors (no aliased gradients); every program writes its row of partial sums
-        dx, dr, parts, dw, db = _carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden), x.dtype),
+        dx, dr, parts, dw, db = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden), x.dtype),
                                        ((2, programs, hidden), torch.float32), ((hidden,), weight.dtype),
                                        ((hidden,), weight.dtype))
         has_dh = ctx.keep_sum and dh is not None

@@ -131,6 +131,18 @@ def tile_launch(block: int) -> tuple[int, int]:
     return rows, max(4, min(16, rows * block // 256))
 
 
+def carve(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
+    """Tensors of the given (shape, dtype) as views of one allocation, each 256-byte aligned: one op for the host to
+    issue however many buffers a kernel writes (benchmarks/host_overhead.py counts each allocation)."""
+    offsets, size = [], 0
+    for shape, dtype in specs:
+        offsets.append(size)
+        size += -(-torch.Size(shape).numel() * dtype.itemsize // 256) * 256
+    buffer = torch.empty(max(size, 1), device=device, dtype=torch.uint8)
+    return [buffer[start:start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+            for start, (shape, dtype) in zip(offsets, specs)]
+
+
 def _placeholder(device):
     """An empty tensor passed for a pointer argument that the kernel's flags leave unused."""
     return torch.empty(0, device=device)
