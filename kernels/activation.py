@@ -34,18 +34,18 @@ def _gelu_parts(x):
 
 
 @triton.jit
-def _tile(n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """(offsets of the tile's x elements in a [N, 2 n_cols] row-major tensor, of its y elements in [N, n_cols], its
-    mask)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _tile(row_block, n_rows, n_cols, WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(offsets of the tile's input elements in a [N, WIDTH * n_cols] row-major tensor, of its outputs in [N, n_cols],
+    its mask, its columns) for rows block `row_block` and columns block program_id(1)."""
+    rows = row_block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    return rows[:, None] * (2 * n_cols) + cols[None, :], rows[:, None] * n_cols + cols[None, :], mask
+    return rows[:, None] * (WIDTH * n_cols) + cols[None, :], rows[:, None] * n_cols + cols[None, :], mask, cols
 
 
 @triton.jit
 def _geglu_fwd_kernel(A, Y, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    a_offsets, y_offsets, mask = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
+    a_offsets, y_offsets, mask, _ = _tile(tl.program_id(0), n_rows, n_cols, 2, BLOCK_R, BLOCK_C)
     x = tl.load(A + a_offsets, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(A + a_offsets + n_cols, mask=mask, other=0.0).to(tl.float32)
     gelu, _ = _gelu_parts(x)
@@ -54,7 +54,7 @@ def _geglu_fwd_kernel(A, Y, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.c
 
 @triton.jit
 def _geglu_bwd_kernel(DY, A, DA, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    a_offsets, y_offsets, mask = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
+    a_offsets, y_offsets, mask, _ = _tile(tl.program_id(0), n_rows, n_cols, 2, BLOCK_R, BLOCK_C)
     dy = tl.load(DY + y_offsets, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(A + a_offsets, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(A + a_offsets + n_cols, mask=mask, other=0.0).to(tl.float32)
@@ -64,14 +64,16 @@ def _geglu_bwd_kernel(DY, A, DA, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C:
 
 
 @triton.jit
+def _biased(A, B, offsets, mask, cols, n_cols):
+    """fp32 a + bias of the tile."""
+    return (tl.load(A + offsets, mask=mask, other=0.0).to(tl.float32)
+            + tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :])
+
+
+@triton.jit
 def _bias_gelu_fwd_kernel(A, B, Y, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    offsets = rows[:, None] * n_cols + cols[None, :]
-    x = tl.load(A + offsets, mask=mask, other=0.0).to(tl.float32)
-    x += tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-    gelu, _ = _gelu_parts(x)
+    offsets, _, mask, cols = _tile(tl.program_id(0), n_rows, n_cols, 1, BLOCK_R, BLOCK_C)
+    gelu, _ = _gelu_parts(_biased(A, B, offsets, mask, cols, n_cols))
     tl.store(Y + offsets, gelu.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -80,18 +82,14 @@ def _bias_gelu_bwd_kernel(DY, A, B, DA, DB_PART, n_rows, n_cols, BLOCK_R: tl.con
                           TILES: tl.constexpr):
     """Program (p, c): TILES tiles of BLOCK_R rows from row p * TILES * BLOCK_R, columns block c; its partial bias
     gradient into row p of DB_PART."""
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    bias = tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
     db = tl.zeros([BLOCK_C], dtype=tl.float32)
     for tile in range(TILES):
-        rows = (tl.program_id(0).to(tl.int64) * TILES + tile) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-        offsets = rows[:, None] * n_cols + cols[None, :]
-        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
-        _, slope = _gelu_parts(tl.load(A + offsets, mask=mask, other=0.0).to(tl.float32) + bias)
-        da = tl.where(mask, dy * slope, 0.0)
+        offsets, _, mask, cols = _tile(tl.program_id(0) * TILES + tile, n_rows, n_cols, 1, BLOCK_R, BLOCK_C)
+        _, slope = _gelu_parts(_biased(A, B, offsets, mask, cols, n_cols))
+        da = tl.where(mask, tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32) * slope, 0.0)
         tl.store(DA + offsets, da.to(DA.dtype.element_ty), mask=mask)
         db += tl.sum(da, axis=0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     tl.store(DB_PART + tl.program_id(0).to(tl.int64) * n_cols + cols, db, mask=cols < n_cols)
 
 

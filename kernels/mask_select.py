@@ -34,17 +34,18 @@ def _hash32_tl(x):
 
 
 @triton.jit
-def _row_bits(rows, key_ptr):
-    """int64 [BLOCK] hash of global row indices under the key at key_ptr (see row_uniform_bits)."""
+def uniform_bits_tl(counters, key_ptr):
+    """int64 hash of int64 `counters` in [0, 2^32) (global row indices, element indices) under the key at key_ptr:
+    `hashing.uniform_bits`."""
     key = tl.load(key_ptr)  # a 1-element int64 tensor: no int specialisation, no signedness surprises
-    return _hash32_tl((_mul32_tl(rows, 0x9E3779B1) + key) & 0xFFFFFFFF)
+    return _hash32_tl((_mul32_tl(counters, 0x9E3779B1) + key) & 0xFFFFFFFF)
 
 
 @triton.jit
 def _sort_key(rows, valid, maskable_ptr, key):
     """Ranking key within a sequence: unmaskable rows after all maskable ones, then the hash; invalid rows last."""
     maskable = tl.load(maskable_ptr + rows, mask=valid, other=0)
-    k = ((1 - maskable.to(tl.int64)) << 32) | _row_bits(rows, key)
+    k = ((1 - maskable.to(tl.int64)) << 32) | uniform_bits_tl(rows, key)
     return tl.where(valid, k, 0x7FFFFFFFFFFFFFFF)
 
 
@@ -91,7 +92,7 @@ def _compact_kernel(tokens, cu_seqlens, RANK, num_removed, num_random, num_predi
         randomised = valid & (rank >= n_removed) & (rank < n_changed)
         predicted = valid & (rank < n_predicted)
         visible = valid & (rank >= n_removed)
-        random_id = tl.load(ORDINARY + _row_bits(rows, replace_key) % num_ordinary, mask=randomised, other=0)
+        random_id = tl.load(ORDINARY + uniform_bits_tl(rows, replace_key) % num_ordinary, mask=randomised, other=0)
         new = tl.where(randomised, random_id.to(token.dtype), token)
         new = tl.where(removed, mask_token_id, new)
         tl.store(INPUT + rows, new, mask=valid)

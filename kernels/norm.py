@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .hashing import dropout_threshold
-from .mask_select import _hash32_tl, _mul32_tl
+from .mask_select import uniform_bits_tl
 from .rows import MAX_HIDDEN, ROWS_PER_PROGRAM, carve, tile_launch
 
 
@@ -31,7 +31,7 @@ from .rows import MAX_HIDDEN, ROWS_PER_PROGRAM, carve, tile_launch
 def _kept(rows, cols, H, KEY, threshold):
     """bool [BLOCK_R, BLOCK_H]: the elements the hashed dropout keeps (`hashing.hashed_keep`)."""
     counters = (rows[:, None] * H + cols[None, :]) & 0xFFFFFFFF
-    return (_hash32_tl((_mul32_tl(counters, 0x9E3779B1) + tl.load(KEY)) & 0xFFFFFFFF) >> 1) >= threshold
+    return (uniform_bits_tl(counters, KEY) >> 1) >= threshold
 
 
 @triton.jit
