@@ -1,6 +1,11 @@
 """Each fastmae.kernels op against its torch reference: time, peak memory and (CUDA) achieved bandwidth.
 
-    python benchmarks/kernels.py [--hidden 768] [--tokens 16384] [--vocab 50265]
+    python benchmarks/kernels.py [--hidden 768] [--tokens 16384] [--vocab 50265] [--ops all|data|layers] [--name N]
+
+`data`: the masking, gather, insertion and cross-entropy kernels against their torch references. `layers`: a
+transformer layer's fused kernels (fastmae.ops: dropout + add + LayerNorm, bias + GELU after the projection, GeGLU)
+against the stock torch ops a Hugging Face layer runs for the same math (F.dropout, the add, F.layer_norm; F.linear
+with its bias and F.gelu; chunk and F.gelu times the gate): the comparison issue 55 asks each fused kernel to win.
 
 On CUDA both implementations run side by side in one process, and each is timed twice: wall time per call (what a
 step pays, Python and launches included) and GPU time (the sum of its kernels' durations, from the profiler), from
@@ -12,8 +17,10 @@ the table says so. Writes benchmarks/results/kernels.{json,md}.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
+import torch.nn.functional as F
 from common import gpu_kernel_time, median_time, write_results
 from fastmae.kernels import (
     embed_rows,
@@ -27,7 +34,7 @@ from fastmae.kernels import (
     select_masked_reference,
 )
 
-from fastmae import PackedBatch
+from fastmae import PackedBatch, ops
 from fastmae.config import SpecialTokens
 from fastmae.hardware import spec_peak_flops
 from fastmae.masking import MaskCounts
@@ -105,11 +112,63 @@ def cases(tokens: int, hidden: int, vocab: int, device, dtype):
            loss(linear_cross_entropy_reference), loss(linear_cross_entropy))
 
 
+def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):
+    """(name, bytes moved by the ideal fused kernel, FLOPs, stock torch fn, fastmae.ops fn) for each of a layer's fused
+    ops, forward + backward, at RoBERTa's (bias + GELU, post-LN with dropout) and ModernBERT's (GeGLU, pre-LN without
+    bias) shapes for `hidden`."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    elt = torch.finfo(dtype).bits // 8
+
+    def leaf(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, device=device)).to(dtype).requires_grad_()
+
+    x, residual, grad = leaf(tokens, hidden), leaf(tokens, hidden), torch.randn(tokens, hidden, device=device,
+                                                                               dtype=dtype)
+    weight, bias = leaf(hidden), leaf(hidden)
+
+    def post_ln(fn):
+        return lambda: torch.autograd.backward(fn(), grad)
+
+    yield ("dropout + add + LayerNorm (post-LN)", 8 * tokens * hidden * elt, 0,
+           post_ln(lambda: F.layer_norm(F.dropout(x, dropout) + residual, (hidden,), weight, bias)),
+           post_ln(lambda: ops.add_layer_norm(x, residual, weight, bias, 1e-5, False, dropout)[0]))
+
+    def pre_ln(fn):
+        return lambda: torch.autograd.backward(fn(), (grad, grad))
+
+    def stock_pre_ln():
+        h = x + residual
+        return F.layer_norm(h, (hidden,), weight, None), h
+
+    yield ("add + LayerNorm, sum kept (pre-LN)", 10 * tokens * hidden * elt, 0, pre_ln(stock_pre_ln),
+           pre_ln(lambda: ops.add_layer_norm(x, residual, weight, None, 1e-5, True)))
+    inner = 4 * hidden
+    w_in, b_in, grad_inner = leaf(inner, hidden, scale=0.02), leaf(inner), torch.randn(tokens, inner, device=device,
+                                                                                         dtype=dtype)
+
+    def projected(fn):
+        return lambda: torch.autograd.backward(fn(), grad_inner)
+
+    yield ("linear + bias + GELU", 0, 6 * tokens * hidden * inner,
+           projected(lambda: F.gelu(F.linear(x, w_in, b_in))), projected(lambda: ops.linear_gelu(x, w_in, b_in)))
+    gated = 3 * hidden // 2  # ModernBERT-base's 1,152 at 768
+    a, grad_gated = leaf(tokens, 2 * gated), torch.randn(tokens, gated, device=device, dtype=dtype)
+
+    def stock_geglu():
+        value, gate = a.chunk(2, dim=-1)
+        return F.gelu(value) * gate
+
+    yield ("GeGLU", 8 * tokens * gated * elt, 0, lambda: torch.autograd.backward(stock_geglu(), grad_gated),
+           lambda: torch.autograd.backward(ops.geglu(a), grad_gated))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=None, help="tokens per batch (default 16384 CUDA, 2048 CPU)")
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=50265)
+    parser.add_argument("--ops", choices=("all", "data", "layers"), default="all")
+    parser.add_argument("--name", default="kernels", help="results name (benchmarks/results/NAME.{json,md})")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -118,7 +177,12 @@ def main():
     peak = peak_bandwidth(torch.cuda.get_device_name()) if cuda else None
     peak_flops = spec_peak_flops(device, dtype) if cuda else None
     rows = []
-    for name, nbytes, flops, reference, kernel in cases(tokens, args.hidden, args.vocab, device, dtype):
+    chosen = []
+    if args.ops in ("all", "data"):
+        chosen.append(cases(tokens, args.hidden, args.vocab, device, dtype))
+    if args.ops in ("all", "layers"):
+        chosen.append(layer_cases(tokens, args.hidden, device, dtype))
+    for name, nbytes, flops, reference, kernel in itertools.chain(*chosen):
         ref_s, ref_mem = measure(reference, device)
         row = {"op (fwd+bwd)": name, "torch ms": 1e3 * ref_s}
         if cuda:
@@ -126,20 +190,22 @@ def main():
             k_s, k_mem = measure(kernel, device)
             ref_gpu_s = gpu_kernel_time(reference, f"{name}, torch", repeats=5, top=4)
             k_gpu_s = gpu_kernel_time(kernel, f"{name}, triton", repeats=5, top=4)
-            gbps = nbytes / k_gpu_s / 1e9
+            gbps = nbytes / k_gpu_s / 1e9 if nbytes else None
             row.update({"triton ms": 1e3 * k_s, "triton MiB": k_mem, "speedup": ref_s / k_s,
                         "torch GPU ms": 1e3 * ref_gpu_s, "triton GPU ms": 1e3 * k_gpu_s,
-                        "triton GB/s (GPU time)": gbps, "% of peak BW": 100 * gbps / peak if peak else None,
+                        "triton GB/s (GPU time)": gbps, "% of peak BW": 100 * gbps / peak if peak and gbps else None,
                         "% of peak FLOP/s": 100 * flops / k_gpu_s / peak_flops if flops and peak_flops else None})
         rows.append(row)
         print(row, flush=True)
     columns = list(rows[0])
-    note = (f"{tokens} tokens (sequences of 512, 50% masked), hidden {args.hidden}, vocab {args.vocab}, {dtype}. "
-            + ("Triton kernels and torch references side by side; ms = wall time per call, GPU ms = the sum of its "
+    note = (f"{tokens} tokens (sequences of 512, 50% masked), hidden {args.hidden}, vocab {args.vocab}, {dtype}; "
+            "the layer ops against stock torch (F.dropout at 0.1, F.layer_norm, F.linear + F.gelu, chunk + F.gelu), "
+            "intermediate width 4 x hidden (GeGLU 1.5 x hidden). "
+            + ("Triton kernels and torch side by side; ms = wall time per call, GPU ms = the sum of its "
                "kernels' durations (profiler), from which GB/s and FLOP/s are computed (peaks: data sheet)."
                if cuda else
                "No CUDA device: the torch reference path alone (the CPU path); Triton timings need a GPU."))
-    print(f"wrote {write_results('kernels', rows, columns, 'fastmae.kernels vs torch references', note)}")
+    print(f"wrote {write_results(args.name, rows, columns, 'fastmae.kernels vs torch', note)}")
 
 
 if __name__ == "__main__":

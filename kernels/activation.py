@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import carve, tile_launch
+from .rows import BACKWARD_TILE, carve, tile_launch
 
 COLUMNS_PER_PROGRAM = 1024  # a program's block of the I columns (at most): wide rows take several programs
 ROWS_PER_BIAS_PROGRAM = 64  # bias + GELU's backward: rows a program sums, so the bias gradient's partials stay few
@@ -78,25 +78,26 @@ def _bias_gelu_fwd_kernel(A, B, Y, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _bias_gelu_bwd_kernel(DY, A, B, DA, DB_PART, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                          TILES: tl.constexpr):
-    """Program (p, c): TILES tiles of BLOCK_R rows from row p * TILES * BLOCK_R, columns block c; its partial bias
-    gradient into row p of DB_PART."""
-    db = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for tile in range(TILES):
-        offsets, _, mask, cols = _tile(tl.program_id(0) * TILES + tile, n_rows, n_cols, 1, BLOCK_R, BLOCK_C)
+def _bias_gelu_bwd_kernel(DY, A, B, DA, DB_PART, n_rows, n_cols, tiles, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (p, c): `tiles` tiles of BLOCK_R rows from row p * tiles * BLOCK_R, columns block c; its partial bias
+    gradient into row p of DB_PART, accumulated per element of the tile and summed over its rows once, at the end (no
+    reduction across rows, and its barrier, in the loop)."""
+    db = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for tile in range(tiles):
+        offsets, _, mask, cols = _tile(tl.program_id(0) * tiles + tile, n_rows, n_cols, 1, BLOCK_R, BLOCK_C)
         _, slope = _gelu_parts(_biased(A, B, offsets, mask, cols, n_cols))
         da = tl.where(mask, tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32) * slope, 0.0)
         tl.store(DA + offsets, da.to(DA.dtype.element_ty), mask=mask)
-        db += tl.sum(da, axis=0)
+        db += da
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    tl.store(DB_PART + tl.program_id(0).to(tl.int64) * n_cols + cols, db, mask=cols < n_cols)
+    tl.store(DB_PART + tl.program_id(0).to(tl.int64) * n_cols + cols, tl.sum(db, axis=0), mask=cols < n_cols)
 
 
-def launch_shape(columns: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, num_warps) for rows of `columns` outputs: `tile_launch`'s tile of a column block."""
+def launch_shape(columns: int, elements: int = 2048) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, num_warps) for rows of `columns` outputs: `tile_launch`'s tile of `elements` of a column
+    block."""
     block_c = min(triton.next_power_of_2(columns), COLUMNS_PER_PROGRAM)
-    block_r, warps = tile_launch(block_c)
+    block_r, warps = tile_launch(block_c, elements)
     return block_r, block_c, warps
 
 
@@ -145,13 +146,13 @@ class _BiasGELU(torch.autograd.Function):
     def backward(ctx, dy):
         a, bias = ctx.saved_tensors
         rows, columns = a.shape
-        block_r, block_c, warps = launch_shape(columns)
+        block_r, block_c, warps = launch_shape(columns, BACKWARD_TILE)
         tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
         programs = triton.cdiv(rows, tiles * block_r)
         da, parts = carve(a.device, ((rows, columns), a.dtype), ((programs, columns), torch.float32))
         if rows and columns:
             _bias_gelu_bwd_kernel[(programs, triton.cdiv(columns, block_c))](
-                dy.contiguous(), a, bias, da, parts, rows, columns, BLOCK_R=block_r, BLOCK_C=block_c, TILES=tiles,
+                dy.contiguous(), a, bias, da, parts, rows, columns, tiles, BLOCK_R=block_r, BLOCK_C=block_c,
                 num_warps=warps)
         return da, parts.sum(0).to(bias.dtype)  # the partials in a fixed order: deterministic
 

@@ -4,7 +4,8 @@
 
 Compiles each (kernel, block size, warps, flags, dtype) the launchers can choose for sm_80 and sm_90 with
 `triton.compile(ASTSource(...))`, then reads registers, spills (LOCAL) and shared memory per function from
-`cuobjdump --dump-resource-usage`, the tool shipped inside the triton wheel. Run without TRITON_INTERPRET.
+`cuobjdump --dump-resource-usage`, the tool shipped inside the triton wheel, and counts the warps its registers let
+stay resident on a multiprocessor (occupancy: what hides memory latency). Run without TRITON_INTERPRET.
 
 The table is a pure function of this directory's sources and Triton's version (`inputs_sha256`), and compiling all
 610 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
@@ -28,6 +29,20 @@ from pathlib import Path
 
 # Shared memory a block may use (opt-in maximum): A100 (sm_80) 163 KiB, H100 (sm_90) 227 KiB.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+# Both architectures: 65,536 registers, at most 64 warps and 32 blocks a multiprocessor; registers are allocated to a
+# warp in units of 256.
+SM_REGISTERS, SM_WARPS, SM_BLOCKS, REGISTER_UNIT = 65536, 64, 32, 256
+# The fewest warps a configuration may leave resident on a multiprocessor (a quarter of them): the first GPU timing
+# of the fused LayerNorm backward found it at 8 (143-146 registers a thread, one 8-warp program), the two largest
+# kernels of a RoBERTa-base step its backward and bias + GELU's, at several times their memory traffic's time.
+MIN_RESIDENT_WARPS = 16
+
+
+def resident_warps(registers: int, warps: int) -> int:
+    """Warps of a kernel using `registers` a thread and `warps` a program that fit a multiprocessor at once, by
+    registers and the warp and block limits (shared memory aside: these kernels use little)."""
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    return min(SM_BLOCKS, SM_REGISTERS // (per_warp * warps), SM_WARPS // warps) * warps
 REGENERATE = ("python -m fastmae.kernels.aot --json benchmarks/results/kernels_static.json "
               "--markdown benchmarks/results/kernels_static.md")
 
@@ -119,6 +134,7 @@ def _norm_configs():
     for hidden in (64, 1024, rows.MAX_HIDDEN):  # the smallest row, base and large models' (768, 1024), the largest
         block = hidden  # a power of two: the kernels' BLOCK_H
         block_r, warps = rows.tile_launch(block)
+        bwd_block_r, bwd_warps = rows.tile_launch(block, rows.BACKWARD_TILE)
         for dtype in ("fp32", "bf16"):
             fwd = dict(X=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", B=f"*{dtype}", Y=f"*{dtype}", H_OUT=f"*{dtype}",
                        MEAN="*fp32", RSTD="*fp32", KEY="*i64", n_rows="i32", H="i32", stride_x="i32",
@@ -130,12 +146,13 @@ def _norm_configs():
                             BLOCK_H=block), warps)
             bwd = dict(DY=f"*{dtype}", DH=f"*{dtype}", X=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", MEAN="*fp32",
                        RSTD="*fp32", KEY="*i64", DX=f"*{dtype}", DR=f"*{dtype}", DW_PART="*fp32", DB_PART="*fp32",
-                       n_rows="i32", H="i32", stride_x="i32", stride_r="i32", threshold="i32", scale="fp32")
+                       n_rows="i32", tiles="i32", H="i32", stride_x="i32", stride_r="i32", threshold="i32",
+                       scale="fp32")
             for has_dh in (0, 1):
                 for dropout in (0, 1):
                     yield ("norm._add_norm_bwd_kernel", f"{dtype} BLOCK_H={block} dh={has_dh} dropout={dropout}", bwd,
-                           dict(HAS_DH=has_dh, HAS_DROPOUT=dropout, BLOCK_R=block_r, BLOCK_H=block,
-                                TILES=max(1, norm.ROWS_PER_PROGRAM // block_r)), warps)
+                           dict(HAS_DH=has_dh, HAS_DROPOUT=dropout, BLOCK_R=bwd_block_r, BLOCK_H=block),
+                           bwd_warps)
     for dtype in ("fp32", "bf16"):
         yield ("norm._sum_parts_kernel", f"{dtype}", dict(PARTS="*fp32", DW=f"*{dtype}", DB=f"*{dtype}",
                                                           programs="i32", H="i32"),
@@ -143,7 +160,7 @@ def _norm_configs():
 
 
 def _activation_configs():
-    from . import activation
+    from . import activation, rows
 
     for columns in (64, 256, activation.COLUMNS_PER_PROGRAM):  # narrow rows, and a full column block (wide rows)
         block_r, block_c, warps = activation.launch_shape(columns)
@@ -156,9 +173,10 @@ def _activation_configs():
                    dict(DY=f"*{dtype}", A=f"*{dtype}", DA=f"*{dtype}", **sizes), blocks, warps)
             yield ("activation._bias_gelu_fwd_kernel", f"{dtype} BLOCK_C={block_c}",
                    dict(A=f"*{dtype}", B=f"*{dtype}", Y=f"*{dtype}", **sizes), blocks, warps)
+            bwd_block_r, _, bwd_warps = activation.launch_shape(columns, rows.BACKWARD_TILE)
             yield ("activation._bias_gelu_bwd_kernel", f"{dtype} BLOCK_C={block_c}",
-                   dict(DY=f"*{dtype}", A=f"*{dtype}", B=f"*{dtype}", DA=f"*{dtype}", DB_PART="*fp32", **sizes),
-                   {**blocks, "TILES": max(1, activation.ROWS_PER_BIAS_PROGRAM // block_r)}, warps)
+                   dict(DY=f"*{dtype}", A=f"*{dtype}", B=f"*{dtype}", DA=f"*{dtype}", DB_PART="*fp32", **sizes,
+                        tiles="i32"), dict(BLOCK_R=bwd_block_r, BLOCK_C=block_c), bwd_warps)
 
 
 def all_configs():
@@ -197,8 +215,9 @@ def compile_one(job):
         dump = subprocess.run([_cuobjdump(), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
     usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", dump))
-    return {"kernel": name, "config": desc, "arch": f"sm_{arch}", "num_warps": warps,
-            "registers": int(usage.get("REG", -1)), "local_bytes": int(usage.get("LOCAL", -1)),
+    registers = int(usage.get("REG", -1))
+    return {"kernel": name, "config": desc, "arch": f"sm_{arch}", "num_warps": warps, "registers": registers,
+            "resident_warps": resident_warps(registers, warps), "local_bytes": int(usage.get("LOCAL", -1)),
             "stack_bytes": int(usage.get("STACK", -1)),
             "shared_bytes": max(int(usage.get("SHARED", 0)), int(compiled.metadata.shared)),
             "shared_limit": SHARED_LIMIT[arch]}
@@ -219,7 +238,8 @@ def main(argv=None) -> int:
             if not args.match or re.search(args.match, f"{cfg[0]} {cfg[1]}")]
     with ProcessPoolExecutor(args.workers) as pool:
         results = list(pool.map(compile_one, jobs))
-    bad = [r for r in results if r["local_bytes"] != 0 or r["shared_bytes"] > r["shared_limit"]]
+    bad = [r for r in results if r["local_bytes"] != 0 or r["shared_bytes"] > r["shared_limit"]
+           or r["resident_warps"] < MIN_RESIDENT_WARPS]
     if args.json:
         table = {"inputs_sha256": inputs_sha256(), "archs": [f"sm_{arch}" for arch in args.arch],
                  "match": args.match, "results": results}
@@ -233,15 +253,18 @@ def main(argv=None) -> int:
     if args.markdown:
         lines = ["# Static GPU resource usage of every kernel configuration", "",
                  "From `python -m fastmae.kernels.aot` (Triton AOT compile + cuobjdump, no GPU needed).", "",
-                 "| kernel | arch | configs | registers (min-max) | shared bytes (max) | spill bytes (max) |",
-                 "|---|---|---|---|---|---|"]
+                 "| kernel | arch | configs | registers (min-max) | resident warps / SM (min) | shared bytes (max) "
+                 "| spill bytes (max) |",
+                 "|---|---|---|---|---|---|---|"]
         for (kernel, arch) in sorted(worst):
             rows = [r for r in results if (r["kernel"], r["arch"]) == (kernel, arch)]
             regs = [r["registers"] for r in rows]
             lines.append(f"| {kernel} | {arch} | {len(rows)} | {min(regs)}-{max(regs)} | "
-                         f"{max(r['shared_bytes'] for r in rows)} | {max(r['local_bytes'] for r in rows)} |")
+                         f"{min(r['resident_warps'] for r in rows)} | {max(r['shared_bytes'] for r in rows)} | "
+                         f"{max(r['local_bytes'] for r in rows)} |")
         args.markdown.write_text("\n".join(lines) + "\n")
-    print(f"{len(results)} configurations compiled, {len(bad)} spill or exceed shared memory")
+    print(f"{len(results)} configurations compiled, {len(bad)} spill, exceed shared memory or leave fewer than "
+          f"{MIN_RESIDENT_WARPS} warps resident")
     for r in bad:
         print(f"  FAIL {r}")
     return 1 if bad else 0

@@ -17,28 +17,28 @@ from .reference import MaskSelection
 
 
 @triton.jit
-def _mul32_tl(x, C: tl.constexpr):
-    """(x * C) mod 2^32 for int64 x in [0, 2^32): the same split as the torch reference."""
-    low = x * (C & 0xFFFF)
-    high = ((x * (C >> 16)) & 0xFFFF) << 16
-    return (low + high) & 0xFFFFFFFF
-
-
-@triton.jit
 def _hash32_tl(x):
+    """murmur3's 32-bit finaliser on uint32 `x`: uint32 products wrap mod 2^32 and shifts are logical, so this is
+    `hashing.hash32` bit for bit in the GPU's native 32-bit integer ops (64-bit products cost several each)."""
     x = x ^ (x >> 16)
-    x = _mul32_tl(x, 0x85EBCA6B)
+    x = x * 0x85EBCA6B
     x = x ^ (x >> 13)
-    x = _mul32_tl(x, 0xC2B2AE35)
+    x = x * 0xC2B2AE35
     return x ^ (x >> 16)
 
 
 @triton.jit
+def uniform_bits_u32(counters, key_ptr):
+    """uint32 hash of `counters` (any integer type; taken mod 2^32) under the key at key_ptr (a 1-element int64
+    tensor: no int specialisation, no signedness surprises): `hashing.uniform_bits`."""
+    key = tl.load(key_ptr).to(tl.uint32)
+    return _hash32_tl(counters.to(tl.uint32) * 0x9E3779B1 + key)
+
+
+@triton.jit
 def uniform_bits_tl(counters, key_ptr):
-    """int64 hash of int64 `counters` in [0, 2^32) (global row indices, element indices) under the key at key_ptr:
-    `hashing.uniform_bits`."""
-    key = tl.load(key_ptr)  # a 1-element int64 tensor: no int specialisation, no signedness surprises
-    return _hash32_tl((_mul32_tl(counters, 0x9E3779B1) + key) & 0xFFFFFFFF)
+    """`uniform_bits_u32` as int64 in [0, 2^32) (global row indices in, sort keys and ids out)."""
+    return uniform_bits_u32(counters, key_ptr).to(tl.int64)
 
 
 @triton.jit

@@ -6,7 +6,7 @@
 Forward reads x and residual once and writes y (and h, where the caller keeps the residual stream: pre-LN layers),
 with each row's mean and 1 / std in fp32. Backward reads dy (and dh, h's own gradient) once, recomputes h from x and
 residual, and writes dh_total = dLayerNorm(dy) + dh as the residual's gradient and, through the dropout, as x's (two
-tensors); the weight's and bias's gradients are per-program partial sums over ROWS_PER_PROGRAM rows, summed by a
+tensors); the weight's and bias's gradients are per-program partial sums (at most BACKWARD_PROGRAMS), summed by a
 second kernel in a fixed order (no float atomics: deterministic). Each direction's buffers are one allocation
 (`rows.carve`). The dropout is hashed (`hashing.hashed_keep`): element (r, c) is dropped where the top 31 bits of its
 counter's hash under a 32-bit key are below round(p * 2^31), so the backward draws the same bits again from the key
@@ -23,23 +23,24 @@ import triton
 import triton.language as tl
 
 from .hashing import dropout_threshold
-from .mask_select import uniform_bits_tl
-from .rows import MAX_HIDDEN, ROWS_PER_PROGRAM, carve, tile_launch
+from .mask_select import uniform_bits_u32
+from .rows import BACKWARD_TILE, MAX_HIDDEN, carve, tile_launch
 
 
 @triton.jit
 def _kept(rows, cols, H, KEY, threshold):
     """bool [BLOCK_R, BLOCK_H]: the elements the hashed dropout keeps (`hashing.hashed_keep`)."""
-    counters = (rows[:, None] * H + cols[None, :]) & 0xFFFFFFFF
-    return (uniform_bits_tl(counters, KEY) >> 1) >= threshold
+    counters = rows.to(tl.uint32)[:, None] * H + cols[None, :]  # r * H + c mod 2^32, in 32-bit ops
+    return (uniform_bits_u32(counters, KEY) >> 1) >= threshold
 
 
 @triton.jit
-def _summed_rows(X, R, rows, stride_x, stride_r, cols, mask, H, KEY, threshold, scale, HAS_DROPOUT: tl.constexpr):
-    """fp32 h [BLOCK_R, BLOCK_H] of `rows`: dropout(x) + residual, each rounded to x's dtype (what torch stores)."""
+def _summed_rows(X, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_DROPOUT: tl.constexpr):
+    """fp32 h [BLOCK_R, BLOCK_H] of `rows`: dropout(x) + residual (x kept where `kept`), each rounded to x's dtype
+    (what torch stores)."""
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_DROPOUT:
-        x = tl.where(_kept(rows, cols, H, KEY, threshold), (x.to(tl.float32) * scale).to(X.dtype.element_ty), 0.0)
+        x = tl.where(kept, (x.to(tl.float32) * scale).to(X.dtype.element_ty), 0.0)
     res = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
     return (x.to(tl.float32) + res.to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
 
@@ -53,7 +54,8 @@ def _add_norm_fwd_kernel(X, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, strid
     in_rows = rows < n_rows
     mask = in_rows[:, None] & (cols[None, :] < H)
     offsets = rows[:, None] * H + cols[None, :]
-    h = _summed_rows(X, R, rows, stride_x, stride_r, cols, mask, H, KEY, threshold, scale, HAS_DROPOUT)
+    kept = _kept(rows, cols, H, KEY, threshold) if HAS_DROPOUT else mask
+    h = _summed_rows(X, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_DROPOUT)
     if STORE_SUM:
         tl.store(H_OUT + offsets, h.to(H_OUT.dtype.element_ty), mask=mask)
     mean = tl.sum(h, axis=1) / H
@@ -68,23 +70,25 @@ def _add_norm_fwd_kernel(X, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, strid
 
 
 @triton.jit
-def _add_norm_bwd_kernel(DY, DH, X, R, W, MEAN, RSTD, KEY, DX, DR, DW_PART, DB_PART, n_rows, H, stride_x, stride_r,
-                         threshold, scale, HAS_DH: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_H: tl.constexpr, TILES: tl.constexpr):
-    """Program p: TILES tiles of BLOCK_R rows, from row p * TILES * BLOCK_R; its partial weight and bias gradients
-    into row p of DW_PART, DB_PART."""
+def _add_norm_bwd_kernel(DY, DH, X, R, W, MEAN, RSTD, KEY, DX, DR, DW_PART, DB_PART, n_rows, tiles, H, stride_x,
+                         stride_r, threshold, scale, HAS_DH: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program p: `tiles` tiles of BLOCK_R rows, from row p * tiles * BLOCK_R; its partial weight and bias gradients
+    into row p of DW_PART, DB_PART. The partials accumulate per element of the tile and are summed over its rows once,
+    at the end: no reduction across the tile's rows (and its barrier) in the loop."""
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
-    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-    db = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for tile in range(TILES):
-        rows = (pid * TILES + tile) * BLOCK_R + tl.arange(0, BLOCK_R)
+    dw = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    db = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    for tile in range(tiles):
+        rows = (pid * tiles + tile) * BLOCK_R + tl.arange(0, BLOCK_R)
         in_rows = rows < n_rows
         mask = in_rows[:, None] & (cols[None, :] < H)
         offsets = rows[:, None] * H + cols[None, :]
         dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
-        h = _summed_rows(X, R, rows, stride_x, stride_r, cols, mask, H, KEY, threshold, scale, HAS_DROPOUT)
+        kept = _kept(rows, cols, H, KEY, threshold) if HAS_DROPOUT else mask  # hashed once, used twice
+        h = _summed_rows(X, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_DROPOUT)
         rstd = tl.load(RSTD + rows, mask=in_rows, other=0.0)[:, None]
         hhat = tl.where(mask, (h - tl.load(MEAN + rows, mask=in_rows, other=0.0)[:, None]) * rstd, 0.0)
         wdy = w * dy
@@ -95,12 +99,12 @@ def _add_norm_bwd_kernel(DY, DH, X, R, W, MEAN, RSTD, KEY, DX, DR, DW_PART, DB_P
             dh += tl.load(DH + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(DR + offsets, dh.to(DR.dtype.element_ty), mask=mask)  # its own tensor: no aliased gradients
         if HAS_DROPOUT:
-            dh = tl.where(_kept(rows, cols, H, KEY, threshold), dh * scale, 0.0)
+            dh = tl.where(kept, dh * scale, 0.0)
         tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
-        dw += tl.sum(dy * hhat, axis=0)
-        db += tl.sum(dy, axis=0)
-    tl.store(DW_PART + pid * H + cols, dw, mask=cols < H)
-    tl.store(DB_PART + pid * H + cols, db, mask=cols < H)
+        dw += dy * hhat
+        db += dy
+    tl.store(DW_PART + pid * H + cols, tl.sum(dw, axis=0), mask=cols < H)
+    tl.store(DB_PART + pid * H + cols, tl.sum(db, axis=0), mask=cols < H)
 
 
 @triton.jit
@@ -121,6 +125,17 @@ def _sum_parts_kernel(PARTS, DW, DB, programs, H, BLOCK_P: tl.constexpr, BLOCK_H
 
 
 SUM_BLOCK_P, SUM_BLOCK_H = 32, 64  # _sum_parts_kernel's tile: 32 partial rows x 64 columns
+# The backward's programs, at most: about 8 for each multiprocessor of an H100 / H200 (132), so every one stays busy,
+# and few weight-gradient partials to sum (the first GPU timing, at 16 rows a program: 4,096 programs at 65,536 rows,
+# and summing their 25 MB of partials on 12 programs took a third of the backward's time). A constant, not the
+# device's count: the same rows give the same summation order on every device.
+BACKWARD_PROGRAMS = 1024
+
+
+def backward_tiles(rows: int, block_r: int) -> int:
+    """Tiles of block_r rows each backward program takes: enough that at most BACKWARD_PROGRAMS programs cover
+    `rows`."""
+    return max(1, triton.cdiv(triton.cdiv(rows, block_r), BACKWARD_PROGRAMS))
 
 
 class _AddLayerNorm(torch.autograd.Function):
@@ -147,8 +162,8 @@ class _AddLayerNorm(torch.autograd.Function):
         x, residual, weight, stats, key = ctx.saved_tensors
         rows, hidden = x.shape
         block = triton.next_power_of_2(hidden)
-        block_r, warps = tile_launch(block)
-        tiles = max(1, ROWS_PER_PROGRAM // block_r)  # rows a program: at least ROWS_PER_PROGRAM (few partials)
+        block_r, warps = tile_launch(block, BACKWARD_TILE)
+        tiles = backward_tiles(rows, block_r)
         programs = triton.cdiv(rows, tiles * block_r)
         # dx and dr two tensors (no aliased gradients); every program writes its row of partial sums
         dx, dr, parts, dw, db = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden), x.dtype),
@@ -157,10 +172,10 @@ class _AddLayerNorm(torch.autograd.Function):
         has_dh = ctx.keep_sum and dh is not None
         if rows:
             _add_norm_bwd_kernel[(programs,)](dy.contiguous(), dh.contiguous() if has_dh else dy, x, residual, weight,
-                                              stats[0], stats[1], key, dx, dr, parts[0], parts[1], rows, hidden,
-                                              x.stride(0), residual.stride(0), ctx.threshold, ctx.scale,
+                                              stats[0], stats[1], key, dx, dr, parts[0], parts[1], rows, tiles,
+                                              hidden, x.stride(0), residual.stride(0), ctx.threshold, ctx.scale,
                                               HAS_DH=has_dh, HAS_DROPOUT=ctx.threshold > 0, BLOCK_R=block_r,
-                                              BLOCK_H=block, TILES=tiles, num_warps=warps)
+                                              BLOCK_H=block, num_warps=warps)
         _sum_parts_kernel[(triton.cdiv(hidden, SUM_BLOCK_H),)](parts, dw, db, programs, hidden, BLOCK_P=SUM_BLOCK_P,
                                                               BLOCK_H=SUM_BLOCK_H)
         return dx, dr, dw, db if ctx.has_bias else None, None, None, None, None

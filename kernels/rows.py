@@ -123,12 +123,20 @@ def row_launch_config(hidden: int) -> tuple[int, int]:
 ROWS_PER_PROGRAM = 16  # backward: rows per program, so LayerNorm weight-gradient partials stay few
 
 
-def tile_launch(block: int) -> tuple[int, int]:
-    """(rows a program takes at once, num_warps) for a row-tiled kernel (norm.py, rotary.py) over rows of `block`
-    elements: a tile of about 2,048 elements (at most 64 rows), about 8 of them a thread (16 for the widest rows).
-    Fewer, larger programs than one a row: also far cheaper under the interpreter."""
-    rows = max(1, min(64, 2048 // block))
-    return rows, max(4, min(16, rows * block // 256))
+# Elements of a backward kernel's tile (norm.py, activation.py's bias + GELU): 4 a thread over 8 warps, where the
+# forward's 2,048 put 8 a thread. A backward holds more of each element live (the gradient, the recomputed input, the
+# statistics, the partial sums), and at 8 a thread the static GPU check counted 143-146 registers for the LayerNorm's
+# backward at RoBERTa-base's width: one 8-warp program a multiprocessor (8 of 64 warps). At 4 a thread: 75-80, three.
+BACKWARD_TILE = 1024
+
+
+def tile_launch(block: int, elements: int = 2048) -> tuple[int, int]:
+    """(rows a program takes at once, num_warps) for a row-tiled kernel (norm.py, rotary.py, activation.py) over rows
+    of `block` elements: a tile of about `elements` elements (at most 64 rows) over 8 warps, at least 4 and at most 16
+    (the widest rows hold more a thread). Fewer, larger programs than one a row: also far cheaper under the
+    interpreter."""
+    rows = max(1, min(64, elements // block))
+    return rows, max(4, min(16, rows * block * 8 // elements))
 
 
 def carve(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:

@@ -43,9 +43,9 @@ class Phase:
     minutes: int  # on a fresh machine, set-up from .whl/ and Triton compiles included
     decides: str
     steps: tuple[Step, ...]
-    # `minutes` as the phase ran on a lent machine (headline: an H200, 2026-11-26, rounded up), else estimated (smoke
-    # ran in 3 there before its FlashAttention and fused-kernel tests, about 30 s on an H100; modernbert's steps ran in
-    # about 3 on an H100, 2026-11-26, outside the phase)
+    # `minutes` as the phase ran on a lent machine, rounded up (an H200, 2026-11-27: smoke 158 s, headline 99 s before
+    # its layer-kernel step, the study 425 s), else estimated (modernbert's first step ran in 142 s there, its second
+    # was cut by the lease)
     timed: bool = False
     budget_s: int = 0  # the phase's limit, set-up included (0: PHASE_BUDGET_S)
     # what the command line must give the phase (`--corpus PATH`: {corpus} in its steps)
@@ -59,7 +59,7 @@ def _pytest(*args: str) -> tuple[str, ...]:
 
 
 PHASES = (
-    Phase("smoke", 4, "torch's FlashAttention-2 kernels compute the windowed oracle; captured graphs compute what "
+    Phase("smoke", 3, "torch's FlashAttention-2 kernels compute the windowed oracle; captured graphs compute what "
                       "eager computes; no host-device sync in a steady step", (
         # the torch_flash backend's CUDA kernels against the oracle (global, windows; lengths no block divides),
         # dropout redrawn from the rng state and in a recorded graph
@@ -80,11 +80,15 @@ PHASES = (
                                     "log.dir=runs/gpu-check/sync-3ml-base"),
              keeps=("runs/gpu-check/sync-3ml-base/metrics.jsonl", "runs/gpu-check/sync-3ml-base/run_info.json"),
              env=(("FASTMAE_SYNC_DEBUG", "1"),)),
-    )),
+    ), timed=True),
     Phase("headline", 3, "3ml and mlm against Hugging Face RoBERTa at base size: tokens/s, MFU, GPU busy", (
         Step("throughput_headline", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
                                      "--systems", "hf-roberta,mlm,3ml", "--eager", "--name", "throughput_headline"),
              keeps=tuple(f"benchmarks/results/throughput_headline.{ext}" for ext in ("json", "md", "png"))),
+        # each fused layer kernel against the stock torch ops it replaces, at the headline's 65,536 rows
+        Step("layer_kernels", (PY, "benchmarks/kernels.py", "--ops", "layers", "--tokens", "65536", "--name",
+                               "kernels_layers"),
+             keeps=("benchmarks/results/kernels_layers.json", "benchmarks/results/kernels_layers.md")),
     ), timed=True),
     Phase("modernbert", 5, "fastmae on ModernBERT's layers against transformers' ModernBertForMaskedLM at base size", (
         Step("throughput_modernbert", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
@@ -150,7 +154,7 @@ PACK_RUNS = ("sh", "-c", f"cd {STUDY_OUT}/study && find . -name '*.log' -o -name
              "tar czf ../study_runs.tar.gz -T -")
 
 PHASES += (
-    Phase("study", 9, "does 3ml pay at 8e15 FLOPs a run? mlm 15% / 30% and 3ml 50% on real English text, "
+    Phase("study", 8, "does 3ml pay at 8e15 FLOPs a run? mlm 15% / 30% and 3ml 50% on real English text, "
                       "pretrained, evaluated, probed and fine-tuned in one command", (
         # the corpus's 32K-piece tokenizer on the machine's cores (lines sampled: sentencepiece's time grows with
         # them; 150,000 took 52 s of an H100 machine's 16 cores, 2026-11-27), held-out documents split off by document
@@ -162,7 +166,7 @@ PHASES += (
         Step("study_two_seeds", _study("{seeds}"), keeps=STUDY_KEEPS, fits_after="study_one_seed"),
         # a cut study's runs come home too (the first lease's was cut in its analysis, 2026-11-27)
         Step("pack", PACK_RUNS, keeps=(f"{STUDY_OUT}/study_runs.tar.gz",), finally_s=20),
-    ), budget_s=9 * 60, arguments=("corpus", "task"),
+    ), timed=True, budget_s=9 * 60, arguments=("corpus", "task"),
         # --quick: the CPU's scale, two arms, its second step the first again (every run and cell reused: the suite's
         # budget; each arm's config at the GPU's scale is checked by the suite without running it)
         values=(("budget", "gpu-10min", "quick"), ("objectives", "mlm,mlm:mask_rate=0.3,3ml", "mlm,3ml"),
