@@ -179,3 +179,19 @@ def geglu_reference(a):
 def bias_gelu_reference(a, bias):
     """`bias_gelu` in plain torch: gelu(a + bias)."""
     return F.gelu(a + bias)
+
+
+def local_attention_reference(q, k, v, cu_seqlens, positions, max_seqlen=None, window=0, scale=None):
+    """Softmax attention of q over k, v [T, heads, D] within each sequence (cu_seqlens [B+1]) where a query sees the
+    keys whose positions are within `window` of its own: one sequence at a time, [L, L] scores, in q's dtype.
+    max_seqlen is unused (the kernel's signature)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, L, D]
+        pos = positions[start:end].long()
+        far = (pos[:, None] - pos[None, :]).abs() > window
+        scores = (qs @ ks.transpose(1, 2) * scale).masked_fill(far, float("-inf"))
+        outs.append((torch.softmax(scores, dim=-1) @ vs).transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_empty(q.shape)

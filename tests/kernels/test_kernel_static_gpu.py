@@ -1,7 +1,7 @@
 """Static GPU check, on CPU: every kernel configuration compiles for sm_80 and sm_90 without spills, within shared
 memory and with registers that leave enough warps resident (what stands in for running on CUDA until a GPU is lent).
 
-Compiling all 610 takes ~2.5 CPU-minutes with Triton's cache empty (a fresh machine), so the table is committed
+Compiling all 646 takes ~2.5 CPU-minutes with Triton's cache empty (a fresh machine), so the table is committed
 (benchmarks/results/kernels_static.json, from `python -m fastmae.kernels.aot`): the suite checks that it is of these
 kernel sources and this Triton, and compiles the configurations nearest the register limit again."""
 
@@ -26,12 +26,11 @@ def test_every_configuration_compiles_without_spills(tmp_path):
     for arch in ("sm_80", "sm_90"):
         assert sorted((r["kernel"], r["config"]) for r in results if r["arch"] == arch) == sorted(expected)
     for r in results:
-        assert r["local_bytes"] == 0, r
         assert 0 < r["registers"] <= 255, r
-        assert r["shared_bytes"] <= r["shared_limit"], r
-        # occupancy from the registers: enough warps resident to hide memory latency (the fused LayerNorm backward
-        # at 8 was the largest kernel of a RoBERTa-base step on an H200)
-        assert r["resident_warps"] == aot.resident_warps(r["registers"], r["num_warps"]) >= aot.MIN_RESIDENT_WARPS, r
+        assert r["resident_warps"] == aot.resident_warps(r["registers"], r["num_warps"]), r
+        # no spills, within shared memory, and (but for attention's register tiles) enough warps resident to hide
+        # memory latency: the fused LayerNorm backward at 8 was the largest kernel of a RoBERTa-base step on an H200
+        assert not aot.failures(r), r
     # the three configurations with the most registers, compiled here for both architectures: the table's numbers
     nearest = sorted(results, key=lambda r: -r["registers"])[:3]
     match = "|".join(f"^{re.escape(r['kernel'])} {re.escape(r['config'])}$" for r in nearest)

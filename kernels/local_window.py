@@ -1,0 +1,271 @@
+"""Local attention by original position over packed varlen sequences, forward and backward, in the manner of
+FlashAttention (online softmax, nothing of [T, T] stored): a query attends to the keys of its own sequence whose
+original positions are at most `window` from its own.
+
+On a stream whose rows skip positions (3ml's and mae-lm's encoder before the insertion) a window of positions is not
+a window of rows, so FlashAttention's own window cannot run it exactly; this kernel masks each (query, key) pair by
+their positions, and skips every block of keys whose positions all lie outside the window of every query of the
+block (the positions of a block are loaded, so any order of positions within a sequence is exact; increasing ones,
+as every fastmae stream has, make all but about (2 * window) / BLOCK_N + 2 blocks a query block skips). Program
+(block of BLOCK_M query rows, sequence, head); the backward is two kernels, one a block of keys (dk, dv) and one a
+block of queries (dq), each summing in a fixed order: no atomics, deterministic. Softmax in base 2 (`exp2`), the
+log-sum-exp of each row kept for the backward. Reference: `local_attention_reference` in reference.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def tiles(head_dim: int) -> tuple[int, int, int]:
+    """(query rows, key rows a block, warps a program) for heads of `head_dim`. The static GPU check (kernels/aot.py)
+    compiled 64 x 64 on 4 warps and 128 x 64 on 8 with spills on sm_90 at head_dim 64 (255 registers), 64 x 64 on 8
+    with a spill on sm_80; 64 x 32 on 8 without on both (141-226 registers on sm_90), and at head_dim 128, 32 x 32 on 8.
+    Key blocks of 32 rows also skip more of a shortened stream's band. Tests shrink the blocks."""
+    return (64, 32, 8) if head_dim <= 64 else (32, 32, 8)
+
+
+LOG2E = 1.4426950408889634
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dot(a, b, WIDEN: tl.constexpr):
+    """tl.dot(a, b) with fp32 accumulation; WIDEN: the operands widened to fp32 first (the Triton interpreter's tl.dot
+    returns garbage for bf16 operands; the products of bf16 values are exact in fp32 either way)."""
+    if WIDEN:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _positions(POS, rows, valid, window):
+    """(positions of `rows` [BLOCK], the lowest and highest position a window around them reaches)."""
+    pos = tl.load(POS + rows, mask=valid, other=0)
+    lowest = tl.min(tl.where(valid, pos, 2147483647), axis=0) - window
+    highest = tl.max(tl.where(valid, pos, -2147483647), axis=0) + window
+    return pos, lowest, highest
+
+
+@triton.jit
+def _reaches(pos_k, valid_k, lowest, highest):
+    """Whether some key of the block lies within [lowest, highest] (a block of keys outside it is skipped)."""
+    inside = valid_k & (pos_k >= lowest) & (pos_k <= highest)
+    return tl.max(inside.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def _rows(X, first, valid, stride_t, stride_h, head, cols, BLOCK: tl.constexpr):
+    """[BLOCK, HEAD_DIM] of X [T, heads, HEAD_DIM] at rows first .. first + BLOCK - 1 of `head` (0 where not valid):
+    one 64-bit base a block, 32-bit offsets within it (the same every block: computed once)."""
+    base = X + tl.cast(first, tl.int64) * stride_t + head * stride_h
+    return tl.load(base + tl.arange(0, BLOCK)[:, None] * stride_t + cols[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _in_window(pos_q, valid_q, pos_k, valid_k, window):
+    """bool [BLOCK_M, BLOCK_N]: the pairs the window keeps."""
+    distance = pos_q[:, None] - pos_k[None, :]
+    return valid_q[:, None] & valid_k[None, :] & (distance <= window) & (distance >= -window)
+
+
+@triton.jit
+def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, stride_qt, stride_qh, stride_kt,
+                      stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr):
+    head, start, end, first = _program_block(CU, BLOCK_M)
+    if first < end:
+        cols = tl.arange(0, HEAD_DIM)
+        rows_q = first + tl.arange(0, BLOCK_M)
+        valid_q = rows_q < end
+        q = _rows(Q, first, valid_q, stride_qt, stride_qh, head, cols, BLOCK_M)
+        pos_q, lowest, highest = _positions(POS, rows_q, valid_q, window)
+        row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for key_start in range(start, end, BLOCK_N):
+            valid_k, pos_k, reached = _block_positions(POS, key_start, end, lowest, highest, BLOCK_N)
+            if reached:
+                k, v = _key_side(K, V, key_start, valid_k, stride_kt, stride_kh, stride_vt, stride_vh, head, cols,
+                                 BLOCK_N)
+                scores = _dot(q, tl.trans(k), WIDEN) * qk_scale  # base 2
+                scores = tl.where(_in_window(pos_q, valid_q, pos_k, valid_k, window), scores, float("-inf"))
+                new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key yet: no NaN
+                p = tl.exp2(scores - shift[:, None])
+                rescale = tl.exp2(row_max - shift)
+                row_sum = row_sum * rescale + tl.sum(p, axis=1)
+                acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, WIDEN)
+                row_max = new_max
+        # every valid query sees itself (distance 0): its row_sum is positive
+        out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+        tl.store(OUT + rows_q[:, None].to(tl.int64) * stride_ot + head * stride_oh + cols[None, :],
+                 out.to(OUT.dtype.element_ty), mask=valid_q[:, None])
+        tl.store(LSE + rows_q.to(tl.int64) * n_heads + head, row_max + tl.log2(tl.where(row_sum > 0, row_sum, 1.0)),
+                 mask=valid_q)
+
+
+@triton.jit
+def _block_positions(POS, first, end, lowest, highest, BLOCK: tl.constexpr):
+    """(which of rows first .. first + BLOCK - 1 exist, their positions, whether any lies in [lowest, highest]: a
+    block of the other side that reaches none of this program's window is skipped)."""
+    rows = first + tl.arange(0, BLOCK)
+    valid = rows < end
+    pos = tl.load(POS + rows, mask=valid, other=0)
+    return valid, pos, _reaches(pos, valid, lowest, highest)
+
+
+@triton.jit
+def _key_side(K, V, first, valid_k, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N: tl.constexpr):
+    """(k, v) of a block of keys."""
+    return (_rows(K, first, valid_k, stride_kt, stride_kh, head, cols, BLOCK_N),
+            _rows(V, first, valid_k, stride_vt, stride_vh, head, cols, BLOCK_N))
+
+
+@triton.jit
+def _program_block(CU, BLOCK: tl.constexpr):
+    """(head, the sequence's first row, its end, the first row of this program's block of BLOCK rows)."""
+    start = tl.load(CU + tl.program_id(1))
+    end = tl.load(CU + tl.program_id(1) + 1)
+    return tl.program_id(2), start, end, start + tl.program_id(0) * BLOCK
+
+
+@triton.jit
+def _query_side(Q, DO, LSE, DELTA, first, rows_q, valid_q, stride_qt, stride_qh, stride_dot, stride_doh, head,
+                n_heads, cols, BLOCK_M: tl.constexpr):
+    """(q, do, the forward's log-sum-exp, delta) of a block of queries, for the backward."""
+    q = _rows(Q, first, valid_q, stride_qt, stride_qh, head, cols, BLOCK_M)
+    do = _rows(DO, first, valid_q, stride_dot, stride_doh, head, cols, BLOCK_M)
+    lse = tl.load(LSE + rows_q.to(tl.int64) * n_heads + head, mask=valid_q, other=0.0)
+    delta = tl.load(DELTA + rows_q.to(tl.int64) * n_heads + head, mask=valid_q, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
+def _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] softmax probabilities of the block, from the forward's log-sum-exp (base 2)."""
+    scores = _dot(q, tl.trans(k), WIDEN) * qk_scale
+    return tl.where(_in_window(pos_q, valid_q, pos_k, valid_k, window), tl.exp2(scores - lse[:, None]), 0.0)
+
+
+@triton.jit
+def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, scale, window, n_heads, stride_qt,
+                           stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           WIDEN: tl.constexpr):
+    """Program (block of keys, sequence, head): dk and dv of its keys, summed over the query blocks their window
+    reaches, in order. DK, DV: contiguous [T, heads, HEAD_DIM]."""
+    head, start, end, first = _program_block(CU, BLOCK_N)
+    if first < end:
+        cols = tl.arange(0, HEAD_DIM)
+        rows_k = first + tl.arange(0, BLOCK_N)
+        valid_k = rows_k < end
+        k, v = _key_side(K, V, first, valid_k, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
+        pos_k, lowest, highest = _positions(POS, rows_k, valid_k, window)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        for query_start in range(start, end, BLOCK_M):
+            valid_q, pos_q, reached = _block_positions(POS, query_start, end, lowest, highest, BLOCK_M)
+            if reached:
+                rows_q = query_start + tl.arange(0, BLOCK_M)
+                q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, query_start, rows_q, valid_q, stride_qt, stride_qh,
+                                                stride_dot, stride_doh, head, n_heads, cols, BLOCK_M)
+                p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN)
+                dv += _dot(tl.trans(p).to(do.dtype), do, WIDEN)
+                ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
+                dk += _dot(tl.trans(ds).to(q.dtype), q, WIDEN)
+        offsets = rows_k[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :]
+        tl.store(DK + offsets, (dk * scale).to(DK.dtype.element_ty), mask=valid_k[:, None])
+        tl.store(DV + offsets, dv.to(DV.dtype.element_ty), mask=valid_k[:, None])
+
+
+@triton.jit
+def _local_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, POS, qk_scale, scale, window, n_heads, stride_qt,
+                         stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         WIDEN: tl.constexpr):
+    """Program (block of queries, sequence, head): dq of its queries, summed over the key blocks their window
+    reaches, in order. DQ: contiguous [T, heads, HEAD_DIM]."""
+    head, start, end, first = _program_block(CU, BLOCK_M)
+    if first < end:
+        cols = tl.arange(0, HEAD_DIM)
+        rows_q = first + tl.arange(0, BLOCK_M)
+        valid_q = rows_q < end
+        q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, first, rows_q, valid_q, stride_qt, stride_qh, stride_dot,
+                                        stride_doh, head, n_heads, cols, BLOCK_M)
+        pos_q, lowest, highest = _positions(POS, rows_q, valid_q, window)
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for key_start in range(start, end, BLOCK_N):
+            valid_k, pos_k, reached = _block_positions(POS, key_start, end, lowest, highest, BLOCK_N)
+            if reached:
+                k, v = _key_side(K, V, key_start, valid_k, stride_kt, stride_kh, stride_vt, stride_vh, head, cols,
+                                 BLOCK_N)
+                p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN)
+                ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
+                dq += _dot(ds.to(k.dtype), k, WIDEN)
+        tl.store(DQ + rows_q[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :],
+                 (dq * scale).to(DQ.dtype.element_ty), mask=valid_q[:, None])
+
+
+def _strides(*tensors):
+    return [s for t in tensors for s in t.stride()[:2]]
+
+
+class _LocalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, positions, max_seqlen, window, scale):
+        rows, heads, head_dim = q.shape
+        block_m, block_n, warps = tiles(head_dim)
+        out = torch.empty(rows, heads, head_dim, device=q.device, dtype=q.dtype)
+        lse = torch.empty(rows, heads, device=q.device, dtype=torch.float32)
+        sequences = cu_seqlens.shape[0] - 1
+        if rows:
+            _local_fwd_kernel[(triton.cdiv(max_seqlen, block_m), sequences, heads)](
+                q, k, v, out, lse, cu_seqlens, positions, scale * LOG2E, window, heads, *_strides(q, k, v, out),
+                HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WIDEN=INTERPRETED, num_warps=warps)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, positions)
+        ctx.max_seqlen, ctx.window, ctx.scale = max_seqlen, window, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_seqlens, positions = ctx.saved_tensors
+        dout = dout if dout.stride(2) == 1 else dout.contiguous()
+        rows, heads, head_dim = q.shape
+        block_m, block_n, warps = tiles(head_dim)
+        dq, dk, dv = torch.empty((3, rows, heads, head_dim), device=q.device, dtype=q.dtype).unbind(0)
+        if rows:
+            delta = (out.float() * dout.float()).sum(-1)  # [T, heads]: rowsum(o * do), the softmax backward's term
+            sequences = cu_seqlens.shape[0] - 1
+            args = (cu_seqlens, positions, ctx.scale * LOG2E, ctx.scale, ctx.window, heads,
+                    *_strides(q, k, v, dout))
+            blocks = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WIDEN=INTERPRETED, num_warps=warps)
+            _local_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, block_n), sequences, heads)](
+                q, k, v, dout, lse, delta, dk, dv, *args, **blocks)
+            _local_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, block_m), sequences, heads)](
+                q, k, v, dout, lse, delta, dq, *args, **blocks)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                    positions: torch.Tensor, max_seqlen: int, window: int, scale: float | None = None) -> torch.Tensor:
+    """Softmax attention of q [T, heads, D] over k, v [T, heads, D] (one packed stream, its sequences bounded by
+    cu_seqlens [B+1] int32; D a power of two, at least 16; each tensor's last dimension contiguous) where a query sees
+    the keys of its sequence whose original position (positions [T] int32) is within `window` of its own; max_seqlen:
+    the longest sequence's rows (host int). Returns [T, heads, D] in q's dtype. Differentiable in q, k, v."""
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape or any(t.stride(2) != 1 for t in (q, k, v)):
+        raise ValueError(f"local_attention: q, k, v must be [T, heads, D] of one shape, D contiguous; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    head_dim = q.shape[2]
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"local_attention: the head dimension must be a power of two, at least 16; got {head_dim}")
+    if positions.shape != (q.shape[0],) or positions.dtype != torch.int32 or cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"local_attention: positions [T] and cu_seqlens [B+1] must be int32; got "
+                         f"{tuple(positions.shape)} {positions.dtype}, {cu_seqlens.dtype}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    return _LocalAttention.apply(q, k, v, cu_seqlens, positions, max_seqlen, window, scale)

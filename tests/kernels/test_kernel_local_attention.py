@@ -1,0 +1,82 @@
+"""Local attention by original position (Triton) against its torch reference, forward and backward: shortened
+streams (positions skip, as 3ml's and mae-lm's encoder sees them) and full ones, windows narrower than a block, wider
+than one and wider than a sequence, sequence lengths no block divides, several seeds and dtypes. Blocks of 16 rows
+under the interpreter (a sequence spans several), the shipped ones (`local_window.tiles`) on a GPU."""
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE
+from fastmae.kernels import local_attention, local_attention_reference
+from tolerance import assert_as_accurate
+
+DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
+LENGTHS = [37, 5, 64, 1, 20]  # 1: a sequence of one row; 37, 20: lengths no block divides
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """16-row blocks where the interpreter runs the kernel: the sequences above span up to four of them."""
+    if KERNEL_DEVICE == "cpu":
+        from fastmae.kernels import local_window
+
+        monkeypatch.setattr(local_window, "tiles", lambda head_dim: (16, 16, 4))
+
+
+def stream(lengths, shortened: bool, seed: int):
+    """(cu_seqlens, positions): each sequence's original positions, increasing; shortened: about every other one
+    kept, at random."""
+    gen = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    if shortened:
+        positions = [torch.sort(torch.randperm(2 * n, generator=gen)[:n]).values for n in lengths]
+    else:
+        positions = [torch.arange(n) for n in lengths]
+    return cu, torch.cat(positions).int()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window, shortened", [(3, True), (20, True), (200, True), (20, False)],
+                         ids=["narrow-shortened", "wide-shortened", "whole-shortened", "wide-full"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_local_attention_matches_the_reference_forward_and_backward(dtype, window, shortened, seed):
+    cu, positions = stream(LENGTHS, shortened, seed)
+    gen = torch.Generator().manual_seed(seed + 10)
+    rows, heads, head_dim = int(cu[-1]), 2, 16 if seed == 0 else 32
+    q, k, v, grad = (torch.randn(rows, heads, head_dim, generator=gen) for _ in range(4))
+    if seed == 1:  # q as a strided view, as the model's split of one projection gives it
+        q = torch.cat([q, torch.randn(rows, heads, head_dim, generator=gen)], dim=1)[:, :heads]
+    cu_dev, pos_dev = cu.to(KERNEL_DEVICE), positions.to(KERNEL_DEVICE)
+
+    def run(fn, run_dtype):
+        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, cu_dev, pos_dev, max(LENGTHS), window)
+        return [out, *torch.autograd.grad(out, leaves, grad.to(KERNEL_DEVICE, run_dtype))]
+
+    got, plain = run(local_attention, dtype), run(local_attention_reference, dtype)
+    exact = run(local_attention_reference, torch.float64)
+    for name, g, p, e in zip(["out", "dq", "dk", "dv"], got, plain, exact):
+        assert g.dtype == dtype
+        assert_as_accurate(f"local_attention {name}", g.cpu(), p.cpu(), e.cpu(), dtype,
+                           factor=2 if name == "out" else 3, zero_scale=1.0)
+
+
+def test_the_window_counts_positions_not_rows():
+    """On a shortened stream a window of rows keeps pairs a window of positions drops: the kernel must not."""
+    cu, positions = stream([40], True, 0)
+    q, k, v = (torch.randn(40, 1, 16, generator=torch.Generator().manual_seed(i)).to(KERNEL_DEVICE) for i in range(3))
+    cu, positions = cu.to(KERNEL_DEVICE), positions.to(KERNEL_DEVICE)
+    by_position = local_attention(q, k, v, cu, positions, 40, 3)
+    by_row = local_attention_reference(q, k, v, cu, torch.arange(40, dtype=torch.int32, device=KERNEL_DEVICE), 40, 3)
+    assert (by_position - by_row).abs().max() > 0.1
+    assert torch.allclose(by_position, local_attention_reference(q, k, v, cu, positions, 40, 3), atol=1e-5)
+
+
+def test_local_attention_names_what_it_cannot_take():
+    q = torch.randn(4, 1, 12, device=KERNEL_DEVICE)
+    cu = torch.tensor([0, 4], dtype=torch.int32, device=KERNEL_DEVICE)
+    positions = torch.arange(4, dtype=torch.int32, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match="power of two"):
+        local_attention(q, q, q, cu, positions, 4, 2)
+    q = torch.randn(4, 1, 16, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match="int32"):
+        local_attention(q, q, q, cu, positions.long(), 4, 2)
