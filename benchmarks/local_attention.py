@@ -8,8 +8,8 @@ fewer keys within the window of each query).
 
 On CUDA, the forms of a local layer at the throughput benchmark's micro-batch instead (`cuda_forms`; issue 55's
 target: at most 0.6x a global layer, forward + backward): as fastmae runs it (`auto`: torch's FlashAttention-2
-window of rows on the full stream, FlexAttention on the shortened one), FlexAttention as fastmae called it on the
-full stream, compiled for the static shape, and with key blocks of 64 rows.
+window of rows on the full stream, fastmae's own kernel on the shortened one), fastmae's kernel on both streams,
+FlexAttention as fastmae called it before, compiled for the static shape, and with key blocks of 64 rows.
 
     python benchmarks/local_attention.py   # CPU: local_attention.{json,md}; CUDA: local_attention_flex.{json,md}
 """
@@ -61,13 +61,17 @@ def cuda_forms(table: torch.Tensor, repeats: int) -> list[dict]:
     for name, lengths, spread in (("128x512 full", [512] * 128, 1), ("128x256 visible", [256] * 128, 2)):
         (q, k, v), meta, share = make_stream(lengths, spread, dtype, "cuda")
         bias = StreamBias.build(table, meta, meta, "flex", dtype, window=HALF_WINDOW)
-        local = resolve_backend(None, torch.device("cuda"), 0.0, dtype, biased=True, window_rows=meta.consecutive)
+        local = resolve_backend(None, torch.device("cuda"), 0.0, dtype, biased=True, window_rows=meta.consecutive,
+                                window=True)
         auto_bias = StreamBias.build(table, meta, meta, local, dtype, window=HALF_WINDOW)
+        own_bias = StreamBias.build(table, meta, meta, "triton_window", dtype, window=HALF_WINDOW)
         rows_first = [t.transpose(0, 1)[None] for t in (q, k, v)]  # the lengths here are whole blocks already
         forms = {
             f"global ({resolve_backend(None, torch.device('cuda'), 0.0, dtype)})": (
                 lambda: varlen_attention(q, k, v, meta)),
             f"local as fastmae runs it ({local})": lambda: varlen_attention(q, k, v, meta, bias=auto_bias),
+            "fastmae's kernel (triton_window)": lambda: varlen_attention(q, k, v, meta, backend="triton_window",
+                                                                          bias=own_bias),
             "flex, dynamic shapes, IS_DIVISIBLE": lambda: varlen_attention(q, k, v, meta, backend="flex", bias=bias),
             "flex, static shapes": lambda: static(*rows_first, bias.block_mask),
             # key blocks of 64 rows: a 128-row query block's window then spans 4 of them (256 keys), not 3 of 128
@@ -122,7 +126,7 @@ def main():
     for name, lengths, spread in shapes:
         for dtype in dtypes:
             (q, k, v), meta, share = make_stream(lengths, spread, dtype, device)
-            local = resolve_backend(None, torch.device(device), 0.0, dtype, biased=True)
+            local = resolve_backend(None, torch.device(device), 0.0, dtype, biased=True, window=True)
             forms = {  # column -> (backend, bias)
                 "global": (None, None),
                 "local": (local, StreamBias.build(table, meta, meta, local, dtype, window=HALF_WINDOW)),

@@ -7,9 +7,15 @@ Backends (`auto` picks per device, dtype, dropout and stream: `resolve_backend`)
   (mlm's input, the decoder's full stream, fine-tuning), where its window of rows is the window of positions.
 - `flash`: flash_attn.flash_attn_varlen_func (CUDA, the optional `gpu` extra; only when asked for).
 - `torch_varlen`: torch.nn.attention.varlen.varlen_attn (CUDA, in torch; no attention dropout; only when asked for).
+- `triton_window`: fastmae's own local-attention kernel (fastmae.kernels.local_attention; CUDA, or CPU under the
+  Triton interpreter): a local window by original position on any stream, each (query, key) pair masked by the
+  rows' positions, blocks outside every window skipped; no attention dropout. `auto`'s choice on CUDA in fp16/bf16
+  for a local layer on a stream whose rows skip positions (3ml's and mae-lm's encoder before the insertion), where
+  FlashAttention's window of rows is not the window: FlexAttention's block mask, built in each forward, kept such
+  steps from replaying as CUDA graphs (see CUDA_SHORTENED_LOCAL_BACKEND).
 - `flex`: torch's FlexAttention, compiled (CUDA; fastmae.flex): the document mask as a block mask and the relative
-  position bias as a score_mod; no attention dropout. The default with a relative bias on CUDA when attention
-  dropout is 0. On CPU torch runs it eagerly and forward only (never chosen automatically there).
+  position bias as a score_mod; no attention dropout. The default with a relative bias (not a window) on CUDA when
+  attention dropout is 0. On CPU torch runs it eagerly and forward only (never chosen automatically there).
 - `nested`: torch SDPA over nested jagged tensors (any device; on CUDA meant to reach the flash kernel with dropout
   and no padding, but measured slower than `padded`: see CUDA_RECTANGULAR_BACKEND).
 - `padded`: torch SDPA over a padded view with a key mask (any device). On CPU the default without attention
@@ -38,7 +44,8 @@ from .flash import flash_varlen
 from .flex import document_block_mask, flex_varlen
 from .streams import VarlenMeta
 
-BACKENDS = ("auto", "torch_flash", "flash", "torch_varlen", "flex", "padded", "nested", "math", "reference")
+BACKENDS = ("auto", "torch_flash", "flash", "torch_varlen", "triton_window", "flex", "padded", "nested", "math",
+            "reference")
 # Measured by benchmarks/attention.py (results in benchmarks/results/attention.md), forward + backward on a 2-core
 # CPU: padded SDPA beat nested jagged SDPA at every shape tried, and `math` beat padded SDPA whenever attention
 # dropout is on (SDPA's CPU flash kernel takes no dropout).
@@ -50,6 +57,12 @@ CPU_BACKEND, CPU_DROPOUT_BACKEND = "padded", "math"
 # the varlen kernels win (128 sequences of 64-512 rows: 1.20 ms). Nested jagged SDPA measured far slower (a base mlm
 # step 0.194 s against 0.045 s padded, an H100).
 CUDA_RECTANGULAR_BACKEND, CUDA_RAGGED_BACKEND = "padded", "torch_flash"
+# CUDA, fp16/bf16, a local layer on a stream whose rows skip positions, without attention dropout: FlexAttention
+# measured 1.39x a global layer there (ModernBERT-base's 3ml, an H100, 2026-11-26) and its block mask, built in the
+# forward, kept modern-3ml's steps from replaying as CUDA graphs (GPU busy 0.75 of the step, an H200, 2026-11-27);
+# fastmae's own kernel builds nothing per step. Untimed on a GPU when chosen: benchmarks/local_attention.py times it
+# beside flex and the global layer.
+CUDA_SHORTENED_LOCAL_BACKEND = "triton_window"
 # A local layer's window on CPU's padded SDPA runs in bands (fastmae.banded) in these dtypes. Measured by
 # benchmarks/local_attention.py (benchmarks/results/local_attention.md), forward + backward at ModernBERT-base's
 # attention: in bf16 the band beat the window as a dense mask on every stream; in fp32 it lost on shortened and
@@ -90,6 +103,9 @@ class StreamBias(NamedTuple):
             raise ValueError(f"attention backend {backend!r} takes no relative position bias; choose one of "
                              f"{BIAS_BACKENDS} (or model.relative_attention_bias=false)")
         bias = cls(backend, by_distance, None, None, window)
+        if backend == "triton_window" and (window is None or mq is not mk):
+            raise ValueError("attention backend 'triton_window' takes a position bias only as a local window of "
+                             "self-attention (its kernel masks pairs by their positions)")
         if backend == "torch_flash" and not window_of_rows(mq, mk, window):
             raise ValueError("attention backend 'torch_flash' takes a position bias only as a local window over a "
                              "stream whose rows are consecutive positions (its window counts rows); this stream "
@@ -131,6 +147,15 @@ def _flash(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: flo
 def _torch_flash(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
     window = None if bias is None else bias.window
     return flash_varlen(q, k, v, mq.cu_seqlens, mk.cu_seqlens, mq.max_seqlen, mk.max_seqlen, dropout_p, scale, window)
+
+
+def _triton_window(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
+    from . import kernels
+
+    if bias is None or bias.window is None or mq is not mk or dropout_p:
+        raise ValueError("attention backend 'triton_window' runs a local window of self-attention without attention "
+                         "dropout only")
+    return kernels.local_attention(q, k, v, mq.cu_seqlens, mq.positions, mq.max_seqlen, bias.window, scale)
 
 
 def window_of_rows(mq: VarlenMeta, mk: VarlenMeta, window: int | None) -> bool:
@@ -237,7 +262,8 @@ def varlen_attention_reference(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_
     return torch.cat(outs)
 
 
-_IMPLS = {"torch_flash": _torch_flash, "flash": _flash, "torch_varlen": _torch_varlen, "flex": flex_varlen,
+_IMPLS = {"torch_flash": _torch_flash, "flash": _flash, "torch_varlen": _torch_varlen,
+          "triton_window": _triton_window, "flex": flex_varlen,
           "padded": _padded, "nested": _nested, "math": _math,
           "reference": varlen_attention_reference}
 
@@ -245,6 +271,8 @@ _IMPLS = {"torch_flash": _torch_flash, "flash": _flash, "torch_varlen": _torch_v
 def available_backends(device: torch.device | str) -> list[str]:
     """Backends that can run on `device` here (the reference always can)."""
     names = ["torch_flash", "padded", "nested", "math", "flex", "reference"]
+    if torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        names = ["triton_window", *names]
     if torch.device(device).type == "cuda":
         names = ["torch_varlen", *names]
         if _HAS_FLASH_ATTN:
@@ -252,18 +280,20 @@ def available_backends(device: torch.device | str) -> list[str]:
     return names
 
 
-BIAS_BACKENDS = ("torch_flash", "flex", "padded", "math", "reference")
-"""Backends that add a position bias (torch_flash: a local window over consecutive positions only). `auto` picks
-`torch_flash` for such a window on CUDA in fp16/bf16, else `flex` on CUDA without attention dropout (FlexAttention
-has none), else padded SDPA with the bias as a float mask (or `math` on CPU with dropout)."""
+BIAS_BACKENDS = ("torch_flash", "triton_window", "flex", "padded", "math", "reference")
+"""Backends that add a position bias (torch_flash: a local window over consecutive positions only; triton_window: a
+local window on any stream). `auto` picks `torch_flash` for a window over consecutive positions on CUDA in fp16/bf16,
+`triton_window` for a window over positions that skip, there without attention dropout, else `flex` on CUDA without
+attention dropout (FlexAttention has none), else padded SDPA with the bias as a float mask (or `math` on CPU with
+dropout)."""
 
 
 def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
                     dtype: torch.dtype = torch.bfloat16, biased: bool = False, window_rows: bool = False,
-                    rectangular: bool = True) -> str:
+                    rectangular: bool = True, window: bool = False) -> str:
     """The backend `auto` (or None) means for this device, dropout, dtype and bias; explicit names are checked.
-    `window_rows`: the bias is a local window on a stream of consecutive positions (`window_of_rows`);
-    `rectangular`: every sequence of the stream has its longest's rows (VarlenMeta.is_rectangular).
+    `window`: the bias is a local window of self-attention; `window_rows`: on a stream of consecutive positions
+    (`window_of_rows`); `rectangular`: every sequence of the stream has its longest's rows (VarlenMeta.is_rectangular).
 
     The CUDA varlen kernels take fp16/bf16 only; fp32 on CUDA falls back to padded SDPA.
     """
@@ -273,15 +303,20 @@ def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
     if backend != "auto":
         if backend not in available_backends(device):
             raise ValueError(f"attention backend {backend!r} is not available on {device}")
-        if biased and (backend not in BIAS_BACKENDS or (backend == "torch_flash" and not window_rows)):
+        if biased and (backend not in BIAS_BACKENDS or (backend == "torch_flash" and not window_rows)
+                       or (backend == "triton_window" and not window)):
             raise ValueError(f"attention backend {backend!r} takes no relative position bias here; choose one of "
-                             f"{BIAS_BACKENDS} (torch_flash: a local window over consecutive positions only; or "
-                             "model.relative_attention_bias=false)")
+                             f"{BIAS_BACKENDS} (torch_flash: a local window over consecutive positions only; "
+                             "triton_window: a local window only; or model.relative_attention_bias=false)")
+        if backend == "triton_window" and not biased:
+            raise ValueError("attention backend 'triton_window' runs local layers only (a window of positions)")
         return backend
     half_on_cuda = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     if biased:
         if half_on_cuda and window_rows:
             return "torch_flash"
+        if half_on_cuda and window and not dropout_p:
+            return CUDA_SHORTENED_LOCAL_BACKEND
         if device.type == "cuda":
             return "padded" if dropout_p else "flex"
         return CPU_DROPOUT_BACKEND if device.type == "cpu" and dropout_p else "padded"
@@ -318,7 +353,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: 
     meta_k = meta_q if meta_k is None else meta_k
     name = resolve_backend(backend, q.device, dropout_p, q.dtype, biased=bias is not None,
                            window_rows=bias is not None and window_of_rows(meta_q, meta_k, bias.window),
-                           rectangular=meta_q.is_rectangular and meta_k.is_rectangular)
+                           rectangular=meta_q.is_rectangular and meta_k.is_rectangular,
+                           window=bias is not None and bias.window is not None and meta_q is meta_k)
     if bias is not None and bias.backend != name:
         raise ValueError(f"the relative position bias was built for attention backend {bias.backend!r}, but this "
                          f"call resolves to {name!r}")

@@ -69,11 +69,11 @@ class TransformerLayer(nn.Module):
         """The attention dropout this layer applies now (none in eval mode)."""
         return self.attention_dropout if self.training else 0.0
 
-    def biased_backend(self, x: torch.Tensor, window_rows: bool = False) -> str:
-        """The attention backend this layer runs with a position bias on rows like `x` (`window_rows`: the bias is a
-        local window over consecutive positions, attention.window_of_rows)."""
+    def biased_backend(self, x: torch.Tensor, window_rows: bool = False, window: bool = False) -> str:
+        """The attention backend this layer runs with a position bias on rows like `x` (`window`: the bias is a local
+        window; `window_rows`: over consecutive positions, attention.window_of_rows)."""
         return resolve_backend(self.attention_backend, x.device, self.attention_dropout_p, x.dtype, biased=True,
-                               window_rows=window_rows)
+                               window_rows=window_rows, window=window)
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:  # GeGLU: gelu(input) * gate (`ops.geglu`: one Triton kernel each way on CUDA)
@@ -125,7 +125,7 @@ def stream_views(cfg: ModelConfig, layers: nn.ModuleList, x: torch.Tensor, meta:
                                                                 cfg.local_rotary_base))
         bias = None
         if table is not None:
-            backend = layer.biased_backend(x, window_of_rows(layer_meta, layer_meta, window))
+            backend = layer.biased_backend(x, window_of_rows(layer_meta, layer_meta, window), window is not None)
             bias = StreamBias.build(table, layer_meta, layer_meta, backend, x.dtype, window)
         views[layer.kind] = (layer_meta, bias)
     return views
@@ -149,7 +149,7 @@ def local_backends(config: ModelConfig, device: torch.device, dtype: torch.dtype
     if consecutive:
         backends["consecutive"] = resolve_backend(None, device, dropout_p, dtype, biased=True, window_rows=True)
     if shortened:
-        backends["shortened"] = resolve_backend(None, device, dropout_p, dtype, biased=True)
+        backends["shortened"] = resolve_backend(None, device, dropout_p, dtype, biased=True, window=True)
     return backends
 
 

@@ -142,9 +142,15 @@ def test_automatic_choice_follows_device_dropout_and_dtype(monkeypatch):
             assert attention.resolve_backend(None, cuda, dropout_p, torch.bfloat16, biased=True,
                                              window_rows=True) == "torch_flash"
         assert attention.resolve_backend(None, cuda, 0.0, torch.float32, rectangular=False) == "padded"  # half only
-    # a position bias the kernels cannot take: a window over a shortened stream, or a relative bias
+    # a window over a shortened stream: fastmae's own kernel (no dropout); a relative bias: flex, or padded with
+    # dropout (neither kernel takes it)
+    assert attention.resolve_backend(None, cuda, 0.0, torch.bfloat16, biased=True, window=True) == "triton_window"
+    assert attention.resolve_backend(None, cuda, 0.1, torch.bfloat16, biased=True, window=True) == "padded"
+    assert attention.resolve_backend(None, cuda, 0.0, torch.float32, biased=True, window=True) == "flex"
     assert attention.resolve_backend(None, cuda, 0.0, torch.bfloat16, biased=True) == "flex"
     assert attention.resolve_backend(None, cuda, 0.1, torch.bfloat16, biased=True) == "padded"
+    with pytest.raises(ValueError, match="triton_window: a local window only"):
+        attention.resolve_backend("triton_window", torch.device("cpu"), 0.0, torch.bfloat16, biased=True)
     assert attention.resolve_backend(None, torch.device("cpu"), 0.0, torch.bfloat16, biased=True,
                                      window_rows=True) == "padded"  # the CPU keeps its bands
     with pytest.raises(ValueError, match="torch_flash: a local window over consecutive positions only"):

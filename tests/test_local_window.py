@@ -49,11 +49,12 @@ def windowed_oracle(q, k, v, positions, cu_seqlens, half):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("backend", ["padded", "math", "reference"])
+@pytest.mark.parametrize("backend", ["padded", "math", "reference", "triton_window"])
 @pytest.mark.parametrize("dtype, seed", [(torch.float32, 0), (torch.float32, 1), (torch.bfloat16, 2)])
 def test_a_local_layer_attends_by_original_position_on_a_shortened_stream(backend, dtype, seed):
     """Visible rows of a 3ml-like stream (positions skip the removed tokens; sequences of 13, 1 and 29 rows):
-    every key within 3 original positions and no other, forward and the gradients of q, k and v."""
+    every key within 3 original positions and no other, forward and the gradients of q, k and v (triton_window: the
+    kernel under the interpreter, as CUDA's auto runs it there)."""
     generator = torch.Generator().manual_seed(seed)
     lengths = [13, 1, 29]
     positions = torch.cat([torch.sort(torch.randperm(2 * n, generator=generator)[:n])[0] for n in lengths])
@@ -61,7 +62,7 @@ def test_a_local_layer_attends_by_original_position_on_a_shortened_stream(backen
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     seq_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
     meta = VarlenMeta.build(cu, max(lengths), seq_ids, positions.int())
-    q, k, v = (torch.randn(sum(lengths), 2, 8, generator=generator).to(dtype).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(sum(lengths), 2, 16, generator=generator).to(dtype).requires_grad_() for _ in range(3))
     bias = StreamBias.build(window_by_distance(3, 2), meta, meta, backend, dtype, window=3)
     assert_windowed_as_oracle(varlen_attention(q, k, v, meta, backend=backend, bias=bias), (q, k, v), positions, cu,
                               3, generator)
@@ -104,15 +105,35 @@ def test_padded_attention_on_cpu_runs_a_local_layer_in_bands(dtype, seed, monkey
         varlen_attention(q, k, v, meta, dropout_p=0.1, backend="padded", bias=bias)
 
 
-@pytest.mark.parametrize("preset, seed", [("3ml", 0), ("3ml", 1), ("mae-lm", 2)])
-def test_a_models_local_layers_on_the_shortened_stream_see_the_window_of_original_positions(preset, seed,
+def choosing_as_on_cuda(monkeypatch):
+    """`auto` picks, for a local window on a shortened stream, what it picks on CUDA in bf16 (fastmae's own kernel,
+    run here under the Triton interpreter); every other choice stays the CPU's."""
+    import fastmae.attention
+
+    real = fastmae.attention.resolve_backend
+
+    def resolve(backend, device, dropout_p, dtype=torch.bfloat16, biased=False, window_rows=False, rectangular=True,
+                window=False):
+        if biased and window and not window_rows:
+            device, dtype = torch.device("cuda"), torch.bfloat16
+        return real(backend, device, dropout_p, dtype, biased, window_rows, rectangular, window)
+
+    monkeypatch.setattr(fastmae.attention, "resolve_backend", resolve)
+    monkeypatch.setattr(fastmae.layers, "resolve_backend", resolve)
+
+
+@pytest.mark.parametrize("preset, seed, cuda_choice", [("3ml", 0, False), ("3ml", 1, False), ("mae-lm", 2, False),
+                                                       ("3ml", 3, True), ("mae-lm", 4, True)])
+def test_a_models_local_layers_on_the_shortened_stream_see_the_window_of_original_positions(preset, seed, cuda_choice,
                                                                                             monkeypatch):
     """A 3ml / mae-lm model with ModernBERT's layers (local every layer but each third, a window of 8): its encoder's
     local layers run on the visible rows, and each one's attention output equals the oracle fed those rows' original
     positions (the batch's positions at the rows masking kept), not their indices in the shortened stream, which
-    would see other keys here."""
+    would see other keys here. cuda_choice: on the backend CUDA's `auto` gives those layers (triton_window)."""
+    if cuda_choice:
+        choosing_as_on_cuda(monkeypatch)
     model = tiny_model(preset, seed=seed, global_attention_every=3, local_window=8, position_embedding="rotary",
-                       norm_position="pre", encoder_layers=5, attention_dropout=0.0, dropout=0.0)
+                       norm_position="pre", encoder_layers=5, attention_dropout=0.0, dropout=0.0, num_heads=3)
     batch = tiny_batch(num_sequences=4, seed=seed, min_len=30, max_len=60)
     masked = mask_batch(batch, model.config, seed, 0, 0)
     seen = []
@@ -121,6 +142,7 @@ def test_a_models_local_layers_on_the_shortened_stream_see_the_window_of_origina
         out = varlen_attention(q, k, v, meta, meta_k, **kwargs)
         bias = kwargs.get("bias")
         if bias is not None and q.shape[0] == masked.visible.positions.shape[0]:
+            assert bias.backend == ("triton_window" if cuda_choice else "padded")
             seen.append((q.detach(), k.detach(), v.detach(), out.detach()))
         return out
 
