@@ -5,8 +5,10 @@
 #   benchmarks/results/study_cpu_30min/   report.md, study.json, loss_vs_flops.png, ranks.png of the cpu-30min study
 #   benchmarks/results/study_cpu_1h/      the same of the cpu-1h study (base's depth, learning rates from a grid)
 #   benchmarks/results/mae_lm_diagnosis/  mae-lm against its variants with 3ml's decoder depth and 3ml's mask rate
+#   benchmarks/results/diagnosis_3ml_positions/  3ml on rotary and on learned absolute positions against mlm, one seed each
 #   benchmarks/results/study_mask_more_or_later/  mlm at 15/30/50% and 30% -> 15%, 3ml at 50% and 50% -> 30%, WSD
-# Usage: bash benchmarks/readme_runs.sh [demo] [study] [study-1h] [mae-lm-diagnosis] [mask-more-or-later]
+# Usage: bash benchmarks/readme_runs.sh [demo] [study] [study-1h] [mae-lm-diagnosis] [3ml-positions]
+#        [mask-more-or-later]
 #        (demo and study by default; the studies take 30-60 minutes on 2 cores, the diagnosis about 20, the
 #        masking study over two hours, its 72 fine-tunes included)
 set -euo pipefail
@@ -65,6 +67,19 @@ for part in ${parts[*]}; do
       cp runs/mae-lm-diagnosis/{report.md,study.json,loss_vs_flops.png,ranks.png} "$kept/"
       describe_run runs/mae-lm-diagnosis/runs/mlm-seed0 $((SECONDS - started)) > "$kept/run.md"
       ;;
+    3ml-positions)  # does 3ml's late start off the plateau come from its rotary positions? (docs/study.md)
+      data=runs/data/builtin-v1000
+      [ -f "$data/meta.json" ] || fastmae prepare --format builtin --output "$data" --vocab-size 1000 \
+        --valid-fraction 0.1
+      rm -rf runs/pos-diagnosis
+      started=$SECONDS
+      fastmae study --data "$data" --budget cpu-1h --seeds 1 --out runs/pos-diagnosis \
+        --objectives mlm,3ml,3ml:position_embedding=learned
+      kept="$results/diagnosis_3ml_positions"
+      mkdir -p "$kept"
+      cp runs/pos-diagnosis/{report.md,study.json,loss_vs_flops.png,ranks.png} "$kept/"
+      describe_run runs/pos-diagnosis/runs/mlm-seed0 $((SECONDS - started)) > "$kept/run.md"
+      ;;
     mask-more-or-later)  # how much of 3ml's saving is masking more, how much masking later (docs/study.md)
       data=runs/data/builtin-v1000
       [ -f "$data/meta.json" ] || fastmae prepare --format builtin --output "$data" --vocab-size 1000 \
@@ -78,7 +93,8 @@ for part in ${parts[*]}; do
       cp runs/study-mask-more-or-later/{report.md,study.json,loss_vs_flops.png,ranks.png} "$kept/"
       describe_run runs/study-mask-more-or-later/runs/mlm-seed0 $((SECONDS - started)) > "$kept/run.md"
       ;;
-    *) echo "readme_runs.sh: unknown part $part (demo, study, study-1h, mae-lm-diagnosis, mask-more-or-later)" >&2
+    *) echo "readme_runs.sh: unknown part $part (demo, study, study-1h, mae-lm-diagnosis, 3ml-positions," \
+            "mask-more-or-later)" >&2
        exit 2 ;;
   esac
 done

@@ -44,7 +44,7 @@ DOCS = README.parent / "docs"
 def documents() -> list[Path]:
     """Where results blocks live: README.md and every page under docs/."""
     return [README, *sorted(DOCS.glob("*.md"))]
-BLOCK = re.compile(r"(<!-- results: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+BLOCK = re.compile(r"(<!-- results: (?P<name>[a-z0-9_]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
 
 
 def demo() -> str:

@@ -1,5 +1,5 @@
 """The results blocks of `fastmae study`'s committed studies (benchmarks/readme_table.py renders them): each study's
-table and findings, the presets' costs, mae-lm's diagnosis, and the scale trend over every study."""
+table and findings, the presets' costs, mae-lm's and 3ml's diagnoses, and the scale trend over every study."""
 
 from __future__ import annotations
 
@@ -144,9 +144,9 @@ def study_presets() -> str:
     return "\n".join(rows) + "\n"
 
 
-def mae_lm_diagnosis() -> str:
-    """mae-lm's variants at cpu-1h's budget, one seed each: where each ended and when it left the unigram plateau."""
-    result = read_json(RESULTS_DIR / "mae_lm_diagnosis" / "study.json")
+def plateau_table(directory: str) -> str:
+    """A diagnosis study's runs (one seed each): where each ended and when it left the unigram plateau."""
+    result = read_json(RESULTS_DIR / directory / "study.json")
     rows = ["| run | final held-out loss | first evaluation 0.1 nats below the unigram entropy |", "|---|---|---|"]
     for label, entry in result["objectives"].items():
         seed = entry["per_seed"][0]
@@ -155,7 +155,7 @@ def mae_lm_diagnosis() -> str:
                     + (f"step {left:,} of {seed['steps']:,}" if left else f"never ({seed['steps']:,} steps)") + " |")
     entropy = next(iter(result["objectives"].values()))["per_seed"][0]["unigram_entropy"]
     return ("\n".join(rows) + f"\n\nHeld-out unigram entropy {entropy:.3f} nats; {result['setup']['budget']:.2g} "
-            "training FLOPs per run, one seed each. Artifact: `benchmarks/results/mae_lm_diagnosis/`.\n")
+            f"training FLOPs per run, one seed each. Artifact: `benchmarks/results/{directory}/`.\n")
 
 
 def studies() -> list[Path]:
@@ -260,7 +260,8 @@ def study_scale_summary() -> str:
 
 GENERATORS = {"study": study, "study_base_depth": study_base_depth, "continued": continued,
               "study_mask_more_or_later": study_mask_more_or_later, "study_presets": study_presets,
-              "mae_lm_diagnosis": mae_lm_diagnosis, "study_scale": study_scale,
+              "mae_lm_diagnosis": lambda: plateau_table("mae_lm_diagnosis"),
+              "diagnosis_3ml_positions": lambda: plateau_table("diagnosis_3ml_positions"), "study_scale": study_scale,
               "study_scale_summary": study_scale_summary}
 
 
