@@ -36,10 +36,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _dot(a, b, WIDEN: tl.constexpr):
-    """tl.dot(a, b) with fp32 accumulation; WIDEN: the operands widened to fp32 first (the Triton interpreter's tl.dot
-    returns garbage for bf16 operands; the products of bf16 values are exact in fp32 either way)."""
+    """tl.dot(a, b) with fp32 accumulation; WIDEN: the operands widened to fp32 and multiplied in full fp32 precision
+    (fp32 inputs, which a GPU's tl.dot would round to tf32; and under the Triton interpreter, whose tl.dot returns
+    garbage for bf16 operands: the products of bf16 values are exact in fp32 either way)."""
     if WIDEN:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
 
 
@@ -212,6 +213,11 @@ def _local_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, POS, qk_scale, scale, 
                  (dq * scale).to(DQ.dtype.element_ty), mask=valid_q[:, None])
 
 
+def _widened(q: torch.Tensor) -> bool:
+    """Whether the kernels multiply in full fp32 (`_dot`'s WIDEN): fp32 inputs, or the Triton interpreter."""
+    return INTERPRETED or q.dtype == torch.float32
+
+
 def _strides(*tensors):
     return [s for t in tensors for s in t.stride()[:2]]
 
@@ -227,7 +233,7 @@ class _LocalAttention(torch.autograd.Function):
         if rows:
             _local_fwd_kernel[(triton.cdiv(max_seqlen, block_m), sequences, heads)](
                 q, k, v, out, lse, cu_seqlens, positions, scale * LOG2E, window, heads, *_strides(q, k, v, out),
-                HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WIDEN=INTERPRETED, num_warps=warps)
+                HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WIDEN=_widened(q), num_warps=warps)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, positions)
         ctx.max_seqlen, ctx.window, ctx.scale = max_seqlen, window, scale
         return out
@@ -244,7 +250,7 @@ class _LocalAttention(torch.autograd.Function):
             sequences = cu_seqlens.shape[0] - 1
             args = (cu_seqlens, positions, ctx.scale * LOG2E, ctx.scale, ctx.window, heads,
                     *_strides(q, k, v, dout))
-            blocks = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WIDEN=INTERPRETED, num_warps=warps)
+            blocks = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WIDEN=_widened(q), num_warps=warps)
             _local_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, block_n), sequences, heads)](
                 q, k, v, dout, lse, delta, dk, dv, *args, **blocks)
             _local_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, block_m), sequences, heads)](
