@@ -150,11 +150,8 @@ def _torch_flash(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scal
 
 
 def _triton_window(q, k, v, mq: VarlenMeta, mk: VarlenMeta, dropout_p: float, scale: float, bias=None):
-    from . import kernels
+    from . import kernels  # its bias a window of self-attention (StreamBias.build), no dropout (varlen_attention)
 
-    if bias is None or bias.window is None or mq is not mk or dropout_p:
-        raise ValueError("attention backend 'triton_window' runs a local window of self-attention without attention "
-                         "dropout only")
     return kernels.local_attention(q, k, v, mq.cu_seqlens, mq.positions, mq.max_seqlen, bias.window, scale)
 
 
@@ -358,8 +355,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: 
     if bias is not None and bias.backend != name:
         raise ValueError(f"the relative position bias was built for attention backend {bias.backend!r}, but this "
                          f"call resolves to {name!r}")
-    if name == "torch_varlen" and dropout_p:
-        raise ValueError("attention backend 'torch_varlen' has no dropout; use attention dropout 0 or another backend")
+    if name in ("torch_varlen", "triton_window") and dropout_p:
+        raise ValueError(f"attention backend {name!r} has no dropout; use attention dropout 0 or another backend")
     if q.device.type == "cuda" and name in FLASH_KERNEL_BACKENDS:
         check_flash_head_dim(q.shape[-1], name)
     return _IMPLS[name](q, k, v, meta_q, meta_k, dropout_p, 1.0 / math.sqrt(q.shape[-1]), bias=bias)

@@ -76,39 +76,16 @@ def _in_window(pos_q, valid_q, pos_k, valid_k, window):
 
 
 @triton.jit
-def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, stride_qt, stride_qh, stride_kt,
-                      stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr):
-    head, start, end, first = _program_block(CU, BLOCK_M)
-    if first < end:
-        cols = tl.arange(0, HEAD_DIM)
-        rows_q = first + tl.arange(0, BLOCK_M)
-        valid_q = rows_q < end
-        q = _rows(Q, first, valid_q, stride_qt, stride_qh, head, cols, BLOCK_M)
-        pos_q, lowest, highest = _positions(POS, rows_q, valid_q, window)
-        row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for key_start in range(start, end, BLOCK_N):
-            valid_k, pos_k, reached = _block_positions(POS, key_start, end, lowest, highest, BLOCK_N)
-            if reached:
-                k, v = _key_side(K, V, key_start, valid_k, stride_kt, stride_kh, stride_vt, stride_vh, head, cols,
-                                 BLOCK_N)
-                scores = _dot(q, tl.trans(k), WIDEN) * qk_scale  # base 2
-                scores = tl.where(_in_window(pos_q, valid_q, pos_k, valid_k, window), scores, float("-inf"))
-                new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key yet: no NaN
-                p = tl.exp2(scores - shift[:, None])
-                rescale = tl.exp2(row_max - shift)
-                row_sum = row_sum * rescale + tl.sum(p, axis=1)
-                acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, WIDEN)
-                row_max = new_max
-        # every valid query sees itself (distance 0): its row_sum is positive
-        out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
-        tl.store(OUT + rows_q[:, None].to(tl.int64) * stride_ot + head * stride_oh + cols[None, :],
-                 out.to(OUT.dtype.element_ty), mask=valid_q[:, None])
-        tl.store(LSE + rows_q.to(tl.int64) * n_heads + head, row_max + tl.log2(tl.where(row_sum > 0, row_sum, 1.0)),
-                 mask=valid_q)
+def _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, WIDEN: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] scores of the block in base 2, -inf for the pairs outside the window."""
+    scores = _dot(q, tl.trans(k), WIDEN) * qk_scale
+    return tl.where(_in_window(pos_q, valid_q, pos_k, valid_k, window), scores, float("-inf"))
+
+
+@triton.jit
+def _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] softmax probabilities of the block, from the forward's log-sum-exp (base 2)."""
+    return tl.exp2(_scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, WIDEN) - lse[:, None])
 
 
 @triton.jit
@@ -148,10 +125,38 @@ def _query_side(Q, DO, LSE, DELTA, first, rows_q, valid_q, stride_qt, stride_qh,
 
 
 @triton.jit
-def _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] softmax probabilities of the block, from the forward's log-sum-exp (base 2)."""
-    scores = _dot(q, tl.trans(k), WIDEN) * qk_scale
-    return tl.where(_in_window(pos_q, valid_q, pos_k, valid_k, window), tl.exp2(scores - lse[:, None]), 0.0)
+def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, stride_qt, stride_qh, stride_kt,
+                      stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr):
+    head, start, end, first = _program_block(CU, BLOCK_M)
+    if first < end:
+        cols = tl.arange(0, HEAD_DIM)
+        rows_q = first + tl.arange(0, BLOCK_M)
+        valid_q = rows_q < end
+        q = _rows(Q, first, valid_q, stride_qt, stride_qh, head, cols, BLOCK_M)
+        pos_q, lowest, highest = _positions(POS, rows_q, valid_q, window)
+        row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for key_start in range(start, end, BLOCK_N):
+            valid_k, pos_k, reached = _block_positions(POS, key_start, end, lowest, highest, BLOCK_N)
+            if reached:
+                k, v = _key_side(K, V, key_start, valid_k, stride_kt, stride_kh, stride_vt, stride_vh, head, cols,
+                                 BLOCK_N)
+                scores = _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, WIDEN)
+                new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key yet: no NaN
+                p = tl.exp2(scores - shift[:, None])
+                rescale = tl.exp2(row_max - shift)
+                row_sum = row_sum * rescale + tl.sum(p, axis=1)
+                acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, WIDEN)
+                row_max = new_max
+        # every valid query sees itself (distance 0): its row_sum is positive
+        out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+        tl.store(OUT + rows_q[:, None].to(tl.int64) * stride_ot + head * stride_oh + cols[None, :],
+                 out.to(OUT.dtype.element_ty), mask=valid_q[:, None])
+        tl.store(LSE + rows_q.to(tl.int64) * n_heads + head, row_max + tl.log2(tl.where(row_sum > 0, row_sum, 1.0)),
+                 mask=valid_q)
 
 
 @triton.jit

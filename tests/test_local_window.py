@@ -3,11 +3,10 @@ per-sequence oracle, forward and backward, on full and shortened streams; and in
 runs its local layers on the shortened stream (the visible rows skip the removed positions), every local layer's
 attention equals the oracle fed the rows' original positions. Needs no transformers."""
 
-import math
-
 import pytest
 import torch
 from conftest import tiny_batch, tiny_model
+from fastmae.kernels import local_attention_reference
 
 import fastmae.layers
 from fastmae.attention import StreamBias, VarlenMeta, varlen_attention
@@ -38,15 +37,9 @@ def test_flex_skips_the_blocks_outside_a_window_and_computes_the_same(seed):
 
 
 def windowed_oracle(q, k, v, positions, cu_seqlens, half):
-    """Softmax attention per sequence, in fp64, each query seeing the keys within `half` of its original position."""
-    outs = []
-    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        qb, kb, vb = (t[start:end].double().transpose(0, 1) for t in (q, k, v))
-        pos = positions[start:end].long()
-        scores = qb @ kb.transpose(1, 2) / math.sqrt(q.shape[-1])
-        scores = scores.masked_fill((pos[None, :] - pos[:, None]).abs()[None] > half, -math.inf)
-        outs.append((scores.softmax(-1) @ vb).transpose(0, 1))
-    return torch.cat(outs)
+    """Softmax attention per sequence, in fp64, each query seeing the keys within `half` of its original position
+    (the local-attention kernel's reference, kernels/reference.py)."""
+    return local_attention_reference(q.double(), k.double(), v.double(), cu_seqlens, positions, None, half)
 
 
 @pytest.mark.parametrize("backend", ["padded", "math", "reference", "triton_window"])
@@ -66,6 +59,9 @@ def test_a_local_layer_attends_by_original_position_on_a_shortened_stream(backen
     bias = StreamBias.build(window_by_distance(3, 2), meta, meta, backend, dtype, window=3)
     assert_windowed_as_oracle(varlen_attention(q, k, v, meta, backend=backend, bias=bias), (q, k, v), positions, cu,
                               3, generator)
+    if backend == "triton_window":
+        with pytest.raises(ValueError, match="'triton_window' has no dropout"):
+            varlen_attention(q, k, v, meta, dropout_p=0.1, backend=backend, bias=bias)
 
 
 def assert_windowed_as_oracle(out, qkv, positions, cu_seqlens, half, generator):
