@@ -31,10 +31,14 @@ from fastmae.malloc import malloc_env  # noqa: E402
 
 os.environ.update(malloc_env(os.environ))
 
+import triton_interpreter  # noqa: E402
 import warm_python  # noqa: E402
 from synthetic import markov_documents  # noqa: E402
 
 from fastmae import MaskedLM, ModelConfig, PackedBatch  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    triton_interpreter.install()
 
 TINY = dict(vocab_size=97, hidden_size=48, num_heads=4, intermediate_size=80, encoder_layers=2, max_seq_len=128)
 CUDA_HEADS = dict(num_heads=3)

@@ -12,6 +12,7 @@ import shlex
 import subprocess
 import sys
 import tarfile
+from itertools import islice
 from pathlib import Path
 
 import pytest
@@ -273,7 +274,7 @@ def test_the_study_phase_runs_end_to_end_at_the_cpus_scale(tmp_path, monkeypatch
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": text, "source": source}) + "\n"
-                              for source, text in list(builtin_documents())[:120]))
+                              for source, text in islice(builtin_documents(), 120)))
     task = write_glue(tmp_path / "glue", ["cat", "dog", *(f"w{i}" for i in range(30))], n_train=48, n_dev=24) / "SST-2"
     results, out = tmp_path / "gpu", tmp_path / "out"
     stand_in_machine(tmp_path, monkeypatch, out)
