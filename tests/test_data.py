@@ -629,18 +629,18 @@ def test_saved_hugging_face_dataset(tmp_path):
 
 
 def test_more_shards_than_open_files_stay_within_the_open_file_limit(tmp_path):
-    """700 one-document shards (two files each: 5x the limit), read under `ulimit -n 256`: token maps are opened on
+    """350 one-document shards (two files each: 5x the limit), read under `ulimit -n 128`: token maps are opened on
     use and at most MAX_OPEN_SHARDS of them stay open, document offsets live in memory."""
     rng = np.random.default_rng(0)
     words = list(WORDS)
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("".join(" ".join(rng.choice(words, size=12)) + "\n" for _ in range(740)))
+    corpus.write_text("".join(" ".join(rng.choice(words, size=12)) + "\n" for _ in range(350)))
     prepare([corpus], tmp_path / "ds", vocab_size=40, valid_fraction=0.05, docs_per_shard=1, workers=1,
             progress=False)
-    assert len(ShardSet(tmp_path / "ds").shards) >= 700
+    assert len(ShardSet(tmp_path / "ds").shards) >= 320
     code = f"""
 import resource
-resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
 from fastmae.data import PackedLoader
 
 for split in ("train", "valid"):
