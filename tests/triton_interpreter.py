@@ -10,6 +10,7 @@ has not patched. What the kernels compute is unchanged; the kernel tests compare
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 
@@ -29,8 +30,10 @@ def install() -> bool:
     languages = (interpreter.tl, interpreter.tl.core)
     running: list[set[int]] = []  # per launch whose grid runs: the language modules patched since it started
 
-    def languages_of(fn) -> set[int]:
-        return {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in languages}
+    @functools.cache
+    def languages_of(fn) -> frozenset[int]:
+        return frozenset(id(value) for value in fn.__globals__.values()
+                         if inspect.ismodule(value) and value in languages)
 
     def patch_once(fn):
         seen = languages_of(fn)
@@ -41,7 +44,7 @@ def install() -> bool:
             return patch_lang(fn)
         scope = patch_lang(fn)  # a kernel's launch: undone when its grid ends
         undo = scope.restore
-        running.append(seen)
+        running.append(set(seen))
 
         def restore():
             running.pop()
