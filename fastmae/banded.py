@@ -7,9 +7,10 @@ leaves, so a local layer cost what a global one did. Here each sequence's padded
 
 The band holds every key the window admits because, in every stream fastmae builds, positions increase with the
 row within a sequence, by at least one a row (a shortened stream skips positions, never reorders them): a key
-within `window` positions of its query is within `window` rows of it. The forward and backward are one autograd
-Function, so the band's gathers and their sums back happen once a pass (autograd through slices would allocate and
-add a zero tensor of the keys' size per slice).
+within `window` positions of its query is within `window` rows of it. The forward and backward are one op each
+(`torch.library` custom ops with a registered autograd formula), so the band's gathers and their sums back happen
+once a pass (autograd through slices would allocate and add a zero tensor of the keys' size per slice), and dynamo
+takes each as one node.
 """
 
 from __future__ import annotations
@@ -76,41 +77,75 @@ def _sum_bands(bands: torch.Tensor, block: int) -> torch.Tensor:
     return out.view(batch, heads, blocks * block, dim)
 
 
-class _BandedAttention(torch.autograd.Function):
-    """softmax(q k^T * scale + mask) v, block by block against the bands; saves q's blocks, the bands of k and v and
-    the probabilities (no scores), and sums each band's gradient back onto its rows."""
+# Custom ops with fake (shape) functions: dynamo's tracing of the slices inside them, on a view of dynamic length,
+# cost ~11 s of sympy's reasoning for a 3ml model's two layer graphs on a 2-core machine (train.compile).
+@torch.library.custom_op("fastmae::banded_attention_forward", mutates_args=())
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + mask) v, block by block against the bands: (out [B, H, S, D], and what the backward
+    reads: the probabilities [B*H*blocks, block, 3*block] and the bands of k and v [B*H*blocks, 3*block, D])."""
+    batch, heads, length, dim = q.shape
+    block = mask.shape[-2]
+    blocks = length // block
+    flat = batch * heads * blocks
+    q_blocks = q.reshape(flat, block, dim)
+    k_bands = _rows_of_bands(k, block).view(flat, 3 * block, dim)
+    v_bands = _rows_of_bands(v, block).view(flat, 3 * block, dim)
+    # beta 0: the matmul alone, scaled (alpha); the window's mask is then added over the heads
+    scores = torch.baddbmm(q.new_zeros(()), q_blocks, k_bands.transpose(1, 2), beta=0, alpha=scale)
+    scores.view(batch, heads, blocks, block, 3 * block).add_(mask)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, v_bands).view(batch, heads, length, dim), probs, k_bands, v_bands
 
-    @staticmethod
-    def forward(ctx, q, k, v, mask, scale):
-        batch, heads, length, dim = q.shape
-        block = mask.shape[-2]
-        blocks = length // block
-        flat = batch * heads * blocks
-        q_blocks = q.reshape(flat, block, dim)
-        k_bands = _rows_of_bands(k, block).view(flat, 3 * block, dim)
-        v_bands = _rows_of_bands(v, block).view(flat, 3 * block, dim)
-        # beta 0: the matmul alone, scaled (alpha); the window's mask is then added over the heads
-        scores = torch.baddbmm(q.new_zeros(()), q_blocks, k_bands.transpose(1, 2), beta=0, alpha=scale)
-        scores.view(batch, heads, blocks, block, 3 * block).add_(mask)
-        probs = torch.softmax(scores, dim=-1)
-        ctx.save_for_backward(q_blocks, k_bands, v_bands, probs)
-        ctx.scale, ctx.shape = scale, (batch, heads, blocks, block, dim)
-        return torch.bmm(probs, v_bands).view(batch, heads, length, dim)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q_blocks, k_bands, v_bands, probs = ctx.saved_tensors
-        batch, heads, blocks, block, dim = ctx.shape
-        grad_blocks = grad_out.reshape(q_blocks.shape)
-        grad_probs = torch.bmm(grad_blocks, v_bands.transpose(1, 2))
-        grad_v = torch.bmm(probs.transpose(1, 2), grad_blocks)
-        grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
-        nothing = probs.new_zeros(())  # baddbmm's input, ignored where beta is 0
-        grad_q = torch.baddbmm(nothing, grad_scores, k_bands, beta=0, alpha=ctx.scale)
-        grad_k = torch.baddbmm(nothing, grad_scores.transpose(1, 2), q_blocks, beta=0, alpha=ctx.scale)
-        shape = (batch, heads, blocks, 3 * block, dim)
-        return (grad_q.view(batch, heads, blocks * block, dim), _sum_bands(grad_k.view(shape), block),
-                _sum_bands(grad_v.view(shape), block), None, None)
+@torch.library.custom_op("fastmae::banded_attention_backward", mutates_args=())
+def _backward(grad_out: torch.Tensor, q: torch.Tensor, probs: torch.Tensor, k_bands: torch.Tensor,
+              v_bands: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k and v [B, H, S, D]; each band's gradient summed back onto its rows."""
+    batch, heads, length, dim = q.shape
+    flat, block, _ = probs.shape
+    blocks = flat // (batch * heads)
+    q_blocks = q.reshape(flat, block, dim)
+    grad_blocks = grad_out.reshape(flat, block, dim)
+    grad_probs = torch.bmm(grad_blocks, v_bands.transpose(1, 2))
+    grad_v = torch.bmm(probs.transpose(1, 2), grad_blocks)
+    grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+    nothing = probs.new_zeros(())  # baddbmm's input, ignored where beta is 0
+    grad_q = torch.baddbmm(nothing, grad_scores, k_bands, beta=0, alpha=scale)
+    grad_k = torch.baddbmm(nothing, grad_scores.transpose(1, 2), q_blocks, beta=0, alpha=scale)
+    shape = (batch, heads, blocks, 3 * block, dim)
+    return (grad_q.view(batch, heads, length, dim), _sum_bands(grad_k.view(shape), block),
+            _sum_bands(grad_v.view(shape), block))
+
+
+@_forward.register_fake
+def _forward_fake(q, k, v, mask, scale):
+    batch, heads, length, dim = q.shape
+    block = mask.shape[-2]
+    flat = batch * heads * (length // block)
+    return (torch.empty_like(q), q.new_empty(flat, block, 3 * block), q.new_empty(flat, 3 * block, dim),
+            q.new_empty(flat, 3 * block, dim))
+
+
+@_backward.register_fake
+def _backward_fake(grad_out, q, probs, k_bands, v_bands, scale):
+    return torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+
+
+def _setup_context(ctx, inputs, output):
+    q, _, _, _, scale = inputs
+    _, probs, k_bands, v_bands = output
+    ctx.save_for_backward(q, probs, k_bands, v_bands)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(probs, k_bands, v_bands)
+
+
+def _autograd_backward(ctx, grad_out, _grad_probs, _grad_k_bands, _grad_v_bands):
+    q, probs, k_bands, v_bands = ctx.saved_tensors
+    return (*_backward(grad_out, q, probs, k_bands, v_bands, ctx.scale), None, None)
+
+
+_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: Band, scale: float) -> torch.Tensor:
@@ -119,4 +154,4 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: Ba
     length = q.shape[2]
     pad_rows = -length % band.block
     q, k, v = (F.pad(t, (0, 0, 0, pad_rows)) for t in (q, k, v))
-    return _BandedAttention.apply(q, k, v, band.mask, scale)[:, :, :length]
+    return _forward(q, k, v, band.mask, scale)[0][:, :, :length]

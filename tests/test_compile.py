@@ -56,7 +56,7 @@ def test_dropout_compiles_without_graph_breaks(fresh_dynamo):
 
 @pytest.mark.parametrize("objective, bias", [
     ("mae-lm", {"relative_attention_bias": True}),
-    # ModernBERT's local layers: on CPU their window runs in bands, an autograd Function (fastmae.banded)
+    # ModernBERT's local layers: on CPU their window runs in bands, custom ops with an autograd formula (fastmae.banded)
     ("3ml", {"global_attention_every": 2, "local_window": 8, "position_embedding": "rotary", "norm_position": "pre"}),
 ])
 def test_position_biases_compile_like_eager(fresh_dynamo, objective, bias, monkeypatch):

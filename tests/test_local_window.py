@@ -3,6 +3,8 @@ per-sequence oracle, forward and backward, on full and shortened streams; and in
 runs its local layers on the shortened stream (the visible rows skip the removed positions), every local layer's
 attention equals the oracle fed the rows' original positions. Needs no transformers."""
 
+import math
+
 import pytest
 import torch
 from conftest import tiny_batch, tiny_model
@@ -99,6 +101,21 @@ def test_padded_attention_on_cpu_runs_a_local_layer_in_bands(dtype, seed, monkey
                               cu, 16, generator)
     with pytest.raises(ValueError, match="no attention dropout"):
         varlen_attention(q, k, v, meta, dropout_p=0.1, backend="padded", bias=bias)
+
+
+def test_the_band_ops_shapes_and_autograd_formula_hold_under_torch_library_opcheck():
+    """The band's forward and backward custom ops (fastmae.banded): their fake functions give the shapes the ops
+    return (dynamo and AOT autograd trace by them) and their autograd formula is registered, by torch's own check."""
+    from fastmae import banded
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 48, 8, generator=generator, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(2, 1, 3, 16, 48).masked_fill_(torch.rand(2, 1, 3, 16, 48, generator=generator) < 0.3, -math.inf)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")  # not AOT dispatch: 4 s more
+    torch.library.opcheck(banded._forward, (q, k, v, mask, 0.25), test_utils=checks)
+    out, probs, k_bands, v_bands = banded._forward(q.detach(), k.detach(), v.detach(), mask, 0.25)
+    torch.library.opcheck(banded._backward, (torch.randn_like(out), q.detach(), probs, k_bands, v_bands, 0.25),
+                          test_utils=checks)
 
 
 def choosing_as_on_cuda(monkeypatch):
