@@ -26,7 +26,8 @@ quietly() {  # run a step with its output in the log; on failure show the log an
 # wheel 5 s against 11), uv itself put in the venv by the system's pip (its --python, pip 22.3 and later). torch's wheel
 # is found by pip, whose configuration names the machine's wheels (uv reads none of it), then installed by uv; torch,
 # already there, satisfies fastmae's bound, so no requirement fetches another build of it.
-if python -m uv --version > /dev/null 2>&1 || "$base_python" -m pip --python "$venv/bin/python" install uv >> "$log" 2>&1; then
+if python -m uv --version > /dev/null 2>&1 \
+    || "$base_python" -m pip --python "$venv/bin/python" install uv >> "$log" 2>&1; then
   python -m pip --version > /dev/null 2>&1 || quietly python -m uv pip install --python "$venv/bin/python" pip
   if ! python -c "import torch" 2> /dev/null; then
     wheels="$venv/wheels"
