@@ -16,8 +16,7 @@ import inspect
 
 def install() -> bool:
     """Wrap the interpreter's language patch as above. False, changing nothing, where Triton is absent or its
-    interpreter lacks what this wraps (`_patch_lang` returning a `_LangPatchScope`, as
-    Triton 3.9's does)."""
+    interpreter lacks what this wraps (`_patch_lang` returning a `_LangPatchScope`, as Triton 3.9's does)."""
     try:
         from triton.runtime import interpreter
     except ImportError:
