@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import warm_python
 from synthetic import prepare_word_dataset
-from test_train import WORDS, overrides
+from test_train import SCRIPT_END, WORDS, overrides
 
 from fastmae.config import TrainConfig, load_run_config
 from fastmae.data import PackedLoader
@@ -141,7 +141,7 @@ print("EXTENDED", all((long[k] == extended[k]).all() for k in long))
 print("BRANCHED", all((long[k] == branched[k]).all() for k in long))
 print(train("late_branch"))
 print(train("decaying"))
-"""
+""" + SCRIPT_END
 
 
 def test_an_extended_run_and_a_branched_decay_end_as_the_run_planned_that_long(tmp_path):

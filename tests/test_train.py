@@ -751,6 +751,19 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):
     check_pinned("3ml-1-process-first-step", {1: train_losses(run_dir)[1]})
 
 
+SCRIPT_END = """
+# ended as fastmae's entry point ends (fastmae/train.py: main, exit_now): the process group's threads stopped here and
+# the interpreter's teardown skipped, where a process that had finished its script once aborted ("terminate called
+# without an active exception", exit -6)
+import os, sys, torch.distributed
+torch.distributed.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
+"""
+"""The end of a `python -c` script of the suite that trains in a process group of its own."""
+
+
 WORLD_OF_ONE = """
 import contextlib
 import dataclasses
@@ -879,7 +892,7 @@ step()
 step()
 assert len(calls) == 2, calls
 print("OK")
-"""
+""" + SCRIPT_END
 
 
 def test_world_of_one_skips_the_all_reduce_with_identical_updates():
