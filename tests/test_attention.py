@@ -25,7 +25,12 @@ def make_meta(lengths, device, positions=None):
     return VarlenMeta.build(cu.to(device), max(max(lengths), 1), seq_ids.to(device), positions.to(device))
 
 
-def backend_params(names=BACKENDS[1:-1], dtypes=None):  # all but auto and the reference itself
+GLOBAL_BACKENDS = tuple(name for name in BACKENDS[1:-1] if name != "triton_window")
+"""All but auto, the reference itself and triton_window, which runs local windows only (its tests:
+tests/kernels/test_kernel_local_attention.py)."""
+
+
+def backend_params(names=GLOBAL_BACKENDS, dtypes=None):
     """Every backend of `names` on every device it is meant for and present here (the CUDA ones where CUDA is,
     flash-attn's where it is installed), with each dtype of `dtypes` that backend and device train in."""
     for backend in names:
