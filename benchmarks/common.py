@@ -60,9 +60,12 @@ def gpu_kernel_time(fn, label: str, repeats: int = 3, top: int = 8) -> float:
 # What each GPU kernel of a step does, read from its name (first match wins): the profile's table by kind says which
 # non-GEMM costs a fused kernel would remove (issue 55).
 KERNEL_KINDS = (
-    ("attention", re.compile(r"sdpa|flash|fmha|attention|flex|triton_tem_fused", re.I)),
+    # cudnn::fusion: cuDNN's SDPA backward's rowsum(o * do) and dq cast; _local_: kernels/local_window.py
+    ("attention", re.compile(r"sdpa|flash|fmha|attention|flex|triton_tem_fused|cudnn::fusion|_local_(fwd|bwd)",
+                             re.I)),
     ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|cublas|wgmma|splitK", re.I)),
-    ("norm", re.compile(r"layer_norm|GammaBeta|rms_norm|_rows_fwd|_rows_bwd|norm", re.I)),
+    # _sum_parts: the fused norm's weight-gradient partial sums (kernels/norm.py)
+    ("norm", re.compile(r"layer_norm|GammaBeta|rms_norm|_rows_fwd|_rows_bwd|norm|_sum_parts", re.I)),
     ("cross-entropy", re.compile(r"_ce_rows|cross_entropy|log_softmax|nll_loss", re.I)),
     # not "lamb": elementwise kernels' names hold "{lambda(int)#1}"
     ("optimizer", re.compile(r"multi_tensor|adam|foreach|lamb(?!da)", re.I)),
@@ -71,7 +74,7 @@ KERNEL_KINDS = (
     ("indexing", re.compile(r"index|gather|scatter|embedding", re.I)),
     ("copy", re.compile(r"copy|memcpy|memset|cat_|CatArray|fill", re.I)),
     ("reduction", re.compile(r"reduce", re.I)),
-    ("pointwise", re.compile(r"elementwise|gelu|dropout|triton_poi|fused|pointwise|where|mul|add", re.I)),
+    ("pointwise", re.compile(r"elementwise|gelu|geglu|dropout|triton_poi|fused|pointwise|where|mul|add", re.I)),
 )
 
 

@@ -136,6 +136,46 @@ def flash_probe() -> str:
     return "\n".join(blocks)
 
 
+def gpu_layer_kernels() -> str:
+    """Each fused layer kernel against the stock torch ops it replaces, forward + backward at 65,536 rows, on each GPU
+    whose `headline` phase ran `benchmarks/kernels.py --ops layers`: wall time per call and GPU time (what a
+    replayed CUDA graph pays)."""
+    blocks = []
+    for path in sorted((RESULTS_DIR / "gpu").glob("*/headline/kernels_layers.json")):
+        result = _gpu_result(path)
+        rows = ["| op (forward + backward) | torch ms | fused ms | torch / fused | torch GPU ms | fused GPU ms | "
+                "torch / fused, GPU time | torch MiB | fused MiB |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in result["results"]:
+            rows.append(f"| {r['op (fwd+bwd)']} | {r['torch ms']:.3f} | {r['triton ms']:.3f} | {r['speedup']:.2f} | "
+                        f"{r['torch GPU ms']:.3f} | {r['triton GPU ms']:.3f} | "
+                        f"{r['torch GPU ms'] / r['triton GPU ms']:.2f} | {r['torch MiB']:.0f} | "
+                        f"{r['triton MiB']:.0f} |")
+        blocks.append(f"{result['device']}, torch {result['torch']}, {measured_when(result)}, bf16 "
+                      f"(`{path.relative_to(RESULTS_DIR.parent.parent)}`):\n\n" + "\n".join(rows) + "\n")
+    return "\n".join(blocks)
+
+
+def gpu_local_attention() -> str:
+    """A local layer's attention in every form tried against a global layer's, forward + backward at the throughput
+    benchmark's micro-batch, on each GPU that ran `benchmarks/local_attention.py`."""
+    blocks = []
+    for path in sorted((RESULTS_DIR / "gpu").glob("*/*/local_attention_flex.json")):
+        result = _gpu_result(path)
+        rows = ["| shape | form | forward ms | forward + backward ms | x global | window's share of pairs | error |",
+                "|---|---|---|---|---|---|---|"]
+        for r in result["results"]:
+            timed = [f"{r[key]:.3f}" if isinstance(r.get(key), float) else "-"
+                     for key in ("forward ms", "forward + backward ms", "x global")]
+            share = r["window's share of pairs"]
+            rows.append(f"| {r['shape']} | {r['form']} | {' | '.join(timed)} | {share:.3f} | "
+                        f"{r['error'].split(':')[0]} |")
+        blocks.append(f"{result['device']}, torch {result['torch']}, {measured_when(result)}, 128 sequences, bf16, "
+                      f"median of repeats (`{path.relative_to(RESULTS_DIR.parent.parent)}`):\n\n"
+                      + "\n".join(rows) + "\n")
+    return "\n".join(blocks)
+
+
 GENERATORS = {"gpu": gpu, "micro_batch": micro_batch, "throughput_modernbert": throughput_modernbert,
               "throughput_modernbert_gpu": throughput_modernbert_gpu, "gpu_kernel_kinds": gpu_kernel_kinds,
-              "flash_probe": flash_probe}
+              "flash_probe": flash_probe, "gpu_layer_kernels": gpu_layer_kernels,
+              "gpu_local_attention": gpu_local_attention}
