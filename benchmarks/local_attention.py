@@ -8,7 +8,8 @@ fewer keys within the window of each query).
 
 On CUDA, the forms of a local layer at the throughput benchmark's micro-batch instead (`cuda_forms`; issue 55's
 target: at most 0.6x a global layer, forward + backward): as fastmae runs it (`auto`: torch's FlashAttention-2
-window of rows on the full stream, fastmae's own kernel on the shortened one), fastmae's kernel on both streams,
+window of rows on the full stream, fastmae's own kernel on the shortened one), fastmae's kernel on both streams (on
+the shortened one also with each candidate tiling of each of its three kernels, `local_window.CANDIDATES`),
 FlexAttention as fastmae called it before, compiled for the static shape, and with key blocks of 64 rows.
 
     python benchmarks/local_attention.py   # CPU: local_attention.{json,md}; CUDA: local_attention_flex.{json,md}
@@ -47,6 +48,24 @@ def make_stream(lengths: list[int], spread: int, dtype, device: str, seed: int =
     return qkv, meta, share
 
 
+def kernel_tilings(q, k, v, meta: VarlenMeta) -> dict:
+    """fastmae's kernel with one kernel's tiles swapped for each of its candidates (local_window.CANDIDATES), the
+    others as shipped: form name -> the call."""
+    from fastmae.kernels import local_window
+
+    shipped = local_window.tiles(HEAD_DIM)
+    forms = {}
+    for kernel, candidates in local_window.CANDIDATES.items():
+        for tiles in candidates:
+            tiling = {**shipped, kernel: tiles}
+            name = (f"fastmae's kernel, {kernel} {tiles.outer}x{tiles.inner} on {tiles.warps} warps, "
+                    f"{tiles.stages} stages (shipped {shipped[kernel].outer}x{shipped[kernel].inner}, "
+                    f"{shipped[kernel].warps}, {shipped[kernel].stages})")
+            forms[name] = (lambda tiling=tiling: local_window.local_attention(
+                q, k, v, meta.cu_seqlens, meta.positions, meta.max_seqlen, HALF_WINDOW, tiling=tiling))
+    return forms
+
+
 def cuda_forms(table: torch.Tensor, repeats: int) -> list[dict]:
     """CUDA: a local layer at the throughput benchmark's micro-batch (128 sequences): as fastmae runs it (`auto`),
     FlexAttention as fastmae calls it (compiled with dynamic shapes, the stream padded to whole blocks and the kernel
@@ -78,6 +97,8 @@ def cuda_forms(table: torch.Tensor, repeats: int) -> list[dict]:
             "flex, key blocks of 64": lambda: flex_attention_api().compiled(
                 *rows_first, block_mask=narrow, kernel_options={"BLOCK_N": 64, "IS_DIVISIBLE": True}),
         }
+        if not meta.consecutive:  # the stream fastmae runs its kernel on
+            forms.update(kernel_tilings(q, k, v, meta))
         narrow = document_block_mask(meta, meta, HALF_WINDOW, kv_block=64)
         global_ms = None  # forward + backward of this stream's global layer
         for form, run in forms.items():

@@ -8,7 +8,7 @@ Compiles each (kernel, block size, warps, flags, dtype) the launchers can choose
 stay resident on a multiprocessor (occupancy: what hides memory latency). Run without TRITON_INTERPRET.
 
 The table is a pure function of this directory's sources and Triton's version (`inputs_sha256`), and compiling all
-646 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
+702 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
 REGENERATE) and the suite checks it is of the kernels it has, compiling a few configurations itself; --match compiles
 those whose "kernel config" matches.
 """
@@ -198,28 +198,44 @@ def _activation_configs():
 
 
 def _local_window_configs():
+    """Each local-window kernel at its shipped tiles (heads of 32, 64, 128) and, at heads of 64, at every tiling the
+    GPU benchmark times (local_window.CANDIDATES)."""
     from . import local_window
 
     for dtype in ("bf16", "fp16"):
         for head_dim in (32, 64, 128):  # ModernBERT's 64; narrower and wider heads
-            block_m, block_n, warps = local_window.tiles(head_dim)
-            blocks = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WIDEN=0)
-            strides = {f"stride_{x}{y}": "i32" for x in ("q", "k", "v", "o") for y in ("t", "h")}
-            common = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}")
-            yield ("local_window._local_fwd_kernel", f"{dtype} HEAD_DIM={head_dim}",
-                   dict(**common, OUT=f"*{dtype}", LSE="*fp32", CU="*i32", POS="*i32", qk_scale="fp32", window="i32",
-                        n_heads="i32", **strides), blocks, warps)
-            strides = {f"stride_{x}{y}": "i32" for x in ("q", "k", "v", "do") for y in ("t", "h")}
-            tail = dict(CU="*i32", POS="*i32", qk_scale="fp32", scale="fp32", window="i32", n_heads="i32", **strides)
-            yield ("local_window._local_bwd_dkdv_kernel", f"{dtype} HEAD_DIM={head_dim}",
-                   dict(**common, DO=f"*{dtype}", LSE="*fp32", DELTA="*fp32", DK=f"*{dtype}", DV=f"*{dtype}",
-                        **tail), blocks, warps)
-            yield ("local_window._local_bwd_dq_kernel", f"{dtype} HEAD_DIM={head_dim}",
-                   dict(**common, DO=f"*{dtype}", LSE="*fp32", DELTA="*fp32", DQ=f"*{dtype}", **tail), blocks, warps)
+            shipped = local_window.tiles(head_dim)
+            for kernel in local_window.KERNELS:
+                tried = local_window.CANDIDATES[kernel] if head_dim == 64 else ()
+                for tiling in dict.fromkeys((shipped[kernel], *tried)):
+                    yield _local_window_config(kernel, dtype, head_dim, tiling)
+
+
+def _local_window_config(kernel: str, dtype: str, head_dim: int, tiling):
+    """One local-window kernel's configuration: its name, description, signature, constexprs and warps."""
+    outer_is_keys = kernel == "dkdv"
+    blocks = dict(HEAD_DIM=head_dim, BLOCK_M=tiling.inner if outer_is_keys else tiling.outer,
+                  BLOCK_N=tiling.outer if outer_is_keys else tiling.inner, WIDEN=0)
+    desc = f"{dtype} HEAD_DIM={head_dim} {tiling.outer}x{tiling.inner} warps={tiling.warps} stages={tiling.stages}"
+    common = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}")
+    if kernel == "forward":
+        strides = {f"stride_{x}{y}": "i32" for x in ("q", "k", "v", "o") for y in ("t", "h")}
+        return ("local_window._local_fwd_kernel", desc,
+                dict(**common, OUT=f"*{dtype}", LSE="*fp32", CU="*i32", POS="*i32", qk_scale="fp32", window="i32",
+                     n_heads="i32", **strides), blocks, tiling.warps, tiling.stages)
+    strides = {f"stride_{x}{y}": "i32" for x in ("q", "k", "v", "do") for y in ("t", "h")}
+    tail = dict(CU="*i32", POS="*i32", qk_scale="fp32", scale="fp32", window="i32", n_heads="i32", **strides)
+    if kernel == "dkdv":
+        return ("local_window._local_bwd_dkdv_kernel", desc,
+                dict(**common, DO=f"*{dtype}", LSE="*fp32", DELTA="*fp32", DK=f"*{dtype}", DV=f"*{dtype}", **tail),
+                blocks, tiling.warps, tiling.stages)
+    return ("local_window._local_bwd_dq_kernel", desc,
+            dict(**common, DO=f"*{dtype}", LSE="*fp32", DELTA="*fp32", DQ=f"*{dtype}", **tail), blocks,
+            tiling.warps, tiling.stages)
 
 
 def all_configs():
-    """Every (kernel, description, signature, constexprs, num_warps) the launchers can use."""
+    """Every (kernel, description, signature, constexprs, num_warps[, num_stages]) the launchers can use."""
     yield from _row_configs()
     yield from _mask_configs()
     yield from _ce_configs()
@@ -243,12 +259,13 @@ def compile_one(job):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    (name, desc, signature, constexprs, warps), arch = job
+    (name, desc, signature, constexprs, warps, *stages), arch = job  # stages: where a launcher names them
     module, fn_name = name.split(".")
     fn = getattr(importlib.import_module(f"fastmae.kernels.{module}"), fn_name)
     full_sig = {**signature, **{k: "constexpr" for k in constexprs}}
     src = ASTSource(fn=fn, signature=full_sig, constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {})}
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.asm["cubin"])

@@ -16,18 +16,44 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 
-def tiles(head_dim: int) -> tuple[int, int, int]:
-    """(query rows, key rows a block, warps a program) for heads of `head_dim`. The static GPU check (kernels/aot.py)
-    compiled 64 x 64 on 4 warps and 128 x 64 on 8 with spills on sm_90 at head_dim 64 (255 registers), 64 x 64 on 8
-    with a spill on sm_80; 64 x 32 on 8 without on both (141-226 registers on sm_90), and at head_dim 128, 32 x 32 on 8.
-    Key blocks of 32 rows also skip more of a shortened stream's band. Tests shrink the blocks."""
-    return (64, 32, 8) if head_dim <= 64 else (32, 32, 8)
+class Tiles(NamedTuple):
+    """One kernel's tiling: the rows of the block a program holds (`outer`: queries in the forward and the dq kernel,
+    keys in the dk/dv kernel), the rows of the blocks of the other side it loops over (`inner`), warps a program and
+    Triton's pipeline stages (the inner loop's loads in flight)."""
+
+    outer: int
+    inner: int
+    warps: int
+    stages: int = 3
+
+
+KERNELS = ("forward", "dkdv", "dq")
+
+
+def tiles(head_dim: int) -> dict[str, Tiles]:
+    """Each kernel's Tiles (KERNELS) for heads of `head_dim`. As in FlashAttention's Triton backward, a backward
+    kernel holds a large block and loops over small ones: the dk/dv kernel's products dv += p^T do and dk += ds^T q
+    have its keys as their rows, and Hopper's tensor-core instruction (wgmma) takes 64 rows or more. Chosen without a
+    GPU timing from what compiles for sm_80 and sm_90 without spills (kernels/aot.py, which compiles these and every
+    CANDIDATE); `benchmarks/local_attention.py` times every candidate on CUDA. Tests shrink them."""
+    if head_dim <= 64:
+        return {"forward": Tiles(64, 32, 4), "dkdv": Tiles(64, 16, 4), "dq": Tiles(64, 32, 4)}
+    return {"forward": Tiles(32, 32, 8), "dkdv": Tiles(32, 16, 8), "dq": Tiles(32, 32, 8)}
+
+
+# What the GPU benchmark times at heads of 64 beside the shipped tiles (each compiled without spills by kernels/aot.py)
+CANDIDATES = {
+    "forward": (Tiles(64, 32, 8), Tiles(64, 64, 8), Tiles(128, 32, 8), Tiles(128, 64, 8), Tiles(64, 32, 4, 2)),
+    "dkdv": (Tiles(64, 16, 8), Tiles(128, 16, 8), Tiles(32, 32, 4), Tiles(64, 32, 4), Tiles(128, 32, 8)),
+    "dq": (Tiles(64, 16, 4), Tiles(128, 32, 8), Tiles(64, 64, 8), Tiles(128, 16, 8)),
+}
 
 
 LOG2E = 1.4426950408889634
@@ -61,11 +87,14 @@ def _reaches(pos_k, valid_k, lowest, highest):
 
 
 @triton.jit
-def _rows(X, first, valid, stride_t, stride_h, head, cols, BLOCK: tl.constexpr):
-    """[BLOCK, HEAD_DIM] of X [T, heads, HEAD_DIM] at rows first .. first + BLOCK - 1 of `head` (0 where not valid):
-    one 64-bit base a block, 32-bit offsets within it (the same every block: computed once)."""
+def _rows(X, first, end, stride_t, stride_h, head, cols, BLOCK: tl.constexpr):
+    """[BLOCK, HEAD_DIM] of X [T, heads, HEAD_DIM] at rows first .. first + BLOCK - 1 of `head`, those at or past the
+    sequence's `end` reading its last row instead: no masked load (a mask a row costs each thread registers, enough
+    to spill the backward on sm_80), and the window's mask (`_in_window`) drops every pair of such a row. One 64-bit
+    base a block, 32-bit offsets within it."""
     base = X + tl.cast(first, tl.int64) * stride_t + head * stride_h
-    return tl.load(base + tl.arange(0, BLOCK)[:, None] * stride_t + cols[None, :], mask=valid[:, None], other=0.0)
+    offsets = tl.minimum(tl.arange(0, BLOCK), end - 1 - first)
+    return tl.load(base + offsets[:, None] * stride_t + cols[None, :])
 
 
 @triton.jit
@@ -99,10 +128,25 @@ def _block_positions(POS, first, end, lowest, highest, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _key_side(K, V, first, valid_k, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N: tl.constexpr):
+def _reached_rows(POS, start, end, lowest, highest, BLOCK: tl.constexpr):
+    """(first, last): rows first .. last - 1 of the sequence's start .. end - 1, in blocks of BLOCK from `start`, run
+    from the first block that reaches [lowest, highest] to the end of the last one (empty where none does). The main
+    loops then run a fixed range with no branch, which lets Triton pipeline their loads; a block between two that
+    reach, reaching nothing itself (only where positions do not increase), is masked pair by pair."""
+    first = end
+    last = start
+    for block_start in range(start, end, BLOCK):
+        valid, pos, reached = _block_positions(POS, block_start, end, lowest, highest, BLOCK)
+        first = tl.where(reached & (first == end), block_start, first)
+        last = tl.where(reached, block_start + BLOCK, last)
+    return first, last
+
+
+@triton.jit
+def _key_side(K, V, first, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N: tl.constexpr):
     """(k, v) of a block of keys."""
-    return (_rows(K, first, valid_k, stride_kt, stride_kh, head, cols, BLOCK_N),
-            _rows(V, first, valid_k, stride_vt, stride_vh, head, cols, BLOCK_N))
+    return (_rows(K, first, end, stride_kt, stride_kh, head, cols, BLOCK_N),
+            _rows(V, first, end, stride_vt, stride_vh, head, cols, BLOCK_N))
 
 
 @triton.jit
@@ -114,11 +158,11 @@ def _program_block(CU, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _query_side(Q, DO, LSE, DELTA, first, rows_q, valid_q, stride_qt, stride_qh, stride_dot, stride_doh, head,
+def _query_side(Q, DO, LSE, DELTA, first, end, rows_q, valid_q, stride_qt, stride_qh, stride_dot, stride_doh, head,
                 n_heads, cols, BLOCK_M: tl.constexpr):
     """(q, do, the forward's log-sum-exp, delta) of a block of queries, for the backward."""
-    q = _rows(Q, first, valid_q, stride_qt, stride_qh, head, cols, BLOCK_M)
-    do = _rows(DO, first, valid_q, stride_dot, stride_doh, head, cols, BLOCK_M)
+    q = _rows(Q, first, end, stride_qt, stride_qh, head, cols, BLOCK_M)
+    do = _rows(DO, first, end, stride_dot, stride_doh, head, cols, BLOCK_M)
     lse = tl.load(LSE + rows_q.to(tl.int64) * n_heads + head, mask=valid_q, other=0.0)
     delta = tl.load(DELTA + rows_q.to(tl.int64) * n_heads + head, mask=valid_q, other=0.0)
     return q, do, lse, delta
@@ -133,24 +177,23 @@ def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, str
         cols = tl.arange(0, HEAD_DIM)
         rows_q = first + tl.arange(0, BLOCK_M)
         valid_q = rows_q < end
-        q = _rows(Q, first, valid_q, stride_qt, stride_qh, head, cols, BLOCK_M)
+        q = _rows(Q, first, end, stride_qt, stride_qh, head, cols, BLOCK_M)
         pos_q, lowest, highest = _positions(POS, rows_q, valid_q, window)
         row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for key_start in range(start, end, BLOCK_N):
-            valid_k, pos_k, reached = _block_positions(POS, key_start, end, lowest, highest, BLOCK_N)
-            if reached:
-                k, v = _key_side(K, V, key_start, valid_k, stride_kt, stride_kh, stride_vt, stride_vh, head, cols,
-                                 BLOCK_N)
-                scores = _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, WIDEN)
-                new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key yet: no NaN
-                p = tl.exp2(scores - shift[:, None])
-                rescale = tl.exp2(row_max - shift)
-                row_sum = row_sum * rescale + tl.sum(p, axis=1)
-                acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, WIDEN)
-                row_max = new_max
+        first_k, last_k = _reached_rows(POS, start, end, lowest, highest, BLOCK_N)
+        for key_start in range(first_k, last_k, BLOCK_N):
+            valid_k, pos_k, _ = _block_positions(POS, key_start, end, lowest, highest, BLOCK_N)
+            k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
+            scores = _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, WIDEN)
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key yet: no NaN
+            p = tl.exp2(scores - shift[:, None])
+            rescale = tl.exp2(row_max - shift)
+            row_sum = row_sum * rescale + tl.sum(p, axis=1)
+            acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, WIDEN)
+            row_max = new_max
         # every valid query sees itself (distance 0): its row_sum is positive
         out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
         tl.store(OUT + rows_q[:, None].to(tl.int64) * stride_ot + head * stride_oh + cols[None, :],
@@ -171,20 +214,20 @@ def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, s
         cols = tl.arange(0, HEAD_DIM)
         rows_k = first + tl.arange(0, BLOCK_N)
         valid_k = rows_k < end
-        k, v = _key_side(K, V, first, valid_k, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
+        k, v = _key_side(K, V, first, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
         pos_k, lowest, highest = _positions(POS, rows_k, valid_k, window)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        for query_start in range(start, end, BLOCK_M):
-            valid_q, pos_q, reached = _block_positions(POS, query_start, end, lowest, highest, BLOCK_M)
-            if reached:
-                rows_q = query_start + tl.arange(0, BLOCK_M)
-                q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, query_start, rows_q, valid_q, stride_qt, stride_qh,
-                                                stride_dot, stride_doh, head, n_heads, cols, BLOCK_M)
-                p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN)
-                dv += _dot(tl.trans(p).to(do.dtype), do, WIDEN)
-                ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
-                dk += _dot(tl.trans(ds).to(q.dtype), q, WIDEN)
+        first_q, last_q = _reached_rows(POS, start, end, lowest, highest, BLOCK_M)
+        for query_start in range(first_q, last_q, BLOCK_M):
+            valid_q, pos_q, _ = _block_positions(POS, query_start, end, lowest, highest, BLOCK_M)
+            rows_q = query_start + tl.arange(0, BLOCK_M)
+            q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, query_start, end, rows_q, valid_q, stride_qt, stride_qh,
+                                            stride_dot, stride_doh, head, n_heads, cols, BLOCK_M)
+            p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN)
+            dv += _dot(tl.trans(p).to(do.dtype), do, WIDEN)
+            ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
+            dk += _dot(tl.trans(ds).to(q.dtype), q, WIDEN)
         offsets = rows_k[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :]
         tl.store(DK + offsets, (dk * scale).to(DK.dtype.element_ty), mask=valid_k[:, None])
         tl.store(DV + offsets, dv.to(DV.dtype.element_ty), mask=valid_k[:, None])
@@ -202,18 +245,17 @@ def _local_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, POS, qk_scale, scale, 
         cols = tl.arange(0, HEAD_DIM)
         rows_q = first + tl.arange(0, BLOCK_M)
         valid_q = rows_q < end
-        q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, first, rows_q, valid_q, stride_qt, stride_qh, stride_dot,
-                                        stride_doh, head, n_heads, cols, BLOCK_M)
+        q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, first, end, rows_q, valid_q, stride_qt, stride_qh,
+                                        stride_dot, stride_doh, head, n_heads, cols, BLOCK_M)
         pos_q, lowest, highest = _positions(POS, rows_q, valid_q, window)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for key_start in range(start, end, BLOCK_N):
-            valid_k, pos_k, reached = _block_positions(POS, key_start, end, lowest, highest, BLOCK_N)
-            if reached:
-                k, v = _key_side(K, V, key_start, valid_k, stride_kt, stride_kh, stride_vt, stride_vh, head, cols,
-                                 BLOCK_N)
-                p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN)
-                ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
-                dq += _dot(ds.to(k.dtype), k, WIDEN)
+        first_k, last_k = _reached_rows(POS, start, end, lowest, highest, BLOCK_N)
+        for key_start in range(first_k, last_k, BLOCK_N):
+            valid_k, pos_k, _ = _block_positions(POS, key_start, end, lowest, highest, BLOCK_N)
+            k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
+            p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN)
+            ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
+            dq += _dot(ds.to(k.dtype), k, WIDEN)
         tl.store(DQ + rows_q[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :],
                  (dq * scale).to(DQ.dtype.element_ty), mask=valid_q[:, None])
 
@@ -229,18 +271,19 @@ def _strides(*tensors):
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, positions, max_seqlen, window, scale):
+    def forward(ctx, q, k, v, cu_seqlens, positions, max_seqlen, window, scale, tiling):
         rows, heads, head_dim = q.shape
-        block_m, block_n, warps = tiles(head_dim)
         out = torch.empty(rows, heads, head_dim, device=q.device, dtype=q.dtype)
         lse = torch.empty(rows, heads, device=q.device, dtype=torch.float32)
         sequences = cu_seqlens.shape[0] - 1
         if rows:
-            _local_fwd_kernel[(triton.cdiv(max_seqlen, block_m), sequences, heads)](
+            forward = tiling["forward"]
+            _local_fwd_kernel[(triton.cdiv(max_seqlen, forward.outer), sequences, heads)](
                 q, k, v, out, lse, cu_seqlens, positions, scale * LOG2E, window, heads, *_strides(q, k, v, out),
-                HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WIDEN=_widened(q), num_warps=warps)
+                HEAD_DIM=head_dim, BLOCK_M=forward.outer, BLOCK_N=forward.inner, WIDEN=_widened(q),
+                num_warps=forward.warps, num_stages=forward.stages)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, positions)
-        ctx.max_seqlen, ctx.window, ctx.scale = max_seqlen, window, scale
+        ctx.max_seqlen, ctx.window, ctx.scale, ctx.tiling = max_seqlen, window, scale, tiling
         return out
 
     @staticmethod
@@ -248,27 +291,30 @@ class _LocalAttention(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens, positions = ctx.saved_tensors
         dout = dout if dout.stride(2) == 1 else dout.contiguous()
         rows, heads, head_dim = q.shape
-        block_m, block_n, warps = tiles(head_dim)
         dq, dk, dv = torch.empty((3, rows, heads, head_dim), device=q.device, dtype=q.dtype).unbind(0)
         if rows:
             delta = (out.float() * dout.float()).sum(-1)  # [T, heads]: rowsum(o * do), the softmax backward's term
             sequences = cu_seqlens.shape[0] - 1
             args = (cu_seqlens, positions, ctx.scale * LOG2E, ctx.scale, ctx.window, heads,
                     *_strides(q, k, v, dout))
-            blocks = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WIDEN=_widened(q), num_warps=warps)
-            _local_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, block_n), sequences, heads)](
-                q, k, v, dout, lse, delta, dk, dv, *args, **blocks)
-            _local_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, block_m), sequences, heads)](
-                q, k, v, dout, lse, delta, dq, *args, **blocks)
-        return dq, dk, dv, None, None, None, None, None
+            dkdv, by_query = ctx.tiling["dkdv"], ctx.tiling["dq"]
+            _local_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, dkdv.outer), sequences, heads)](
+                q, k, v, dout, lse, delta, dk, dv, *args, HEAD_DIM=head_dim, BLOCK_M=dkdv.inner, BLOCK_N=dkdv.outer,
+                WIDEN=_widened(q), num_warps=dkdv.warps, num_stages=dkdv.stages)
+            _local_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, by_query.outer), sequences, heads)](
+                q, k, v, dout, lse, delta, dq, *args, HEAD_DIM=head_dim, BLOCK_M=by_query.outer,
+                BLOCK_N=by_query.inner, WIDEN=_widened(q), num_warps=by_query.warps, num_stages=by_query.stages)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                    positions: torch.Tensor, max_seqlen: int, window: int, scale: float | None = None) -> torch.Tensor:
+                    positions: torch.Tensor, max_seqlen: int, window: int, scale: float | None = None,
+                    tiling: dict[str, Tiles] | None = None) -> torch.Tensor:
     """Softmax attention of q [T, heads, D] over k, v [T, heads, D] (one packed stream, its sequences bounded by
     cu_seqlens [B+1] int32; D a power of two, at least 16; each tensor's last dimension contiguous) where a query sees
     the keys of its sequence whose original position (positions [T] int32) is within `window` of its own; max_seqlen:
-    the longest sequence's rows (host int). Returns [T, heads, D] in q's dtype. Differentiable in q, k, v."""
+    the longest sequence's rows (host int). Returns [T, heads, D] in q's dtype. Differentiable in q, k, v. `tiling`:
+    each kernel's Tiles, `tiles(D)` unless given (the GPU benchmark's candidates)."""
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape or any(t.stride(2) != 1 for t in (q, k, v)):
         raise ValueError(f"local_attention: q, k, v must be [T, heads, D] of one shape, D contiguous; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -279,4 +325,5 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         raise ValueError(f"local_attention: positions [T] and cu_seqlens [B+1] must be int32; got "
                          f"{tuple(positions.shape)} {positions.dtype}, {cu_seqlens.dtype}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    return _LocalAttention.apply(q, k, v, cu_seqlens, positions, max_seqlen, window, scale)
+    return _LocalAttention.apply(q, k, v, cu_seqlens, positions, max_seqlen, window, scale,
+                                 tiling or tiles(head_dim))

@@ -6,7 +6,7 @@ under the interpreter (a sequence spans several), the shipped ones (`local_windo
 import pytest
 import torch
 from conftest import KERNEL_DEVICE
-from fastmae.kernels import local_attention, local_attention_reference
+from fastmae.kernels import local_attention, local_attention_reference, local_window
 from tolerance import assert_as_accurate
 
 DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
@@ -27,7 +27,8 @@ def small_blocks(monkeypatch):
     if KERNEL_DEVICE == "cpu":
         from fastmae.kernels import local_window
 
-        monkeypatch.setattr(local_window, "tiles", lambda head_dim: (16, 16, 4))
+        small = local_window.Tiles(16, 16, 4)
+        monkeypatch.setattr(local_window, "tiles", lambda head_dim: dict.fromkeys(local_window.KERNELS, small))
 
 
 def stream(lengths, shortened: bool, seed: int):
@@ -86,3 +87,52 @@ def test_local_attention_names_what_it_cannot_take():
     q = torch.randn(4, 1, 16, device=KERNEL_DEVICE)
     with pytest.raises(ValueError, match="int32"):
         local_attention(q, q, q, cu, positions.long(), 4, 2)
+
+
+@pytest.mark.skipif(KERNEL_DEVICE != "cpu", reason="counts the interpreter's tensor-core products")
+def test_blocks_outside_every_window_are_skipped(monkeypatch):
+    """The kernels multiply only the blocks of the other side that some row's window reaches: one sequence of 256
+    consecutive positions, a window of 3, blocks of 16 rows, so each block reaches itself and its neighbours (46 of
+    the 256 block pairs); each visit costs the forward 2 products, the dk/dv kernel 4 and the dq kernel 3."""
+    from triton.runtime import interpreter
+
+    products = []
+    create_dot = interpreter.InterpreterBuilder.create_dot
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
+                        lambda self, *args: products.append(1) or create_dot(self, *args))
+    rows, blocks = 256, 256 // 16
+    cu = torch.tensor([0, rows], dtype=torch.int32)
+    q, k, v = (torch.randn(rows, 1, 16, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3))
+    local_attention(q, k, v, cu, torch.arange(rows, dtype=torch.int32), rows, 3).sum().backward()
+    reached = 3 * blocks - 2  # the first and the last block have one neighbour
+    assert len(products) == (2 + 4 + 3) * reached
+
+
+TILINGS = [(kernel, tiles) for kernel, candidates in local_window.CANDIDATES.items() for tiles in candidates]
+if KERNEL_DEVICE == "cpu":  # under the interpreter: each kernel's largest blocks
+    TILINGS = [max(((k, t) for k, t in TILINGS if k == kernel), key=lambda kt: kt[1].outer * kt[1].inner)
+               for kernel in local_window.KERNELS]
+
+
+@pytest.mark.parametrize("kernel, tiles", TILINGS, ids=[f"{k}-{t.outer}x{t.inner}-{t.warps}-{t.stages}"
+                                                         for k, t in TILINGS])
+def test_every_tiling_the_gpu_benchmark_times_computes_the_reference(kernel, tiles):
+    """benchmarks/local_attention.py times each candidate tiling (local_window.CANDIDATES) on CUDA, where fastmae may
+    ship the fastest: each computes what the reference does, forward and backward, on a shortened stream whose
+    lengths no block divides, at the heads of 64 the candidates are for."""
+    cu, positions = stream([150, 37], True, 0)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, grad = (torch.randn(int(cu[-1]), 1, 64, generator=gen) for _ in range(4))
+    tiling = {**local_window.tiles(64), kernel: tiles}
+
+    def run(fn, dtype, **options):
+        leaves = [t.to(KERNEL_DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, cu.to(KERNEL_DEVICE), positions.to(KERNEL_DEVICE), 150, 20, **options)
+        return [out, *torch.autograd.grad(out, leaves, grad.to(KERNEL_DEVICE, dtype))]
+
+    dtype = torch.bfloat16 if KERNEL_DEVICE == "cuda" else torch.float32
+    got = run(local_attention, dtype, tiling=tiling)
+    plain, exact = run(local_attention_reference, dtype), run(local_attention_reference, torch.float64)
+    for name, g, p, e in zip(["out", "dq", "dk", "dv"], got, plain, exact):
+        assert_as_accurate(f"local_attention {name} ({kernel} {tiles})", g.cpu(), p.cpu(), e.cpu(), dtype,
+                           factor=2 if name == "out" else 3, zero_scale=1.0)
