@@ -230,7 +230,7 @@ def _local_window_config(kernel: str, dtype: str, head_dim: int, tiling):
                 dict(**common, DO=f"*{dtype}", LSE="*fp32", DELTA="*fp32", DK=f"*{dtype}", DV=f"*{dtype}", **tail),
                 blocks, tiling.warps, tiling.stages)
     return ("local_window._local_bwd_dq_kernel", desc,
-            dict(**common, DO=f"*{dtype}", LSE="*fp32", DELTA="*fp32", DQ=f"*{dtype}", **tail), blocks,
+            dict(**common, DO=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32", DELTA="*fp32", DQ=f"*{dtype}", **tail), blocks,
             tiling.warps, tiling.stages)
 
 

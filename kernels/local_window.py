@@ -7,8 +7,9 @@ a window of rows, so FlashAttention's own window cannot run it exactly; this ker
 their positions, and skips every block of keys whose positions all lie outside the window of every query of the
 block (the positions of a block are loaded, so any order of positions within a sequence is exact; increasing ones,
 as every fastmae stream has, make all but about (2 * window) / BLOCK_N + 2 blocks a query block skips). Program
-(block of BLOCK_M query rows, sequence, head); the backward is two kernels, one a block of keys (dk, dv) and one a
-block of queries (dq), each summing in a fixed order: no atomics, deterministic. Softmax in base 2 (`exp2`), the
+(block of BLOCK_M query rows, sequence, head); the backward is two kernels, one a block of queries (dq, and each
+row's rowsum(out * do) for the other) and then one a block of keys (dk, dv), each summing in a fixed order: no
+atomics, deterministic. Softmax in base 2 (`exp2`), the
 log-sum-exp of each row kept for the backward. Reference: `local_attention_reference` in reference.py.
 """
 
@@ -158,14 +159,18 @@ def _program_block(CU, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _query_side(Q, DO, LSE, DELTA, first, end, rows_q, valid_q, stride_qt, stride_qh, stride_dot, stride_doh, head,
-                n_heads, cols, BLOCK_M: tl.constexpr):
-    """(q, do, the forward's log-sum-exp, delta) of a block of queries, for the backward."""
+def _per_row(X, rows, valid, n_heads, head):
+    """fp32 [BLOCK] of X [T, heads] (the log-sum-exp, delta) at `rows` of `head`, 0 where not valid."""
+    return tl.load(X + rows.to(tl.int64) * n_heads + head, mask=valid, other=0.0)
+
+
+@triton.jit
+def _query_side(Q, DO, LSE, first, end, rows_q, valid_q, stride_qt, stride_qh, stride_dot, stride_doh, head, n_heads,
+                cols, BLOCK_M: tl.constexpr):
+    """(q, do, the forward's log-sum-exp) of a block of queries, for the backward."""
     q = _rows(Q, first, end, stride_qt, stride_qh, head, cols, BLOCK_M)
     do = _rows(DO, first, end, stride_dot, stride_doh, head, cols, BLOCK_M)
-    lse = tl.load(LSE + rows_q.to(tl.int64) * n_heads + head, mask=valid_q, other=0.0)
-    delta = tl.load(DELTA + rows_q.to(tl.int64) * n_heads + head, mask=valid_q, other=0.0)
-    return q, do, lse, delta
+    return q, do, _per_row(LSE, rows_q, valid_q, n_heads, head)
 
 
 @triton.jit
@@ -222,8 +227,9 @@ def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, s
         for query_start in range(first_q, last_q, BLOCK_M):
             valid_q, pos_q, _ = _block_positions(POS, query_start, end, lowest, highest, BLOCK_M)
             rows_q = query_start + tl.arange(0, BLOCK_M)
-            q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, query_start, end, rows_q, valid_q, stride_qt, stride_qh,
-                                            stride_dot, stride_doh, head, n_heads, cols, BLOCK_M)
+            q, do, lse = _query_side(Q, DO, LSE, query_start, end, rows_q, valid_q, stride_qt, stride_qh, stride_dot,
+                                     stride_doh, head, n_heads, cols, BLOCK_M)
+            delta = _per_row(DELTA, rows_q, valid_q, n_heads, head)
             p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN)
             dv += _dot(tl.trans(p).to(do.dtype), do, WIDEN)
             ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
@@ -234,19 +240,23 @@ def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, s
 
 
 @triton.jit
-def _local_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, POS, qk_scale, scale, window, n_heads, stride_qt,
+def _local_bwd_dq_kernel(Q, K, V, DO, OUT, LSE, DELTA, DQ, CU, POS, qk_scale, scale, window, n_heads, stride_qt,
                          stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          WIDEN: tl.constexpr):
     """Program (block of queries, sequence, head): dq of its queries, summed over the key blocks their window
-    reaches, in order. DQ: contiguous [T, heads, HEAD_DIM]."""
+    reaches, in order, and their delta = rowsum(out * do), the softmax backward's term, stored for the dk/dv kernel
+    that runs after it. OUT, DQ: contiguous [T, heads, HEAD_DIM]; DELTA [T, heads] fp32."""
     head, start, end, first = _program_block(CU, BLOCK_M)
     if first < end:
         cols = tl.arange(0, HEAD_DIM)
         rows_q = first + tl.arange(0, BLOCK_M)
         valid_q = rows_q < end
-        q, do, lse, delta = _query_side(Q, DO, LSE, DELTA, first, end, rows_q, valid_q, stride_qt, stride_qh,
-                                        stride_dot, stride_doh, head, n_heads, cols, BLOCK_M)
+        q, do, lse = _query_side(Q, DO, LSE, first, end, rows_q, valid_q, stride_qt, stride_qh, stride_dot, stride_doh,
+                                 head, n_heads, cols, BLOCK_M)
+        out = _rows(OUT, first, end, n_heads * HEAD_DIM, HEAD_DIM, head, cols, BLOCK_M)
+        delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), axis=1)
+        tl.store(DELTA + rows_q.to(tl.int64) * n_heads + head, delta, mask=valid_q)
         pos_q, lowest, highest = _positions(POS, rows_q, valid_q, window)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         first_k, last_k = _reached_rows(POS, start, end, lowest, highest, BLOCK_N)
@@ -293,17 +303,17 @@ class _LocalAttention(torch.autograd.Function):
         rows, heads, head_dim = q.shape
         dq, dk, dv = torch.empty((3, rows, heads, head_dim), device=q.device, dtype=q.dtype).unbind(0)
         if rows:
-            delta = (out.float() * dout.float()).sum(-1)  # [T, heads]: rowsum(o * do), the softmax backward's term
+            delta = torch.empty(rows, heads, device=q.device, dtype=torch.float32)  # written by the dq kernel
             sequences = cu_seqlens.shape[0] - 1
             args = (cu_seqlens, positions, ctx.scale * LOG2E, ctx.scale, ctx.window, heads,
                     *_strides(q, k, v, dout))
             dkdv, by_query = ctx.tiling["dkdv"], ctx.tiling["dq"]
+            _local_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, by_query.outer), sequences, heads)](
+                q, k, v, dout, out, lse, delta, dq, *args, HEAD_DIM=head_dim, BLOCK_M=by_query.outer,
+                BLOCK_N=by_query.inner, WIDEN=_widened(q), num_warps=by_query.warps, num_stages=by_query.stages)
             _local_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, dkdv.outer), sequences, heads)](
                 q, k, v, dout, lse, delta, dk, dv, *args, HEAD_DIM=head_dim, BLOCK_M=dkdv.inner, BLOCK_N=dkdv.outer,
                 WIDEN=_widened(q), num_warps=dkdv.warps, num_stages=dkdv.stages)
-            _local_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, by_query.outer), sequences, heads)](
-                q, k, v, dout, lse, delta, dq, *args, HEAD_DIM=head_dim, BLOCK_M=by_query.outer,
-                BLOCK_N=by_query.inner, WIDEN=_widened(q), num_warps=by_query.warps, num_stages=by_query.stages)
         return dq, dk, dv, None, None, None, None, None, None
 
 
