@@ -3,6 +3,7 @@ machine, its set-up included (the study's 9), in the order of what they decide; 
 
     bash scripts/gpu_check.sh --plan               # one line per phase: name, minutes (timed or estimated), command
     bash scripts/gpu_check.sh PHASE [--force]      # run one phase (skipped when already done for this commit)
+    bash scripts/gpu_check.sh smoke headline       # several in one call: each but the last comes back as PHASE.tar
     bash scripts/gpu_check.sh --dry-run PHASE      # the phase's steps, their commands and files; runs nothing
     bash scripts/gpu_check.sh --collect DIR        # what a lent machine brought back from $OUT, into the tree
     bash scripts/gpu_check.sh all                  # every phase not yet done, in order (not under $OUT)
@@ -15,7 +16,9 @@ Everything lands in benchmarks/results/gpu/DEVICE/PHASE/: each step's log, the f
 commit measured: FASTMAE_COMMIT, else git; each step's exit status and seconds), rewritten after every step and
 mirrored as $OUT/PHASE/ within what the device tool brings back (two folders down, 8 files, 16 MiB each, plain
 names): phase.json, the files its steps keep (at most 6, flat) and logs.tar.gz (each step's log, its last 4 MiB).
-`--collect` rebuilds the phase's directory from that. A fresh machine has only the tree that travels: a phase done for
+Several phases in one call (a fresh machine's start is minutes of the lease) leave each but the last packed as
+$OUT/PHASE.tar, one file, so that they come back together where the files fit. `--collect` rebuilds each phase's
+directory from that. A fresh machine has only the tree that travels: a phase done for
 the commit is skipped by the phase.json collected into the tree, and a step that reads another phase's results names
 them in `needs` (not run, and says so, where they were not collected first). Standard library only: it runs before
 anything is installed.
@@ -38,19 +41,17 @@ import tarfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_out.py, gpu_phases.py beside it, however loaded
+from gpu_out import OUT_MAX_BYTES, OUT_MAX_FILES, add_tail, collect, directory_name, pack_out  # noqa: E402
+from gpu_phases import BEYOND_A_LEASE, CARRIED, IMAGE, PHASES, PY, Phase, Step  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(os.environ.get("FASTMAE_GPU_RESULTS", ROOT / "benchmarks" / "results" / "gpu"))
 WHEELS = ROOT / ".whl"
 PHASE_BUDGET_S = 8 * 60
 RECORD_MARGIN_S = 10  # kept back from the last step, to write the phase's record
-# what the device tool brings back from $OUT (its README's limits)
-OUT_MAX_FILES, OUT_MAX_BYTES, OUT_MAX_FOLDERS = 8, 16 * 2**20, 2
-OUT_NAME = re.compile(r"[A-Za-z0-9._-]+")
 KEPT_PER_PHASE = OUT_MAX_FILES - 2  # beside phase.json and logs.tar.gz
 LOG_TAIL_BYTES = 4 * 2**20  # of each step's log in logs.tar.gz: a phase's 3 logs stay under 16 MiB unpacked
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_phases.py beside it, however this file was loaded
-from gpu_phases import BEYOND_A_LEASE, CARRIED, IMAGE, PHASES, PY, Phase, Step  # noqa: E402
 
 
 def phase_named(name: str) -> Phase:
@@ -86,6 +87,8 @@ def plan_lines() -> list[str]:
               f"bash scripts/gpu_check.sh {phase.name}"
               + "".join(f" --{name} {name.upper()}" for name in phase.arguments)
               + f"   # {phase.decides}" for phase in PHASES),
+            "# several phases in one call (a machine's start is minutes of the lease), those whose files come back "
+            "together: bash scripts/gpu_check.sh smoke headline",
             *(f"# beyond a lease: {name}, {length}: {shlex.join(command)}" for name, length, command in BEYOND_A_LEASE)]
 
 
@@ -97,24 +100,6 @@ def out_files(phase: Phase) -> list[str]:
 
 def _all_kept(phase: Phase) -> list[str]:
     return list(dict.fromkeys(kept for step in phase.steps for kept in step.keeps))
-
-
-def out_problems(out: Path) -> list[str]:
-    """Why the device tool would not bring back everything under `out` (empty when it would)."""
-    problems, files = [], sorted(path for path in out.rglob("*") if not path.is_dir())
-    if len(files) > OUT_MAX_FILES:
-        problems.append(f"{len(files)} files (at most {OUT_MAX_FILES} come back)")
-    for path in files:
-        relative = path.relative_to(out)
-        if len(relative.parts) - 1 > OUT_MAX_FOLDERS:
-            problems.append(f"{relative}: {len(relative.parts) - 1} folders down (at most {OUT_MAX_FOLDERS})")
-        if path.is_symlink() or not path.is_file():
-            problems.append(f"{relative}: not a plain file")
-        elif path.stat().st_size > OUT_MAX_BYTES:
-            problems.append(f"{relative}: {path.stat().st_size} bytes (at most {OUT_MAX_BYTES})")
-        problems += [f"{relative}: the name {part!r} has characters other than letters, digits, '.', '_', '-'"
-                     for part in relative.parts if not OUT_NAME.fullmatch(part)]
-    return problems
 
 
 def _shown(path: Path) -> str:
@@ -153,11 +138,6 @@ def device_directory() -> str:
     if not name:
         raise SystemExit("gpu_check: no CUDA device visible to torch (a GPU machine, with a CUDA build of torch?)")
     return directory_name(name)
-
-
-def directory_name(device: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'NVIDIA_H100_80GB_HBM3'."""
-    return re.sub(r"[^A-Za-z0-9.-]+", "_", device)
 
 
 MACHINE = """
@@ -240,44 +220,8 @@ class PhaseRecord:
             for step in self.phase.steps:
                 log = self.directory / f"{step.name}.log"
                 if log.is_file():
-                    _add_tail(archive, log, LOG_TAIL_BYTES)
+                    add_tail(archive, log, LOG_TAIL_BYTES)
         partial.replace(target / "logs.tar.gz")
-
-
-def _add_tail(archive: tarfile.TarFile, path: Path, limit: int) -> None:
-    """`path` into `archive` under its own name, only its last `limit` bytes when longer."""
-    with path.open("rb") as file:
-        size = file.seek(0, os.SEEK_END)
-        file.seek(max(0, size - limit))
-        info = tarfile.TarInfo(path.name)
-        info.size, info.mtime = min(size, limit), int(path.stat().st_mtime)
-        archive.addfile(info, file)
-
-
-def collect(brought: Path, results: Path) -> list[Path]:
-    """Rebuild results/DEVICE/PHASE/ from what a lent machine brought back of $OUT (`brought` holds PHASE/ folders, or
-    is one); DEVICE from each phase.json's machine (FASTMAE_GPU_DEVICE overrides it). Returns the directories."""
-    records = [brought / "phase.json"] if (brought / "phase.json").is_file() else sorted(brought.glob("*/phase.json"))
-    if not records:
-        raise SystemExit(f"gpu_check: {brought} holds no phase.json (nor PHASE/phase.json): is it what $OUT brought "
-                         "back?")
-    written = []
-    for record in records:
-        data = json.loads(record.read_text())
-        device = os.environ.get("FASTMAE_GPU_DEVICE") or directory_name(data.get("machine", {}).get("device", ""))
-        if not device:
-            raise SystemExit(f"gpu_check: {record} names no device (its machine: {data.get('machine')}); set "
-                             "FASTMAE_GPU_DEVICE")
-        directory = results / device / data["phase"]
-        directory.mkdir(parents=True, exist_ok=True)
-        for path in record.parent.iterdir():
-            if path.name == "logs.tar.gz":
-                with tarfile.open(path) as archive:
-                    archive.extractall(directory, filter="data")
-            elif path.is_file():
-                shutil.copy2(path, directory / path.name)
-        written.append(directory)
-    return written
 
 
 def done_for(directory: Path, commit: str) -> bool:
@@ -340,13 +284,34 @@ def _run_step(step: Step, command: list[str], log: Path, timeout_s: float) -> st
             return f"cut after {timeout_s:.0f} s (the phase's budget)"
 
 
+def call_problems(phases: tuple[Phase, ...]) -> list[str]:
+    """Why these phases cannot run in one call under $OUT (empty: they can): each but the last comes back as one
+    archive, the last as its own files, within the device tool's count."""
+    files = len(phases) - 1 + len(out_files(phases[-1]))
+    return [f"{' + '.join(p.name for p in phases)} leave {files} files under $OUT (at most {OUT_MAX_FILES} come "
+            f"back): put the phase that keeps the most files last, or run fewer"] if files > OUT_MAX_FILES else []
+
+
+def run_phases(phases: tuple[Phase, ...], results: Path, commit: str, force: bool, given: dict[str, str | None],
+               quick: bool = False) -> bool:
+    """Run `phases` in order (run_phase), packing each one's $OUT/PHASE/ but the last's (pack_out) where $OUT is set;
+    True when every phase's steps all exited 0."""
+    out = os.environ.get("OUT")
+    outcomes = []
+    for number, phase in enumerate(phases):
+        outcomes.append(run_phase(phase, results, commit, force, phase_values(phase, given, quick), quick))
+        if out and number < len(phases) - 1 and (Path(out) / phase.name).is_dir():
+            pack_out(phase.name, Path(out))
+    return all(outcomes)
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bash scripts/gpu_check.sh", description=__doc__.split("\n\n")[0])
-    parser.add_argument("phase", nargs="?", help=f"one of {', '.join(p.name for p in PHASES)}, or all")
+    parser.add_argument("phase", nargs="*", help=f"one or more of {', '.join(p.name for p in PHASES)}, or all")
     parser.add_argument("--plan", action="store_true", help="print the phases in order, with minutes and commands")
     parser.add_argument("--dry-run", action="store_true", help="print the phase's steps and files; run nothing")
     parser.add_argument("--force", action="store_true", help="run a phase already done for this commit")
@@ -369,26 +334,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.phase:
         parser.error("name a phase (or --plan)")
-    if args.phase == "all" and os.environ.get("OUT") and not args.dry_run:
-        parser.error(f"one phase per call under $OUT: the device tool brings back {OUT_MAX_FILES} files, and `all` "
-                     "would leave more")
-    phases = PHASES if args.phase == "all" else (phase_named(args.phase),)
+    everything = args.phase == ["all"]
+    if "all" in args.phase and not everything:
+        parser.error("`all` runs every phase: name it alone")
+    if everything and os.environ.get("OUT") and not args.dry_run:
+        parser.error(f"`all` is not for one call under $OUT: the device tool brings back {OUT_MAX_FILES} files; name "
+                     "the phases that fit (`--plan`)")
+    phases = PHASES if everything else tuple(phase_named(name) for name in args.phase)
+    if os.environ.get("OUT") and not args.dry_run and call_problems(phases):
+        parser.error(call_problems(phases)[0])
     given = {"corpus": args.corpus, "task": args.task}
     if args.dry_run:
         for phase in phases:
             shown = {**{name: name.upper() for name in phase.arguments}, **{k: v for k, v in given.items() if v}}
             print("\n".join(dry_run_lines(phase, RESULTS / "DEVICE", phase_values(phase, shown, args.quick))))
         return 0
-    if args.phase == "all":  # a phase that needs arguments runs only when they are given
+    if everything:  # a phase that needs arguments runs only when they are given
         phases = tuple(phase for phase in phases if all(given.get(name) for name in phase.arguments))
     if args.quick:  # the CPU's scale: into runs/, never the tree's GPU results
         results = ROOT / "runs" / "gpu-check-quick"
     else:
         results = RESULTS / device_directory()
-    commit = current_commit()
-    outcomes = [run_phase(phase, results, commit, args.force, phase_values(phase, given, args.quick), args.quick)
-                for phase in phases]
-    return 0 if all(outcomes) else 1
+    return 0 if run_phases(phases, results, current_commit(), args.force, given, args.quick) else 1
 
 
 if __name__ == "__main__":

@@ -43,10 +43,9 @@ class Phase:
     minutes: int  # on a fresh machine, set-up from .whl/ and Triton compiles included
     decides: str
     steps: tuple[Step, ...]
-    # `minutes` as the phase ran on a lent machine, rounded up (an H200, 2026-11-27: headline 99 s before its
-    # layer-kernel step, the study 425 s), else estimated (smoke ran in 158 s there before the local-attention
-    # kernel's tests joined it, about a minute of compiles more; modernbert's first step ran in 142 s, its second was
-    # cut by the lease)
+    # `minutes` as the phase ran on a lent machine, set-up included, rounded up (an H200, 2026-11-27: smoke 193 s,
+    # then headline 122 s in the same call; the study 425 s), else estimated (modernbert ran in 236 s there before
+    # its local-attention step timed each candidate tiling of fastmae's kernel, 14 forms more)
     timed: bool = False
     budget_s: int = 0  # the phase's limit, set-up included (0: PHASE_BUDGET_S)
     # what the command line must give the phase (`--corpus PATH`: {corpus} in its steps)
@@ -83,7 +82,7 @@ PHASES = (
                                     "log.dir=runs/gpu-check/sync-3ml-base"),
              keeps=("runs/gpu-check/sync-3ml-base/metrics.jsonl", "runs/gpu-check/sync-3ml-base/run_info.json"),
              env=(("FASTMAE_SYNC_DEBUG", "1"),)),
-    )),
+    ), timed=True),
     Phase("headline", 3, "3ml and mlm against Hugging Face RoBERTa at base size: tokens/s, MFU, GPU busy", (
         Step("throughput_headline", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
                                      "--systems", "hf-roberta,mlm,3ml", "--eager", "--name", "throughput_headline"),

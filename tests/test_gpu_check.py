@@ -29,6 +29,7 @@ spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "g
 gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
 gpu_phases = sys.modules["gpu_phases"]  # the phases gpu_check imported from beside it
+gpu_out = sys.modules["gpu_out"]  # what the device tool brings back, and --collect
 
 
 def script(*args, env_extra=None):
@@ -37,7 +38,8 @@ def script(*args, env_extra=None):
                           timeout=60, env=env)
 
 
-TIMED_PHASES = ("headline", "study")  # those that ran whole on a lent machine as they stand (2026-11-27, an H200)
+# those that ran whole on a lent machine as they stand (2026-11-27, an H200)
+TIMED_PHASES = ("smoke", "headline", "study")
 
 
 def test_the_plan_puts_what_decides_first_and_every_phase_fits_a_command():
@@ -163,6 +165,7 @@ def test_a_phase_lands_under_out_within_the_limits_and_comes_home(tmp_path, monk
     stand_in_machine(tmp_path, monkeypatch, out)
     monkeypatch.setattr(gpu_check, "PHASE_BUDGET_S", 120)  # seven short steps, all to complete on a busy machine
     monkeypatch.setattr(gpu_check, "OUT_MAX_BYTES", 4000)
+    monkeypatch.setattr(gpu_out, "OUT_MAX_BYTES", 4000)
     kept = [str(tmp_path / "made" / f"kept{i}.json") for i in range(gpu_check.KEPT_PER_PHASE)]
     steps = [gpu_check.Step("chatty", (gpu_check.PY, "-c", "print('x' * 5000); print('measured')"))]
     steps += [gpu_check.Step(f"keeps{i}", (gpu_check.PY, "-c", write(path, "y" * (5000 if i == 0 else 10))),
@@ -170,7 +173,7 @@ def test_a_phase_lands_under_out_within_the_limits_and_comes_home(tmp_path, monk
     phase = gpu_check.Phase("full", 1, "stand-in", tuple(steps))
     assert gpu_check.run_phase(phase, results, "abc", force=False)
     landed = sorted(str(path.relative_to(out)) for path in out.rglob("*") if path.is_file())
-    assert gpu_check.out_problems(out) == [] and len(landed) == 7, landed  # kept0 is over the limit
+    assert gpu_out.out_problems(out) == [] and len(landed) == 7, landed  # kept0 is over the limit
     assert "full/kept0.json" not in landed and set(landed) < set(gpu_check.out_files(phase))
     record = json.loads((out / "full" / "phase.json").read_text())
     assert record["complete"] and record["left_out_of_out"] == ["kept0.json"]
@@ -191,7 +194,7 @@ def test_a_phase_lands_under_out_within_the_limits_and_comes_home(tmp_path, monk
     (out / "a" / "b" / "c" / "deep.txt").write_text("x")
     (out / "a" / "b" / "big.txt").write_text("x" * 5000)
     (out / "a" / "b" / "odd name.txt").write_text("x")
-    problems = gpu_check.out_problems(out)
+    problems = gpu_out.out_problems(out)
     assert any("10 files" in p for p in problems) and any("3 folders down" in p for p in problems)
     assert any("big.txt: 5000 bytes" in p for p in problems) and any("'odd name.txt'" in p for p in problems)
 
@@ -214,7 +217,7 @@ def test_a_cut_phase_keeps_what_it_measured_and_a_step_missing_another_phases_fi
     assert statuses[4] == "exit 0" and (results / "cut" / "closing.log").read_text() == "packed\n"
     assert statuses[1].startswith("not run: needs ") and "other/made.json" in statuses[1]
     assert (results / "cut" / "quick.log").read_text() == "measured\n"
-    assert json.loads((out / "cut" / "phase.json").read_text()) == record and gpu_check.out_problems(out) == []
+    assert json.loads((out / "cut" / "phase.json").read_text()) == record and gpu_out.out_problems(out) == []
     assert not gpu_check.done_for(results / "cut", "abc")
 
     # a step expected to take what an earlier one took runs only when that much is left
@@ -232,9 +235,37 @@ def test_a_cut_phase_keeps_what_it_measured_and_a_step_missing_another_phases_fi
     assert not gpu_check.done_for(results / "cut", "def")
 
 
-def test_all_phases_in_one_call_under_out_are_refused():
+def test_phases_that_cannot_come_back_from_one_call_are_refused():
     done = script("all", env_extra={"OUT": "/nonexistent"})
-    assert done.returncode == 2 and "one phase per call under $OUT" in done.stderr
+    assert done.returncode == 2 and "`all` is not for one call under $OUT" in done.stderr
+    done = script("smoke", "modernbert", "headline", env_extra={"OUT": "/nonexistent"})  # 2 archives + 7 files
+    assert done.returncode == 2 and "leave 9 files under $OUT" in done.stderr
+    assert not gpu_check.call_problems(tuple(map(gpu_check.phase_named, ("smoke", "headline"))))  # 1 + 7
+
+
+def test_several_phases_in_one_call_come_home_together(tmp_path, monkeypatch):
+    """Two phases in one call with OUT set: the first comes back packed as one file, the second as its own, within
+    the device tool's rules, and --collect rebuilds both phases' directories."""
+    results, out = tmp_path / "gpu" / "TEST", tmp_path / "out"
+    stand_in_machine(tmp_path, monkeypatch, out)
+    made = tmp_path / "made"
+    first = gpu_check.Phase("first", 1, "stand-in", tuple(
+        gpu_check.Step(f"keeps{i}", (gpu_check.PY, "-c", write(str(made / f"a{i}.json"), "a")),
+                       keeps=(str(made / f"a{i}.json"),)) for i in range(3)))
+    second = gpu_check.Phase("second", 1, "stand-in", tuple(
+        gpu_check.Step(f"keeps{i}", (gpu_check.PY, "-c", write(str(made / f"b{i}.json"), "b")),
+                       keeps=(str(made / f"b{i}.json"),)) for i in range(gpu_check.KEPT_PER_PHASE - 1)))
+    assert not gpu_check.call_problems((first, second))
+    assert gpu_check.run_phases((first, second), results, "abc", force=False, given={})
+    landed = sorted(str(path.relative_to(out)) for path in out.rglob("*") if path.is_file())
+    assert gpu_out.out_problems(out) == [] and landed[0] == "first.tar" and len(landed) == 1 + 2 + 5, landed
+    home = tmp_path / "tree" / "gpu"
+    collected = gpu_check.collect(out, home)
+    assert sorted(d.name for d in collected) == ["first", "second"]
+    for directory, kept in ((home / "Stand-in_GPU_80GB" / "first", "a2.json"),
+                            (home / "Stand-in_GPU_80GB" / "second", "b4.json")):
+        assert json.loads((directory / "phase.json").read_text())["complete"]
+        assert (directory / kept).is_file() and (directory / "keeps0.log").is_file()
 
 
 @pytest.mark.parametrize("phase", ["smoke"])
@@ -292,7 +323,7 @@ def test_the_study_phase_runs_end_to_end_at_the_cpus_scale(tmp_path, monkeypatch
     assert gpu_check.run_phase(phase, results, "abc", False, values, quick=True)
     record = json.loads((out / "study" / "phase.json").read_text())
     assert record["complete"] and record["quick"] and not gpu_check.done_for(results / "study", "abc")
-    assert gpu_check.out_problems(out) == []
+    assert gpu_out.out_problems(out) == []
     assert sorted(p.name for p in (out / "study").iterdir()) == sorted(Path(f).name for f in gpu_check.out_files(phase))
     study = json.loads((out / "study" / "study.json").read_text())
     assert list(study["objectives"]) == ["mlm", "3ml"] and study["setup"]["seeds"] == 1
