@@ -64,8 +64,7 @@ KERNEL_KINDS = (
     ("attention", re.compile(r"sdpa|flash|fmha|attention|flex|triton_tem_fused|cudnn::fusion|_local_(fwd|bwd)",
                              re.I)),
     ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|cublas|wgmma|splitK", re.I)),
-    # _sum_parts: the fused norm's weight-gradient partial sums (kernels/norm.py)
-    ("norm", re.compile(r"layer_norm|GammaBeta|rms_norm|_rows_fwd|_rows_bwd|norm|_sum_parts", re.I)),
+    ("norm", re.compile(r"layer_norm|GammaBeta|rms_norm|_rows_fwd|_rows_bwd|norm", re.I)),
     ("cross-entropy", re.compile(r"_ce_rows|cross_entropy|log_softmax|nll_loss", re.I)),
     # not "lamb": elementwise kernels' names hold "{lambda(int)#1}"
     ("optimizer", re.compile(r"multi_tensor|adam|foreach|lamb(?!da)", re.I)),
@@ -73,7 +72,8 @@ KERNEL_KINDS = (
     ("rotary", re.compile(r"rotary|rope", re.I)),
     ("indexing", re.compile(r"index|gather|scatter|embedding", re.I)),
     ("copy", re.compile(r"copy|memcpy|memset|cat_|CatArray|fill", re.I)),
-    ("reduction", re.compile(r"reduce", re.I)),
+    # _sum_parts: the fused backwards' weight- and bias-gradient partial sums (kernels/rows.py)
+    ("reduction", re.compile(r"reduce|_sum_parts", re.I)),
     ("pointwise", re.compile(r"elementwise|gelu|geglu|dropout|triton_poi|fused|pointwise|where|mul|add", re.I)),
 )
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import BACKWARD_TILE, carve, tile_launch
+from .rows import BACKWARD_TILE, carve, sum_parts, tile_launch
 
 COLUMNS_PER_PROGRAM = 1024  # a program's block of the I columns (at most): wide rows take several programs
 ROWS_PER_BIAS_PROGRAM = 64  # bias + GELU's backward: rows a program sums, so the bias gradient's partials stay few
@@ -149,12 +149,14 @@ class _BiasGELU(torch.autograd.Function):
         block_r, block_c, warps = launch_shape(columns, BACKWARD_TILE)
         tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
         programs = triton.cdiv(rows, tiles * block_r)
-        da, parts = carve(a.device, ((rows, columns), a.dtype), ((programs, columns), torch.float32))
+        da, parts, dbias = carve(a.device, ((rows, columns), a.dtype), ((1, programs, columns), torch.float32),
+                                 ((columns,), bias.dtype))
         if rows and columns:
             _bias_gelu_bwd_kernel[(programs, triton.cdiv(columns, block_c))](
                 dy.contiguous(), a, bias, da, parts, rows, columns, tiles, BLOCK_R=block_r, BLOCK_C=block_c,
                 num_warps=warps)
-        return da, parts.sum(0).to(bias.dtype)  # the partials in a fixed order: deterministic
+        sum_parts(parts, dbias)  # the partials in a fixed order: deterministic
+        return da, dbias
 
 
 def bias_gelu(a: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

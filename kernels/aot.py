@@ -8,7 +8,7 @@ Compiles each (kernel, block size, warps, flags, dtype) the launchers can choose
 stay resident on a multiprocessor (occupancy: what hides memory latency). Run without TRITON_INTERPRET.
 
 The table is a pure function of this directory's sources and Triton's version (`inputs_sha256`), and compiling all
-702 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
+706 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
 REGENERATE) and the suite checks it is of the kernels it has, compiling a few configurations itself; --match compiles
 those whose "kernel config" matches.
 """
@@ -147,7 +147,7 @@ def _rotary_configs():
 
 
 def _norm_configs():
-    from . import norm, rows
+    from . import rows
 
     for hidden in (64, 1024, rows.MAX_HIDDEN):  # the smallest row, base and large models' (768, 1024), the largest
         block = hidden  # a power of two: the kernels' BLOCK_H
@@ -172,9 +172,10 @@ def _norm_configs():
                            dict(HAS_DH=has_dh, HAS_DROPOUT=dropout, BLOCK_R=bwd_block_r, BLOCK_H=block),
                            bwd_warps)
     for dtype in ("fp32", "bf16"):
-        yield ("norm._sum_parts_kernel", f"{dtype}", dict(PARTS="*fp32", DW=f"*{dtype}", DB=f"*{dtype}",
-                                                          programs="i32", H="i32"),
-               dict(BLOCK_P=norm.SUM_BLOCK_P, BLOCK_H=norm.SUM_BLOCK_H), 4)
+        for second in (0, 1):  # the norm's weight and bias; bias + GELU's bias alone
+            yield ("rows._sum_parts_kernel", f"{dtype} second={second}",
+                   dict(PARTS="*fp32", FIRST=f"*{dtype}", SECOND=f"*{dtype}", programs="i32", H="i32"),
+                   dict(HAS_SECOND=second, BLOCK_P=rows.SUM_BLOCK_P, BLOCK_H=rows.SUM_BLOCK_H), rows.SUM_WARPS)
 
 
 def _activation_configs():

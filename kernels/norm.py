@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .hashing import dropout_threshold
 from .mask_select import uniform_bits_u32
-from .rows import BACKWARD_TILE, MAX_HIDDEN, carve, tile_launch
+from .rows import BACKWARD_TILE, MAX_HIDDEN, carve, sum_parts, tile_launch
 
 
 @triton.jit
@@ -107,24 +107,6 @@ def _add_norm_bwd_kernel(DY, DH, X, R, W, MEAN, RSTD, KEY, DX, DR, DW_PART, DB_P
     tl.store(DB_PART + pid * H + cols, tl.sum(db, axis=0), mask=cols < H)
 
 
-@triton.jit
-def _sum_parts_kernel(PARTS, DW, DB, programs, H, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
-    """dw, db [H] in the weight's dtype: the partial sums of the backward's programs (PARTS [2, programs, H]) added in
-    a fixed order, one block of columns a program."""
-    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-    db = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for start in range(0, programs, BLOCK_P):
-        rows = start + tl.arange(0, BLOCK_P)
-        mask = (rows[:, None] < programs) & (cols[None, :] < H)
-        offsets = rows[:, None].to(tl.int64) * H + cols[None, :]
-        dw += tl.sum(tl.load(PARTS + offsets, mask=mask, other=0.0), axis=0)
-        db += tl.sum(tl.load(PARTS + programs * H + offsets, mask=mask, other=0.0), axis=0)
-    tl.store(DW + cols, dw.to(DW.dtype.element_ty), mask=cols < H)
-    tl.store(DB + cols, db.to(DB.dtype.element_ty), mask=cols < H)
-
-
-SUM_BLOCK_P, SUM_BLOCK_H = 32, 64  # _sum_parts_kernel's tile: 32 partial rows x 64 columns
 # The backward's programs, at most: about 8 for each multiprocessor of an H100 / H200 (132), so every one stays busy,
 # and few weight-gradient partials to sum (the first GPU timing, at 16 rows a program: 4,096 programs at 65,536 rows,
 # and summing their 25 MB of partials on 12 programs took a third of the backward's time). A constant, not the
@@ -176,8 +158,7 @@ class _AddLayerNorm(torch.autograd.Function):
                                               hidden, x.stride(0), residual.stride(0), ctx.threshold, ctx.scale,
                                               HAS_DH=has_dh, HAS_DROPOUT=ctx.threshold > 0, BLOCK_R=block_r,
                                               BLOCK_H=block, num_warps=warps)
-        _sum_parts_kernel[(triton.cdiv(hidden, SUM_BLOCK_H),)](parts, dw, db, programs, hidden, BLOCK_P=SUM_BLOCK_P,
-                                                              BLOCK_H=SUM_BLOCK_H)
+        sum_parts(parts, dw, db)
         return dx, dr, dw, db if ctx.has_bias else None, None, None, None, None
 
 
