@@ -5,8 +5,10 @@ original positions are at most `window` from its own.
 On a stream whose rows skip positions (3ml's and mae-lm's encoder before the insertion) a window of positions is not
 a window of rows, so FlashAttention's own window cannot run it exactly; this kernel masks each (query, key) pair by
 their positions, and skips every block of keys whose positions all lie outside the window of every query of the
-block (the positions of a block are loaded, so any order of positions within a sequence is exact; increasing ones,
-as every fastmae stream has, make all but about (2 * window) / BLOCK_N + 2 blocks a query block skips). Program
+block. Positions must increase within each sequence, as every fastmae stream's do (the full stream's 0, 1, 2, ...;
+a shortened stream's kept positions in order): a row within `window` positions of another is then within `window`
+rows of it, so a program looks only at the blocks of those rows, about (2 * window) / BLOCK_N + 2 of them however
+long its sequence. Program
 (block of BLOCK_M query rows, sequence, head); the backward is two kernels, one a block of queries (dq, and each
 row's rowsum(out * do) for the other) and then one a block of keys (dk, dv), each summing in a fixed order: no
 atomics, deterministic. Softmax in base 2 (`exp2`), the
@@ -129,14 +131,17 @@ def _block_positions(POS, first, end, lowest, highest, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _reached_rows(POS, start, end, lowest, highest, BLOCK: tl.constexpr):
+def _reached_rows(POS, start, end, held, HELD: tl.constexpr, lowest, highest, window, BLOCK: tl.constexpr):
     """(first, last): rows first .. last - 1 of the sequence's start .. end - 1, in blocks of BLOCK from `start`, run
-    from the first block that reaches [lowest, highest] to the end of the last one (empty where none does). The main
-    loops then run a fixed range with no branch, which lets Triton pipeline their loads; a block between two that
-    reach, reaching nothing itself (only where positions do not increase), is masked pair by pair."""
+    from the first block that reaches [lowest, highest] (the window of the program's HELD rows from `held`) to the end
+    of the last one (empty where none does). Positions increase within a sequence, so a row within `window` positions
+    of a held row is within `window` rows of it: only the blocks of those rows are looked at, however long the
+    sequence. The main loops then run a fixed range with no branch, which lets Triton pipeline their loads."""
     first = end
     last = start
-    for block_start in range(start, end, BLOCK):
+    scan_from = start + (tl.maximum(held - window - start, 0) // BLOCK) * BLOCK
+    scan_to = tl.minimum(held + HELD + window, end)
+    for block_start in range(scan_from, scan_to, BLOCK):
         valid, pos, reached = _block_positions(POS, block_start, end, lowest, highest, BLOCK)
         first = tl.where(reached & (first == end), block_start, first)
         last = tl.where(reached, block_start + BLOCK, last)
@@ -187,7 +192,7 @@ def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, str
         row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        first_k, last_k = _reached_rows(POS, start, end, lowest, highest, BLOCK_N)
+        first_k, last_k = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest, window, BLOCK_N)
         for key_start in range(first_k, last_k, BLOCK_N):
             valid_k, pos_k, _ = _block_positions(POS, key_start, end, lowest, highest, BLOCK_N)
             k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
@@ -223,7 +228,7 @@ def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, s
         pos_k, lowest, highest = _positions(POS, rows_k, valid_k, window)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        first_q, last_q = _reached_rows(POS, start, end, lowest, highest, BLOCK_M)
+        first_q, last_q = _reached_rows(POS, start, end, first, BLOCK_N, lowest, highest, window, BLOCK_M)
         for query_start in range(first_q, last_q, BLOCK_M):
             valid_q, pos_q, _ = _block_positions(POS, query_start, end, lowest, highest, BLOCK_M)
             rows_q = query_start + tl.arange(0, BLOCK_M)
@@ -259,7 +264,7 @@ def _local_bwd_dq_kernel(Q, K, V, DO, OUT, LSE, DELTA, DQ, CU, POS, qk_scale, sc
         tl.store(DELTA + rows_q.to(tl.int64) * n_heads + head, delta, mask=valid_q)
         pos_q, lowest, highest = _positions(POS, rows_q, valid_q, window)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        first_k, last_k = _reached_rows(POS, start, end, lowest, highest, BLOCK_N)
+        first_k, last_k = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest, window, BLOCK_N)
         for key_start in range(first_k, last_k, BLOCK_N):
             valid_k, pos_k, _ = _block_positions(POS, key_start, end, lowest, highest, BLOCK_N)
             k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
@@ -322,7 +327,8 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
                     tiling: dict[str, Tiles] | None = None) -> torch.Tensor:
     """Softmax attention of q [T, heads, D] over k, v [T, heads, D] (one packed stream, its sequences bounded by
     cu_seqlens [B+1] int32; D a power of two, at least 16; each tensor's last dimension contiguous) where a query sees
-    the keys of its sequence whose original position (positions [T] int32) is within `window` of its own; max_seqlen:
+    the keys of its sequence whose original position (positions [T] int32, increasing within each sequence) is
+    within `window` of its own; max_seqlen:
     the longest sequence's rows (host int). Returns [T, heads, D] in q's dtype. Differentiable in q, k, v. `tiling`:
     each kernel's Tiles, `tiles(D)` unless given (the GPU benchmark's candidates)."""
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape or any(t.stride(2) != 1 for t in (q, k, v)):

@@ -136,3 +136,26 @@ def test_every_tiling_the_gpu_benchmark_times_computes_the_reference(kernel, til
     for name, g, p, e in zip(["out", "dq", "dk", "dv"], got, plain, exact):
         assert_as_accurate(f"local_attention {name} ({kernel} {tiles})", g.cpu(), p.cpu(), e.cpu(), dtype,
                            factor=2 if name == "out" else 3, zero_scale=1.0)
+
+
+@pytest.mark.skipif(KERNEL_DEVICE != "cpu", reason="counts the interpreter's loads")
+def test_a_program_looks_only_at_the_blocks_its_window_can_reach(monkeypatch):
+    """Positions increase within a sequence, so a program scans only the blocks within `window` rows of its own for
+    the range its window reaches: the forward's loads grow with the sequence's rows, not with their square."""
+    from triton.runtime import interpreter
+
+    loads = []
+    for name in ("create_load", "create_masked_load"):  # k and v's rows, the positions
+        original = getattr(interpreter.InterpreterBuilder, name)
+        monkeypatch.setattr(interpreter.InterpreterBuilder, name,
+                            lambda self, *args, _original=original: loads.append(1) or _original(self, *args))
+
+    def forward_loads(rows: int) -> int:
+        loads.clear()
+        q = torch.randn(rows, 1, 16, generator=torch.Generator().manual_seed(rows))
+        local_attention(q, q, q, torch.tensor([0, rows], dtype=torch.int32), torch.arange(rows, dtype=torch.int32),
+                        rows, 3)
+        return len(loads)
+
+    short, long = forward_loads(256), forward_loads(1024)
+    assert long <= 4.2 * short, (short, long)
