@@ -345,9 +345,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(call_problems(phases)[0])
     given = {"corpus": args.corpus, "task": args.task}
     if args.dry_run:
-        for phase in phases:
+        for number, phase in enumerate(phases):
             shown = {**{name: name.upper() for name in phase.arguments}, **{k: v for k, v in given.items() if v}}
             print("\n".join(dry_run_lines(phase, RESULTS / "DEVICE", phase_values(phase, shown, args.quick))))
+            if not everything and number < len(phases) - 1:
+                print(f"  then, under $OUT: {phase.name}/ packed as {phase.name}.tar (the next phase's files fit)")
         return 0
     if everything:  # a phase that needs arguments runs only when they are given
         phases = tuple(phase for phase in phases if all(given.get(name) for name in phase.arguments))

@@ -241,6 +241,8 @@ def test_phases_that_cannot_come_back_from_one_call_are_refused():
     done = script("smoke", "modernbert", "headline", env_extra={"OUT": "/nonexistent"})  # 2 archives + 7 files
     assert done.returncode == 2 and "leave 9 files under $OUT" in done.stderr
     assert not gpu_check.call_problems(tuple(map(gpu_check.phase_named, ("smoke", "headline"))))  # 1 + 7
+    done = script("--dry-run", "smoke", "headline")
+    assert done.returncode == 0 and "smoke/ packed as smoke.tar" in done.stdout and "headline.tar" not in done.stdout
 
 
 def test_several_phases_in_one_call_come_home_together(tmp_path, monkeypatch):
