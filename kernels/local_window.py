@@ -328,9 +328,9 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     """Softmax attention of q [T, heads, D] over k, v [T, heads, D] (one packed stream, its sequences bounded by
     cu_seqlens [B+1] int32; D a power of two, at least 16; each tensor's last dimension contiguous) where a query sees
     the keys of its sequence whose original position (positions [T] int32, increasing within each sequence) is
-    within `window` of its own; max_seqlen:
-    the longest sequence's rows (host int). Returns [T, heads, D] in q's dtype. Differentiable in q, k, v. `tiling`:
-    each kernel's Tiles, `tiles(D)` unless given (the GPU benchmark's candidates)."""
+    within `window` of its own; max_seqlen: the longest sequence's rows (host int). Returns [T, heads, D] in q's
+    dtype. Differentiable in q, k, v. `tiling`: each kernel's Tiles, `tiles(D)` unless given (the GPU benchmark's
+    candidates)."""
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape or any(t.stride(2) != 1 for t in (q, k, v)):
         raise ValueError(f"local_attention: q, k, v must be [T, heads, D] of one shape, D contiguous; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")

@@ -110,9 +110,6 @@ def _rows_bwd_kernel(DOUT, dst_index, SRC, src_ids, FILL, POS, pos_ids, W, MEAN,
         tl.store(DB_PART + pid * H + cols, db, mask=mask)
 
 
-# ---------------------------------------------------------------------------------------------------- launchers
-
-
 @triton.jit
 def _sum_parts_kernel(PARTS, FIRST, SECOND, programs, H, HAS_SECOND: tl.constexpr, BLOCK_P: tl.constexpr,
                       BLOCK_H: tl.constexpr):
@@ -134,6 +131,9 @@ def _sum_parts_kernel(PARTS, FIRST, SECOND, programs, H, HAS_SECOND: tl.constexp
         tl.store(SECOND + cols, tl.sum(second, axis=0).to(SECOND.dtype.element_ty), mask=cols < H)
 
 
+# ---------------------------------------------------------------------------------------------------- launchers
+
+
 # _sum_parts_kernel's tile and warps: 128 partial rows x 32 columns (a 128-byte line a row), 16 elements a thread.
 # The first GPU timing, at 32 x 64 on 4 warps with a cross-thread sum each step, had 12 programs at RoBERTa-base's
 # width loop 32 times over 1,024 partial rows: 0.07 ms a call, 1.8 ms of an mlm step on an H200.
@@ -144,7 +144,7 @@ def sum_parts(parts: torch.Tensor, first: torch.Tensor, second: torch.Tensor | N
     """first [H] (and second [H]) = parts[0] (and parts[1]) summed over their rows, parts [1 or 2, programs, H] fp32
     as a backward's programs wrote them: one kernel, a fixed order (deterministic), the cast to each output's dtype
     in it."""
-    groups, programs, hidden = parts.shape
+    _, programs, hidden = parts.shape
     if hidden:
         _sum_parts_kernel[(triton.cdiv(hidden, SUM_BLOCK_H),)](
             parts, first, first if second is None else second, programs, hidden, HAS_SECOND=second is not None,

@@ -60,31 +60,34 @@ def pack_out(phase: str, out: Path) -> Path:
 
 
 def collect(brought: Path, results: Path) -> list[Path]:
-    """Rebuild results/DEVICE/PHASE/ from what a lent machine brought back of $OUT (`brought` holds PHASE/ folders, or
-    is one); DEVICE from each phase.json's machine (FASTMAE_GPU_DEVICE overrides it). Returns the directories."""
-    records = [brought / "phase.json"] if (brought / "phase.json").is_file() else sorted(brought.glob("*/phase.json"))
-    unpacked = Path(tempfile.mkdtemp(prefix="gpu_check_"))
-    for packed in sorted(brought.glob("*.tar")):  # the earlier phases of a call that ran several
-        with tarfile.open(packed) as archive:
-            archive.extractall(unpacked, filter="data")
-    records += sorted(unpacked.glob("*/phase.json"))
-    if not records:
-        raise SystemExit(f"gpu_check: {brought} holds no phase.json (nor PHASE/phase.json): is it what $OUT brought "
-                         "back?")
-    written = []
-    for record in records:
-        data = json.loads(record.read_text())
-        device = os.environ.get("FASTMAE_GPU_DEVICE") or directory_name(data.get("machine", {}).get("device", ""))
-        if not device:
-            raise SystemExit(f"gpu_check: {record} names no device (its machine: {data.get('machine')}); set "
-                             "FASTMAE_GPU_DEVICE")
-        directory = results / device / data["phase"]
-        directory.mkdir(parents=True, exist_ok=True)
-        for path in record.parent.iterdir():
-            if path.name == "logs.tar.gz":
-                with tarfile.open(path) as archive:
-                    archive.extractall(directory, filter="data")
-            elif path.is_file():
-                shutil.copy2(path, directory / path.name)
-        written.append(directory)
-    return written
+    """Rebuild results/DEVICE/PHASE/ from what a lent machine brought back of $OUT (`brought` holds PHASE/ folders or
+    PHASE.tar archives of them, or is one); DEVICE from each phase.json's machine (FASTMAE_GPU_DEVICE overrides it).
+    Returns the directories."""
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as unpacked:
+        for packed in sorted(brought.glob("*.tar")):  # the earlier phases of a call that ran several
+            with tarfile.open(packed) as archive:
+                archive.extractall(unpacked, filter="data")
+        records = ([brought / "phase.json"] if (brought / "phase.json").is_file()
+                   else sorted(brought.glob("*/phase.json"))) + sorted(Path(unpacked).glob("*/phase.json"))
+        if not records:
+            raise SystemExit(f"gpu_check: {brought} holds no phase.json (nor PHASE/phase.json): is it what $OUT "
+                             "brought back?")
+        return [_collect_phase(record, results) for record in records]
+
+
+def _collect_phase(record: Path, results: Path) -> Path:
+    """One phase's directory under results/DEVICE/ from its phase.json and the files beside it, logs unpacked."""
+    data = json.loads(record.read_text())
+    device = os.environ.get("FASTMAE_GPU_DEVICE") or directory_name(data.get("machine", {}).get("device", ""))
+    if not device:
+        raise SystemExit(f"gpu_check: {record} names no device (its machine: {data.get('machine')}); set "
+                         "FASTMAE_GPU_DEVICE")
+    directory = results / device / data["phase"]
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in record.parent.iterdir():
+        if path.name == "logs.tar.gz":
+            with tarfile.open(path) as archive:
+                archive.extractall(directory, filter="data")
+        elif path.is_file():
+            shutil.copy2(path, directory / path.name)
+    return directory
