@@ -85,8 +85,8 @@ def kernel_kind(name: str) -> str:
 
 def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[float, float, dict]:
     """(GPU kernel seconds, kernels the profiler saw, {kind: [ms, kernels]}) per call of fn; prints the `top` busiest
-    kernels under `label`, then the time by kind (kernel_kind). The count tells whether the profile saw the kernels of
-    CUDA graph replays or only their launches."""
+    kernels under `label`, the time by kind (kernel_kind) and the `top` most launched kernels (what the count is made
+    of). The count tells whether the profile saw the kernels of CUDA graph replays or only their launches."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()  # one call outside the profile, as each measured one follows others
@@ -114,6 +114,11 @@ def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[
     others = [key for _, key in kernels if kernel_kind(key) == "other"][:5]
     if others:
         print(f"  kind 'other' holds: {'; '.join(key[:80] for key in others)}", flush=True)
+    # what a step's kernel count is made of (issue 55's kernels-a-step target): the names launched most often
+    launched = sorted(((e.count / repeats, e.key) for e in events), reverse=True)[:top]
+    print(f"{label}: most launched kernels per call:", flush=True)
+    for n, key in launched:
+        print(f"  {n:6.0f} x  {kernel_kind(key):<13} {key[:150]}", flush=True)
     return busy, count, kinds
 
 
