@@ -6,6 +6,8 @@
 transformer layer's fused kernels (fastmae.ops: dropout + add + LayerNorm, bias + GELU after the projection, GeGLU)
 against the stock torch ops a Hugging Face layer runs for the same math (F.dropout, the add, F.layer_norm; F.linear
 with its bias and F.gelu; chunk and F.gelu times the gate): the comparison issue 55 asks each fused kernel to win.
+On CUDA `layers` also times the post-LN norm and bias + GELU (on its own, against F.gelu(a + b)) at every candidate
+tiling of one kernel at a time (`norm.CANDIDATES`, `activation.BIAS_GELU_CANDIDATES`): the fastest is what to ship.
 
 On CUDA both implementations run side by side in one process, and each is timed twice: wall time per call (what a
 step pays, Python and launches included) and GPU time (the sum of its kernels' durations, from the profiler), from
@@ -112,10 +114,24 @@ def cases(tokens: int, hidden: int, vocab: int, device, dtype):
            loss(linear_cross_entropy_reference), loss(linear_cross_entropy))
 
 
+def candidate_tilings(shipped: dict, candidates: dict):
+    """(what a row says of it, tiling) for each candidate of each kernel (norm.CANDIDATES, activation's), the other
+    kernels' tiles as shipped: the GPU's table says which to ship."""
+    for kernel, tried in candidates.items():
+        ship = shipped[kernel]
+        for tiles in tried:
+            if tiles != ship:
+                yield (f"{kernel} tiles {tiles.rows}x{tiles.warps} (rows x warps; shipped {ship.rows}x{ship.warps})",
+                       {**shipped, kernel: tiles})
+
+
 def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):
     """(name, bytes moved by the ideal fused kernel, FLOPs, stock torch fn, fastmae.ops fn) for each of a layer's fused
     ops, forward + backward, at RoBERTa's (bias + GELU, post-LN with dropout) and ModernBERT's (GeGLU, pre-LN without
-    bias) shapes for `hidden`."""
+    bias) shapes for `hidden`; on CUDA also the post-LN norm and bias + GELU at each candidate tiling."""
+    from fastmae.kernels import activation, add_layer_norm, bias_gelu, norm
+
+    tilings = candidate_tilings if device.type == "cuda" else lambda shipped, candidates: ()
     gen = torch.Generator(device=device).manual_seed(0)
     elt = torch.finfo(dtype).bits // 8
 
@@ -129,9 +145,15 @@ def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):
     def post_ln(fn):
         return lambda: torch.autograd.backward(fn(), grad)
 
-    yield ("dropout + add + LayerNorm (post-LN)", 8 * tokens * hidden * elt, 0,
-           post_ln(lambda: F.layer_norm(F.dropout(x, dropout) + residual, (hidden,), weight, bias)),
+    post_ln_name, post_ln_bytes = "dropout + add + LayerNorm (post-LN)", 8 * tokens * hidden * elt
+    stock_post_ln = post_ln(lambda: F.layer_norm(F.dropout(x, dropout) + residual, (hidden,), weight, bias))
+    yield (post_ln_name, post_ln_bytes, 0, stock_post_ln,
            post_ln(lambda: ops.add_layer_norm(x, residual, weight, bias, 1e-5, False, dropout)[0]))
+    key = torch.zeros(1, dtype=torch.int64, device=device)
+    for said, tiling in tilings(norm.tiles(hidden), norm.CANDIDATES):
+        yield (f"{post_ln_name}, {said}", post_ln_bytes, 0, stock_post_ln,
+               post_ln(lambda tiling=tiling: add_layer_norm(x, residual, weight, bias, 1e-5, False, dropout, key,
+                                                            tiling)[0]))
 
     def pre_ln(fn):
         return lambda: torch.autograd.backward(fn(), (grad, grad))
@@ -151,6 +173,13 @@ def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):
 
     yield ("linear + bias + GELU", 0, 6 * tokens * hidden * inner,
            projected(lambda: F.gelu(F.linear(x, w_in, b_in))), projected(lambda: ops.linear_gelu(x, w_in, b_in)))
+    projection = leaf(tokens, inner)  # x W^T, the bias + GELU's input: its tilings timed on their own
+    stock_bias_gelu = projected(lambda: F.gelu(projection + b_in))
+    yield ("bias + GELU", 5 * tokens * inner * elt, 0, stock_bias_gelu,
+           projected(lambda: bias_gelu(projection, b_in)))
+    for said, tiling in tilings(activation.bias_gelu_tiles(inner), activation.BIAS_GELU_CANDIDATES):
+        yield (f"bias + GELU, {said}", 5 * tokens * inner * elt, 0, stock_bias_gelu,
+               projected(lambda tiling=tiling: bias_gelu(projection, b_in, tiling)))
     gated = 3 * hidden // 2  # ModernBERT-base's 1,152 at 768
     a, grad_gated = leaf(tokens, 2 * gated), torch.randn(tokens, gated, device=device, dtype=dtype)
 
@@ -182,13 +211,16 @@ def main():
         chosen.append(cases(tokens, args.hidden, args.vocab, device, dtype))
     if args.ops in ("all", "layers"):
         chosen.append(layer_cases(tokens, args.hidden, device, dtype))
+    timed = {}  # each torch reference's (seconds, MiB, GPU seconds): the candidate tilings share theirs
     for name, nbytes, flops, reference, kernel in itertools.chain(*chosen):
-        ref_s, ref_mem = measure(reference, device)
+        if reference not in timed:
+            timed[reference] = (*measure(reference, device),
+                                gpu_kernel_time(reference, f"{name}, torch", repeats=5, top=4) if cuda else None)
+        ref_s, ref_mem, ref_gpu_s = timed[reference]
         row = {"op (fwd+bwd)": name, "torch ms": 1e3 * ref_s}
         if cuda:
             row["torch MiB"] = ref_mem
             k_s, k_mem = measure(kernel, device)
-            ref_gpu_s = gpu_kernel_time(reference, f"{name}, torch", repeats=5, top=4)
             k_gpu_s = gpu_kernel_time(kernel, f"{name}, triton", repeats=5, top=4)
             gbps = nbytes / k_gpu_s / 1e9 if nbytes else None
             row.update({"triton ms": 1e3 * k_s, "triton MiB": k_mem, "speedup": ref_s / k_s,

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import BACKWARD_TILE, carve, sum_parts, tile_launch
+from .rows import BACKWARD_TILE, RowTiles, carve, sum_parts, tile_launch
 
 COLUMNS_PER_PROGRAM = 1024  # a program's block of the I columns (at most): wide rows take several programs
 ROWS_PER_BIAS_PROGRAM = 64  # bias + GELU's backward: rows a program sums, so the bias gradient's partials stay few
@@ -93,12 +93,36 @@ def _bias_gelu_bwd_kernel(DY, A, B, DA, DB_PART, n_rows, n_cols, tiles, BLOCK_R:
     tl.store(DB_PART + tl.program_id(0).to(tl.int64) * n_cols + cols, tl.sum(db, axis=0), mask=cols < n_cols)
 
 
-def launch_shape(columns: int, elements: int = 2048) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, num_warps) for rows of `columns` outputs: `tile_launch`'s tile of `elements` of a column
-    block."""
-    block_c = min(triton.next_power_of_2(columns), COLUMNS_PER_PROGRAM)
-    block_r, warps = tile_launch(block_c, elements)
+def column_block(columns: int) -> int:
+    """BLOCK_C, the columns a program takes, for rows of `columns` outputs."""
+    return min(triton.next_power_of_2(columns), COLUMNS_PER_PROGRAM)
+
+
+def launch_shape(columns: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, num_warps) of GeGLU's kernels for rows of `columns` outputs: `tile_launch`'s tile of a
+    column block."""
+    block_c = column_block(columns)
+    block_r, warps = tile_launch(block_c)
     return block_r, block_c, warps
+
+
+KERNELS = ("forward", "backward")  # bias + GELU's
+
+
+def bias_gelu_tiles(columns: int) -> dict[str, RowTiles]:
+    """bias + GELU's RowTiles (KERNELS) over its column blocks for rows of `columns` (`rows.tile_launch`: 8 elements
+    a thread forward, 4 backward). `benchmarks/kernels.py --ops layers` times every BIAS_GELU_CANDIDATE on CUDA."""
+    block_c = column_block(columns)
+    return {"forward": tile_launch(block_c), "backward": tile_launch(block_c, BACKWARD_TILE)}
+
+
+# What the GPU benchmark times beside the shipped tiles at RoBERTa's feed-forward widths (3,072 and 4,096: column blocks
+# of 1,024), one kernel's tiles swapped at a time: the H200's profile had both near half its bandwidth; the candidates
+# trade elements a thread against warps resident (registers and residency of each in kernels_static.md).
+BIAS_GELU_CANDIDATES = {
+    "forward": (RowTiles(1, 4), RowTiles(2, 16), RowTiles(1, 8), RowTiles(4, 16)),
+    "backward": (RowTiles(2, 16), RowTiles(1, 4), RowTiles(2, 8), RowTiles(4, 16)),
+}
 
 
 def _grid(rows: int, columns: int, block_r: int, block_c: int) -> tuple[int, int]:
@@ -132,21 +156,24 @@ class _GeGLU(torch.autograd.Function):
 
 class _BiasGELU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, bias):
+    def forward(ctx, a, bias, tiling):
         rows, columns = a.shape
         y = torch.empty_like(a)
-        block_r, block_c, warps = launch_shape(columns)
+        block_c = column_block(columns)
+        block_r, warps = tiling["forward"]
         if rows and columns:
             _bias_gelu_fwd_kernel[_grid(rows, columns, block_r, block_c)](a, bias, y, rows, columns, BLOCK_R=block_r,
                                                                            BLOCK_C=block_c, num_warps=warps)
         ctx.save_for_backward(a, bias)
+        ctx.tiling = tiling
         return y
 
     @staticmethod
     def backward(ctx, dy):
         a, bias = ctx.saved_tensors
         rows, columns = a.shape
-        block_r, block_c, warps = launch_shape(columns, BACKWARD_TILE)
+        block_c = column_block(columns)
+        block_r, warps = ctx.tiling["backward"]
         tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
         programs = triton.cdiv(rows, tiles * block_r)
         da, parts, dbias = carve(a.device, ((rows, columns), a.dtype), ((1, programs, columns), torch.float32),
@@ -156,16 +183,17 @@ class _BiasGELU(torch.autograd.Function):
                 dy.contiguous(), a, bias, da, parts, rows, columns, tiles, BLOCK_R=block_r, BLOCK_C=block_c,
                 num_warps=warps)
         sum_parts(parts, dbias)  # the partials in a fixed order: deterministic
-        return da, dbias
+        return da, dbias, None
 
 
-def bias_gelu(a: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def bias_gelu(a: torch.Tensor, bias: torch.Tensor, tiling: dict[str, RowTiles] | None = None) -> torch.Tensor:
     """gelu(a + bias) for rows a [N, I] (contiguous; exact GELU) and bias [I]: [N, I] in a's dtype. Differentiable in a
-    and bias."""
+    and bias. `tiling`: the kernels' launches (default `bias_gelu_tiles(I)`; the benchmark swaps in
+    BIAS_GELU_CANDIDATES)."""
     if a.dim() != 2 or not a.is_contiguous() or bias.shape != (a.shape[1],):
         raise ValueError(f"bias_gelu: a must be contiguous rows [N, I] and bias [I]; got {tuple(a.shape)} (strides "
                          f"{a.stride()}) and {tuple(bias.shape)}")
-    return _BiasGELU.apply(a, bias)
+    return _BiasGELU.apply(a, bias, tiling or bias_gelu_tiles(a.shape[1]))
 
 
 def geglu(a: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ Compiles each (kernel, block size, warps, flags, dtype) the launchers can choose
 stay resident on a multiprocessor (occupancy: what hides memory latency). Run without TRITON_INTERPRET.
 
 The table is a pure function of this directory's sources and Triton's version (`inputs_sha256`), and compiling all
-706 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
+734 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
 REGENERATE) and the suite checks it is of the kernels it has, compiling a few configurations itself; --match compiles
 those whose "kernel config" matches.
 """
@@ -147,30 +147,36 @@ def _rotary_configs():
 
 
 def _norm_configs():
-    from . import rows
+    """Each norm kernel at its shipped tiles, every flag, at three widths; and at RoBERTa's (rows of 1,024 lanes) in
+    bf16, post-LN with dropout, at every tiling the GPU benchmark times (norm.CANDIDATES)."""
+    from . import norm, rows
 
     for hidden in (64, 1024, rows.MAX_HIDDEN):  # the smallest row, base and large models' (768, 1024), the largest
         block = hidden  # a power of two: the kernels' BLOCK_H
-        block_r, warps = rows.tile_launch(block)
-        bwd_block_r, bwd_warps = rows.tile_launch(block, rows.BACKWARD_TILE)
+        shipped = norm.tiles(hidden)
         for dtype in ("fp32", "bf16"):
             fwd = dict(X=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", B=f"*{dtype}", Y=f"*{dtype}", H_OUT=f"*{dtype}",
                        MEAN="*fp32", RSTD="*fp32", KEY="*i64", n_rows="i32", H="i32", stride_x="i32",
                        stride_r="i32", eps="fp32", threshold="i32", scale="fp32")
-            for has_bias, store_sum, dropout in itertools.product((0, 1), repeat=3):
-                yield ("norm._add_norm_fwd_kernel",
-                       f"{dtype} BLOCK_H={block} bias={has_bias} sum={store_sum} dropout={dropout}", fwd,
-                       dict(HAS_BIAS=has_bias, STORE_SUM=store_sum, HAS_DROPOUT=dropout, BLOCK_R=block_r,
-                            BLOCK_H=block), warps)
             bwd = dict(DY=f"*{dtype}", DH=f"*{dtype}", X=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", MEAN="*fp32",
                        RSTD="*fp32", KEY="*i64", DX=f"*{dtype}", DR=f"*{dtype}", DW_PART="*fp32", DB_PART="*fp32",
                        n_rows="i32", tiles="i32", H="i32", stride_x="i32", stride_r="i32", threshold="i32",
                        scale="fp32")
-            for has_dh in (0, 1):
-                for dropout in (0, 1):
-                    yield ("norm._add_norm_bwd_kernel", f"{dtype} BLOCK_H={block} dh={has_dh} dropout={dropout}", bwd,
-                           dict(HAS_DH=has_dh, HAS_DROPOUT=dropout, BLOCK_R=bwd_block_r, BLOCK_H=block),
-                           bwd_warps)
+            tried = norm.CANDIDATES if (hidden, dtype) == (1024, "bf16") else {kernel: () for kernel in norm.KERNELS}
+            for has_bias, store_sum, dropout in itertools.product((0, 1), repeat=3):
+                post_ln = (has_bias, store_sum, dropout) == (1, 0, 1)
+                for tiling in dict.fromkeys((shipped["forward"], *(tried["forward"] if post_ln else ()))):
+                    yield ("norm._add_norm_fwd_kernel",
+                           f"{dtype} BLOCK_H={block} bias={has_bias} sum={store_sum} dropout={dropout}"
+                           + _tiles_said(tiling, shipped["forward"]), fwd,
+                           dict(HAS_BIAS=has_bias, STORE_SUM=store_sum, HAS_DROPOUT=dropout, BLOCK_R=tiling.rows,
+                                BLOCK_H=block), tiling.warps)
+            for has_dh, dropout in itertools.product((0, 1), repeat=2):
+                post_ln = (has_dh, dropout) == (0, 1)
+                for tiling in dict.fromkeys((shipped["backward"], *(tried["backward"] if post_ln else ()))):
+                    yield ("norm._add_norm_bwd_kernel", f"{dtype} BLOCK_H={block} dh={has_dh} dropout={dropout}"
+                           + _tiles_said(tiling, shipped["backward"]), bwd,
+                           dict(HAS_DH=has_dh, HAS_DROPOUT=dropout, BLOCK_R=tiling.rows, BLOCK_H=block), tiling.warps)
     for dtype in ("fp32", "bf16"):
         for second in (0, 1):  # the norm's weight and bias; bias + GELU's bias alone
             yield ("rows._sum_parts_kernel", f"{dtype} second={second}",
@@ -179,10 +185,14 @@ def _norm_configs():
 
 
 def _activation_configs():
-    from . import activation, rows
+    """Each activation kernel at its shipped tiles for narrow rows and a full column block; and bias + GELU's in bf16
+    at a full column block (RoBERTa's widths) at every tiling the GPU benchmark times
+    (activation.BIAS_GELU_CANDIDATES)."""
+    from . import activation
 
     for columns in (64, 256, activation.COLUMNS_PER_PROGRAM):  # narrow rows, and a full column block (wide rows)
         block_r, block_c, warps = activation.launch_shape(columns)
+        shipped = activation.bias_gelu_tiles(columns)
         for dtype in ("fp32", "bf16"):
             sizes = dict(n_rows="i32", n_cols="i32")
             blocks = dict(BLOCK_R=block_r, BLOCK_C=block_c)
@@ -190,12 +200,23 @@ def _activation_configs():
                    dict(A=f"*{dtype}", Y=f"*{dtype}", **sizes), blocks, warps)
             yield ("activation._geglu_bwd_kernel", f"{dtype} BLOCK_C={block_c}",
                    dict(DY=f"*{dtype}", A=f"*{dtype}", DA=f"*{dtype}", **sizes), blocks, warps)
-            yield ("activation._bias_gelu_fwd_kernel", f"{dtype} BLOCK_C={block_c}",
-                   dict(A=f"*{dtype}", B=f"*{dtype}", Y=f"*{dtype}", **sizes), blocks, warps)
-            bwd_block_r, _, bwd_warps = activation.launch_shape(columns, rows.BACKWARD_TILE)
-            yield ("activation._bias_gelu_bwd_kernel", f"{dtype} BLOCK_C={block_c}",
-                   dict(DY=f"*{dtype}", A=f"*{dtype}", B=f"*{dtype}", DA=f"*{dtype}", DB_PART="*fp32", **sizes,
-                        tiles="i32"), dict(BLOCK_R=bwd_block_r, BLOCK_C=block_c), bwd_warps)
+            tried = (activation.BIAS_GELU_CANDIDATES if (columns, dtype) == (activation.COLUMNS_PER_PROGRAM, "bf16")
+                     else {kernel: () for kernel in activation.KERNELS})
+            for tiling in dict.fromkeys((shipped["forward"], *tried["forward"])):
+                yield ("activation._bias_gelu_fwd_kernel", f"{dtype} BLOCK_C={block_c}"
+                       + _tiles_said(tiling, shipped["forward"]), dict(A=f"*{dtype}", B=f"*{dtype}", Y=f"*{dtype}",
+                                                                      **sizes),
+                       dict(BLOCK_R=tiling.rows, BLOCK_C=block_c), tiling.warps)
+            for tiling in dict.fromkeys((shipped["backward"], *tried["backward"])):
+                yield ("activation._bias_gelu_bwd_kernel", f"{dtype} BLOCK_C={block_c}"
+                       + _tiles_said(tiling, shipped["backward"]),
+                       dict(DY=f"*{dtype}", A=f"*{dtype}", B=f"*{dtype}", DA=f"*{dtype}", DB_PART="*fp32", **sizes,
+                            tiles="i32"), dict(BLOCK_R=tiling.rows, BLOCK_C=block_c), tiling.warps)
+
+
+def _tiles_said(tiling, shipped) -> str:
+    """A candidate tiling's part of its configuration's description (nothing for the shipped one)."""
+    return "" if tiling == shipped else f" candidate {tiling.rows} rows x {tiling.warps} warps"
 
 
 def _local_window_configs():

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .hashing import dropout_threshold
 from .mask_select import uniform_bits_u32
-from .rows import BACKWARD_TILE, MAX_HIDDEN, carve, sum_parts, tile_launch
+from .rows import BACKWARD_TILE, MAX_HIDDEN, RowTiles, carve, sum_parts, tile_launch
 
 
 @triton.jit
@@ -114,6 +114,26 @@ def _add_norm_bwd_kernel(DY, DH, X, R, W, MEAN, RSTD, KEY, DX, DR, DW_PART, DB_P
 BACKWARD_PROGRAMS = 1024
 
 
+KERNELS = ("forward", "backward")
+
+
+def tiles(hidden: int) -> dict[str, RowTiles]:
+    """Each kernel's RowTiles (KERNELS) for rows of `hidden` elements (`rows.tile_launch`: 8 elements a thread
+    forward, 4 backward). `benchmarks/kernels.py --ops layers` times every CANDIDATE on CUDA."""
+    block = triton.next_power_of_2(hidden)
+    return {"forward": tile_launch(block), "backward": tile_launch(block, BACKWARD_TILE)}
+
+
+# What the GPU benchmark times beside the shipped tiles, at RoBERTa-base's and -large's widths (768 and 1,024: rows of
+# 1,024 lanes), one kernel's tiles swapped at a time. The H200's profile had both kernels at about half its bandwidth,
+# the backward at 75 registers a thread (24 warps resident a multiprocessor): the candidates trade elements a thread
+# against warps resident (each compiled by kernels/aot.py: registers and residency in kernels_static.md).
+CANDIDATES = {
+    "forward": (RowTiles(1, 8), RowTiles(2, 16), RowTiles(1, 4), RowTiles(4, 16)),
+    "backward": (RowTiles(1, 16), RowTiles(2, 16)),
+}
+
+
 def backward_tiles(rows: int, block_r: int) -> int:
     """Tiles of block_r rows each backward program takes: enough that at most BACKWARD_PROGRAMS programs cover
     `rows`."""
@@ -122,13 +142,13 @@ def backward_tiles(rows: int, block_r: int) -> int:
 
 class _AddLayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, keep_sum, dropout_p, key):
+    def forward(ctx, x, residual, weight, bias, eps, keep_sum, dropout_p, key, tiling):
         rows, hidden = x.shape
         threshold, scale = dropout_threshold(dropout_p)
         y, h, stats = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden) if keep_sum else (0,), x.dtype),
                              ((2, rows), torch.float32))
         block = triton.next_power_of_2(hidden)
-        block_r, warps = tile_launch(block)
+        block_r, warps = tiling["forward"]
         if rows:
             _add_norm_fwd_kernel[(triton.cdiv(rows, block_r),)](
                 x, residual, weight, bias if bias is not None else weight, y, h, stats[0], stats[1],
@@ -137,6 +157,7 @@ class _AddLayerNorm(torch.autograd.Function):
                 BLOCK_H=block, num_warps=warps)
         ctx.save_for_backward(x, residual, weight, stats, key if threshold else stats)
         ctx.has_bias, ctx.keep_sum, ctx.threshold, ctx.scale = bias is not None, keep_sum, threshold, scale
+        ctx.tiling = tiling
         return (y, h) if keep_sum else (y, None)
 
     @staticmethod
@@ -144,7 +165,7 @@ class _AddLayerNorm(torch.autograd.Function):
         x, residual, weight, stats, key = ctx.saved_tensors
         rows, hidden = x.shape
         block = triton.next_power_of_2(hidden)
-        block_r, warps = tile_launch(block, BACKWARD_TILE)
+        block_r, warps = ctx.tiling["backward"]
         tiles = backward_tiles(rows, block_r)
         programs = triton.cdiv(rows, tiles * block_r)
         # dx and dr two tensors (no aliased gradients); every program writes its row of partial sums
@@ -159,15 +180,17 @@ class _AddLayerNorm(torch.autograd.Function):
                                               HAS_DH=has_dh, HAS_DROPOUT=ctx.threshold > 0, BLOCK_R=block_r,
                                               BLOCK_H=block, num_warps=warps)
         sum_parts(parts, dw, db)
-        return dx, dr, dw, db if ctx.has_bias else None, None, None, None, None
+        return dx, dr, dw, db if ctx.has_bias else None, None, None, None, None, None
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    eps: float = 1e-5, keep_sum: bool = False, dropout_p: float = 0.0,
-                   key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   key: torch.Tensor | None = None,
+                   tiling: dict[str, RowTiles] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(LayerNorm(h), h if keep_sum else None), h = dropout(x) + residual, for rows x, residual [N, H] (the same
     dtype, their last dimension contiguous), weight [H], bias [H] or None; the dropout hashed under `key` (an int64
-    tensor of one 32-bit value on x's device) where dropout_p > 0. Differentiable in x, residual, weight, bias."""
+    tensor of one 32-bit value on x's device) where dropout_p > 0. Differentiable in x, residual, weight, bias.
+    `tiling`: the kernels' launches (default `tiles(H)`; the benchmark swaps in CANDIDATES)."""
     if x.dim() != 2 or x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"add_layer_norm: x and residual must be [rows, H] of one dtype; got {tuple(x.shape)} "
                          f"{x.dtype} and {tuple(residual.shape)} {residual.dtype}")
@@ -177,4 +200,5 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     if dropout_p and (key is None or key.numel() != 1 or key.dtype != torch.int64 or key.device != x.device):
         raise ValueError(f"add_layer_norm: dropout_p={dropout_p} needs its key as one int64 on {x.device}; got "
                          f"{None if key is None else (tuple(key.shape), key.dtype, str(key.device))}")
-    return _AddLayerNorm.apply(x, residual, weight, bias, eps, keep_sum, dropout_p, key)
+    return _AddLayerNorm.apply(x, residual, weight, bias, eps, keep_sum, dropout_p, key,
+                               tiling or tiles(x.shape[1]))

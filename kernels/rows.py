@@ -12,6 +12,8 @@ tables with torch's embedding backward (`_accumulate_rows`) or takes it as the g
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -167,13 +169,20 @@ ROWS_PER_PROGRAM = 16  # backward: rows per program, so LayerNorm weight-gradien
 BACKWARD_TILE = 1024
 
 
-def tile_launch(block: int, elements: int = 2048) -> tuple[int, int]:
-    """(rows a program takes at once, num_warps) for a row-tiled kernel (norm.py, rotary.py, activation.py) over rows
-    of `block` elements: a tile of about `elements` elements (at most 64 rows) over 8 warps, at least 4 and at most 16
-    (the widest rows hold more a thread). Fewer, larger programs than one a row: also far cheaper under the
-    interpreter."""
+class RowTiles(NamedTuple):
+    """A row-tiled kernel's launch (norm.py, activation.py, rotary.py): the rows of the tile a program holds at once,
+    and its warps."""
+
+    rows: int
+    warps: int
+
+
+def tile_launch(block: int, elements: int = 2048) -> RowTiles:
+    """The RowTiles of a row-tiled kernel over rows of `block` elements: a tile of about `elements` elements (at most
+    64 rows) over 8 warps, at least 4 and at most 16 (the widest rows hold more a thread). Fewer, larger programs than
+    one a row: also far cheaper under the interpreter."""
     rows = max(1, min(64, elements // block))
-    return rows, max(4, min(16, rows * block * 8 // elements))
+    return RowTiles(rows, max(4, min(16, rows * block * 8 // elements)))
 
 
 def carve(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:

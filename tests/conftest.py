@@ -70,6 +70,16 @@ def batch() -> PackedBatch:
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def candidate_tilings(shipped: dict, candidates: dict) -> list:
+    """(kernel, tiles) of every candidate tiling a GPU benchmark times (the row kernels' RowTiles); under the
+    interpreter, which runs a tile the same whatever its warps, one of each number of rows not shipped."""
+    found = [(kernel, tiles) for kernel, tried in candidates.items() for tiles in tried if tiles != shipped[kernel]]
+    if KERNEL_DEVICE == "cpu":
+        found = list({(kernel, tiles.rows): (kernel, tiles) for kernel, tiles in found
+                      if tiles.rows != shipped[kernel].rows}.values())
+    return found
+
+
 @pytest.fixture
 def triton_kernels(monkeypatch):
     """Route fastmae.ops to the Triton kernels (under the interpreter on CPU)."""

@@ -4,8 +4,8 @@ bf16, several seeds; and layers on the Triton path computing what the torch path
 
 import pytest
 import torch
-from conftest import KERNEL_DEVICE
-from fastmae.kernels import bias_gelu, bias_gelu_reference, geglu, geglu_reference
+from conftest import KERNEL_DEVICE, candidate_tilings
+from fastmae.kernels import activation, bias_gelu, bias_gelu_reference, geglu, geglu_reference
 from tolerance import assert_as_accurate
 
 DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
@@ -51,6 +51,33 @@ def test_bias_gelu_matches_the_reference_forward_and_backward(rows, columns, dty
     for name, g, p, e in zip(("y", "da", "dbias"), got, plain, exact):
         assert g.dtype == dtype
         assert_as_accurate(f"bias_gelu {name}", g.cpu(), p.cpu(), e.cpu(), dtype, factor=2)
+
+
+BIAS_GELU_TILINGS = candidate_tilings(activation.bias_gelu_tiles(1100), activation.BIAS_GELU_CANDIDATES)
+
+
+@pytest.mark.parametrize("kernel, tiles", BIAS_GELU_TILINGS,
+                         ids=[f"{k}-{t.rows}x{t.warps}" for k, t in BIAS_GELU_TILINGS])
+def test_every_bias_gelu_tiling_the_gpu_benchmark_times_computes_the_reference(kernel, tiles, monkeypatch):
+    """benchmarks/kernels.py times each candidate tiling on CUDA, where fastmae may ship the fastest: each computes
+    what the reference does, forward and backward, on rows no tile divides and two column blocks (the last partial),
+    the bias gradient's partials from several programs."""
+    monkeypatch.setattr(activation, "ROWS_PER_BIAS_PROGRAM", 8)
+    gen = torch.Generator().manual_seed(5)
+    a, bias = 2 * torch.randn(37, 1100, generator=gen), torch.randn(1100, generator=gen)
+    grad_y = torch.randn(37, 1100, generator=gen)
+    tiling = {**activation.bias_gelu_tiles(1100), kernel: tiles}
+    dtype = torch.bfloat16 if KERNEL_DEVICE == "cuda" else torch.float32
+
+    def run(fn, run_dtype, **options):
+        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (a, bias)]
+        y = fn(*leaves, **options)
+        return (y, *torch.autograd.grad(y, leaves, grad_y.to(KERNEL_DEVICE, run_dtype)))
+
+    got = run(bias_gelu, dtype, tiling=tiling)
+    plain, exact = run(bias_gelu_reference, dtype), run(bias_gelu_reference, torch.float64)
+    for name, g, p, e in zip(("y", "da", "dbias"), got, plain, exact):
+        assert_as_accurate(f"bias_gelu {name} ({kernel} {tiles})", g.cpu(), p.cpu(), e.cpu(), dtype, factor=2)
 
 
 def test_geglu_names_what_it_cannot_take():

@@ -4,7 +4,7 @@ without dropout, rows of any stride."""
 
 import pytest
 import torch
-from conftest import KERNEL_DEVICE
+from conftest import KERNEL_DEVICE, candidate_tilings
 from fastmae.kernels import add_layer_norm, add_layer_norm_reference, norm
 from tolerance import assert_as_accurate
 
@@ -50,6 +50,34 @@ def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden,
     for name, g, p, e in zip(names, got, plain, exact):
         assert_as_accurate(f"add_layer_norm {name}", g.cpu(), p.cpu(), e.cpu(), dtype,
                            factor=2 if name in ("y", "h") else 3)
+
+
+NORM_TILINGS = candidate_tilings(norm.tiles(768), norm.CANDIDATES)
+
+
+@pytest.mark.parametrize("kernel, tiles", NORM_TILINGS, ids=[f"{k}-{t.rows}x{t.warps}" for k, t in NORM_TILINGS])
+def test_every_norm_tiling_the_gpu_benchmark_times_computes_the_reference(kernel, tiles, monkeypatch):
+    """benchmarks/kernels.py times each candidate tiling on CUDA, where fastmae may ship the fastest: each computes
+    what the reference does for RoBERTa's post-LN with dropout at its width, forward and backward, on rows no tile
+    divides, the backward's programs looping over several tiles."""
+    monkeypatch.setattr(norm, "BACKWARD_PROGRAMS", 3)
+    gen = torch.Generator().manual_seed(7)
+    x, residual, grad_y = (torch.randn(21, 768, generator=gen) for _ in range(3))
+    weight, bias = 1 + 0.2 * torch.randn(768, generator=gen), 0.3 * torch.randn(768, generator=gen)
+    key = torch.tensor([0x2545F491], dtype=torch.int64, device=KERNEL_DEVICE)
+    tiling = {**norm.tiles(768), kernel: tiles}
+    dtype = torch.bfloat16 if KERNEL_DEVICE == "cuda" else torch.float32
+
+    def run(fn, run_dtype, **options):
+        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (x, residual, weight, bias)]
+        y, _ = fn(*leaves, 1e-5, False, 0.1, key, **options)
+        return (y, *torch.autograd.grad(y, leaves, grad_y.to(KERNEL_DEVICE, run_dtype)))
+
+    got = run(add_layer_norm, dtype, tiling=tiling)
+    plain, exact = run(add_layer_norm_reference, dtype), run(add_layer_norm_reference, torch.float64)
+    for name, g, p, e in zip(("y", "dx", "dresidual", "dweight", "dbias"), got, plain, exact):
+        assert_as_accurate(f"add_layer_norm {name} ({kernel} {tiles})", g.cpu(), p.cpu(), e.cpu(), dtype,
+                           factor=2 if name == "y" else 3)
 
 
 def test_add_layer_norm_names_what_it_cannot_take():
