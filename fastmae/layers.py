@@ -62,7 +62,7 @@ class TransformerLayer(nn.Module):
             q, k = ops.rotary_qk(q, k, *meta.rotary, *meta_k.rotary)
         out = varlen_attention(q, k, v, meta, meta_k, dropout_p=self.attention_dropout_p,
                                backend=self.attention_backend, bias=bias)
-        return self.attn_out(out.reshape(rows, h))
+        return out.reshape(rows, h)  # before the output projection, which _add_norm applies
 
     @property
     def attention_dropout_p(self) -> float:
@@ -75,35 +75,38 @@ class TransformerLayer(nn.Module):
         return resolve_backend(self.attention_backend, x.device, self.attention_dropout_p, x.dtype, biased=True,
                                window_rows=window_rows, window=window)
 
-    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+    def _ffn_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward's activation, before its output projection."""
         if self.gated:  # GeGLU: gelu(input) * gate (`ops.geglu`: one Triton kernel each way on CUDA)
-            return self.ffn_out(ops.geglu(self.ffn_in(x)))
-        return self.ffn_out(ops.linear_gelu(x, self.ffn_in.weight, self.ffn_in.bias))  # one kernel on CUDA
+            return ops.geglu(self.ffn_in(x))
+        return ops.linear_gelu(x, self.ffn_in.weight, self.ffn_in.bias)  # one kernel on CUDA
 
     def forward(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None = None,
                 meta_k: VarlenMeta | None = None, bias: StreamBias | None = None) -> torch.Tensor:
         """x: [rows, H] on layout `meta`. With `context` [T_k, H] (layout meta_k), queries attend to it instead.
-        `bias`: a relative position bias added to the attention scores. Each sublayer's dropout, the residual add
-        and the LayerNorm after it run as one op (`ops.add_layer_norm`: one Triton kernel on CUDA)."""
+        `bias`: a relative position bias added to the attention scores. Each sublayer's output projection, dropout,
+        the residual add and the LayerNorm after it run as one op (`ops.add_layer_norm`: the projection and one
+        Triton kernel on CUDA)."""
         if self.pre_norm:
             ctx = None if context is None else self.attn_norm(context)
             attended = self._attention(self.attn_norm(x), meta, ctx, meta_k, bias)
-            normed, x = _add_norm(attended, x, self.ffn_norm, self.dropout, keep_sum=True)
-            return x + self.dropout(self._ffn(normed))
-        x = _add_norm(self._attention(x, meta, context, meta_k, bias), x, self.attn_norm, self.dropout)[0]
-        return _add_norm(self._ffn(x), x, self.ffn_norm, self.dropout)[0]
+            normed, x = _add_norm(attended, self.attn_out, x, self.ffn_norm, self.dropout, keep_sum=True)
+            return x + self.dropout(self.ffn_out(self._ffn_hidden(normed)))
+        x = _add_norm(self._attention(x, meta, context, meta_k, bias), self.attn_out, x, self.attn_norm,
+                      self.dropout)[0]
+        return _add_norm(self._ffn_hidden(x), self.ffn_out, x, self.ffn_norm, self.dropout)[0]
 
 
-def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, dropout: Dropout,
+def _add_norm(x: torch.Tensor, projection: nn.Linear, residual: torch.Tensor, norm: nn.Module, dropout: Dropout,
               keep_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(norm(dropout(x) + residual), the sum if keep_sum): one op for a LayerNorm whose inputs and weight share a
-    dtype, else the dropout, the add and the module (an Identity; under autocast, where dtypes mix and the norm runs
-    in fp32)."""
-    if (isinstance(norm, nn.LayerNorm) and x.dtype == residual.dtype == norm.weight.dtype
+    """(norm(dropout(projection(x)) + residual), the sum if keep_sum): one op for a LayerNorm whose inputs and
+    weight share a dtype, else the projection, the dropout, the add and the module (an Identity; under autocast,
+    where dtypes mix and the norm runs in fp32)."""
+    if (isinstance(norm, nn.LayerNorm) and x.dtype == residual.dtype == norm.weight.dtype == projection.weight.dtype
             and not torch.is_autocast_enabled(x.device.type)):
         return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, keep_sum,
-                                  dropout.p if dropout.training else 0.0)
-    summed = dropout(x) + residual
+                                  dropout.p if dropout.training else 0.0, (projection.weight, projection.bias))
+    summed = dropout(projection(x)) + residual
     return norm(summed), summed
 
 

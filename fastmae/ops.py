@@ -49,15 +49,24 @@ geglu = _dispatch("geglu")  # a gated feed-forward's gelu(x) * gate from the row
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   eps: float = 1e-5, keep_sum: bool = False,
-                   dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A layer's norm(dropout(x) + residual), and the sum where it is kept: one Triton kernel where `x` goes to
-    Triton, its dropout hashed under a key drawn from torch's generator of x's device (so seeds, saved RNG states and
-    CUDA graphs reproduce it); else fastmae's `dropout` (cheap on CPU, fused by inductor when compiled) and the torch
-    reference."""
-    if use_triton(x) and not torch.compiler.is_compiling():
+                   eps: float = 1e-5, keep_sum: bool = False, dropout_p: float = 0.0,
+                   projection: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's norm(dropout(x') + residual), x' = x or, with `projection` (weight, bias), x W^T + b, and the sum
+    where it is kept: one Triton kernel where `x` goes to Triton, its dropout hashed under a key drawn from torch's
+    generator of x's device (so seeds, saved RNG states and CUDA graphs reproduce it), the projection's bias added and
+    its gradient summed in it (the projection itself without its bias: no separate bias-gradient sum); else
+    fastmae's `dropout` (cheap on CPU, fused by inductor when compiled) and the torch reference after torch's
+    linear."""
+    triton = use_triton(x) and not torch.compiler.is_compiling()
+    x_bias = None
+    if projection is not None:
+        p_weight, p_bias = projection
+        x_bias = p_bias if triton else None
+        x = F.linear(x, p_weight, None if triton else p_bias)
+    if triton:
         key = torch.randint(0, 2**32, (1,), dtype=torch.int64, device=x.device) if dropout_p else None
-        return kernels.add_layer_norm(x, residual, weight, bias, eps, keep_sum, dropout_p, key)
+        return kernels.add_layer_norm(x, residual, weight, bias, eps, keep_sum, dropout_p, key, x_bias=x_bias)
     return kernels.add_layer_norm_reference(dropout(x, dropout_p), residual, weight, bias, eps, keep_sum)
 
 

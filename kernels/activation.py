@@ -177,13 +177,13 @@ class _BiasGELU(torch.autograd.Function):
         tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
         programs = triton.cdiv(rows, tiles * block_r)
         da, parts, dbias = carve(a.device, ((rows, columns), a.dtype), ((1, programs, columns), torch.float32),
-                                 ((columns,), bias.dtype))
+                                 ((1, columns), bias.dtype))
         if rows and columns:
             _bias_gelu_bwd_kernel[(programs, triton.cdiv(columns, block_c))](
                 dy.contiguous(), a, bias, da, parts, rows, columns, tiles, BLOCK_R=block_r, BLOCK_C=block_c,
                 num_warps=warps)
         sum_parts(parts, dbias)  # the partials in a fixed order: deterministic
-        return da, dbias, None
+        return da, dbias[0], None
 
 
 def bias_gelu(a: torch.Tensor, bias: torch.Tensor, tiling: dict[str, RowTiles] | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ Compiles each (kernel, block size, warps, flags, dtype) the launchers can choose
 stay resident on a multiprocessor (occupancy: what hides memory latency). Run without TRITON_INTERPRET.
 
 The table is a pure function of this directory's sources and Triton's version (`inputs_sha256`), and compiling all
-734 takes ~2.5 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
+874 takes ~3 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
 REGENERATE) and the suite checks it is of the kernels it has, compiling a few configurations itself; --match compiles
 those whose "kernel config" matches.
 """
@@ -148,40 +148,40 @@ def _rotary_configs():
 
 def _norm_configs():
     """Each norm kernel at its shipped tiles, every flag, at three widths; and at RoBERTa's (rows of 1,024 lanes) in
-    bf16, post-LN with dropout, at every tiling the GPU benchmark times (norm.CANDIDATES)."""
+    bf16, post-LN with dropout and the projection's bias, at every tiling the GPU benchmark times (norm.CANDIDATES)."""
     from . import norm, rows
 
     for hidden in (64, 1024, rows.MAX_HIDDEN):  # the smallest row, base and large models' (768, 1024), the largest
         block = hidden  # a power of two: the kernels' BLOCK_H
         shipped = norm.tiles(hidden)
         for dtype in ("fp32", "bf16"):
-            fwd = dict(X=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", B=f"*{dtype}", Y=f"*{dtype}", H_OUT=f"*{dtype}",
-                       MEAN="*fp32", RSTD="*fp32", KEY="*i64", n_rows="i32", H="i32", stride_x="i32",
-                       stride_r="i32", eps="fp32", threshold="i32", scale="fp32")
-            bwd = dict(DY=f"*{dtype}", DH=f"*{dtype}", X=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", MEAN="*fp32",
-                       RSTD="*fp32", KEY="*i64", DX=f"*{dtype}", DR=f"*{dtype}", DW_PART="*fp32", DB_PART="*fp32",
-                       n_rows="i32", tiles="i32", H="i32", stride_x="i32", stride_r="i32", threshold="i32",
-                       scale="fp32")
+            fwd = dict(X=f"*{dtype}", XB=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", B=f"*{dtype}", Y=f"*{dtype}",
+                       H_OUT=f"*{dtype}", MEAN="*fp32", RSTD="*fp32", KEY="*i64", n_rows="i32", H="i32",
+                       stride_x="i32", stride_r="i32", eps="fp32", threshold="i32", scale="fp32")
+            bwd = dict(DY=f"*{dtype}", DH=f"*{dtype}", X=f"*{dtype}", XB=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}",
+                       MEAN="*fp32", RSTD="*fp32", KEY="*i64", DX=f"*{dtype}", DR=f"*{dtype}", PARTS="*fp32",
+                       n_rows="i32", tiles="i32", programs="i32", H="i32", stride_x="i32", stride_r="i32",
+                       threshold="i32", scale="fp32")
             tried = norm.CANDIDATES if (hidden, dtype) == (1024, "bf16") else {kernel: () for kernel in norm.KERNELS}
-            for has_bias, store_sum, dropout in itertools.product((0, 1), repeat=3):
-                post_ln = (has_bias, store_sum, dropout) == (1, 0, 1)
+            for x_bias, has_bias, store_sum, dropout in itertools.product((0, 1), repeat=4):
+                post_ln = (x_bias, has_bias, store_sum, dropout) == (1, 1, 0, 1)
                 for tiling in dict.fromkeys((shipped["forward"], *(tried["forward"] if post_ln else ()))):
                     yield ("norm._add_norm_fwd_kernel",
-                           f"{dtype} BLOCK_H={block} bias={has_bias} sum={store_sum} dropout={dropout}"
+                           f"{dtype} BLOCK_H={block} xbias={x_bias} bias={has_bias} sum={store_sum} dropout={dropout}"
                            + _tiles_said(tiling, shipped["forward"]), fwd,
-                           dict(HAS_BIAS=has_bias, STORE_SUM=store_sum, HAS_DROPOUT=dropout, BLOCK_R=tiling.rows,
-                                BLOCK_H=block), tiling.warps)
-            for has_dh, dropout in itertools.product((0, 1), repeat=2):
-                post_ln = (has_dh, dropout) == (0, 1)
+                           dict(HAS_XBIAS=x_bias, HAS_BIAS=has_bias, STORE_SUM=store_sum, HAS_DROPOUT=dropout,
+                                BLOCK_R=tiling.rows, BLOCK_H=block), tiling.warps)
+            for has_dh, x_bias, dropout in itertools.product((0, 1), repeat=3):
+                post_ln = (has_dh, x_bias, dropout) == (0, 1, 1)
                 for tiling in dict.fromkeys((shipped["backward"], *(tried["backward"] if post_ln else ()))):
-                    yield ("norm._add_norm_bwd_kernel", f"{dtype} BLOCK_H={block} dh={has_dh} dropout={dropout}"
+                    yield ("norm._add_norm_bwd_kernel",
+                           f"{dtype} BLOCK_H={block} dh={has_dh} xbias={x_bias} dropout={dropout}"
                            + _tiles_said(tiling, shipped["backward"]), bwd,
-                           dict(HAS_DH=has_dh, HAS_DROPOUT=dropout, BLOCK_R=tiling.rows, BLOCK_H=block), tiling.warps)
+                           dict(HAS_DH=has_dh, HAS_XBIAS=x_bias, HAS_DROPOUT=dropout, BLOCK_R=tiling.rows,
+                                BLOCK_H=block), tiling.warps)
     for dtype in ("fp32", "bf16"):
-        for second in (0, 1):  # the norm's weight and bias; bias + GELU's bias alone
-            yield ("rows._sum_parts_kernel", f"{dtype} second={second}",
-                   dict(PARTS="*fp32", FIRST=f"*{dtype}", SECOND=f"*{dtype}", programs="i32", H="i32"),
-                   dict(HAS_SECOND=second, BLOCK_P=rows.SUM_BLOCK_P, BLOCK_H=rows.SUM_BLOCK_H), rows.SUM_WARPS)
+        yield ("rows._sum_parts_kernel", dtype, dict(PARTS="*fp32", SUMS=f"*{dtype}", programs="i32", H="i32"),
+               dict(BLOCK_P=rows.SUM_BLOCK_P, BLOCK_H=rows.SUM_BLOCK_H), rows.SUM_WARPS)
 
 
 def _activation_configs():

@@ -35,10 +35,14 @@ def _kept(rows, cols, H, KEY, threshold):
 
 
 @triton.jit
-def _summed_rows(X, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_DROPOUT: tl.constexpr):
-    """fp32 h [BLOCK_R, BLOCK_H] of `rows`: dropout(x) + residual (x kept where `kept`), each rounded to x's dtype
-    (what torch stores)."""
+def _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr):
+    """fp32 h [BLOCK_R, BLOCK_H] of `rows`: dropout(x + x_bias) + residual (x kept where `kept`; x_bias: fp32
+    [1, BLOCK_H], loaded once by the caller), the dropout's output and the sum each rounded to x's dtype (what torch
+    stores; x + x_bias stays fp32, a rounding fewer than torch's projection with its bias)."""
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_XBIAS:
+        x = x.to(tl.float32) + x_bias
     if HAS_DROPOUT:
         x = tl.where(kept, (x.to(tl.float32) * scale).to(X.dtype.element_ty), 0.0)
     res = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
@@ -46,16 +50,17 @@ def _summed_rows(X, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_DR
 
 
 @triton.jit
-def _add_norm_fwd_kernel(X, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, stride_x, stride_r, eps, threshold,
-                         scale, HAS_BIAS: tl.constexpr, STORE_SUM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _add_norm_fwd_kernel(X, XB, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, stride_x, stride_r, eps, threshold,
+                         scale, HAS_XBIAS: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_SUM: tl.constexpr,
+                         HAS_DROPOUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
     in_rows = rows < n_rows
     mask = in_rows[:, None] & (cols[None, :] < H)
     offsets = rows[:, None] * H + cols[None, :]
     kept = _kept(rows, cols, H, KEY, threshold) if HAS_DROPOUT else mask
-    h = _summed_rows(X, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_DROPOUT)
+    x_bias = tl.load(XB + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :] if HAS_XBIAS else 0.0
+    h = _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS, HAS_DROPOUT)
     if STORE_SUM:
         tl.store(H_OUT + offsets, h.to(H_OUT.dtype.element_ty), mask=mask)
     mean = tl.sum(h, axis=1) / H
@@ -70,25 +75,28 @@ def _add_norm_fwd_kernel(X, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, strid
 
 
 @triton.jit
-def _add_norm_bwd_kernel(DY, DH, X, R, W, MEAN, RSTD, KEY, DX, DR, DW_PART, DB_PART, n_rows, tiles, H, stride_x,
-                         stride_r, threshold, scale, HAS_DH: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _add_norm_bwd_kernel(DY, DH, X, XB, R, W, MEAN, RSTD, KEY, DX, DR, PARTS, n_rows, tiles, programs, H,
+                         stride_x, stride_r, threshold, scale, HAS_DH: tl.constexpr, HAS_XBIAS: tl.constexpr,
+                         HAS_DROPOUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """Program p: `tiles` tiles of BLOCK_R rows, from row p * tiles * BLOCK_R; its partial weight and bias gradients
-    into row p of DW_PART, DB_PART. The partials accumulate per element of the tile and are summed over its rows once,
-    at the end: no reduction across the tile's rows (and its barrier) in the loop."""
+    (and x_bias's) into row p of PARTS [2 or 3, programs, H]. The partials accumulate per element of the tile and are
+    summed over its rows once, at the end: no reduction across the tile's rows (and its barrier) in the loop."""
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
-    w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
     dw = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
     db = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    dxb = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
     for tile in range(tiles):
+        # the weight and x_bias read again each tile (from cache) rather than held: registers for warps resident
+        w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+        x_bias = tl.load(XB + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :] if HAS_XBIAS else 0.0
         rows = (pid * tiles + tile) * BLOCK_R + tl.arange(0, BLOCK_R)
         in_rows = rows < n_rows
         mask = in_rows[:, None] & (cols[None, :] < H)
         offsets = rows[:, None] * H + cols[None, :]
         dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
         kept = _kept(rows, cols, H, KEY, threshold) if HAS_DROPOUT else mask  # hashed once, used twice
-        h = _summed_rows(X, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_DROPOUT)
+        h = _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS, HAS_DROPOUT)
         rstd = tl.load(RSTD + rows, mask=in_rows, other=0.0)[:, None]
         hhat = tl.where(mask, (h - tl.load(MEAN + rows, mask=in_rows, other=0.0)[:, None]) * rstd, 0.0)
         wdy = w * dy
@@ -103,8 +111,12 @@ def _add_norm_bwd_kernel(DY, DH, X, R, W, MEAN, RSTD, KEY, DX, DR, DW_PART, DB_P
         tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
         dw += dy * hhat
         db += dy
-    tl.store(DW_PART + pid * H + cols, tl.sum(dw, axis=0), mask=cols < H)
-    tl.store(DB_PART + pid * H + cols, tl.sum(db, axis=0), mask=cols < H)
+        if HAS_XBIAS:
+            dxb += tl.where(mask, dh, 0.0)
+    tl.store(PARTS + pid * H + cols, tl.sum(dw, axis=0), mask=cols < H)
+    tl.store(PARTS + (programs + pid) * H + cols, tl.sum(db, axis=0), mask=cols < H)
+    if HAS_XBIAS:
+        tl.store(PARTS + (2 * programs + pid) * H + cols, tl.sum(dxb, axis=0), mask=cols < H)
 
 
 # The backward's programs, at most: about 8 for each multiprocessor of an H100 / H200 (132), so every one stays busy,
@@ -142,7 +154,7 @@ def backward_tiles(rows: int, block_r: int) -> int:
 
 class _AddLayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, keep_sum, dropout_p, key, tiling):
+    def forward(ctx, x, residual, weight, bias, x_bias, eps, keep_sum, dropout_p, key, tiling):
         rows, hidden = x.shape
         threshold, scale = dropout_threshold(dropout_p)
         y, h, stats = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden) if keep_sum else (0,), x.dtype),
@@ -151,46 +163,51 @@ class _AddLayerNorm(torch.autograd.Function):
         block_r, warps = tiling["forward"]
         if rows:
             _add_norm_fwd_kernel[(triton.cdiv(rows, block_r),)](
-                x, residual, weight, bias if bias is not None else weight, y, h, stats[0], stats[1],
-                key if threshold else stats, rows, hidden, x.stride(0), residual.stride(0), eps, threshold, scale,
-                HAS_BIAS=bias is not None, STORE_SUM=keep_sum, HAS_DROPOUT=threshold > 0, BLOCK_R=block_r,
-                BLOCK_H=block, num_warps=warps)
-        ctx.save_for_backward(x, residual, weight, stats, key if threshold else stats)
-        ctx.has_bias, ctx.keep_sum, ctx.threshold, ctx.scale = bias is not None, keep_sum, threshold, scale
+                x, x_bias if x_bias is not None else weight, residual, weight, bias if bias is not None else weight,
+                y, h, stats[0], stats[1], key if threshold else stats, rows, hidden, x.stride(0), residual.stride(0),
+                eps, threshold, scale, HAS_XBIAS=x_bias is not None, HAS_BIAS=bias is not None, STORE_SUM=keep_sum,
+                HAS_DROPOUT=threshold > 0, BLOCK_R=block_r, BLOCK_H=block, num_warps=warps)
+        ctx.save_for_backward(x, x_bias if x_bias is not None else weight, residual, weight, stats,
+                              key if threshold else stats)
+        ctx.has_bias, ctx.has_x_bias = bias is not None, x_bias is not None
+        ctx.keep_sum, ctx.threshold, ctx.scale = keep_sum, threshold, scale
         ctx.tiling = tiling
         return (y, h) if keep_sum else (y, None)
 
     @staticmethod
     def backward(ctx, dy, dh):
-        x, residual, weight, stats, key = ctx.saved_tensors
+        x, x_bias, residual, weight, stats, key = ctx.saved_tensors
         rows, hidden = x.shape
         block = triton.next_power_of_2(hidden)
         block_r, warps = ctx.tiling["backward"]
         tiles = backward_tiles(rows, block_r)
         programs = triton.cdiv(rows, tiles * block_r)
-        # dx and dr two tensors (no aliased gradients); every program writes its row of partial sums
-        dx, dr, parts, dw, db = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden), x.dtype),
-                                       ((2, programs, hidden), torch.float32), ((hidden,), weight.dtype),
-                                       ((hidden,), weight.dtype))
+        # dx and dr two tensors (no aliased gradients); every program writes its row of partial sums: the weight's,
+        # the bias's, and x_bias's where there is one, summed by one kernel into `sums`
+        summed = 3 if ctx.has_x_bias else 2
+        dx, dr, parts, sums = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden), x.dtype),
+                                    ((summed, programs, hidden), torch.float32), ((summed, hidden), weight.dtype))
         has_dh = ctx.keep_sum and dh is not None
         if rows:
-            _add_norm_bwd_kernel[(programs,)](dy.contiguous(), dh.contiguous() if has_dh else dy, x, residual, weight,
-                                              stats[0], stats[1], key, dx, dr, parts[0], parts[1], rows, tiles,
+            _add_norm_bwd_kernel[(programs,)](dy.contiguous(), dh.contiguous() if has_dh else dy, x, x_bias, residual,
+                                              weight, stats[0], stats[1], key, dx, dr, parts, rows, tiles, programs,
                                               hidden, x.stride(0), residual.stride(0), ctx.threshold, ctx.scale,
-                                              HAS_DH=has_dh, HAS_DROPOUT=ctx.threshold > 0, BLOCK_R=block_r,
-                                              BLOCK_H=block, num_warps=warps)
-        sum_parts(parts, dw, db)
-        return dx, dr, dw, db if ctx.has_bias else None, None, None, None, None, None
+                                              HAS_DH=has_dh, HAS_XBIAS=ctx.has_x_bias, HAS_DROPOUT=ctx.threshold > 0,
+                                              BLOCK_R=block_r, BLOCK_H=block, num_warps=warps)
+        sum_parts(parts, sums)
+        return (dx, dr, sums[0], sums[1] if ctx.has_bias else None, sums[2] if ctx.has_x_bias else None,
+                None, None, None, None, None)
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    eps: float = 1e-5, keep_sum: bool = False, dropout_p: float = 0.0,
-                   key: torch.Tensor | None = None,
-                   tiling: dict[str, RowTiles] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(LayerNorm(h), h if keep_sum else None), h = dropout(x) + residual, for rows x, residual [N, H] (the same
-    dtype, their last dimension contiguous), weight [H], bias [H] or None; the dropout hashed under `key` (an int64
-    tensor of one 32-bit value on x's device) where dropout_p > 0. Differentiable in x, residual, weight, bias.
-    `tiling`: the kernels' launches (default `tiles(H)`; the benchmark swaps in CANDIDATES)."""
+                   key: torch.Tensor | None = None, tiling: dict[str, RowTiles] | None = None,
+                   x_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(LayerNorm(h), h if keep_sum else None), h = dropout(x + x_bias) + residual, for rows x, residual [N, H] (the
+    same dtype, their last dimension contiguous), weight [H], bias and x_bias [H] or None (x_bias: the bias of the
+    projection whose output x is, its gradient summed here); the dropout hashed under `key` (an int64 tensor of one
+    32-bit value on x's device) where dropout_p > 0. Differentiable in x, residual, weight, bias, x_bias. `tiling`:
+    the kernels' launches (default `tiles(H)`; the benchmark swaps in CANDIDATES)."""
     if x.dim() != 2 or x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"add_layer_norm: x and residual must be [rows, H] of one dtype; got {tuple(x.shape)} "
                          f"{x.dtype} and {tuple(residual.shape)} {residual.dtype}")
@@ -200,5 +217,8 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     if dropout_p and (key is None or key.numel() != 1 or key.dtype != torch.int64 or key.device != x.device):
         raise ValueError(f"add_layer_norm: dropout_p={dropout_p} needs its key as one int64 on {x.device}; got "
                          f"{None if key is None else (tuple(key.shape), key.dtype, str(key.device))}")
-    return _AddLayerNorm.apply(x, residual, weight, bias, eps, keep_sum, dropout_p, key,
+    if x_bias is not None and (x_bias.shape != weight.shape or x_bias.dtype != weight.dtype):
+        raise ValueError(f"add_layer_norm: x_bias must be [H] in the weight's dtype {weight.dtype}; got "
+                         f"{tuple(x_bias.shape)} {x_bias.dtype}")
+    return _AddLayerNorm.apply(x, residual, weight, bias, x_bias, eps, keep_sum, dropout_p, key,
                                tiling or tiles(x.shape[1]))

@@ -161,8 +161,12 @@ def rotary_qk_reference(q, k, cos_q, sin_q, cos_k, sin_k) -> tuple[torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------------- add + LayerNorm
-def add_layer_norm_reference(x, residual, weight, bias, eps=1e-5, keep_sum=False, dropout_p=0.0, key=None):
-    """`add_layer_norm` in plain torch: the hashed dropout of x under `key` where dropout_p > 0 (`hashed_keep`)."""
+def add_layer_norm_reference(x, residual, weight, bias, eps=1e-5, keep_sum=False, dropout_p=0.0, key=None,
+                             x_bias=None):
+    """`add_layer_norm` in plain torch: the hashed dropout of x (+ x_bias) under `key` where dropout_p > 0
+    (`hashed_keep`)."""
+    if x_bias is not None:
+        x = x + x_bias
     if dropout_p:
         kept, scale = hashed_keep(x.shape[0], x.shape[1], dropout_p, key)
         x = x.masked_fill(~kept, 0.0) * scale

@@ -113,24 +113,18 @@ def _rows_bwd_kernel(DOUT, dst_index, SRC, src_ids, FILL, POS, pos_ids, W, MEAN,
 
 
 @triton.jit
-def _sum_parts_kernel(PARTS, FIRST, SECOND, programs, H, HAS_SECOND: tl.constexpr, BLOCK_P: tl.constexpr,
-                      BLOCK_H: tl.constexpr):
-    """FIRST (and SECOND) [H] in their dtype: the partial sums a backward's programs wrote (PARTS [1 or 2, programs,
-    H] fp32) added in a fixed order, one block of columns a program; each thread adds its own elements across the
-    blocks of partial rows and the rows are summed once at the end (no cross-thread sum inside the loop)."""
+def _sum_parts_kernel(PARTS, SUMS, programs, H, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (c, n): columns block c of SUMS[n] [H] in its dtype, the partial sums PARTS[n] [programs, H] fp32 a
+    backward's programs wrote, added in a fixed order; each thread adds its own elements across the blocks of partial
+    rows and the rows are summed once at the end (no cross-thread sum inside the loop)."""
     cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-    first = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
-    second = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
+    part = tl.program_id(1).to(tl.int64)
+    total = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
     for start in range(0, programs, BLOCK_P):
         rows = start + tl.arange(0, BLOCK_P)
         mask = (rows[:, None] < programs) & (cols[None, :] < H)
-        offsets = rows[:, None].to(tl.int64) * H + cols[None, :]
-        first += tl.load(PARTS + offsets, mask=mask, other=0.0)
-        if HAS_SECOND:
-            second += tl.load(PARTS + programs * H + offsets, mask=mask, other=0.0)
-    tl.store(FIRST + cols, tl.sum(first, axis=0).to(FIRST.dtype.element_ty), mask=cols < H)
-    if HAS_SECOND:
-        tl.store(SECOND + cols, tl.sum(second, axis=0).to(SECOND.dtype.element_ty), mask=cols < H)
+        total += tl.load(PARTS + (part * programs + rows[:, None]) * H + cols[None, :], mask=mask, other=0.0)
+    tl.store(SUMS + part * H + cols, tl.sum(total, axis=0).to(SUMS.dtype.element_ty), mask=cols < H)
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
@@ -142,15 +136,17 @@ def _sum_parts_kernel(PARTS, FIRST, SECOND, programs, H, HAS_SECOND: tl.constexp
 SUM_BLOCK_P, SUM_BLOCK_H, SUM_WARPS = 128, 32, 8
 
 
-def sum_parts(parts: torch.Tensor, first: torch.Tensor, second: torch.Tensor | None = None) -> None:
-    """first [H] (and second [H]) = parts[0] (and parts[1]) summed over their rows, parts [1 or 2, programs, H] fp32
-    as a backward's programs wrote them: one kernel, a fixed order (deterministic), the cast to each output's dtype
-    in it."""
-    _, programs, hidden = parts.shape
-    if hidden:
-        _sum_parts_kernel[(triton.cdiv(hidden, SUM_BLOCK_H),)](
-            parts, first, first if second is None else second, programs, hidden, HAS_SECOND=second is not None,
-            BLOCK_P=SUM_BLOCK_P, BLOCK_H=SUM_BLOCK_H, num_warps=SUM_WARPS)
+def sum_parts(parts: torch.Tensor, sums: torch.Tensor) -> None:
+    """sums [n, H] (contiguous, any float dtype) = parts [n, programs, H] fp32, as a backward's programs wrote them,
+    summed over their rows: one kernel for all n (a norm's weight and bias gradients, a projection's bias), a fixed
+    order (deterministic), the cast to the dtype of `sums` in it."""
+    count, programs, hidden = parts.shape
+    if sums.shape != (count, hidden) or not sums.is_contiguous():
+        raise ValueError(f"sum_parts: sums must be contiguous [{count}, {hidden}]; got {tuple(sums.shape)}")
+    if hidden and count:
+        _sum_parts_kernel[(triton.cdiv(hidden, SUM_BLOCK_H), count)](parts, sums, programs, hidden,
+                                                                     BLOCK_P=SUM_BLOCK_P, BLOCK_H=SUM_BLOCK_H,
+                                                                     num_warps=SUM_WARPS)
 
 
 def row_launch_config(hidden: int) -> tuple[int, int]:
@@ -255,9 +251,9 @@ def _launch_backward(dout, src, src_ids, fill, pos_table, pos_ids, ln_weight, me
     )
     if not has_norm:
         return dpre, None, None
-    dw, db = torch.empty(2, hidden, device=device, dtype=ln_weight.dtype).unbind(0)
-    sum_parts(parts, dw, db)
-    return dpre, dw, db
+    sums = torch.empty(2, hidden, device=device, dtype=ln_weight.dtype)
+    sum_parts(parts, sums)
+    return dpre, sums[0], sums[1]
 
 
 def _accumulate_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

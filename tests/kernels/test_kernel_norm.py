@@ -22,7 +22,9 @@ SHAPES = [pytest.param(1, 8, id="N1-H8"), pytest.param(37, 100, id="N37-H100"), 
 def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden, dtype, with_bias, keep_sum, dropout_p,
                                                                    seed, nan_empty, monkeypatch):
     """The hashed dropout's bits are the reference's under the same key: the same elements dropped, the same scale.
-    Seed 1 runs the backward on two programs, each looping over several tiles of rows (the last one partial)."""
+    Seed 1 runs the backward on two programs, each looping over several tiles of rows (the last one partial). Where
+    the norm has a bias, so does the projection before it (x_bias: RoBERTa's linear biases), its gradient summed by
+    the kernel; ModernBERT's layers have neither."""
     if seed:
         monkeypatch.setattr(norm, "BACKWARD_PROGRAMS", 2)
     gen = torch.Generator().manual_seed(seed)
@@ -30,12 +32,13 @@ def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden,
     wide = torch.randn(rows, hidden + 5, generator=gen)  # x as a strided view: rows hidden + 5 apart
     residual = 3 * torch.randn(rows, hidden, generator=gen) + 1
     weight, bias = 1 + 0.2 * torch.randn(hidden, generator=gen), 0.3 * torch.randn(hidden, generator=gen)
+    x_bias = torch.randn(hidden, generator=gen)
     grad_y, grad_h = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
 
     def run(fn, run_dtype):
-        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (wide, residual, weight, bias)]
+        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (wide, residual, weight, bias, x_bias)]
         y, h = fn(leaves[0][:, :hidden], leaves[1], leaves[2], leaves[3] if with_bias else None, 1e-5, keep_sum,
-                  dropout_p, key)
+                  dropout_p, key, x_bias=leaves[4] if with_bias else None)
         outs, grads = [y], [grad_y]
         if keep_sum:
             outs.append(h)
@@ -46,7 +49,8 @@ def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden,
 
     got, plain = run(add_layer_norm, dtype), run(add_layer_norm_reference, dtype)
     exact = run(add_layer_norm_reference, torch.float64)
-    names = ["y", *(["h"] if keep_sum else []), "dx", "dresidual", "dweight", *(["dbias"] if with_bias else [])]
+    names = ["y", *(["h"] if keep_sum else []), "dx", "dresidual", "dweight",
+             *(["dbias", "dx_bias"] if with_bias else [])]
     for name, g, p, e in zip(names, got, plain, exact):
         assert_as_accurate(f"add_layer_norm {name}", g.cpu(), p.cpu(), e.cpu(), dtype,
                            factor=2 if name in ("y", "h") else 3)
@@ -58,24 +62,25 @@ NORM_TILINGS = candidate_tilings(norm.tiles(768), norm.CANDIDATES)
 @pytest.mark.parametrize("kernel, tiles", NORM_TILINGS, ids=[f"{k}-{t.rows}x{t.warps}" for k, t in NORM_TILINGS])
 def test_every_norm_tiling_the_gpu_benchmark_times_computes_the_reference(kernel, tiles, monkeypatch):
     """benchmarks/kernels.py times each candidate tiling on CUDA, where fastmae may ship the fastest: each computes
-    what the reference does for RoBERTa's post-LN with dropout at its width, forward and backward, on rows no tile
-    divides, the backward's programs looping over several tiles."""
+    what the reference does for RoBERTa's post-LN with dropout and the projection's bias at its width, forward and
+    backward, on rows no tile divides, the backward's programs looping over several tiles."""
     monkeypatch.setattr(norm, "BACKWARD_PROGRAMS", 3)
     gen = torch.Generator().manual_seed(7)
     x, residual, grad_y = (torch.randn(21, 768, generator=gen) for _ in range(3))
     weight, bias = 1 + 0.2 * torch.randn(768, generator=gen), 0.3 * torch.randn(768, generator=gen)
+    x_bias = torch.randn(768, generator=gen)
     key = torch.tensor([0x2545F491], dtype=torch.int64, device=KERNEL_DEVICE)
     tiling = {**norm.tiles(768), kernel: tiles}
     dtype = torch.bfloat16 if KERNEL_DEVICE == "cuda" else torch.float32
 
     def run(fn, run_dtype, **options):
-        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (x, residual, weight, bias)]
-        y, _ = fn(*leaves, 1e-5, False, 0.1, key, **options)
+        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (x, residual, weight, bias, x_bias)]
+        y, _ = fn(*leaves[:4], 1e-5, False, 0.1, key, x_bias=leaves[4], **options)
         return (y, *torch.autograd.grad(y, leaves, grad_y.to(KERNEL_DEVICE, run_dtype)))
 
     got = run(add_layer_norm, dtype, tiling=tiling)
     plain, exact = run(add_layer_norm_reference, dtype), run(add_layer_norm_reference, torch.float64)
-    for name, g, p, e in zip(("y", "dx", "dresidual", "dweight", "dbias"), got, plain, exact):
+    for name, g, p, e in zip(("y", "dx", "dresidual", "dweight", "dbias", "dx_bias"), got, plain, exact):
         assert_as_accurate(f"add_layer_norm {name} ({kernel} {tiles})", g.cpu(), p.cpu(), e.cpu(), dtype,
                            factor=2 if name == "y" else 3)
 
