@@ -51,7 +51,7 @@ class TransformerLayer(nn.Module):
         rows, h = x.shape
         heads, head_dim = self.num_heads, h // self.num_heads
         if context is None:
-            q, k, v = self.qkv(x).view(rows, 3, heads, head_dim).unbind(1)
+            q, k, v = ops.project_qkv(x, self.qkv.weight, self.qkv.bias, heads)  # one gathering kernel backward
             meta_k = meta
         else:  # queries from x, keys and values from the context rows
             w_q, w_kv = self.qkv.weight.split([h, 2 * h])

@@ -70,6 +70,17 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     return kernels.add_layer_norm_reference(dropout(x, dropout_p), residual, weight, bias, eps, keep_sum)
 
 
+def project_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of `heads` heads each from the rows x and the attention's input projection: where `x` goes to Triton
+    and the projection has a bias, torch's GEMM forward and a backward that gathers the three gradients and sums the
+    bias's in one kernel (`kernels.project_qkv`); else, and under autocast, torch's linear split in three."""
+    if (bias is not None and use_triton(x) and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled(x.device.type)):
+        return kernels.project_qkv(x, weight, bias, heads)
+    return kernels.project_qkv_reference(x, weight, bias, heads)
+
+
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """gelu(x W^T + b), a feed-forward's input projection and activation: where `x` goes to Triton, the projection
     without its bias and the bias + GELU in one kernel each way (`kernels.bias_gelu`: the bias gradient summed with

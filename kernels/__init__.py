@@ -2,11 +2,11 @@
 
 Every op comes in two implementations with the same signature: `name` (Triton; CUDA, or CPU under
 TRITON_INTERPRET=1), in the module of its topic (mask_select, rows, cross_entropy, rotary, norm, activation,
-local_window), and `name_reference` (plain torch: the CPU path, the oracle of the tests, the benchmark baseline),
-in reference.py. The references and the masking hash (hashing.py) import no Triton; the Triton ops are imported on
-first use, so fastmae installs and trains on CPU where Triton is not installed (macOS, CPU-only boxes). They know no
-model. This folder
-installs as `fastmae.kernels`: a top-level `kernels` would collide with the PyPI package of that name.
+projection, local_window), and `name_reference` (plain torch: the CPU path, the oracle of the tests, the benchmark
+baseline), in reference.py. The references and the masking hash (hashing.py) import no Triton; the Triton ops are
+imported on first use, so fastmae installs and trains on CPU where Triton is not installed (macOS, CPU-only boxes).
+They know no model. This folder installs as `fastmae.kernels`: a top-level `kernels` would collide with the PyPI
+package of that name.
 """
 
 from importlib import import_module
@@ -22,6 +22,7 @@ from .reference import (
     insert_rows_reference,
     linear_cross_entropy_reference,
     local_attention_reference,
+    project_qkv_reference,
     rank_within_sequences,
     rotary_qk_reference,
     select_masked_reference,
@@ -30,7 +31,8 @@ from .reference import (
 TRITON_OPS = {"select_masked": "mask_select", "embed_rows": "rows", "insert_rows": "rows",
               "linear_cross_entropy": "cross_entropy", "rotary_qk": "rotary",
               "add_layer_norm": "norm", "geglu": "activation",
-              "bias_gelu": "activation", "local_attention": "local_window"}  # op -> module, imported on first use
+              "bias_gelu": "activation", "project_qkv": "projection",
+              "local_attention": "local_window"}  # op -> module, imported on first use
 
 
 def __getattr__(name: str):
@@ -66,6 +68,8 @@ __all__ = [
     "local_attention",
     "local_attention_reference",
     "mask_key",
+    "project_qkv",
+    "project_qkv_reference",
     "rank_within_sequences",
     "rotary_qk",
     "rotary_qk_reference",

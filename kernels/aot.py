@@ -8,7 +8,7 @@ Compiles each (kernel, block size, warps, flags, dtype) the launchers can choose
 stay resident on a multiprocessor (occupancy: what hides memory latency). Run without TRITON_INTERPRET.
 
 The table is a pure function of this directory's sources and Triton's version (`inputs_sha256`), and compiling all
-874 takes ~3 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
+898 takes ~3 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
 REGENERATE) and the suite checks it is of the kernels it has, compiling a few configurations itself; --match compiles
 those whose "kernel config" matches.
 """
@@ -214,6 +214,21 @@ def _activation_configs():
                             tiles="i32"), dict(BLOCK_R=tiling.rows, BLOCK_C=block_c), tiling.warps)
 
 
+def _projection_configs():
+    """The QKV gradient gathering kernel for heads of 32, 64 and 128 at a full column block (base and large widths and
+    beyond), and narrow rows."""
+    from . import projection
+
+    for dtype in ("fp32", "bf16", "fp16"):
+        for hidden, head_dim in ((64, 32), (768, 32), (768, 64), (1024, 128)):
+            block_r, block_c, warps = projection.launch(hidden)
+            d = f"*{dtype}"
+            strides = {f"stride_{x}{y}": "i32" for x in ("q", "k", "v") for y in ("r", "h")}
+            yield ("projection._qkv_grad_kernel", f"{dtype} BLOCK_C={block_c} HEAD_DIM={head_dim}",
+                   dict(DQ=d, DK=d, DV=d, G=d, PARTS="*fp32", n_rows="i32", hidden="i32", tiles="i32", **strides),
+                   dict(HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_C=block_c), warps)
+
+
 def _tiles_said(tiling, shipped) -> str:
     """A candidate tiling's part of its configuration's description (nothing for the shipped one)."""
     return "" if tiling == shipped else f" candidate {tiling.rows} rows x {tiling.warps} warps"
@@ -264,6 +279,7 @@ def all_configs():
     yield from _rotary_configs()
     yield from _norm_configs()
     yield from _activation_configs()
+    yield from _projection_configs()
     yield from _local_window_configs()
 
 

@@ -161,6 +161,11 @@ def rotary_qk_reference(q, k, cos_q, sin_q, cos_k, sin_k) -> tuple[torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------------- add + LayerNorm
+def project_qkv_reference(x, weight, bias, heads):
+    """`project_qkv` in plain torch: (x W^T + b) split into q, k, v of `heads` heads each (bias may be None)."""
+    return F.linear(x, weight, bias).view(x.shape[0], 3, heads, -1).unbind(1)
+
+
 def add_layer_norm_reference(x, residual, weight, bias, eps=1e-5, keep_sum=False, dropout_p=0.0, key=None,
                              x_bias=None):
     """`add_layer_norm` in plain torch: the hashed dropout of x (+ x_bias) under `key` where dropout_p > 0

@@ -110,9 +110,11 @@ def test_a_layer_computes_on_the_triton_path_what_the_torch_path_computes(gated,
     for mode in ("torch", "triton"):
         monkeypatch.setenv("FASTMAE_KERNELS", mode)
         out = layer(x, meta)
-        # the output projections' biases: added and their gradients summed by the norm kernel (post-LN, biased)
+        # the output projections' biases: added and their gradients summed by the norm kernel (post-LN, biased); the
+        # QKV projection's weight and bias: its backward's gathering kernel (kernels/projection.py)
         wanted = (x, layer.ffn_in.weight) if gated else (x, layer.ffn_in.weight, layer.ffn_in.bias,
-                                                         layer.attn_out.bias, layer.ffn_out.bias)
+                                                         layer.attn_out.bias, layer.ffn_out.bias, layer.qkv.weight,
+                                                         layer.qkv.bias)
         results.append((out, *torch.autograd.grad(out.square().sum(), wanted)))
     for fused, plain in zip(results[1], results[0]):
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)

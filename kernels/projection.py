@@ -1,0 +1,109 @@
+"""The attention's QKV projection with its backward's gathering in one kernel: the three heads' gradients into the
+projection's output gradient, and its bias gradient, together.
+
+    q, k, v = (x W^T + b) viewed as [N, 3, heads, head_dim], split on the 3    (forward: torch's addmm, its bias
+                                                                                 added in the GEMM)
+
+Unfused, autograd's backward stacks dq, dk and dv into the [N, 3H] gradient of the projection's output (one pass
+over them) and sums that over its rows for the bias gradient (a second pass). Here one kernel reads dq, dk and dv once
+(any strides of rows and heads, as the attention's backward leaves them) and writes the [N, 3H] gradient and, from the
+same registers, each program's partial column sums (summed by `rows.sum_parts` in a fixed order: deterministic); the
+input's and the weight's gradients are then the two GEMMs autograd runs. Reference: `project_qkv_reference` in
+reference.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .rows import BACKWARD_TILE, carve, sum_parts, tile_launch
+
+COLUMNS_PER_PROGRAM = 1024  # a program's block of one head group's H columns (at most)
+ROWS_PER_PROGRAM = 64  # rows a program gathers, so the bias gradient's partials stay few
+
+
+@triton.jit
+def _qkv_grad_kernel(DQ, DK, DV, G, PARTS, n_rows, hidden, tiles, stride_qr, stride_qh, stride_kr, stride_kh,
+                     stride_vr, stride_vh, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (p, c, part): `tiles` tiles of BLOCK_R rows from row p * tiles * BLOCK_R, columns block c of `part`
+    (0 q, 1 k, 2 v): G[rows, part * H + cols] = d{part}[rows, cols // HEAD_DIM, cols % HEAD_DIM], and the tile's
+    column sums into row p of PARTS [programs, 3H], accumulated per element and summed over the rows once, at the
+    end."""
+    pid = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(2)
+    if part == 0:
+        src, stride_r, stride_h = DQ, stride_qr, stride_qh
+    elif part == 1:
+        src, stride_r, stride_h = DK, stride_kr, stride_kh
+    else:
+        src, stride_r, stride_h = DV, stride_vr, stride_vh
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_cols = cols < hidden
+    source_cols = (cols // HEAD_DIM).to(tl.int64) * stride_h + cols % HEAD_DIM
+    total = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for tile in range(tiles):
+        rows = (pid * tiles + tile) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows[:, None] < n_rows) & in_cols[None, :]
+        grad = tl.load(src + rows[:, None] * stride_r + source_cols[None, :], mask=mask, other=0.0)
+        tl.store(G + rows[:, None] * (3 * hidden) + part * hidden + cols[None, :], grad.to(G.dtype.element_ty),
+                 mask=mask)
+        total += grad.to(tl.float32)
+    tl.store(PARTS + pid * (3 * hidden) + part * hidden + cols, tl.sum(total, axis=0), mask=in_cols)
+
+
+def launch(hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, num_warps) of the gathering kernel for heads of `hidden` columns in all: 4 elements a
+    thread (`rows.BACKWARD_TILE`)."""
+    block_c = min(triton.next_power_of_2(hidden), COLUMNS_PER_PROGRAM)
+    block_r, warps = tile_launch(block_c, BACKWARD_TILE)
+    return block_r, block_c, warps
+
+
+def _rows_of_heads(t: torch.Tensor) -> torch.Tensor:
+    """t [N, heads, head_dim] with its last dimension contiguous (a copy only where it is not)."""
+    return t if t.stride(2) == 1 else t.contiguous()
+
+
+class _ProjectQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, heads):
+        rows, hidden = x.shape[0], weight.shape[0] // 3
+        y = torch.addmm(bias, x, weight.t()).view(rows, 3, heads, hidden // heads)
+        ctx.save_for_backward(x, weight)
+        ctx.heads = heads
+        return y.unbind(1)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        x, weight = ctx.saved_tensors
+        rows, hidden = x.shape[0], weight.shape[0] // 3
+        heads, head_dim = ctx.heads, weight.shape[0] // 3 // ctx.heads
+        grads = [_rows_of_heads(d if d is not None else x.new_zeros(rows, heads, head_dim)) for d in (dq, dk, dv)]
+        block_r, block_c, warps = launch(hidden)
+        tiles = max(1, ROWS_PER_PROGRAM // block_r)
+        programs = triton.cdiv(rows, tiles * block_r)
+        g, parts, dbias = carve(x.device, ((rows, 3 * hidden), x.dtype), ((1, programs, 3 * hidden), torch.float32),
+                                ((1, 3 * hidden), weight.dtype))
+        if rows:
+            _qkv_grad_kernel[(programs, triton.cdiv(hidden, block_c), 3)](
+                *grads, g, parts, rows, hidden, tiles, *(s for d in grads for s in d.stride()[:2]),
+                HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        sum_parts(parts, dbias)
+        dx = g @ weight if ctx.needs_input_grad[0] else None
+        dweight = g.t() @ x if ctx.needs_input_grad[1] else None
+        return dx, dweight, dbias[0], None
+
+
+def project_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v), each [N, heads, H / heads]: the rows x [N, H] projected by weight [3H, H] and bias [3H] (one dtype),
+    split as `(x W^T + b).view(N, 3, heads, -1).unbind(1)` does. Differentiable in x, weight and bias; the backward
+    gathers the three gradients and sums the bias's in one kernel."""
+    if x.dim() != 2 or weight.shape != (3 * x.shape[1], x.shape[1]) or bias.shape != (weight.shape[0],):
+        raise ValueError(f"project_qkv: x must be [N, H], weight [3H, H] and bias [3H]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)} and {tuple(bias.shape)}")
+    if x.shape[1] % heads:
+        raise ValueError(f"project_qkv: {heads} heads do not divide the width {x.shape[1]}")
+    return _ProjectQKV.apply(x, weight, bias, heads)

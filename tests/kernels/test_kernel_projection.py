@@ -1,0 +1,43 @@
+"""The QKV projection whose backward gathers the three heads' gradients and sums the bias's in one kernel (Triton),
+against the torch reference (linear, view, unbind), forward and backward: widths of one and two column blocks, rows no
+tile divides, the heads' gradients strided as an attention's backward may leave them, fp32 and bf16."""
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE
+from fastmae.kernels import project_qkv, project_qkv_reference, projection
+from tolerance import assert_as_accurate
+
+DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("rows, hidden, heads", [pytest.param(37, 96, 4, id="N37-H96"),
+                                                  pytest.param(9, 1152, 18, id="N9-H1152"),  # two column blocks
+                                                  pytest.param(150, 64, 2, id="N150-H64")])  # several programs
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_project_qkv_matches_the_reference_forward_and_backward(rows, hidden, heads, dtype, monkeypatch):
+    monkeypatch.setattr(projection, "ROWS_PER_PROGRAM", 16)
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, hidden, generator=gen), torch.randn(3 * hidden, hidden, generator=gen) / 8
+    bias, grad = torch.randn(3 * hidden, generator=gen), torch.randn(3 * rows * hidden, generator=gen)
+
+    def run(fn, run_dtype):
+        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (x, weight, bias)]
+        q, k, v = fn(*leaves, heads)
+        # q's and v's gradients come back with heads, not rows, outermost (strided), k's contiguous
+        flat = torch.cat([q.transpose(0, 1).reshape(-1), k.reshape(-1), v.transpose(0, 1).reshape(-1)])
+        return (flat, *torch.autograd.grad(flat, leaves, grad.to(KERNEL_DEVICE, run_dtype)))
+
+    got, plain = run(project_qkv, dtype), run(project_qkv_reference, dtype)
+    exact = run(project_qkv_reference, torch.float64)
+    for name, g, p, e in zip(("qkv", "dx", "dweight", "dbias"), got, plain, exact):
+        assert g.dtype == dtype
+        assert_as_accurate(f"project_qkv {name}", g.cpu(), p.cpu(), e.cpu(), dtype, factor=2)
+
+
+def test_project_qkv_names_what_it_cannot_take():
+    x = torch.randn(4, 8, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match=r"weight \[3H, H\]"):
+        project_qkv(x, torch.randn(16, 8, device=KERNEL_DEVICE), torch.randn(16, device=KERNEL_DEVICE), 2)
+    with pytest.raises(ValueError, match="3 heads do not divide the width 8"):
+        project_qkv(x, torch.randn(24, 8, device=KERNEL_DEVICE), torch.randn(24, device=KERNEL_DEVICE), 3)
