@@ -65,12 +65,13 @@ PHASES = (
         # dropout redrawn from the rng state and in a recorded graph
         Step("flash_tests", _pytest("tests/test_flash.py", "tests/test_attention.py", "-k",
                                     "torch_flash or window or rng_state or recorded_graph or traces_whole")),
-        # the layers' fused kernels (rotary of q and k; dropout + residual add + LayerNorm; GeGLU; bias + GELU; the
-        # local-attention kernel on shortened and full streams) compiled for this GPU, against their references
-        # forward and backward
+        # the layers' fused kernels (rotary of q and k; the projection's bias + dropout + residual add + LayerNorm;
+        # GeGLU; bias + GELU; the QKV projection's gathering backward; the local-attention kernel on shortened and
+        # full streams; every candidate tiling) compiled for this GPU, against their references forward and backward
         Step("fused_kernel_tests", _pytest("-m", "not large", "tests/kernels/test_kernel_rotary.py",
                                            "tests/kernels/test_kernel_norm.py",
                                            "tests/kernels/test_kernel_activation.py",
+                                           "tests/kernels/test_kernel_projection.py",
                                            "tests/kernels/test_kernel_local_attention.py")),
         Step("graph_tests", _pytest("tests/test_graphs.py", "-k", "captured")),
         Step("sync_tests", _pytest("tests/test_train.py", "-k", "steady_state")),

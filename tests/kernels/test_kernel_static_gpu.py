@@ -3,7 +3,7 @@ memory and with registers that leave enough warps resident (what stands in for r
 
 Compiling all 898 takes ~3 CPU-minutes with Triton's cache empty (a fresh machine), so the table is committed
 (benchmarks/results/kernels_static.json, from `python -m fastmae.kernels.aot`): the suite checks that it is of these
-kernel sources and this Triton, and compiles the configurations nearest the register limit again."""
+kernel sources and this Triton, and compiles the configuration nearest the register limit again."""
 
 import json
 import re
@@ -31,8 +31,9 @@ def test_every_configuration_compiles_without_spills(tmp_path):
         # no spills, within shared memory, and (but for attention's register tiles) enough warps resident to hide
         # memory latency: the fused LayerNorm backward at 8 was the largest kernel of a RoBERTa-base step on an H200
         assert not aot.failures(r), r
-    # the three configurations with the most registers, compiled here for both architectures: the table's numbers
-    nearest = sorted(results, key=lambda r: -r["registers"])[:3]
+    # the configuration with the most registers, compiled here for both architectures: the table's numbers (each
+    # compile costs ~1.5 s of a fresh machine's suite, Triton's cache empty)
+    nearest = sorted(results, key=lambda r: -r["registers"])[:1]
     match = "|".join(f"^{re.escape(r['kernel'])} {re.escape(r['config'])}$" for r in nearest)
     out = tmp_path / "again.json"
     done = subprocess.run([*warm_python.COMMAND, "-m", "fastmae.kernels.aot", "--match", match, "--json", str(out)],
@@ -40,6 +41,6 @@ def test_every_configuration_compiles_without_spills(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     again = json.loads(out.read_text())["results"]
     committed = {(r["kernel"], r["config"], r["arch"]): [r[k] for k in MEASURED] for r in results}
-    assert len(again) == 2 * len({(r["kernel"], r["config"]) for r in nearest}) >= 4
+    assert len(again) == 2 * len({(r["kernel"], r["config"]) for r in nearest}) >= 2
     for r in again:
         assert [r[k] for k in MEASURED] == committed[r["kernel"], r["config"], r["arch"]], r
