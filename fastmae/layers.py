@@ -12,6 +12,7 @@ from . import ops
 from .attention import StreamBias, VarlenMeta, local_in_bands, resolve_backend, varlen_attention, window_of_rows
 from .config import ModelConfig
 from .dropout import Dropout
+from .kernels import ResidualGrad
 from .positions import rotary_tables, window_by_distance
 
 
@@ -47,11 +48,12 @@ class TransformerLayer(nn.Module):
         self.attention_backend: str | None = None  # None: fastmae.attention picks per device
 
     def _attention(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None,
-                   meta_k: VarlenMeta | None, bias: StreamBias | None) -> torch.Tensor:
+                   meta_k: VarlenMeta | None, bias: StreamBias | None,
+                   residual_grad: ResidualGrad | None = None) -> torch.Tensor:
         rows, h = x.shape
         heads, head_dim = self.num_heads, h // self.num_heads
-        if context is None:
-            q, k, v = ops.project_qkv(x, self.qkv.weight, self.qkv.bias, heads)  # one gathering kernel backward
+        if context is None:  # on CUDA one gathering kernel backward, the residual's gradient added in its GEMM
+            q, k, v = ops.project_qkv(x, self.qkv.weight, self.qkv.bias, heads, residual_grad)
             meta_k = meta
         else:  # queries from x, keys and values from the context rows
             w_q, w_kv = self.qkv.weight.split([h, 2 * h])
@@ -75,11 +77,11 @@ class TransformerLayer(nn.Module):
         return resolve_backend(self.attention_backend, x.device, self.attention_dropout_p, x.dtype, biased=True,
                                window_rows=window_rows, window=window)
 
-    def _ffn_hidden(self, x: torch.Tensor) -> torch.Tensor:
+    def _ffn_hidden(self, x: torch.Tensor, residual_grad: ResidualGrad | None = None) -> torch.Tensor:
         """The feed-forward's activation, before its output projection."""
         if self.gated:  # GeGLU: gelu(input) * gate (`ops.geglu`: one Triton kernel each way on CUDA)
             return ops.geglu(self.ffn_in(x))
-        return ops.linear_gelu(x, self.ffn_in.weight, self.ffn_in.bias)  # one kernel on CUDA
+        return ops.linear_gelu(x, self.ffn_in.weight, self.ffn_in.bias, residual_grad)  # one kernel on CUDA
 
     def forward(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None = None,
                 meta_k: VarlenMeta | None = None, bias: StreamBias | None = None) -> torch.Tensor:
@@ -92,20 +94,28 @@ class TransformerLayer(nn.Module):
             attended = self._attention(self.attn_norm(x), meta, ctx, meta_k, bias)
             normed, x = _add_norm(attended, self.attn_out, x, self.ffn_norm, self.dropout, keep_sum=True)
             return x + self.dropout(self.ffn_out(self._ffn_hidden(normed)))
-        x = _add_norm(self._attention(x, meta, context, meta_k, bias), self.attn_out, x, self.attn_norm,
-                      self.dropout)[0]
-        return _add_norm(self._ffn_hidden(x), self.ffn_out, x, self.ffn_norm, self.dropout)[0]
+        # post-LN: each sublayer's input is also its norm's residual; the projection that reads it takes the
+        # residual's gradient into its input-gradient GEMM on CUDA (kernels/residual.py), autograd adds no two
+        handoff = ResidualGrad()
+        x = _add_norm(self._attention(x, meta, context, meta_k, bias, handoff), self.attn_out, x, self.attn_norm,
+                      self.dropout, residual_grad=handoff)[0]
+        handoff = ResidualGrad()
+        return _add_norm(self._ffn_hidden(x, handoff), self.ffn_out, x, self.ffn_norm, self.dropout,
+                         residual_grad=handoff)[0]
 
 
 def _add_norm(x: torch.Tensor, projection: nn.Linear, residual: torch.Tensor, norm: nn.Module, dropout: Dropout,
-              keep_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+              keep_sum: bool = False,
+              residual_grad: ResidualGrad | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(norm(dropout(projection(x)) + residual), the sum if keep_sum): one op for a LayerNorm whose inputs and
-    weight share a dtype, else the projection, the dropout, the add and the module (an Identity; under autocast,
-    where dtypes mix and the norm runs in fp32)."""
+    weight share a dtype (its residual's gradient handed over where a projection claimed `residual_grad`), else the
+    projection, the dropout, the add and the module (an Identity; under autocast, where dtypes mix and the norm runs
+    in fp32)."""
     if (isinstance(norm, nn.LayerNorm) and x.dtype == residual.dtype == norm.weight.dtype == projection.weight.dtype
             and not torch.is_autocast_enabled(x.device.type)):
         return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, keep_sum,
-                                  dropout.p if dropout.training else 0.0, (projection.weight, projection.bias))
+                                  dropout.p if dropout.training else 0.0, (projection.weight, projection.bias),
+                                  residual_grad)
     summed = dropout(projection(x)) + residual
     return norm(summed), summed
 

@@ -51,13 +51,13 @@ geglu = _dispatch("geglu")  # a gated feed-forward's gelu(x) * gate from the row
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    eps: float = 1e-5, keep_sum: bool = False, dropout_p: float = 0.0,
                    projection: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   residual_grad: kernels.ResidualGrad | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A layer's norm(dropout(x') + residual), x' = x or, with `projection` (weight, bias), x W^T + b, and the sum
     where it is kept: one Triton kernel where `x` goes to Triton, its dropout hashed under a key drawn from torch's
     generator of x's device (so seeds, saved RNG states and CUDA graphs reproduce it), the projection's bias added and
-    its gradient summed in it (the projection itself without its bias: no separate bias-gradient sum); else
-    fastmae's `dropout` (cheap on CPU, fused by inductor when compiled) and the torch reference after torch's
-    linear."""
+    its gradient summed in it (the projection itself without its bias: no separate bias-gradient sum), and the
+    residual's gradient handed to the projection that claimed `residual_grad`; else fastmae's `dropout` (cheap on
+    CPU, fused by inductor when compiled) and the torch reference after torch's linear."""
     triton = use_triton(x) and not torch.compiler.is_compiling()
     x_bias = None
     if projection is not None:
@@ -66,27 +66,34 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
         x = F.linear(x, p_weight, None if triton else p_bias)
     if triton:
         key = torch.randint(0, 2**32, (1,), dtype=torch.int64, device=x.device) if dropout_p else None
-        return kernels.add_layer_norm(x, residual, weight, bias, eps, keep_sum, dropout_p, key, x_bias=x_bias)
+        return kernels.add_layer_norm(x, residual, weight, bias, eps, keep_sum, dropout_p, key, x_bias=x_bias,
+                                      residual_grad=residual_grad)
     return kernels.add_layer_norm_reference(dropout(x, dropout_p), residual, weight, bias, eps, keep_sum)
 
 
-def project_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def project_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, heads: int,
+                residual_grad: kernels.ResidualGrad | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v of `heads` heads each from the rows x and the attention's input projection: where `x` goes to Triton
     and the projection has a bias, torch's GEMM forward and a backward that gathers the three gradients and sums the
-    bias's in one kernel (`kernels.project_qkv`); else, and under autocast, torch's linear split in three."""
-    if (bias is not None and use_triton(x) and not torch.compiler.is_compiling()
-            and not torch.is_autocast_enabled(x.device.type)):
-        return kernels.project_qkv(x, weight, bias, heads)
+    bias's in one kernel (`kernels.project_qkv`), its input-gradient GEMM adding the residual's gradient where it
+    claims `residual_grad`; else, and under autocast, torch's linear split in three."""
+    if bias is not None and _fused_projection(x):
+        return kernels.project_qkv(x, weight, bias, heads, residual_grad)
     return kernels.project_qkv_reference(x, weight, bias, heads)
 
 
-def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _fused_projection(x: torch.Tensor) -> bool:
+    """Whether a projection of `x` takes fastmae's autograd functions (kernels/projection.py)."""
+    return use_triton(x) and not torch.compiler.is_compiling() and not torch.is_autocast_enabled(x.device.type)
+
+
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                residual_grad: kernels.ResidualGrad | None = None) -> torch.Tensor:
     """gelu(x W^T + b), a feed-forward's input projection and activation: where `x` goes to Triton, the projection
-    without its bias and the bias + GELU in one kernel each way (`kernels.bias_gelu`: the bias gradient summed with
+    without its bias (`kernels.project`, its input-gradient GEMM adding the residual's gradient where it claims
+    `residual_grad`) and the bias + GELU in one kernel each way (`kernels.bias_gelu`: the bias gradient summed with
     the GELU's); else, and under autocast (where the bias's dtype and the projection's differ), torch's linear and
     GELU."""
-    if (bias is not None and use_triton(x) and not torch.compiler.is_compiling()
-            and not torch.is_autocast_enabled(x.device.type)):
-        return kernels.bias_gelu(F.linear(x, weight), bias)
+    if bias is not None and _fused_projection(x):
+        return kernels.bias_gelu(kernels.project(x, weight, residual_grad), bias)
     return F.gelu(F.linear(x, weight, bias))

@@ -27,11 +27,12 @@ from .reference import (
     rotary_qk_reference,
     select_masked_reference,
 )
+from .residual import ResidualGrad
 
 TRITON_OPS = {"select_masked": "mask_select", "embed_rows": "rows", "insert_rows": "rows",
               "linear_cross_entropy": "cross_entropy", "rotary_qk": "rotary",
               "add_layer_norm": "norm", "geglu": "activation",
-              "bias_gelu": "activation", "project_qkv": "projection",
+              "bias_gelu": "activation", "project": "projection", "project_qkv": "projection",
               "local_attention": "local_window"}  # op -> module, imported on first use
 
 
@@ -51,6 +52,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "MaskSelection",
+    "ResidualGrad",
     "add_layer_norm",
     "add_layer_norm_reference",
     "apply_rotary_reference",
@@ -68,6 +70,7 @@ __all__ = [
     "local_attention",
     "local_attention_reference",
     "mask_key",
+    "project",
     "project_qkv",
     "project_qkv_reference",
     "rank_within_sequences",

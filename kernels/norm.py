@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .hashing import dropout_threshold
 from .mask_select import uniform_bits_u32
+from .residual import ResidualGrad
 from .rows import BACKWARD_TILE, MAX_HIDDEN, RowTiles, carve, sum_parts, tile_launch
 
 
@@ -154,7 +155,7 @@ def backward_tiles(rows: int, block_r: int) -> int:
 
 class _AddLayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, x_bias, eps, keep_sum, dropout_p, key, tiling):
+    def forward(ctx, x, residual, weight, bias, x_bias, eps, keep_sum, dropout_p, key, tiling, handoff):
         rows, hidden = x.shape
         threshold, scale = dropout_threshold(dropout_p)
         y, h, stats = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden) if keep_sum else (0,), x.dtype),
@@ -171,7 +172,7 @@ class _AddLayerNorm(torch.autograd.Function):
                               key if threshold else stats)
         ctx.has_bias, ctx.has_x_bias = bias is not None, x_bias is not None
         ctx.keep_sum, ctx.threshold, ctx.scale = keep_sum, threshold, scale
-        ctx.tiling = tiling
+        ctx.tiling, ctx.handoff = tiling, handoff
         return (y, h) if keep_sum else (y, None)
 
     @staticmethod
@@ -195,19 +196,25 @@ class _AddLayerNorm(torch.autograd.Function):
                                               HAS_DH=has_dh, HAS_XBIAS=ctx.has_x_bias, HAS_DROPOUT=ctx.threshold > 0,
                                               BLOCK_R=block_r, BLOCK_H=block, num_warps=warps)
         sum_parts(parts, sums)
+        if ctx.handoff is not None:  # the projection reading the residual's rows adds its gradient in its GEMM
+            ctx.handoff.put(dr)
+            dr = None
         return (dx, dr, sums[0], sums[1] if ctx.has_bias else None, sums[2] if ctx.has_x_bias else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    eps: float = 1e-5, keep_sum: bool = False, dropout_p: float = 0.0,
                    key: torch.Tensor | None = None, tiling: dict[str, RowTiles] | None = None,
-                   x_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   x_bias: torch.Tensor | None = None,
+                   residual_grad: ResidualGrad | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(LayerNorm(h), h if keep_sum else None), h = dropout(x + x_bias) + residual, for rows x, residual [N, H] (the
     same dtype, their last dimension contiguous), weight [H], bias and x_bias [H] or None (x_bias: the bias of the
     projection whose output x is, its gradient summed here); the dropout hashed under `key` (an int64 tensor of one
     32-bit value on x's device) where dropout_p > 0. Differentiable in x, residual, weight, bias, x_bias. `tiling`:
-    the kernels' launches (default `tiles(H)`; the benchmark swaps in CANDIDATES)."""
+    the kernels' launches (default `tiles(H)`; the benchmark swaps in CANDIDATES). `residual_grad`: where a
+    projection that reads the residual's rows has claimed its gradient (`residual.ResidualGrad`), the backward hands
+    it there instead of returning it."""
     if x.dim() != 2 or x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"add_layer_norm: x and residual must be [rows, H] of one dtype; got {tuple(x.shape)} "
                          f"{x.dtype} and {tuple(residual.shape)} {residual.dtype}")
@@ -220,5 +227,6 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     if x_bias is not None and (x_bias.shape != weight.shape or x_bias.dtype != weight.dtype):
         raise ValueError(f"add_layer_norm: x_bias must be [H] in the weight's dtype {weight.dtype}; got "
                          f"{tuple(x_bias.shape)} {x_bias.dtype}")
+    handoff = residual_grad if residual_grad is not None and residual_grad.claimed else None
     return _AddLayerNorm.apply(x, residual, weight, bias, x_bias, eps, keep_sum, dropout_p, key,
-                               tiling or tiles(x.shape[1]))
+                               tiling or tiles(x.shape[1]), handoff)

@@ -10,6 +10,10 @@ over them) and sums that over its rows for the bias gradient (a second pass). He
 same registers, each program's partial column sums (summed by `rows.sum_parts` in a fixed order: deterministic); the
 input's and the weight's gradients are then the two GEMMs autograd runs. Reference: `project_qkv_reference` in
 reference.py.
+
+Both this projection and `project` (a plain x W^T, the feed-forward's input projection before bias + GELU) can take
+the gradient of the residual their input also is into their input-gradient GEMM (`residual.ResidualGrad`), in place
+of autograd's add of the two.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .residual import ResidualGrad
 from .rows import BACKWARD_TILE, carve, sum_parts, tile_launch
 
 COLUMNS_PER_PROGRAM = 1024  # a program's block of one head group's H columns (at most)
@@ -66,13 +71,45 @@ def _rows_of_heads(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(2) == 1 else t.contiguous()
 
 
+def _input_grad(g: torch.Tensor, weight: torch.Tensor, residual_grad: ResidualGrad | None) -> torch.Tensor:
+    """The projection's input gradient g W, with the residual's gradient a norm handed over added by the GEMM."""
+    handed = residual_grad.take() if residual_grad is not None else None
+    return g @ weight if handed is None else torch.addmm(handed, g, weight)
+
+
+def _claimed(residual_grad: ResidualGrad | None) -> ResidualGrad | None:
+    if residual_grad is not None:
+        residual_grad.claim()
+    return residual_grad
+
+
+class _Project(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, residual_grad):
+        ctx.save_for_backward(x, weight)
+        ctx.residual_grad = residual_grad
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        dx = _input_grad(g, weight, ctx.residual_grad) if ctx.needs_input_grad[0] else None
+        return dx, g.t() @ x if ctx.needs_input_grad[1] else None, None
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, residual_grad: ResidualGrad | None = None) -> torch.Tensor:
+    """x W^T (no bias) for rows x [N, H] and weight [O, H], as F.linear computes it; with `residual_grad` its input
+    gradient takes in the gradient of a residual x also is (`residual.ResidualGrad`), in the same GEMM."""
+    return _Project.apply(x, weight, _claimed(residual_grad))
+
+
 class _ProjectQKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, heads):
+    def forward(ctx, x, weight, bias, heads, residual_grad):
         rows, hidden = x.shape[0], weight.shape[0] // 3
         y = torch.addmm(bias, x, weight.t()).view(rows, 3, heads, hidden // heads)
         ctx.save_for_backward(x, weight)
-        ctx.heads = heads
+        ctx.heads, ctx.residual_grad = heads, residual_grad
         return y.unbind(1)
 
     @staticmethod
@@ -91,19 +128,19 @@ class _ProjectQKV(torch.autograd.Function):
                 *grads, g, parts, rows, hidden, tiles, *(s for d in grads for s in d.stride()[:2]),
                 HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
         sum_parts(parts, dbias)
-        dx = g @ weight if ctx.needs_input_grad[0] else None
+        dx = _input_grad(g, weight, ctx.residual_grad) if ctx.needs_input_grad[0] else None
         dweight = g.t() @ x if ctx.needs_input_grad[1] else None
-        return dx, dweight, dbias[0], None
+        return dx, dweight, dbias[0], None, None
 
 
-def project_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def project_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int,
+                residual_grad: ResidualGrad | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v), each [N, heads, H / heads]: the rows x [N, H] projected by weight [3H, H] and bias [3H] (one dtype),
     split as `(x W^T + b).view(N, 3, heads, -1).unbind(1)` does. Differentiable in x, weight and bias; the backward
-    gathers the three gradients and sums the bias's in one kernel."""
+    gathers the three gradients and sums the bias's in one kernel; with `residual_grad`, as `project`."""
     if x.dim() != 2 or weight.shape != (3 * x.shape[1], x.shape[1]) or bias.shape != (weight.shape[0],):
         raise ValueError(f"project_qkv: x must be [N, H], weight [3H, H] and bias [3H]; got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)} and {tuple(bias.shape)}")
     if x.shape[1] % heads:
         raise ValueError(f"project_qkv: {heads} heads do not divide the width {x.shape[1]}")
-    return _ProjectQKV.apply(x, weight, bias, heads)
+    return _ProjectQKV.apply(x, weight, bias, heads, _claimed(residual_grad))

@@ -41,3 +41,40 @@ def test_project_qkv_names_what_it_cannot_take():
         project_qkv(x, torch.randn(16, 8, device=KERNEL_DEVICE), torch.randn(16, device=KERNEL_DEVICE), 2)
     with pytest.raises(ValueError, match="3 heads do not divide the width 8"):
         project_qkv(x, torch.randn(24, 8, device=KERNEL_DEVICE), torch.randn(24, device=KERNEL_DEVICE), 3)
+
+
+@pytest.mark.parametrize("claimed", [True, False], ids=["claimed", "unclaimed"])
+def test_a_residuals_gradient_handed_to_the_projection_is_added_by_its_gemm(claimed):
+    """x feeds a projection and, as the residual, the norm after it (a post-LN sublayer): where the projection claims
+    the handoff, the norm's backward hands it the residual's gradient and returns none, and the projection's input
+    gradient adds it; unclaimed, the norm returns it and autograd adds the two. Either way x's gradient is torch's."""
+    from fastmae.kernels import ResidualGrad, add_layer_norm, add_layer_norm_reference, project
+
+    gen = torch.Generator().manual_seed(11)
+    x, weight = torch.randn(21, 48, generator=gen), torch.randn(48, 48, generator=gen) / 7
+    norm_weight, grad = 1 + 0.1 * torch.randn(48, generator=gen), torch.randn(21, 48, generator=gen)
+
+    class Recorded(ResidualGrad):
+        def put(self, grad):
+            handed.append(grad.shape)
+            super().put(grad)
+
+    handed = []
+
+    def run(fused, dtype):
+        leaf = x.to(KERNEL_DEVICE, dtype).requires_grad_()
+        w, nw = weight.to(KERNEL_DEVICE, dtype), norm_weight.to(KERNEL_DEVICE, dtype)
+        handoff = Recorded()
+        if fused:
+            y, _ = add_layer_norm(project(leaf, w, handoff if claimed else None), leaf, nw, None,
+                                  residual_grad=handoff)
+        else:
+            y, _ = add_layer_norm_reference(leaf @ w.t(), leaf, nw, None)
+        (dx,) = torch.autograd.grad(y, leaf, grad.to(KERNEL_DEVICE, dtype))
+        assert handoff.take() is None  # taken by the projection's backward, or never put
+        return [dx]
+
+    got, plain, exact = run(True, torch.float32), run(False, torch.float32), run(False, torch.float64)
+    assert handed == ([(21, 48)] if claimed else [])  # the norm handed its residual's gradient over only if claimed
+    assert_as_accurate(f"residual handoff dx ({'claimed' if claimed else 'unclaimed'})", got[0].cpu(),
+                       plain[0].cpu(), exact[0].cpu(), torch.float32, factor=2)
