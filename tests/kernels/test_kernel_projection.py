@@ -11,8 +11,7 @@ from tolerance import assert_as_accurate
 DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
 
 
-@pytest.mark.parametrize("rows, hidden, heads", [pytest.param(37, 96, 4, id="N37-H96"),
-                                                  pytest.param(9, 1152, 18, id="N9-H1152"),  # two column blocks
+@pytest.mark.parametrize("rows, hidden, heads", [pytest.param(9, 1152, 18, id="N9-H1152"),  # two column blocks
                                                   pytest.param(150, 64, 2, id="N150-H64")])  # several programs
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_project_qkv_matches_the_reference_forward_and_backward(rows, hidden, heads, dtype, monkeypatch):
