@@ -19,10 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import BACKWARD_TILE, RowTiles, carve, sum_parts, tile_launch
-
-COLUMNS_PER_PROGRAM = 1024  # a program's block of the I columns (at most): wide rows take several programs
-ROWS_PER_BIAS_PROGRAM = 64  # bias + GELU's backward: rows a program sums, so the bias gradient's partials stay few
+from .rows import BACKWARD_TILE, ROWS_PER_BIAS_PROGRAM, RowTiles, carve, column_block, sum_parts, tile_launch
 
 
 @triton.jit
@@ -91,11 +88,6 @@ def _bias_gelu_bwd_kernel(DY, A, B, DA, DB_PART, n_rows, n_cols, tiles, BLOCK_R:
         db += da
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     tl.store(DB_PART + tl.program_id(0).to(tl.int64) * n_cols + cols, tl.sum(db, axis=0), mask=cols < n_cols)
-
-
-def column_block(columns: int) -> int:
-    """BLOCK_C, the columns a program takes, for rows of `columns` outputs."""
-    return min(triton.next_power_of_2(columns), COLUMNS_PER_PROGRAM)
 
 
 def launch_shape(columns: int) -> tuple[int, int, int]:

@@ -188,9 +188,9 @@ def _activation_configs():
     """Each activation kernel at its shipped tiles for narrow rows and a full column block; and bias + GELU's in bf16
     at a full column block (RoBERTa's widths) at every tiling the GPU benchmark times
     (activation.BIAS_GELU_CANDIDATES)."""
-    from . import activation
+    from . import activation, rows
 
-    for columns in (64, 256, activation.COLUMNS_PER_PROGRAM):  # narrow rows, and a full column block (wide rows)
+    for columns in (64, 256, rows.COLUMNS_PER_PROGRAM):  # narrow rows, and a full column block (wide rows)
         block_r, block_c, warps = activation.launch_shape(columns)
         shipped = activation.bias_gelu_tiles(columns)
         for dtype in ("fp32", "bf16"):
@@ -200,7 +200,7 @@ def _activation_configs():
                    dict(A=f"*{dtype}", Y=f"*{dtype}", **sizes), blocks, warps)
             yield ("activation._geglu_bwd_kernel", f"{dtype} BLOCK_C={block_c}",
                    dict(DY=f"*{dtype}", A=f"*{dtype}", DA=f"*{dtype}", **sizes), blocks, warps)
-            tried = (activation.BIAS_GELU_CANDIDATES if (columns, dtype) == (activation.COLUMNS_PER_PROGRAM, "bf16")
+            tried = (activation.BIAS_GELU_CANDIDATES if (columns, dtype) == (rows.COLUMNS_PER_PROGRAM, "bf16")
                      else {kernel: () for kernel in activation.KERNELS})
             for tiling in dict.fromkeys((shipped["forward"], *tried["forward"])):
                 yield ("activation._bias_gelu_fwd_kernel", f"{dtype} BLOCK_C={block_c}"

@@ -23,10 +23,7 @@ import triton
 import triton.language as tl
 
 from .residual import ResidualGrad
-from .rows import BACKWARD_TILE, carve, sum_parts, tile_launch
-
-COLUMNS_PER_PROGRAM = 1024  # a program's block of one head group's H columns (at most)
-ROWS_PER_PROGRAM = 64  # rows a program gathers, so the bias gradient's partials stay few
+from .rows import BACKWARD_TILE, ROWS_PER_BIAS_PROGRAM, carve, column_block, sum_parts, tile_launch
 
 
 @triton.jit
@@ -61,7 +58,7 @@ def _qkv_grad_kernel(DQ, DK, DV, G, PARTS, n_rows, hidden, tiles, stride_qr, str
 def launch(hidden: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps) of the gathering kernel for heads of `hidden` columns in all: 4 elements a
     thread (`rows.BACKWARD_TILE`)."""
-    block_c = min(triton.next_power_of_2(hidden), COLUMNS_PER_PROGRAM)
+    block_c = column_block(hidden)
     block_r, warps = tile_launch(block_c, BACKWARD_TILE)
     return block_r, block_c, warps
 
@@ -119,7 +116,7 @@ class _ProjectQKV(torch.autograd.Function):
         heads, head_dim = ctx.heads, weight.shape[0] // 3 // ctx.heads
         grads = [_rows_of_heads(d if d is not None else x.new_zeros(rows, heads, head_dim)) for d in (dq, dk, dv)]
         block_r, block_c, warps = launch(hidden)
-        tiles = max(1, ROWS_PER_PROGRAM // block_r)
+        tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
         programs = triton.cdiv(rows, tiles * block_r)
         g, parts, dbias = carve(x.device, ((rows, 3 * hidden), x.dtype), ((1, programs, 3 * hidden), torch.float32),
                                 ((1, 3 * hidden), weight.dtype))

@@ -165,6 +165,18 @@ ROWS_PER_PROGRAM = 16  # backward: rows per program, so LayerNorm weight-gradien
 BACKWARD_TILE = 1024
 
 
+# Column-blocked kernels (activation.py's bias + GELU, projection.py's QKV gathering): the columns a program takes
+# at most (wide rows take several programs), and the rows a backward program sums, so that its bias gradient's
+# partials stay few.
+COLUMNS_PER_PROGRAM = 1024
+ROWS_PER_BIAS_PROGRAM = 64
+
+
+def column_block(columns: int) -> int:
+    """BLOCK_C, the columns a program of a column-blocked kernel takes, for rows of `columns`."""
+    return min(triton.next_power_of_2(columns), COLUMNS_PER_PROGRAM)
+
+
 class RowTiles(NamedTuple):
     """A row-tiled kernel's launch (norm.py, activation.py, rotary.py): the rows of the tile a program holds at once,
     and its warps."""

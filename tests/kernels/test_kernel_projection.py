@@ -15,7 +15,7 @@ DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_ava
                                                   pytest.param(150, 64, 2, id="N150-H64")])  # several programs
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_project_qkv_matches_the_reference_forward_and_backward(rows, hidden, heads, dtype, monkeypatch):
-    monkeypatch.setattr(projection, "ROWS_PER_PROGRAM", 16)
+    monkeypatch.setattr(projection, "ROWS_PER_BIAS_PROGRAM", 16)
     gen = torch.Generator().manual_seed(rows)
     x, weight = torch.randn(rows, hidden, generator=gen), torch.randn(3 * hidden, hidden, generator=gen) / 8
     bias, grad = torch.randn(3 * hidden, generator=gen), torch.randn(3 * rows * hidden, generator=gen)
