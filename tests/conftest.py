@@ -24,6 +24,9 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # inductor (train.compile's tests) compiles in the process that asks: its default pool of compile workers, each a
+    # fresh Python importing torch, cost ~5 s of CPU a compiling process and saved no time on cores already shared
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # the tunables fastmae's entry points restart with (fastmae/malloc.py), set once here: the processes the suite
 # starts skip that restart, and they match the warm server's (which must have them from its start)

@@ -19,7 +19,7 @@ VARIANTS = [
 def loss_and_grads(preset, extra, mode, monkeypatch):
     monkeypatch.setenv("FASTMAE_KERNELS", mode)
     model = tiny_model(preset, **extra).to(KERNEL_DEVICE)
-    out = model(tiny_batch(6, seed=4).to(KERNEL_DEVICE), seed=3, step=1)
+    out = model(tiny_batch(4, seed=4).to(KERNEL_DEVICE), seed=3, step=1)
     out.loss.backward()
     return out, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
