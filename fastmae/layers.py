@@ -83,39 +83,56 @@ class TransformerLayer(nn.Module):
             return ops.geglu(self.ffn_in(x))
         return ops.linear_gelu(x, self.ffn_in.weight, self.ffn_in.bias, residual_grad)  # one kernel on CUDA
 
+    DROPOUT_KEYS = 2
+    """The keys of fused dropout a layer's forward takes (`dropout_keys`): one for each norm after a sublayer."""
+
     def forward(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None = None,
-                meta_k: VarlenMeta | None = None, bias: StreamBias | None = None) -> torch.Tensor:
+                meta_k: VarlenMeta | None = None, bias: StreamBias | None = None,
+                dropout_keys: torch.Tensor | None = None) -> torch.Tensor:
         """x: [rows, H] on layout `meta`. With `context` [T_k, H] (layout meta_k), queries attend to it instead.
         `bias`: a relative position bias added to the attention scores. Each sublayer's output projection, dropout,
         the residual add and the LayerNorm after it run as one op (`ops.add_layer_norm`: the projection and one
-        Triton kernel on CUDA)."""
+        Triton kernel on CUDA), its dropout hashed under one of `dropout_keys` (DROPOUT_KEYS of `ops.dropout_keys`,
+        drawn for a whole stack of layers; without them each norm draws its own)."""
+        keys = [None] * self.DROPOUT_KEYS if dropout_keys is None else dropout_keys.split(1)
         if self.pre_norm:
             ctx = None if context is None else self.attn_norm(context)
             attended = self._attention(self.attn_norm(x), meta, ctx, meta_k, bias)
-            normed, x = _add_norm(attended, self.attn_out, x, self.ffn_norm, self.dropout, keep_sum=True)
+            normed, x = _add_norm(attended, self.attn_out, x, self.ffn_norm, self.dropout, keep_sum=True,
+                                  dropout_key=keys[0])
             return x + self.dropout(self.ffn_out(self._ffn_hidden(normed)))
         # post-LN: each sublayer's input is also its norm's residual; the projection that reads it takes the
         # residual's gradient into its input-gradient GEMM on CUDA (kernels/residual.py), autograd adds no two
         handoff = ResidualGrad()
         x = _add_norm(self._attention(x, meta, context, meta_k, bias, handoff), self.attn_out, x, self.attn_norm,
-                      self.dropout, residual_grad=handoff)[0]
+                      self.dropout, residual_grad=handoff, dropout_key=keys[0])[0]
         handoff = ResidualGrad()
         return _add_norm(self._ffn_hidden(x, handoff), self.ffn_out, x, self.ffn_norm, self.dropout,
-                         residual_grad=handoff)[0]
+                         residual_grad=handoff, dropout_key=keys[1])[0]
+
+
+def stack_dropout_keys(layers: nn.ModuleList, x: torch.Tensor, compiled: bool) -> list[torch.Tensor | None]:
+    """Each of `layers`' keys of fused dropout (TransformerLayer.DROPOUT_KEYS) on rows like `x`, drawn for the whole
+    stack in one op (`ops.dropout_keys`); Nones where no layer hashes its dropout (eval, torch's references, layers
+    `compiled`, whose dropout is inductor's)."""
+    count = TransformerLayer.DROPOUT_KEYS
+    p = max((layer.dropout.p for layer in layers if layer.training), default=0.0)
+    keys = None if compiled else ops.dropout_keys(x, count * len(layers), p)
+    return [None] * len(layers) if keys is None else list(keys.split(count))
 
 
 def _add_norm(x: torch.Tensor, projection: nn.Linear, residual: torch.Tensor, norm: nn.Module, dropout: Dropout,
-              keep_sum: bool = False,
-              residual_grad: ResidualGrad | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              keep_sum: bool = False, residual_grad: ResidualGrad | None = None,
+              dropout_key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(norm(dropout(projection(x)) + residual), the sum if keep_sum): one op for a LayerNorm whose inputs and
-    weight share a dtype (its residual's gradient handed over where a projection claimed `residual_grad`), else the
-    projection, the dropout, the add and the module (an Identity; under autocast, where dtypes mix and the norm runs
-    in fp32)."""
+    weight share a dtype (its residual's gradient handed over where a projection claimed `residual_grad`, its dropout
+    hashed under `dropout_key`), else the projection, the dropout, the add and the module (an Identity; under
+    autocast, where dtypes mix and the norm runs in fp32)."""
     if (isinstance(norm, nn.LayerNorm) and x.dtype == residual.dtype == norm.weight.dtype == projection.weight.dtype
             and not torch.is_autocast_enabled(x.device.type)):
         return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, keep_sum,
                                   dropout.p if dropout.training else 0.0, (projection.weight, projection.bias),
-                                  residual_grad)
+                                  residual_grad, dropout_key)
     summed = dropout(projection(x)) + residual
     return norm(summed), summed
 

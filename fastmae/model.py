@@ -21,7 +21,7 @@ from .batch import PackedBatch
 from .config import ModelConfig
 from .dropout import Dropout
 from .flat import FlatParameters
-from .layers import TransformerLayer, fused_norm_args, layer_norm, stream_views
+from .layers import TransformerLayer, fused_norm_args, layer_norm, stack_dropout_keys, stream_views
 from .masking import MaskedBatch, mask_batch, unmasked
 from .positions import relative_bias_by_distance
 
@@ -149,6 +149,7 @@ class MaskedLM(nn.Module):
         self.relative_bias = (nn.Parameter(torch.empty(config.relative_attention_buckets, config.num_heads))
                               if config.relative_attention_bias else None)
         self.activation_checkpointing = False  # recompute each layer in backward (set by the trainer)
+        self.layers_compiled = False  # compile_layers ran: the layers' dropout is inductor's, drawn inside the graphs
         self.flat: FlatParameters | None = None  # the parameters held flat (fastmae.flat; set by fastmae.engine)
         self.graphs = None  # fastmae.graphs.StepGraphs when training replays recorded graphs (set by fastmae.engine)
         self.apply(self._init_weights)
@@ -179,6 +180,7 @@ class MaskedLM(nn.Module):
         loss stay eager around them: their Triton kernels never enter a graph."""
         for layer in [*self.encoder, *self.decoder]:
             layer.compile(dynamic=True)
+        self.layers_compiled = True
 
     def set_attention_backend(self, backend: str | None) -> None:
         """Force one attention backend for every layer (None: automatic)."""
@@ -202,12 +204,13 @@ class MaskedLM(nn.Module):
         append each layer's output to `states` when given. With `bias_by_distance` (relative_bias_by_distance) the
         layers add the relative position bias; local layers get their window instead (`layers.stream_views`)."""
         views = stream_views(self.config, layers, x, meta, bias_by_distance)
-        for layer in layers:
+        for layer, keys in zip(layers, stack_dropout_keys(layers, x, self.layers_compiled)):
             layer_meta, bias = views[layer.kind]
-            if self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, layer_meta, None, None, bias, use_reentrant=False)
+            if self.activation_checkpointing and self.training:  # the recomputation gets the same keys
+                x = torch.utils.checkpoint.checkpoint(layer, x, layer_meta, None, None, bias, keys,
+                                                      use_reentrant=False)
             else:
-                x = layer(x, layer_meta, bias=bias)
+                x = layer(x, layer_meta, bias=bias, dropout_keys=keys)
             if states is not None:
                 states.append(x)
         return x
@@ -282,9 +285,9 @@ class MaskedLM(nn.Module):
         Returns the [T_m, H] states of the predicted rows."""
         index = masked.selection.masked_index
         x = inserted.index_select(0, index)
-        for layer in self.decoder:
+        for layer, keys in zip(self.decoder, stack_dropout_keys(self.decoder, x, self.layers_compiled)):
             context = inserted.index_copy(0, index.long(), x)
-            x = layer(x, masked.masked, context=context, meta_k=masked.full)
+            x = layer(x, masked.masked, context=context, meta_k=masked.full, dropout_keys=keys)
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
         return x

@@ -48,14 +48,24 @@ rotary_qk = _dispatch("rotary_qk")  # q and k rotated by their rows' rotary tabl
 geglu = _dispatch("geglu")  # a gated feed-forward's gelu(x) * gate from the rows [x | gate]
 
 
+def dropout_keys(x: torch.Tensor, count: int, dropout_p: float) -> torch.Tensor | None:
+    """[count] int64 keys for `add_layer_norm`'s hashed dropout on rows like `x`, drawn in one op from torch's
+    generator of x's device (so seeds, saved RNG states and CUDA graphs reproduce them): a stack of layers draws once
+    instead of once a norm. None where no norm hashes its dropout (p = 0, torch's references, compiled graphs)."""
+    if not dropout_p or not use_triton(x) or torch.compiler.is_compiling():
+        return None
+    return torch.randint(0, 2**32, (count,), dtype=torch.int64, device=x.device)
+
+
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    eps: float = 1e-5, keep_sum: bool = False, dropout_p: float = 0.0,
                    projection: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                   residual_grad: kernels.ResidualGrad | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   residual_grad: kernels.ResidualGrad | None = None,
+                   key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A layer's norm(dropout(x') + residual), x' = x or, with `projection` (weight, bias), x W^T + b, and the sum
-    where it is kept: one Triton kernel where `x` goes to Triton, its dropout hashed under a key drawn from torch's
-    generator of x's device (so seeds, saved RNG states and CUDA graphs reproduce it), the projection's bias added and
-    its gradient summed in it (the projection itself without its bias: no separate bias-gradient sum), and the
+    where it is kept: one Triton kernel where `x` goes to Triton, its dropout hashed under `key` (one of
+    `dropout_keys`; without one, a key drawn here from torch's generator of x's device), the projection's bias added
+    and its gradient summed in it (the projection itself without its bias: no separate bias-gradient sum), and the
     residual's gradient handed to the projection that claimed `residual_grad`; else fastmae's `dropout` (cheap on
     CPU, fused by inductor when compiled) and the torch reference after torch's linear."""
     triton = use_triton(x) and not torch.compiler.is_compiling()
@@ -65,7 +75,8 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
         x_bias = p_bias if triton else None
         x = F.linear(x, p_weight, None if triton else p_bias)
     if triton:
-        key = torch.randint(0, 2**32, (1,), dtype=torch.int64, device=x.device) if dropout_p else None
+        if dropout_p and key is None:
+            key = dropout_keys(x, 1, dropout_p)
         return kernels.add_layer_norm(x, residual, weight, bias, eps, keep_sum, dropout_p, key, x_bias=x_bias,
                                       residual_grad=residual_grad)
     return kernels.add_layer_norm_reference(dropout(x, dropout_p), residual, weight, bias, eps, keep_sum)

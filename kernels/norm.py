@@ -10,10 +10,11 @@ tensors); the weight's and bias's gradients are per-program partial sums (at mos
 second kernel in a fixed order (no float atomics: deterministic). Each direction's buffers are one allocation
 (`rows.carve`). The dropout is hashed (`hashing.hashed_keep`): element (r, c) is dropped where the top 31 bits of its
 counter's hash under a 32-bit key are below round(p * 2^31), so the backward draws the same bits again from the key
-alone, no mask stored (`fastmae.ops.add_layer_norm` draws the key from torch's generator of the device: seeds,
-checkpoints and CUDA graphs reproduce it). Unfused, torch runs the dropout forward and backward, the add, the
-LayerNorm, its input gradient and its weight gradient (`GammaBetaBackward`, 6.9 ms of a RoBERTa-base mlm step on an
-H100 at 128 x 512 tokens) as six passes over the rows. Reference: `add_layer_norm_reference` in reference.py.
+alone, no mask stored (the keys come from torch's generator of the device, drawn for a whole stack of layers in
+one op, `fastmae.ops.dropout_keys`: seeds, checkpoints and CUDA graphs reproduce them). Unfused, torch runs the
+dropout forward and backward, the add, the LayerNorm, its input gradient and its weight gradient (`GammaBetaBackward`,
+6.9 ms of a RoBERTa-base mlm step on an H100 at 128 x 512 tokens) as six passes over the rows. Reference:
+`add_layer_norm_reference` in reference.py.
 """
 
 from __future__ import annotations

@@ -51,3 +51,31 @@ def test_unknown_kernel_mode_is_an_error(monkeypatch):
     monkeypatch.setenv("FASTMAE_KERNELS", "fast")
     with pytest.raises(ValueError, match="FASTMAE_KERNELS"):
         tiny_model("mlm")(tiny_batch(2))
+
+
+def test_a_stack_of_layers_draws_its_dropout_keys_at_once(monkeypatch):
+    """On the Triton path a stack of layers draws the keys of its norms' hashed dropout in one op
+    (`ops.dropout_keys`), not one op a norm (one kernel each on CUDA): an mlm forward draws once whatever its depth,
+    none in eval; activation checkpointing hands the recomputation the same keys (bit-identical gradients, and no
+    draw in the backward)."""
+    draws = []
+    randint = torch.randint
+    monkeypatch.setattr(torch, "randint", lambda *args, **kwargs: draws.append(args) or randint(*args, **kwargs))
+    monkeypatch.setenv("FASTMAE_KERNELS", "triton")
+    model = tiny_model("mlm", dropout=0.1).to(KERNEL_DEVICE).train()
+    batch = tiny_batch(2, seed=4).to(KERNEL_DEVICE)
+    results = []
+    for checkpointing in (False, True):
+        model.activation_checkpointing = checkpointing
+        model.zero_grad()
+        torch.manual_seed(7)
+        loss = model(batch, seed=3, step=1).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        assert draws == [(0, 2**32, (4,))], (checkpointing, draws)  # 2 layers x 2 norms
+        draws.clear()
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+    with torch.no_grad():
+        model.eval()(batch, seed=3, step=1)
+    assert draws == []
