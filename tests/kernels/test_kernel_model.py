@@ -56,8 +56,8 @@ def test_unknown_kernel_mode_is_an_error(monkeypatch):
 def test_a_stack_of_layers_draws_its_dropout_keys_at_once(monkeypatch):
     """On the Triton path a stack of layers draws the keys of its norms' hashed dropout in one op
     (`ops.dropout_keys`), not one op a norm (one kernel each on CUDA): an mlm forward draws once whatever its depth,
-    none in eval; activation checkpointing hands the recomputation the same keys (bit-identical gradients, and no
-    draw in the backward)."""
+    none in eval or under autocast; activation checkpointing hands the recomputation the same keys (bit-identical
+    gradients, and no draw in the backward)."""
     draws = []
     randint = torch.randint
     monkeypatch.setattr(torch, "randint", lambda *args, **kwargs: draws.append(args) or randint(*args, **kwargs))
@@ -78,4 +78,6 @@ def test_a_stack_of_layers_draws_its_dropout_keys_at_once(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
     with torch.no_grad():
         model.eval()(batch, seed=3, step=1)
+        with torch.autocast(KERNEL_DEVICE, dtype=torch.bfloat16):  # fine-tuning's: torch's add and norm, no keys
+            model.train()(batch, seed=3, step=1)
     assert draws == []
