@@ -114,10 +114,11 @@ class TransformerLayer(nn.Module):
 def stack_dropout_keys(layers: nn.ModuleList, x: torch.Tensor, compiled: bool) -> list[torch.Tensor | None]:
     """Each of `layers`' keys of fused dropout (TransformerLayer.DROPOUT_KEYS) on rows like `x`, drawn for the whole
     stack in one op (`ops.dropout_keys`); Nones where no layer hashes its dropout (eval, torch's references, layers
-    `compiled`, whose dropout is inductor's)."""
+    `compiled`, whose dropout is inductor's, and autocast, under which `_add_norm` keeps torch's add and norm)."""
     count = TransformerLayer.DROPOUT_KEYS
     p = max((layer.dropout.p for layer in layers if layer.training), default=0.0)
-    keys = None if compiled else ops.dropout_keys(x, count * len(layers), p)
+    unfused = compiled or torch.is_autocast_enabled(x.device.type)
+    keys = None if unfused else ops.dropout_keys(x, count * len(layers), p)
     return [None] * len(layers) if keys is None else list(keys.split(count))
 
 

@@ -51,9 +51,8 @@ geglu = _dispatch("geglu")  # a gated feed-forward's gelu(x) * gate from the row
 def dropout_keys(x: torch.Tensor, count: int, dropout_p: float) -> torch.Tensor | None:
     """[count] int64 keys for `add_layer_norm`'s hashed dropout on rows like `x`, drawn in one op from torch's
     generator of x's device (so seeds, saved RNG states and CUDA graphs reproduce them): a stack of layers draws once
-    instead of once a norm. None where no norm hashes its dropout (p = 0, torch's references, compiled graphs, and
-    autocast, under which the layers keep torch's add and norm: `layers._add_norm`)."""
-    if not dropout_p or not use_triton(x) or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+    instead of once a norm. None where no norm hashes its dropout (p = 0, torch's references, compiled graphs)."""
+    if not dropout_p or not use_triton(x) or torch.compiler.is_compiling():
         return None
     return torch.randint(0, 2**32, (count,), dtype=torch.int64, device=x.device)
 

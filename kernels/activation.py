@@ -19,7 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import BACKWARD_TILE, ROWS_PER_BIAS_PROGRAM, RowTiles, carve, column_block, sum_parts, tile_launch
+from .rows import (
+    ROWS_PER_BIAS_PROGRAM,
+    TILED_KERNELS,
+    RowTiles,
+    carve,
+    column_block,
+    sum_parts,
+    tile_launch,
+    tiled_pair,
+)
 
 
 @triton.jit
@@ -98,14 +107,13 @@ def launch_shape(columns: int) -> tuple[int, int, int]:
     return block_r, block_c, warps
 
 
-KERNELS = ("forward", "backward")  # bias + GELU's
+KERNELS = TILED_KERNELS  # bias + GELU's
 
 
 def bias_gelu_tiles(columns: int) -> dict[str, RowTiles]:
-    """bias + GELU's RowTiles (KERNELS) over its column blocks for rows of `columns` (`rows.tile_launch`: 8 elements
-    a thread forward, 4 backward). `benchmarks/kernels.py --ops layers` times every BIAS_GELU_CANDIDATE on CUDA."""
-    block_c = column_block(columns)
-    return {"forward": tile_launch(block_c), "backward": tile_launch(block_c, BACKWARD_TILE)}
+    """bias + GELU's RowTiles (KERNELS) over its column blocks for rows of `columns` (`rows.tiled_pair`).
+    `benchmarks/kernels.py --ops layers` times every BIAS_GELU_CANDIDATE on CUDA."""
+    return tiled_pair(column_block(columns))
 
 
 # What the GPU benchmark times beside the shipped tiles at RoBERTa's feed-forward widths (3,072 and 4,096: column blocks

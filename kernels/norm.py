@@ -26,7 +26,7 @@ import triton.language as tl
 from .hashing import dropout_threshold
 from .mask_select import uniform_bits_u32
 from .residual import ResidualGrad
-from .rows import BACKWARD_TILE, MAX_HIDDEN, RowTiles, carve, sum_parts, tile_launch
+from .rows import MAX_HIDDEN, TILED_KERNELS, RowTiles, carve, sum_parts, tiled_pair
 
 
 @triton.jit
@@ -128,14 +128,13 @@ def _add_norm_bwd_kernel(DY, DH, X, XB, R, W, MEAN, RSTD, KEY, DX, DR, PARTS, n_
 BACKWARD_PROGRAMS = 1024
 
 
-KERNELS = ("forward", "backward")
+KERNELS = TILED_KERNELS
 
 
 def tiles(hidden: int) -> dict[str, RowTiles]:
-    """Each kernel's RowTiles (KERNELS) for rows of `hidden` elements (`rows.tile_launch`: 8 elements a thread
-    forward, 4 backward). `benchmarks/kernels.py --ops layers` times every CANDIDATE on CUDA."""
-    block = triton.next_power_of_2(hidden)
-    return {"forward": tile_launch(block), "backward": tile_launch(block, BACKWARD_TILE)}
+    """Each kernel's RowTiles (KERNELS) for rows of `hidden` elements (`rows.tiled_pair`). `benchmarks/kernels.py
+    --ops layers` times every CANDIDATE on CUDA."""
+    return tiled_pair(triton.next_power_of_2(hidden))
 
 
 # What the GPU benchmark times beside the shipped tiles, at RoBERTa-base's and -large's widths (768 and 1,024: rows of

@@ -193,6 +193,15 @@ def tile_launch(block: int, elements: int = 2048) -> RowTiles:
     return RowTiles(rows, max(4, min(16, rows * block * 8 // elements)))
 
 
+TILED_KERNELS = ("forward", "backward")  # a row-tiled op's two kernels (norm.py's, bias + GELU's)
+
+
+def tiled_pair(block: int) -> dict[str, RowTiles]:
+    """The RowTiles of a row-tiled op's forward and backward kernels (TILED_KERNELS) over rows of `block` elements:
+    `tile_launch`'s 8 elements a thread forward, 4 (BACKWARD_TILE) backward."""
+    return {"forward": tile_launch(block), "backward": tile_launch(block, BACKWARD_TILE)}
+
+
 def carve(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
     """Tensors of the given (shape, dtype) as views of one allocation, each 256-byte aligned: one op for the host to
     issue however many buffers a kernel writes (benchmarks/host_overhead.py counts each allocation)."""
