@@ -49,6 +49,7 @@ if __name__ == "__main__" and not torch.cuda.is_available():  # before Triton is
     os.environ["TRITON_INTERPRET"] = "1"                        # processes (they inherit the environment)
 
 SYSTEMS = ("hf-roberta", "mlm", "mae-lm", "3ml")
+MODERN_SYSTEMS = ("modern-mlm", "modern-3ml", "modern-mae-lm")  # on ModernBERT's layers (pre-LN): --systems names them
 NARROW = dict(hidden_size=96, num_heads=12, intermediate_size=384)  # base depth and vocabulary, narrow width
 REPO = Path(__file__).resolve().parent.parent
 SYNC_OPS = {"_local_scalar_dense": "host read", "lift_fresh": "host-to-device copy"}
@@ -350,7 +351,7 @@ def _run_isolated(*args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {SYSTEMS + MODERN_SYSTEMS}")
     parser.add_argument("--sequences", type=int, default=2, help="sequences of 512 tokens in the micro-batch")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (fewer: a quicker count of "
                                                                  "the same ops, to compare DeepSpeed's options)")
@@ -363,9 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="host_overhead", help="results file name under benchmarks/results/")
     args = parser.parse_args(argv)
     systems = args.systems.split(",")
-    unknown = sorted(set(systems) - set(SYSTEMS))
+    unknown = sorted(set(systems) - set(SYSTEMS + MODERN_SYSTEMS))
     if unknown:
-        parser.error(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
+        parser.error(f"--systems: unknown {unknown}; choose from {SYSTEMS + MODERN_SYSTEMS}")
     overrides = [f"train.zero_stage={args.zero_stage}", *(f"deepspeed.{kv}" for kv in args.deepspeed)]
     rows = []
     for system in systems:

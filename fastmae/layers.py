@@ -88,27 +88,41 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: VarlenMeta, context: torch.Tensor | None = None,
                 meta_k: VarlenMeta | None = None, bias: StreamBias | None = None,
-                dropout_keys: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [rows, H] on layout `meta`. With `context` [T_k, H] (layout meta_k), queries attend to it instead.
-        `bias`: a relative position bias added to the attention scores. Each sublayer's output projection, dropout,
-        the residual add and the LayerNorm after it run as one op (`ops.add_layer_norm`: the projection and one
-        Triton kernel on CUDA), its dropout hashed under one of `dropout_keys` (DROPOUT_KEYS of `ops.dropout_keys`,
-        drawn for a whole stack of layers; without them each norm draws its own)."""
+                dropout_keys: torch.Tensor | None = None,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows, delta): x [rows, H] on layout `meta`, with `delta` the previous pre-LN layer's output still to be
+        added to it. With `context` [T_k, H] (layout meta_k), queries attend to it instead. `bias`: a relative
+        position bias added to the attention scores. Each sublayer's output projection, dropout, the residual add
+        and the LayerNorm after it run as one op (`ops.add_layer_norm`: the projection and one Triton kernel on
+        CUDA), its dropout hashed under one of `dropout_keys` (DROPOUT_KEYS of `ops.dropout_keys`, drawn for a whole
+        stack of layers; without them each norm draws its own). A pre-LN layer returns its feed-forward's output
+        as the delta, not added: the next layer's attention norm (or the stack's final norm, `finish_stack`) adds it
+        in its own fused op; a post-LN layer returns no delta."""
         keys = [None] * self.DROPOUT_KEYS if dropout_keys is None else dropout_keys.split(1)
         if self.pre_norm:
+            normed, x = _add_norm(delta, x, self.attn_norm, keep_sum=True) if delta is not None else (
+                self.attn_norm(x), x)
             ctx = None if context is None else self.attn_norm(context)
-            attended = self._attention(self.attn_norm(x), meta, ctx, meta_k, bias)
-            normed, x = _add_norm(attended, self.attn_out, x, self.ffn_norm, self.dropout, keep_sum=True,
+            attended = self._attention(normed, meta, ctx, meta_k, bias)
+            normed, x = _add_norm(attended, x, self.ffn_norm, self.attn_out, self.dropout, keep_sum=True,
                                   dropout_key=keys[0])
-            return x + self.dropout(self.ffn_out(self._ffn_hidden(normed)))
+            return x, self.dropout(self.ffn_out(self._ffn_hidden(normed)))
         # post-LN: each sublayer's input is also its norm's residual; the projection that reads it takes the
         # residual's gradient into its input-gradient GEMM on CUDA (kernels/residual.py), autograd adds no two
         handoff = ResidualGrad()
-        x = _add_norm(self._attention(x, meta, context, meta_k, bias, handoff), self.attn_out, x, self.attn_norm,
+        x = _add_norm(self._attention(x, meta, context, meta_k, bias, handoff), x, self.attn_norm, self.attn_out,
                       self.dropout, residual_grad=handoff, dropout_key=keys[0])[0]
         handoff = ResidualGrad()
-        return _add_norm(self._ffn_hidden(x, handoff), self.ffn_out, x, self.ffn_norm, self.dropout,
-                         residual_grad=handoff, dropout_key=keys[1])[0]
+        return _add_norm(self._ffn_hidden(x, handoff), x, self.ffn_norm, self.ffn_out, self.dropout,
+                         residual_grad=handoff, dropout_key=keys[1])[0], None
+
+
+def finish_stack(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module | None = None) -> torch.Tensor:
+    """The rows a stack of layers hands on from its last layer's (rows, delta): the residual add a pre-LN layer
+    leaves pending, then `norm` (a pre-LN stack's final norm) where given, the two in one fused op."""
+    if delta is None:
+        return x if norm is None else norm(x)
+    return x + delta if norm is None else _add_norm(delta, x, norm)[0]
 
 
 def stack_dropout_keys(layers: nn.ModuleList, x: torch.Tensor, compiled: bool) -> list[torch.Tensor | None]:
@@ -122,19 +136,23 @@ def stack_dropout_keys(layers: nn.ModuleList, x: torch.Tensor, compiled: bool) -
     return [None] * len(layers) if keys is None else list(keys.split(count))
 
 
-def _add_norm(x: torch.Tensor, projection: nn.Linear, residual: torch.Tensor, norm: nn.Module, dropout: Dropout,
-              keep_sum: bool = False, residual_grad: ResidualGrad | None = None,
+def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, projection: nn.Linear | None = None,
+              dropout: Dropout | None = None, keep_sum: bool = False, residual_grad: ResidualGrad | None = None,
               dropout_key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(norm(dropout(projection(x)) + residual), the sum if keep_sum): one op for a LayerNorm whose inputs and
-    weight share a dtype (its residual's gradient handed over where a projection claimed `residual_grad`, its dropout
-    hashed under `dropout_key`), else the projection, the dropout, the add and the module (an Identity; under
-    autocast, where dtypes mix and the norm runs in fp32)."""
-    if (isinstance(norm, nn.LayerNorm) and x.dtype == residual.dtype == norm.weight.dtype == projection.weight.dtype
+    """(norm(dropout(projection(x)) + residual), the sum if keep_sum), without the projection or the dropout where
+    none is given: one op for a LayerNorm whose inputs and weight share a dtype (its residual's gradient handed
+    over where a projection claimed `residual_grad`, its dropout hashed under `dropout_key`), else the projection,
+    the dropout, the add and the module (an Identity; under autocast, where dtypes mix and the norm runs in fp32)."""
+    p = dropout.p if dropout is not None and dropout.training else 0.0
+    if (isinstance(norm, nn.LayerNorm) and x.dtype == residual.dtype == norm.weight.dtype
+            and (projection is None or projection.weight.dtype == x.dtype)
             and not torch.is_autocast_enabled(x.device.type)):
-        return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, keep_sum,
-                                  dropout.p if dropout.training else 0.0, (projection.weight, projection.bias),
+        return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, keep_sum, p,
+                                  None if projection is None else (projection.weight, projection.bias),
                                   residual_grad, dropout_key)
-    summed = dropout(projection(x)) + residual
+    if projection is not None:
+        x = projection(x)
+    summed = (x if dropout is None else dropout(x)) + residual
     return norm(summed), summed
 
 

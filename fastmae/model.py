@@ -21,7 +21,7 @@ from .batch import PackedBatch
 from .config import ModelConfig
 from .dropout import Dropout
 from .flat import FlatParameters
-from .layers import TransformerLayer, fused_norm_args, layer_norm, stack_dropout_keys, stream_views
+from .layers import TransformerLayer, finish_stack, fused_norm_args, layer_norm, stack_dropout_keys, stream_views
 from .masking import MaskedBatch, mask_batch, unmasked
 from .positions import relative_bias_by_distance
 
@@ -199,21 +199,25 @@ class MaskedLM(nn.Module):
                              f"{self.config.max_seq_len}")
 
     def _run(self, layers: nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
-             states: list[torch.Tensor] | None = None, bias_by_distance: torch.Tensor | None = None) -> torch.Tensor:
+             states: list[torch.Tensor] | None = None, bias_by_distance: torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run `layers` in order on rows laid out by `meta` (recomputed in backward under activation checkpointing);
         append each layer's output to `states` when given. With `bias_by_distance` (relative_bias_by_distance) the
-        layers add the relative position bias; local layers get their window instead (`layers.stream_views`)."""
+        layers add the relative position bias; local layers get their window instead (`layers.stream_views`).
+        Returns the last layer's (rows, delta): pre-LN layers leave their residual add to the next norm
+        (`layers.finish_stack` does the last)."""
         views = stream_views(self.config, layers, x, meta, bias_by_distance)
+        delta = None
         for layer, keys in zip(layers, stack_dropout_keys(layers, x, self.layers_compiled)):
             layer_meta, bias = views[layer.kind]
             if self.activation_checkpointing and self.training:  # the recomputation gets the same keys
-                x = torch.utils.checkpoint.checkpoint(layer, x, layer_meta, None, None, bias, keys,
-                                                      use_reentrant=False)
+                x, delta = torch.utils.checkpoint.checkpoint(layer, x, layer_meta, None, None, bias, keys, delta,
+                                                             use_reentrant=False)
             else:
-                x = layer(x, layer_meta, bias=bias, dropout_keys=keys)
+                x, delta = layer(x, layer_meta, bias=bias, dropout_keys=keys, delta=delta)
             if states is not None:
-                states.append(x)
-        return x
+                states.append(finish_stack(x, delta))
+        return x, delta
 
     def _encoder(self, masked: MaskedBatch, states: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The L encoder layers on a masked batch: embeddings of the encoder's rows, layers [0, k) on the visible
@@ -234,16 +238,16 @@ class MaskedLM(nn.Module):
         if self.relative_bias is not None:
             bias_by_distance = relative_bias_by_distance(self.relative_bias,
                                                          self.config.relative_attention_max_distance)
+        delta = None
         if k > 0:
-            x = self._run(self.encoder[:k], x, masked.visible, states, bias_by_distance)
+            x, delta = self._run(self.encoder[:k], x, masked.visible, states, bias_by_distance)
             if k < n_enc:
-                x = self.insertion(x, masked, self.embeddings.tokens.weight)
+                x, delta = self.insertion(finish_stack(x, delta), masked, self.embeddings.tokens.weight), None
         if k < n_enc:
-            x = self._run(self.encoder[k:], x, masked.full, states, bias_by_distance)
-        if self.encoder_norm is not None:
-            x = self.encoder_norm(x)
-            if states is not None:
-                states[-1] = x
+            x, delta = self._run(self.encoder[k:], x, masked.full, states, bias_by_distance)
+        x = finish_stack(x, delta, self.encoder_norm)
+        if states is not None and self.encoder_norm is not None:
+            states[-1] = x
         return x
 
     def encode(self, batch: PackedBatch, all_layers: bool = False) -> torch.Tensor | list[torch.Tensor]:
@@ -273,9 +277,7 @@ class MaskedLM(nn.Module):
         if cfg.decoder_kind == "cross":
             x = self._cross_decoder(x, masked)
         else:
-            x = self._run(self.decoder, x, masked.full)
-            if self.decoder_norm is not None:
-                x = self.decoder_norm(x)
+            x = finish_stack(*self._run(self.decoder, x, masked.full), self.decoder_norm)
             x = x.index_select(0, masked.selection.masked_index)
         return self._loss(x, masked, encoder_states, compute_accuracy)
 
@@ -287,10 +289,8 @@ class MaskedLM(nn.Module):
         x = inserted.index_select(0, index)
         for layer, keys in zip(self.decoder, stack_dropout_keys(self.decoder, x, self.layers_compiled)):
             context = inserted.index_copy(0, index.long(), x)
-            x = layer(x, masked.masked, context=context, meta_k=masked.full, dropout_keys=keys)
-        if self.decoder_norm is not None:
-            x = self.decoder_norm(x)
-        return x
+            x = finish_stack(*layer(x, masked.masked, context=context, meta_k=masked.full, dropout_keys=keys))
+        return finish_stack(x, None, self.decoder_norm)
 
     def _loss(self, predicted: torch.Tensor, masked: MaskedBatch, encoder_states: torch.Tensor,
               compute_accuracy: bool) -> MaskedLMOutput:

@@ -95,7 +95,7 @@ def test_a_layer_computes_on_the_triton_path_what_the_torch_path_computes(gated,
     from conftest import tiny_config
 
     from fastmae.attention import VarlenMeta
-    from fastmae.layers import TransformerLayer
+    from fastmae.layers import TransformerLayer, finish_stack
 
     config = tiny_config("mlm", norm_position="pre", ffn_gated=True) if gated else tiny_config("mlm")
     torch.manual_seed(0)
@@ -106,15 +106,17 @@ def test_a_layer_computes_on_the_triton_path_what_the_torch_path_computes(gated,
     meta = VarlenMeta.build(cu.to(KERNEL_DEVICE), 9, seq_ids.to(KERNEL_DEVICE),
                             (torch.arange(14) - cu.long()[seq_ids]).int().to(KERNEL_DEVICE), consecutive=True)
     x = torch.randn(14, config.hidden_size, device=KERNEL_DEVICE, requires_grad=True)
+    # pre-LN: the previous layer's output still to be added, which the attention norm's fused op adds
+    delta = torch.randn_like(x, requires_grad=True) if gated else None
     results = []
     for mode in ("torch", "triton"):
         monkeypatch.setenv("FASTMAE_KERNELS", mode)
-        out = layer(x, meta)
+        out = finish_stack(*layer(x, meta, delta=delta))
         # the output projections' biases: added and their gradients summed by the norm kernel (post-LN, biased); the
         # QKV projection's weight and bias: its backward's gathering kernel (kernels/projection.py)
-        wanted = (x, layer.ffn_in.weight) if gated else (x, layer.ffn_in.weight, layer.ffn_in.bias,
-                                                         layer.attn_out.bias, layer.ffn_out.bias, layer.qkv.weight,
-                                                         layer.qkv.bias)
+        wanted = (x, delta, layer.ffn_in.weight, layer.attn_norm.weight) if gated else (
+            x, layer.ffn_in.weight, layer.ffn_in.bias, layer.attn_out.bias, layer.ffn_out.bias, layer.qkv.weight,
+            layer.qkv.bias)
         results.append((out, *torch.autograd.grad(out.square().sum(), wanted)))
     for fused, plain in zip(results[1], results[0]):
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)

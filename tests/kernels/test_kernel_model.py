@@ -1,9 +1,12 @@
 """The model with its Triton kernels equals the model with the torch references: losses, gradients, training."""
 
+import collections
+
 import pytest
 import torch
 from conftest import KERNEL_DEVICE, tiny_batch, tiny_model
 from simple_training import LoopConfig, demo_documents, train_on_documents
+from torch.utils._python_dispatch import TorchDispatchMode
 
 VARIANTS = [
     pytest.param("mlm", {}, id="mlm"),
@@ -81,3 +84,36 @@ def test_a_stack_of_layers_draws_its_dropout_keys_at_once(monkeypatch):
         with torch.autocast(KERNEL_DEVICE, dtype=torch.bfloat16):  # fine-tuning's: torch's add and norm, no keys
             model.train()(batch, seed=3, step=1)
     assert draws == []
+
+
+class AtenCounter(TorchDispatchMode):
+    """Counts the aten ops (views excluded) dispatched while active, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+PRE_LN_MODERNBERT = dict(ffn_gated=True, linear_bias=False, norm_bias=False, norm_position="pre",
+                         first_attention_norm=False, position_embedding="rotary")
+"""ModernBERT's layers (global ones: a local layer's window adds a bias to the scores, once a stream)."""
+
+
+@pytest.mark.parametrize("extra", [{}, PRE_LN_MODERNBERT], ids=["post-LN", "pre-LN-modernbert"])
+def test_no_layer_runs_torchs_residual_add_or_layer_norm(extra, monkeypatch):
+    """On the Triton path every residual add and the LayerNorm after it are one fused op, post-LN and pre-LN alike
+    (a pre-LN layer's last add is left to the next layer's attention norm, or the stack's final norm): a training
+    step runs torch's add and LayerNorm as often at any depth (the embeddings', the masking's and the head's)."""
+    monkeypatch.setenv("FASTMAE_KERNELS", "triton")
+    counts = []
+    for depth in (1, 2):
+        model = tiny_model("mlm", encoder_layers=depth, **extra).to(KERNEL_DEVICE).train()
+        with AtenCounter() as counter:
+            model(tiny_batch(2, seed=4).to(KERNEL_DEVICE), seed=3, step=1).loss.backward()
+        counts.append({name: counter.ops[name] for name in ("add", "native_layer_norm", "native_layer_norm_backward")})
+    assert counts[0] == counts[1], counts

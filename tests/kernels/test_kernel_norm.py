@@ -101,7 +101,7 @@ def test_a_layer_under_autocast_adds_and_norms_as_torch_does(norm_position, monk
     from conftest import tiny_config
 
     from fastmae.attention import VarlenMeta
-    from fastmae.layers import TransformerLayer
+    from fastmae.layers import TransformerLayer, finish_stack
 
     config = tiny_config("mlm", norm_position=norm_position)
     torch.manual_seed(0)
@@ -117,7 +117,7 @@ def test_a_layer_under_autocast_adds_and_norms_as_torch_does(norm_position, monk
     for mode in ("torch", "triton"):
         monkeypatch.setenv("FASTMAE_KERNELS", mode)
         with torch.autocast(KERNEL_DEVICE, dtype=torch.bfloat16):
-            outs.append(layer(x, meta))
+            outs.append(finish_stack(*layer(x, meta, delta=x.flip(0) if norm_position == "pre" else None)))
     assert outs[1].dtype == outs[0].dtype
     torch.testing.assert_close(outs[1], outs[0])
 
@@ -144,7 +144,7 @@ def test_a_layers_fused_dropout_is_keyed_by_torchs_generator(monkeypatch):
     outs = []
     for seed in (5, 5, 6):
         torch.manual_seed(seed)
-        outs.append(layer(x, meta))
+        outs.append(layer(x, meta)[0])
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
     # activation checkpointing recomputes the forward in the backward: torch.utils.checkpoint restores the generator,
     # so the recomputation draws the same key and the gradients are the uncheckpointed ones
@@ -152,14 +152,14 @@ def test_a_layers_fused_dropout_is_keyed_by_torchs_generator(monkeypatch):
     for checkpointed in (False, True):
         torch.manual_seed(5)
         leaf = x.clone().requires_grad_()
-        out = torch.utils.checkpoint.checkpoint(layer, leaf, meta, use_reentrant=False) if checkpointed else \
-            layer(leaf, meta)
+        out = torch.utils.checkpoint.checkpoint(layer, leaf, meta, use_reentrant=False)[0] if checkpointed else \
+            layer(leaf, meta)[0]
         assert torch.equal(out, outs[0])
         grads.append(torch.autograd.grad(out.square().sum(), (leaf, layer.ffn_norm.weight)))
     for plain, recomputed in zip(*grads):
         assert torch.equal(plain, recomputed)
     layer.eval()
-    fused = layer(x, meta)
+    fused = layer(x, meta)[0]
     monkeypatch.setenv("FASTMAE_KERNELS", "torch")
-    torch.testing.assert_close(fused, layer(x, meta))
+    torch.testing.assert_close(fused, layer(x, meta)[0])
     assert not torch.allclose(outs[0], fused)  # training dropped something
