@@ -1,23 +1,22 @@
 """Host overhead of one optimizer step: device ops, Triton launches, host-device syncs and host milliseconds, for
-Hugging Face RoBERTa, mlm, mae-lm and 3ml at base depth, through the engine fastmae trains with.
+Hugging Face RoBERTa, mlm, mae-lm and 3ml (or the modern-* systems: ModernBERT's layers) at base depth, through the
+engine fastmae trains with.
 
     python benchmarks/host_overhead.py [--systems hf-roberta,mlm,mae-lm,3ml] [--sequences 2]
                                        [--zero-stage 1] [--deepspeed dotted.key=value ...]
 
 On a GPU the host issues every op of a step one after another (tens of microseconds each through PyTorch and
 DeepSpeed); a step of N ops needs N times that of host time however fast the GPU is, so N is what a step must cut
-before the GPU can be kept busy. The counts are taken with the CUDA code path emulated, so they are the same on any
-machine:
+before the GPU can be kept busy. The counts are taken with the CUDA code path emulated, the same on any machine:
 - fastmae's Triton kernels run (FASTMAE_KERNELS=triton; on CPU through TRITON_INTERPRET=1), each launch counted once
   and nothing it does inside counted as an op;
-- attention counts as flash-attn's varlen kernels: one op forward, one backward (the reference computes it),
-  Hugging Face's SDPA as CUDA's fused kernel (one op each way), and dropout as CUDA's native_dropout (one op each
-  way; on CPU torch's draws a Bernoulli tensor and fastmae's its own bits);
+- attention counts as flash-attn's varlen kernels (one op each way; the reference computes it), a local layer's
+  window as the backend CUDA picks, Hugging Face's SDPA as CUDA's fused kernel and dropout as CUDA's native_dropout
+  (one op each way; on CPU torch's draws a Bernoulli tensor and fastmae's its own bits);
 - bf16, through fastmae.engine.build_engine (DeepSpeed ZeRO, fp32 master weights and gradient accumulation, fused
   AdamW, clipping at 2.0) in a world of one, as on one GPU;
-- the model has base depth (12 encoder layers, each preset's decoder) and benchmarks/throughput.py's vocabulary
-  (32,000) but a narrow width (hidden 96): what the host issues does not depend on the width, and a CPU runs the step
-  in seconds.
+- base depth (12 encoder layers, each preset's decoder) and benchmarks/throughput.py's vocabulary (32,000) at a
+  narrow width (NARROW): what the host issues does not depend on the width, and a CPU runs the step in seconds.
 On a GPU nothing is emulated: the ops are the device's own, at base width.
 
 Counted in the third optimizer step (steady state) by a TorchDispatchMode: device ops are the aten ops that compute or
@@ -26,8 +25,8 @@ tensors made from host data (`torch.tensor(...)` on the device: a blocking host-
 synchronize calls of the accelerator, asked for by anything but fastmae (its reads of the masks' host counts look the
 same on CPU and are reported apart as `fastmae_host_reads`; on CUDA, FASTMAE_SYNC_DEBUG=1 proves them host-side). On
 CPU the op count also takes in the few ops on those host counts. `host_ms_per_step` is the median time until the
-step's call returns: on a GPU at full size, on CPU at a tiny shape (2 x 32 tokens, compute nearly nothing): the host's
-cost of issuing the step on this machine. Writes benchmarks/results/NAME.{json,md} (--name, default host_overhead).
+step's call returns: on a GPU at full size, on CPU at 2 x 32 tokens (compute nearly nothing): the host's cost of
+issuing the step on this machine. Writes benchmarks/results/NAME.{json,md} (--name, default host_overhead).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ if __name__ == "__main__" and not torch.cuda.is_available():  # before Triton is
 
 SYSTEMS = ("hf-roberta", "mlm", "mae-lm", "3ml")
 MODERN_SYSTEMS = ("modern-mlm", "modern-3ml", "modern-mae-lm")  # on ModernBERT's layers (pre-LN): --systems names them
-NARROW = dict(hidden_size=96, num_heads=12, intermediate_size=384)  # base depth and vocabulary, narrow width
+NARROW = dict(hidden_size=96, num_heads=6, intermediate_size=384)  # heads of 16: the smallest triton_window takes
 REPO = Path(__file__).resolve().parent.parent
 SYNC_OPS = {"_local_scalar_dense": "host read", "lift_fresh": "host-to-device copy"}
 
@@ -181,11 +180,12 @@ def count_triton_launches(counter_of) -> None:
 
 def emulate_cuda_path(counter_of) -> None:
     """Make this process take the code path a CUDA device takes: Triton kernels (each launch reported to
-    `counter_of()`, a StepCounter or None), flash-attn's varlen attention (two kernels), CUDA's fused SDPA and
-    dropout (two aten ops each), the copy of a packed micro-batch to the device (one op, its rotary tables made
-    there) and a replay of a recorded pass (CUDA graphs' CPU twin) as one graph launch."""
+    `counter_of()`, a StepCounter or None), flash-attn's varlen attention (two kernels), a local layer's window on
+    the backend CUDA picks, CUDA's fused SDPA and dropout (two aten ops each), the copy of a packed micro-batch to
+    the device (one op, its rotary tables made there) and a replay of a recorded pass (CUDA graphs' CPU twin) as one
+    graph launch."""
     os.environ["FASTMAE_KERNELS"] = "triton"
-    from fastmae import attention, dropout, graphs, masking
+    from fastmae import attention, dropout, graphs, layers, masking
 
     count_triton_launches(counter_of)
 
@@ -269,7 +269,7 @@ def emulate_cuda_path(counter_of) -> None:
         return FusedSDPA.apply(q, k, v, attn_mask, dropout_p, scale)
 
     torch.nn.functional.scaled_dot_product_attention = fused_sdpa
-    original_resolve = attention.resolve_backend
+
     def moved_in_one_copy(self, device, non_blocking=False):
         """The copy of a packed micro-batch to the device, which on CPU it is on already: a clone stands for it."""
         return self.viewing(self.buffer.clone())
@@ -284,8 +284,10 @@ def emulate_cuda_path(counter_of) -> None:
                 return _original(self)
 
         setattr(graphs.Recording, name, replay)
-    attention.resolve_backend = lambda backend, device, dropout_p, dtype=None, biased=False, **stream: (
-        original_resolve(backend, device, dropout_p, dtype, biased, **stream) if biased else "flash")
+    original_resolve = attention.resolve_backend
+    for module in (attention, layers, graphs):  # flash-attn's kernels (emulated above); with a bias, CUDA's choice
+        module.resolve_backend = lambda backend, device, dropout_p, dtype=None, biased=False, **stream: (
+            original_resolve(backend, torch.device("cuda"), dropout_p, dtype, biased, **stream) if biased else "flash")
 
 
 def _step(system: str, sequences: int, seq_len: int, narrow: bool, precision: str, run, graphs: bool = False):
@@ -364,8 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="host_overhead", help="results file name under benchmarks/results/")
     args = parser.parse_args(argv)
     systems = args.systems.split(",")
-    unknown = sorted(set(systems) - set(SYSTEMS + MODERN_SYSTEMS))
-    if unknown:
+    if unknown := sorted(set(systems) - set(SYSTEMS + MODERN_SYSTEMS)):
         parser.error(f"--systems: unknown {unknown}; choose from {SYSTEMS + MODERN_SYSTEMS}")
     overrides = [f"train.zero_stage={args.zero_stage}", *(f"deepspeed.{kv}" for kv in args.deepspeed)]
     rows = []
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     notes = (f"One optimizer step (the third) of {args.sequences} x {args.seq_len} tokens in one micro-batch, bf16, "
              f"ZeRO-{args.zero_stage}{', ' + ' '.join(args.deepspeed) if args.deepspeed else ''}"
              f"{', fastmae replaying CUDA graphs of forward and backward' if args.cuda_graphs else ''}, base depth"
-             + (" and vocabulary at width 96, the CUDA code path emulated (benchmarks/host_overhead.py's docstring);"
+             + (f" and vocabulary at width {NARROW['hidden_size']}, the CUDA code path emulated (the docstring);"
                 + (" host ms: not measured (the CPU twin's time says nothing about a replay's)" if args.cuda_graphs
                    else " host ms: the CPU step at 2 x 32 tokens on this machine") if emulated else
                 " and width on this GPU; host ms: until the step's call returns") + ".")
@@ -389,8 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     columns = ["system", "device_ops_per_step", "forward", "backward", "optimizer", "triton_launches_per_step",
                "syncs_per_step", "host_ms_per_step"]
     header = {"emulated_cuda_path": emulated, "cuda_graphs": args.cuda_graphs, "sequences": args.sequences,
-              "seq_len": args.seq_len,
-              "zero_stage": args.zero_stage, "deepspeed_overrides": args.deepspeed}
+              "seq_len": args.seq_len, "zero_stage": args.zero_stage, "deepspeed_overrides": args.deepspeed}
     path = write_results(args.name, rows, columns, "Host overhead per optimizer step", notes, header)
     print(f"wrote {path} and {args.name}.json")
     return 0

@@ -166,10 +166,10 @@ def chaos() -> str:
 
 def host_overhead() -> str:
     """What the host issues per optimizer step: ZeRO-2 (the recipes'), ZeRO-2 replaying CUDA graphs (their CPU twin
-    here) and ZeRO-1 side by side."""
+    here) and ZeRO-1 side by side, then ZeRO-1 on ModernBERT's layers."""
     rows = ["| system | ZeRO | device ops | forward | backward | optimizer step | loss weights, sums | "
             "Triton launches | syncs |", "|---|---|---|---|---|---|---|---|---|"]
-    names = ("host_overhead_zero2", "host_overhead_zero2_graphs", "host_overhead")
+    names = ("host_overhead_zero2", "host_overhead_zero2_graphs", "host_overhead", "host_overhead_modern")
     results = [read_json(RESULTS_DIR / f"{name}.json") for name in names]
     for result in results:
         # the graphs' rows come from their CPU twin, which counts each replay as one launch: modelled, not measured
@@ -181,7 +181,8 @@ def host_overhead() -> str:
                         f"{r['syncs_per_step']} |")
     first = results[0]
     return (f"{first['sequences']} x {first['seq_len']} tokens in one micro-batch, bf16, base depth, vocabulary "
-            f"32,000, width 96, the CUDA code path emulated on {first['device']}, {measured_when(first)} "
+            f"32,000, width 96 (6 heads of 16), the CUDA code path emulated on {first['device']}, "
+            f"{measured_when(first)} "
             "(`benchmarks/results/"
             + "`, `".join(f"{name}.md" for name in names) + "`). The CUDA-graph rows are modelled, not measured: the "
             "CPU twin counts each replay as one launch, as a captured graph would be; no GPU has counted them "
