@@ -117,20 +117,25 @@ def init_world_of_one() -> None:
     init_distributed()
 
 
-def default_run():
-    """The run config the benchmark's engines train with unless given one: fastmae's defaults at ZeRO-1."""
+ZERO_STAGE = 2
+"""The ZeRO stage the benchmarks' engines train with: the recipes' (bf16 steps ask for no host-device sync there, where
+ZeRO-1's bf16 optimizer reads its gradient norm on the host every step)."""
+
+
+def default_run(zero_stage: int = ZERO_STAGE):
+    """The run config the benchmark's engines train with unless given one: fastmae's defaults at `zero_stage`."""
     from fastmae.config import RunConfig
 
     run = RunConfig()
-    run.train.zero_stage = 1
+    run.train.zero_stage = zero_stage
     return run
 
 
 def engine_for(model: torch.nn.Module, precision: str, device: torch.device, non_finite: torch.Tensor | None = None,
             run=None):
     """The DeepSpeed engine fastmae.engine builds, for a world of one with the train settings of `run` (default: the
-    defaults, AdamW with RoBERTa's betas and eps, clipping at 2.0, ZeRO-1, or ZeRO-0 in fp32); `non_finite`: the skip
-    flag the trainer's step keeps."""
+    defaults, AdamW with RoBERTa's betas and eps, clipping at 2.0, ZERO_STAGE, or ZeRO-0 in fp32); `non_finite`: the
+    skip flag the trainer's step keeps."""
     from fastmae.engine import build_engine
 
     run = default_run() if run is None else run
@@ -154,7 +159,7 @@ def hf_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, pre
     return step, training_flops(config, lengths, lengths, lengths)  # the LM head runs on every row
 
 
-def hf_modernbert_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, precision: str):
+def hf_modernbert_step(config: ModelConfig, tokens: torch.Tensor, device: torch.device, precision: str, run=None):
     """A training-step closure for transformers' ModernBertForMaskedLM (sdpa, `sparse_prediction`: the head on the
     masked rows only), and its model FLOPs per step (the same count as fastmae's mlm on these layers)."""
     from transformers import ModernBertForMaskedLM
@@ -163,7 +168,8 @@ def hf_modernbert_step(config: ModelConfig, tokens: torch.Tensor, device: torch.
 
     hf = modernbert.hugging_face_config(config, {})
     hf.sparse_prediction, hf._attn_implementation = True, "sdpa"
-    step, chosen = masked_lm_step(engine_for(ModernBertForMaskedLM(hf), precision, device), config, tokens, device)
+    step, chosen = masked_lm_step(engine_for(ModernBertForMaskedLM(hf), precision, device, run=run), config, tokens,
+                                  device)
     lengths = torch.full((tokens.shape[0],), SEQ_LEN)
     return step, training_flops(config, lengths, lengths, chosen.sum(1))
 

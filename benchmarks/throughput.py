@@ -4,9 +4,10 @@ ModernBertForMaskedLM, in one run.
     python benchmarks/throughput.py [--size small|base|small,base] [--quick] [--dtype auto|fp32|bf16]
 
 Every system trains on the same random tokens (sequences of 512 with <s> ... </s>, vocabulary 32,000) for full
-steps through the engine fastmae trains with (fastmae.engine.build_engine: DeepSpeed ZeRO-1 in bf16 or ZeRO-0 in
-fp32, fp32 master weights and gradient accumulation, fused AdamW, clipping at 2.0). fastmae's systems run the
-trainer's own step (fastmae.step.train_step: masking, forward, the per-token weighted backward, the optimizer step);
+steps through the engine fastmae trains with (fastmae.engine.build_engine: DeepSpeed ZeRO-2 in bf16, the recipes'
+stage, or --zero-stage; ZeRO-0 in fp32; fp32 master weights and gradient accumulation, fused AdamW, clipping at
+2.0). fastmae's systems run the trainer's own step (fastmae.step.train_step: masking, forward, the per-token
+weighted backward, the optimizer step);
 Hugging Face's runs forward, backward and the optimizer step.
 Each system runs in a fresh process (its peak memory is its own); the GEMM peak that MFU divides by is measured
 in the same run, in the training dtype, and again when a system beats it (fastmae.hardware.PeakFlops; ARCHITECTURE.md
@@ -49,7 +50,9 @@ from systems import (
     SIZES,
     SYSTEMS,
     VOCAB_SIZE,
+    ZERO_STAGE,
     attention_backend,
+    default_run,
     doc_micro_batches,
     fastmae_step,
     hf_modernbert_step,
@@ -70,7 +73,7 @@ def _resident_mib() -> tuple[float, float]:
 
 
 def measure_system(system: str, size: str, sequences: int, precision: str, warmup: int, repeats: int,
-                   variant: str | None) -> dict:
+                   variant: str | None, zero_stage: int = ZERO_STAGE) -> dict:
     """Median step time, tokens/s, model FLOPs per step and peak memory of one system (run in its own process).
     variant: None, an attention backend, or "compiled"."""
     init_world_of_one()
@@ -83,13 +86,14 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
     if variant == "torch_varlen":  # varlen_attn takes no attention dropout: this row measures the kernel without it
         config = dataclasses.replace(config, attention_dropout=0.0)
     tokens = real_tokens(sequences) if variant == REAL_DATA else make_tokens(sequences)
+    run = default_run(zero_stage)
     if system in HF_SYSTEMS:
         make_step = hf_step if system == "hf-roberta" else hf_modernbert_step
-        step, flops = make_step(config, tokens, device, precision)
+        step, flops = make_step(config, tokens, device, precision, run)
         step.tokens = tokens.numel()
     else:
         step, flops = fastmae_step(config, doc_micro_batches(sequences) if variant == DOC_DATA else tokens, device,
-                                    precision, variant)
+                                    precision, variant, run)
     seconds = median_time(step, warmup=warmup, repeats=repeats)
     result = {"step_s": seconds, "tokens_per_step": step.tokens, "tokens_per_s": step.tokens / seconds,
               "flops_per_step": flops,
@@ -148,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(gpu_check: throughput_recipe at the recipes' micro-batch)")
     parser.add_argument("--eager", action="store_true",
                         help="CUDA: also each fastmae system without CUDA graphs (train.cuda_graphs=never)")
+    parser.add_argument("--zero-stage", type=int, choices=(1, 2), default=ZERO_STAGE,
+                        help="DeepSpeed ZeRO stage of every system's bf16 engine (default: the recipes')")
     parser.add_argument("--real-data", action="store_true",
                         help="also 3ml on the embedded corpus packed `full` (separators inside, as training sees it) "
                              "and packed `doc` (4 micro-batches a step; padded to fixed shapes where graphs replay)")
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         for system, variant in runs:
             note = ", no attn dropout" if variant == "torch_varlen" else ""
             name = system if variant is None else f"{system} [{variant}{note}]"
-            result = _run_isolated(system, size, sequences, precision, warmup, repeats, variant)
+            result = _run_isolated(system, size, sequences, precision, warmup, repeats, variant, args.zero_stage)
             size_rows.append({"system": name, "size": size, "dtype": precision, **result})
             mfu = peak.mfu(result["flops_per_step"] / result["step_s"], name)
             print(f"{size:>5} {name:>16}: {result['tokens_per_s']:8.1f} tokens/s  step {result['step_s']:.3f} s  "
@@ -214,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     shapes = ", ".join(f"{size} = {SIZES[size]['encoder_layers']} x {SIZES[size]['hidden_size']}" for size in sizes)
     title = (f"{shapes}; {sequences} x {SEQ_LEN} tokens, vocab {VOCAB_SIZE}, {precision}, peak "
              f"{peak.flops / 1e9:.0f} GFLOP/s")
-    notes = (f"{title}. Full training steps (DeepSpeed + AdamW), median of {repeats} after {warmup} warm-up. "
+    stage = args.zero_stage if precision != "fp32" else 0
+    notes = (f"{title}. Full training steps (DeepSpeed ZeRO-{stage} + AdamW), median of {repeats} after {warmup} "
+             "warm-up. "
              f"MFU = model FLOPs / (step time x the {peak.source}); Hugging Face RoBERTa's FLOPs include its LM "
              "head on every row; x_hf: against hf-modernbert for the modern-* rows, hf-roberta for the others. "
              "Peak memory: CUDA allocator peak, or resident-set growth of the system's process."
@@ -225,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         columns += ["gpu_busy", "cuda_graphs"]
     header = {"dtype": precision, "peak_flops": peak.flops, "peak_source": peak.source, "sizes": sizes,
-              "sequences": sequences, "seq_len": SEQ_LEN, "vocab_size": VOCAB_SIZE, "versions": _versions()}
+              "sequences": sequences, "seq_len": SEQ_LEN, "vocab_size": VOCAB_SIZE, "zero_stage": stage,
+              "versions": _versions()}
     path = write_results(args.name, rows, columns, "Training throughput and MFU", notes, header)
     _plot(rows, RESULTS_DIR / f"{args.name}.png", title)
     print(f"wrote {path} and {args.name}.json, {args.name}.png")
