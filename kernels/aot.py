@@ -171,14 +171,14 @@ def _norm_configs():
                            + _tiles_said(tiling, shipped["forward"]), fwd,
                            dict(HAS_XBIAS=x_bias, HAS_BIAS=has_bias, STORE_SUM=store_sum, HAS_DROPOUT=dropout,
                                 BLOCK_R=tiling.rows, BLOCK_H=block), tiling.warps)
-            for has_dh, x_bias, dropout in itertools.product((0, 1), repeat=3):
-                post_ln = (has_dh, x_bias, dropout) == (0, 1, 1)
+            for has_dh, x_bias, dropout, from_sum in itertools.product((0, 1), repeat=4):
+                post_ln = (has_dh, x_bias, dropout, from_sum) == (0, 1, 1, 0)
                 for tiling in dict.fromkeys((shipped["backward"], *(tried["backward"] if post_ln else ()))):
                     yield ("norm._add_norm_bwd_kernel",
-                           f"{dtype} BLOCK_H={block} dh={has_dh} xbias={x_bias} dropout={dropout}"
+                           f"{dtype} BLOCK_H={block} dh={has_dh} xbias={x_bias} dropout={dropout} sum={from_sum}"
                            + _tiles_said(tiling, shipped["backward"]), bwd,
-                           dict(HAS_DH=has_dh, HAS_XBIAS=x_bias, HAS_DROPOUT=dropout, BLOCK_R=tiling.rows,
-                                BLOCK_H=block), tiling.warps)
+                           dict(HAS_DH=has_dh, HAS_XBIAS=x_bias, HAS_DROPOUT=dropout, FROM_SUM=from_sum,
+                                BLOCK_R=tiling.rows, BLOCK_H=block), tiling.warps)
     for dtype in ("fp32", "bf16"):
         yield ("rows._sum_parts_kernel", dtype, dict(PARTS="*fp32", SUMS=f"*{dtype}", programs="i32", H="i32"),
                dict(BLOCK_P=rows.SUM_BLOCK_P, BLOCK_H=rows.SUM_BLOCK_H), rows.SUM_WARPS)

@@ -4,9 +4,10 @@
     h = dropout(x) + residual  (each rounded to x's dtype, as torch gives them)      y = LayerNorm(h) * weight + bias
 
 Forward reads x and residual once and writes y (and h, where the caller keeps the residual stream: pre-LN layers),
-with each row's mean and 1 / std in fp32. Backward reads dy (and dh, h's own gradient) once, recomputes h from x and
-residual, and writes dh_total = dLayerNorm(dy) + dh as the residual's gradient and, through the dropout, as x's (two
-tensors); the weight's and bias's gradients are per-program partial sums (at most BACKWARD_PROGRAMS), summed by a
+with each row's mean and 1 / std in fp32. Backward reads dy (and dh, h's own gradient) once, reads h where the
+forward kept it (x and the residual need not stay alive for it) or recomputes it from x and residual, and writes
+dh_total = dLayerNorm(dy) + dh as the residual's gradient and, through the dropout, as x's (two tensors); the
+weight's and bias's gradients are per-program partial sums (at most BACKWARD_PROGRAMS), summed by a
 second kernel in a fixed order (no float atomics: deterministic). Each direction's buffers are one allocation
 (`rows.carve`). The dropout is hashed (`hashing.hashed_keep`): element (r, c) is dropped where the top 31 bits of its
 counter's hash under a 32-bit key are below round(p * 2^31), so the backward draws the same bits again from the key
@@ -79,10 +80,12 @@ def _add_norm_fwd_kernel(X, XB, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, s
 @triton.jit
 def _add_norm_bwd_kernel(DY, DH, X, XB, R, W, MEAN, RSTD, KEY, DX, DR, PARTS, n_rows, tiles, programs, H,
                          stride_x, stride_r, threshold, scale, HAS_DH: tl.constexpr, HAS_XBIAS: tl.constexpr,
-                         HAS_DROPOUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                         HAS_DROPOUT: tl.constexpr, FROM_SUM: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
     """Program p: `tiles` tiles of BLOCK_R rows, from row p * tiles * BLOCK_R; its partial weight and bias gradients
     (and x_bias's) into row p of PARTS [2 or 3, programs, H]. The partials accumulate per element of the tile and are
-    summed over its rows once, at the end: no reduction across the tile's rows (and its barrier) in the loop."""
+    summed over its rows once, at the end: no reduction across the tile's rows (and its barrier) in the loop.
+    FROM_SUM: X holds the forward's h (rounded as _summed_rows rounds it), read in place of x and the residual."""
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     dw = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
@@ -98,7 +101,10 @@ def _add_norm_bwd_kernel(DY, DH, X, XB, R, W, MEAN, RSTD, KEY, DX, DR, PARTS, n_
         offsets = rows[:, None] * H + cols[None, :]
         dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
         kept = _kept(rows, cols, H, KEY, threshold) if HAS_DROPOUT else mask  # hashed once, used twice
-        h = _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS, HAS_DROPOUT)
+        if FROM_SUM:
+            h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        else:
+            h = _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS, HAS_DROPOUT)
         rstd = tl.load(RSTD + rows, mask=in_rows, other=0.0)[:, None]
         hhat = tl.where(mask, (h - tl.load(MEAN + rows, mask=in_rows, other=0.0)[:, None]) * rstd, 0.0)
         wdy = w * dy
@@ -168,8 +174,9 @@ class _AddLayerNorm(torch.autograd.Function):
                 y, h, stats[0], stats[1], key if threshold else stats, rows, hidden, x.stride(0), residual.stride(0),
                 eps, threshold, scale, HAS_XBIAS=x_bias is not None, HAS_BIAS=bias is not None, STORE_SUM=keep_sum,
                 HAS_DROPOUT=threshold > 0, BLOCK_R=block_r, BLOCK_H=block, num_warps=warps)
-        ctx.save_for_backward(x, x_bias if x_bias is not None else weight, residual, weight, stats,
-                              key if threshold else stats)
+        # the kept sum is what the backward reads (x and the residual are then free to go)
+        ctx.save_for_backward(h if keep_sum else x, x_bias if x_bias is not None else weight,
+                              h if keep_sum else residual, weight, stats, key if threshold else stats)
         ctx.has_bias, ctx.has_x_bias = bias is not None, x_bias is not None
         ctx.keep_sum, ctx.threshold, ctx.scale = keep_sum, threshold, scale
         ctx.tiling, ctx.handoff = tiling, handoff
@@ -194,7 +201,7 @@ class _AddLayerNorm(torch.autograd.Function):
                                               weight, stats[0], stats[1], key, dx, dr, parts, rows, tiles, programs,
                                               hidden, x.stride(0), residual.stride(0), ctx.threshold, ctx.scale,
                                               HAS_DH=has_dh, HAS_XBIAS=ctx.has_x_bias, HAS_DROPOUT=ctx.threshold > 0,
-                                              BLOCK_R=block_r, BLOCK_H=block, num_warps=warps)
+                                              FROM_SUM=ctx.keep_sum, BLOCK_R=block_r, BLOCK_H=block, num_warps=warps)
         sum_parts(parts, sums)
         if ctx.handoff is not None:  # the projection reading the residual's rows adds its gradient in its GEMM
             ctx.handoff.put(dr)
