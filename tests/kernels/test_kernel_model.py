@@ -1,12 +1,15 @@
 """The model with its Triton kernels equals the model with the torch references: losses, gradients, training."""
 
-import collections
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import KERNEL_DEVICE, tiny_batch, tiny_model
 from simple_training import LoopConfig, demo_documents, train_on_documents
-from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from host_overhead import StepCounter  # noqa: E402
 
 VARIANTS = [
     pytest.param("mlm", {}, id="mlm"),
@@ -86,19 +89,6 @@ def test_a_stack_of_layers_draws_its_dropout_keys_at_once(monkeypatch):
     assert draws == []
 
 
-class AtenCounter(TorchDispatchMode):
-    """Counts the aten ops (views excluded) dispatched while active, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 PRE_LN_MODERNBERT = dict(ffn_gated=True, linear_bias=False, norm_bias=False, norm_position="pre",
                          first_attention_norm=False, position_embedding="rotary")
 """ModernBERT's layers (global ones: a local layer's window adds a bias to the scores, once a stream)."""
@@ -113,7 +103,7 @@ def test_no_layer_runs_torchs_residual_add_or_layer_norm(extra, monkeypatch):
     counts = []
     for depth in (1, 2):
         model = tiny_model("mlm", encoder_layers=depth, **extra).to(KERNEL_DEVICE).train()
-        with AtenCounter() as counter:
+        with StepCounter() as counter:  # the ops a step asks of the device, by name
             model(tiny_batch(2, seed=4).to(KERNEL_DEVICE), seed=3, step=1).loss.backward()
         counts.append({name: counter.ops[name] for name in ("add", "native_layer_norm", "native_layer_norm_backward")})
     assert counts[0] == counts[1], counts
