@@ -34,13 +34,17 @@ class PositionEmbedding(nn.Module):
         self.offset = config.position_offset
         self.weight = nn.Parameter(torch.empty(config.max_seq_len + self.offset, config.hidden_size))
 
-    def table_and_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(table, row of each position) as the fused row ops take them."""
-        return self.weight, positions + self.offset
+    def row_args(self, positions: torch.Tensor) -> dict:
+        """The fused row ops' position arguments: the table, each row's position and the offset of position 0."""
+        return dict(pos_table=self.weight, pos_ids=positions, pos_offset=self.offset)
 
 
-def _positions_args(module: PositionEmbedding | None, positions: torch.Tensor):
-    return (None, None) if module is None else module.table_and_rows(positions)
+def _position_args(module: PositionEmbedding | None, positions: torch.Tensor) -> dict:
+    return {} if module is None else module.row_args(positions)
+
+
+def _norm_args(norm: nn.LayerNorm | None) -> dict:
+    return {} if norm is None else dict(zip(("ln_weight", "ln_bias", "eps"), fused_norm_args(norm)))
 
 
 class Embeddings(nn.Module):
@@ -53,11 +57,13 @@ class Embeddings(nn.Module):
         self.norm = layer_norm(config)
         self.dropout = Dropout(config.dropout)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """ids, positions: [N] int32 -> [N, H]."""
-        x = ops.embed_rows(self.tokens.weight, ids, *_positions_args(self.positions, positions),
-                           *fused_norm_args(self.norm))
-        return self.dropout(x)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
+                extra_row: int | None = None):
+        """ids: int32; rows: [N] int32, the entries of ids to embed (None: all); positions: [N] int32 -> [N, H].
+        With `extra_row`, also that row of the token table (the insertion's `<mask>` row): (rows, row)."""
+        out = ops.embed_rows(self.tokens.weight, ids, rows=rows, extra_row=extra_row,
+                             **_position_args(self.positions, positions), **_norm_args(self.norm))
+        return self.dropout(out) if extra_row is None else (self.dropout(out[0]), out[1])
 
 
 class Insertion(nn.Module):
@@ -69,7 +75,6 @@ class Insertion(nn.Module):
 
     def __init__(self, config: ModelConfig, has_own_embedding: bool, dropout: float):
         super().__init__()
-        self.mask_token_id = config.mask_token_id
         self.positions = None
         self.norm = None
         if has_own_embedding:
@@ -78,11 +83,11 @@ class Insertion(nn.Module):
             self.norm = layer_norm(config)
         self.dropout = Dropout(dropout)
 
-    def forward(self, visible: torch.Tensor, masked: MaskedBatch, token_embedding: torch.Tensor) -> torch.Tensor:
+    def forward(self, visible: torch.Tensor, masked: MaskedBatch, fill: torch.Tensor) -> torch.Tensor:
+        """visible: [T_v, H] rows; fill: [H], the `<mask>` row (`Embeddings` hands it out) -> [T, H]."""
         sel = masked.selection
-        norm = () if self.norm is None else fused_norm_args(self.norm)
-        x = ops.insert_rows(visible, sel.visible_index, sel.removed_index, token_embedding[self.mask_token_id],
-                            *_positions_args(self.positions, masked.batch.positions), *norm)
+        x = ops.insert_rows(visible, sel.visible_index, sel.removed_index, fill,
+                            **_position_args(self.positions, masked.batch.positions), **_norm_args(self.norm))
         return self.dropout(x)
 
 
@@ -219,19 +224,23 @@ class MaskedLM(nn.Module):
                 states.append(finish_stack(x, delta))
         return x, delta
 
-    def _encoder(self, masked: MaskedBatch, states: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _encoder(self, masked: MaskedBatch, states: list[torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The L encoder layers on a masked batch: embeddings of the encoder's rows, layers [0, k) on the visible
         rows, the insertion (when 0 < k < L), layers [k, L) on the full rows, and the pre-LN final norm.
 
-        Returns [T_v, H] rows of the visible stream when k = L, else [T, H] rows of the full stream. `states`, when
-        given, receives the embeddings' output and every layer's (the last one after the pre-LN final norm).
+        Returns [T_v, H] rows of the visible stream when k = L, else [T, H] rows of the full stream, and the
+        `<mask>` row the insertion fills with (None when k = 0). `states`, when given, receives the embeddings'
+        output and every layer's (the last one after the pre-LN final norm).
         """
         k, n_enc = self.config.insert_layer, self.config.encoder_layers
         sel = masked.selection
+        fill = None
         if k == 0:  # the insertion at the input is "replace by <mask>": the selection already wrote those ids
             x = self.embeddings(sel.input_tokens, masked.batch.positions)
         else:
-            x = self.embeddings(sel.input_tokens.index_select(0, sel.visible_index), masked.visible.positions)
+            x, fill = self.embeddings(sel.input_tokens, masked.visible.positions, rows=sel.visible_index,
+                                      extra_row=self.config.mask_token_id)
         if states is not None:
             states.append(x)
         bias_by_distance = None  # looked up by original positions, so dropping tokens keeps every distance
@@ -242,13 +251,13 @@ class MaskedLM(nn.Module):
         if k > 0:
             x, delta = self._run(self.encoder[:k], x, masked.visible, states, bias_by_distance)
             if k < n_enc:
-                x, delta = self.insertion(finish_stack(x, delta), masked, self.embeddings.tokens.weight), None
+                x, delta = self.insertion(finish_stack(x, delta), masked, fill), None
         if k < n_enc:
             x, delta = self._run(self.encoder[k:], x, masked.full, states, bias_by_distance)
         x = finish_stack(x, delta, self.encoder_norm)
         if states is not None and self.encoder_norm is not None:
             states[-1] = x
-        return x
+        return x, fill
 
     def encode(self, batch: PackedBatch, all_layers: bool = False) -> torch.Tensor | list[torch.Tensor]:
         """[T, H] encoder states of the unmasked batch (the fine-tuning path): the pretrained encoder's L layers,
@@ -259,7 +268,7 @@ class MaskedLM(nn.Module):
         self._check(batch)
         self._bind_parameters()
         states = [] if all_layers else None
-        x = self._encoder(unmasked(batch, self.config), states)
+        x = self._encoder(unmasked(batch, self.config), states)[0]
         return states if all_layers else x
 
     def forward(self, batch: PackedBatch | MaskedBatch, seed: int = 0, step: int = 0, rank: int = 0,
@@ -270,10 +279,10 @@ class MaskedLM(nn.Module):
         cfg = self.config
         masked = batch if isinstance(batch, MaskedBatch) else mask_batch(batch, cfg, seed, step, rank)
         self._check(masked.batch)
-        encoder_states = self._encoder(masked)
+        encoder_states, fill = self._encoder(masked)
         x = encoder_states
         if 0 < cfg.insert_layer == cfg.encoder_layers:  # k = L: the insertion feeds the decoder
-            x = self.insertion(x, masked, self.embeddings.tokens.weight)
+            x = self.insertion(x, masked, fill)
         if cfg.decoder_kind == "cross":
             x = self._cross_decoder(x, masked)
         else:

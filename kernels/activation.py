@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import (
+from .launch import (
     ROWS_PER_BIAS_PROGRAM,
     TILED_KERNELS,
     RowTiles,
@@ -111,7 +111,7 @@ KERNELS = TILED_KERNELS  # bias + GELU's
 
 
 def bias_gelu_tiles(columns: int) -> dict[str, RowTiles]:
-    """bias + GELU's RowTiles (KERNELS) over its column blocks for rows of `columns` (`rows.tiled_pair`).
+    """bias + GELU's RowTiles (KERNELS) over its column blocks for rows of `columns` (`launch.tiled_pair`).
     `benchmarks/kernels.py --ops layers` times every BIAS_GELU_CANDIDATE on CUDA."""
     return tiled_pair(column_block(columns))
 

@@ -8,7 +8,7 @@ Compiles each (kernel, block size, warps, flags, dtype) the launchers can choose
 stay resident on a multiprocessor (occupancy: what hides memory latency). Run without TRITON_INTERPRET.
 
 The table is a pure function of this directory's sources and Triton's version (`inputs_sha256`), and compiling all
-898 takes ~3 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
+~1,000 takes ~3 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
 REGENERATE) and the suite checks it is of the kernels it has, compiling a few configurations itself; --match compiles
 those whose "kernel config" matches.
 """
@@ -76,31 +76,37 @@ def inputs_sha256() -> str:
 
 
 def _row_configs():
-    from . import rows
+    from . import launch, rows
 
     ptr = {"fp32": "*fp32", "bf16": "*bf16"}
-    combos = {  # the flag sets the model launches: (SRC_INDEXED, HAS_FILL, HAS_POS, HAS_NORM, DST_INDEXED)
-        "embed+pos+norm": (1, 0, 1, 1, 0),
-        "embed+norm (rotary)": (1, 0, 0, 1, 0),
-        "insert+pos+norm": (0, 1, 1, 1, 1),
-        "insert+norm (rotary)": (0, 1, 0, 1, 1),
-        "insert (no decoder)": (0, 1, 0, 0, 1),
+    combos = {  # the flag sets the model launches: (SRC_INDEXED, GATHERED, HAS_FILL, HAS_POS, HAS_NORM, DST_INDEXED)
+        "embed+pos+norm": (1, 0, 0, 1, 1, 0),
+        "embed+norm (rotary)": (1, 0, 0, 0, 1, 0),
+        "embed visible+pos+norm": (1, 1, 0, 1, 1, 0),  # the encoder's visible rows (k > 0): forward only differs
+        "embed visible+norm (rotary)": (1, 1, 0, 0, 1, 0),
+        "insert+pos+norm": (0, 0, 1, 1, 1, 1),
+        "insert+norm (rotary)": (0, 0, 1, 0, 1, 1),
+        "insert (no decoder)": (0, 0, 1, 0, 0, 1),
     }
-    for hidden_block in [2**k for k in range(6, rows.MAX_HIDDEN.bit_length())]:  # BLOCK_H 64 .. MAX_HIDDEN
+    for hidden_block in [2**k for k in range(6, launch.MAX_HIDDEN.bit_length())]:  # BLOCK_H 64 .. MAX_HIDDEN
         block, warps = rows.row_launch_config(hidden_block)
-        for combo, (src_idx, fill, pos, norm, dst) in combos.items():
+        for combo, (src_idx, gathered, fill, pos, norm, dst) in combos.items():
             for dtype in ("fp32", "bf16"):
                 flags = dict(SRC_INDEXED=src_idx, HAS_FILL=fill, HAS_POS=pos, HAS_NORM=norm, DST_INDEXED=dst,
                              BLOCK_H=block)
                 d = ptr[dtype]
-                fwd = dict(SRC=d, src_ids="*i32", FILL=d, POS="*fp32", pos_ids="*i32", W="*fp32", B="*fp32", OUT=d,
-                           dst_index="*i32", MEAN="*fp32", RSTD="*fp32", num_src_rows="i32", H="i32",
-                           stride_src="i32", stride_pos="i32", stride_out="i32", eps="fp32")
-                yield ("rows._rows_fwd_kernel", f"{combo} {dtype} BLOCK_H={block}", fwd, flags, warps)
-                bwd = dict(DOUT=d, dst_index="*i32", SRC=d, src_ids="*i32", FILL=d, POS="*fp32", pos_ids="*i32",
-                           W="*fp32", MEAN="*fp32", RSTD="*fp32", DPRE="*fp32", DW_PART="*fp32", DB_PART="*fp32",
-                           n_rows="i32", num_src_rows="i32", H="i32", stride_dout="i32", stride_src="i32",
-                           stride_pos="i32")
+                fwd = dict(SRC=d, src_ids="*i32", gather_index="*i32", FILL=d, POS="*fp32", pos_ids="*i32",
+                           W="*fp32", B="*fp32", OUT=d, dst_index="*i32", fill_index="*i32", MEAN="*fp32",
+                           RSTD="*fp32", SRC_ROWS="*i32", POS_ROWS="*i32", num_src_rows="i32", H="i32",
+                           stride_src="i32", stride_pos="i32", stride_out="i32", pos_offset="i32", eps="fp32")
+                yield ("rows._rows_fwd_kernel", f"{combo} {dtype} BLOCK_H={block}", fwd,
+                       {**flags, "GATHERED": gathered}, warps)
+                if gathered:
+                    continue
+                bwd = dict(DOUT=d, dst_index="*i32", fill_index="*i32", SRC=d, SRC_ROWS="*i32", FILL=d, POS="*fp32",
+                           POS_ROWS="*i32", W="*fp32", MEAN="*fp32", RSTD="*fp32", DPRE="*fp32", DW_PART="*fp32",
+                           DB_PART="*fp32", n_rows="i32", num_src_rows="i32", H="i32", stride_dout="i32",
+                           stride_src="i32", stride_pos="i32")
                 yield ("rows._rows_bwd_kernel", f"{combo} {dtype} BLOCK_H={block}", bwd,
                        {**flags, "ROWS_PER_PROGRAM": rows.ROWS_PER_PROGRAM}, warps)
 
@@ -134,7 +140,7 @@ def _ce_configs():
 
 
 def _rotary_configs():
-    from . import rows
+    from . import launch
 
     for dtype in ("fp32", "bf16", "fp16"):
         for block in (256, 512, 1024):  # heads x head_dim / 2 up to base (384) and large (512) widths, and beyond
@@ -142,16 +148,16 @@ def _rotary_configs():
                        SIN_Q="*fp32", COS_K="*fp32", SIN_K="*fp32", rows_q="i32", rows_k="i32", stride_q_row="i32",
                        stride_q_head="i32", stride_k_row="i32", stride_k_head="i32", heads="i32", half="i32",
                        sign="fp32")
-            block_r, warps = rows.tile_launch(block)
+            block_r, warps = launch.tile_launch(block)
             yield ("rotary._rotary_kernel", f"{dtype} BLOCK={block}", sig, dict(BLOCK_R=block_r, BLOCK=block), warps)
 
 
 def _norm_configs():
     """Each norm kernel at its shipped tiles, every flag, at three widths; and at RoBERTa's (rows of 1,024 lanes) in
     bf16, post-LN with dropout and the projection's bias, at every tiling the GPU benchmark times (norm.CANDIDATES)."""
-    from . import norm, rows
+    from . import launch, norm
 
-    for hidden in (64, 1024, rows.MAX_HIDDEN):  # the smallest row, base and large models' (768, 1024), the largest
+    for hidden in (64, 1024, launch.MAX_HIDDEN):  # the smallest row, base and large models' (768, 1024), the largest
         block = hidden  # a power of two: the kernels' BLOCK_H
         shipped = norm.tiles(hidden)
         for dtype in ("fp32", "bf16"):
@@ -180,17 +186,17 @@ def _norm_configs():
                            dict(HAS_DH=has_dh, HAS_XBIAS=x_bias, HAS_DROPOUT=dropout, FROM_SUM=from_sum,
                                 BLOCK_R=tiling.rows, BLOCK_H=block), tiling.warps)
     for dtype in ("fp32", "bf16"):
-        yield ("rows._sum_parts_kernel", dtype, dict(PARTS="*fp32", SUMS=f"*{dtype}", programs="i32", H="i32"),
-               dict(BLOCK_P=rows.SUM_BLOCK_P, BLOCK_H=rows.SUM_BLOCK_H), rows.SUM_WARPS)
+        yield ("launch._sum_parts_kernel", dtype, dict(PARTS="*fp32", SUMS=f"*{dtype}", programs="i32", H="i32"),
+               dict(BLOCK_P=launch.SUM_BLOCK_P, BLOCK_H=launch.SUM_BLOCK_H), launch.SUM_WARPS)
 
 
 def _activation_configs():
     """Each activation kernel at its shipped tiles for narrow rows and a full column block; and bias + GELU's in bf16
     at a full column block (RoBERTa's widths) at every tiling the GPU benchmark times
     (activation.BIAS_GELU_CANDIDATES)."""
-    from . import activation, rows
+    from . import activation, launch
 
-    for columns in (64, 256, rows.COLUMNS_PER_PROGRAM):  # narrow rows, and a full column block (wide rows)
+    for columns in (64, 256, launch.COLUMNS_PER_PROGRAM):  # narrow rows, and a full column block (wide rows)
         block_r, block_c, warps = activation.launch_shape(columns)
         shipped = activation.bias_gelu_tiles(columns)
         for dtype in ("fp32", "bf16"):
@@ -200,7 +206,7 @@ def _activation_configs():
                    dict(A=f"*{dtype}", Y=f"*{dtype}", **sizes), blocks, warps)
             yield ("activation._geglu_bwd_kernel", f"{dtype} BLOCK_C={block_c}",
                    dict(DY=f"*{dtype}", A=f"*{dtype}", DA=f"*{dtype}", **sizes), blocks, warps)
-            tried = (activation.BIAS_GELU_CANDIDATES if (columns, dtype) == (rows.COLUMNS_PER_PROGRAM, "bf16")
+            tried = (activation.BIAS_GELU_CANDIDATES if (columns, dtype) == (launch.COLUMNS_PER_PROGRAM, "bf16")
                      else {kernel: () for kernel in activation.KERNELS})
             for tiling in dict.fromkeys((shipped["forward"], *tried["forward"])):
                 yield ("activation._bias_gelu_fwd_kernel", f"{dtype} BLOCK_C={block_c}"

@@ -9,7 +9,7 @@ forward kept it (x and the residual need not stay alive for it) or recomputes it
 dh_total = dLayerNorm(dy) + dh as the residual's gradient and, through the dropout, as x's (two tensors); the
 weight's and bias's gradients are per-program partial sums (at most BACKWARD_PROGRAMS), summed by a
 second kernel in a fixed order (no float atomics: deterministic). Each direction's buffers are one allocation
-(`rows.carve`). The dropout is hashed (`hashing.hashed_keep`): element (r, c) is dropped where the top 31 bits of its
+(`launch.carve`). The dropout is hashed (`hashing.hashed_keep`): element (r, c) is dropped where the top 31 bits of its
 counter's hash under a 32-bit key are below round(p * 2^31), so the backward draws the same bits again from the key
 alone, no mask stored (the keys come from torch's generator of the device, drawn for a whole stack of layers in
 one op, `fastmae.ops.dropout_keys`: seeds, checkpoints and CUDA graphs reproduce them). Unfused, torch runs the
@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from .hashing import dropout_threshold
+from .launch import MAX_HIDDEN, TILED_KERNELS, RowTiles, carve, sum_parts, tiled_pair
 from .mask_select import uniform_bits_u32
 from .residual import ResidualGrad
-from .rows import MAX_HIDDEN, TILED_KERNELS, RowTiles, carve, sum_parts, tiled_pair
 
 
 @triton.jit
@@ -138,7 +138,7 @@ KERNELS = TILED_KERNELS
 
 
 def tiles(hidden: int) -> dict[str, RowTiles]:
-    """Each kernel's RowTiles (KERNELS) for rows of `hidden` elements (`rows.tiled_pair`). `benchmarks/kernels.py
+    """Each kernel's RowTiles (KERNELS) for rows of `hidden` elements (`launch.tiled_pair`). `benchmarks/kernels.py
     --ops layers` times every CANDIDATE on CUDA."""
     return tiled_pair(triton.next_power_of_2(hidden))
 

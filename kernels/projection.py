@@ -7,7 +7,7 @@ projection's output gradient, and its bias gradient, together.
 Unfused, autograd's backward stacks dq, dk and dv into the [N, 3H] gradient of the projection's output (one pass
 over them) and sums that over its rows for the bias gradient (a second pass). Here one kernel reads dq, dk and dv once
 (any strides of rows and heads, as the attention's backward leaves them) and writes the [N, 3H] gradient and, from the
-same registers, each program's partial column sums (summed by `rows.sum_parts` in a fixed order: deterministic); the
+same registers, each program's partial column sums (summed by `launch.sum_parts` in a fixed order: deterministic); the
 input's and the weight's gradients are then the two GEMMs autograd runs. Reference: `project_qkv_reference` in
 reference.py.
 
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import BACKWARD_TILE, ROWS_PER_BIAS_PROGRAM, carve, column_block, sum_parts, tile_launch
 from .residual import ResidualGrad
-from .rows import BACKWARD_TILE, ROWS_PER_BIAS_PROGRAM, carve, column_block, sum_parts, tile_launch
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _qkv_grad_kernel(DQ, DK, DV, G, PARTS, n_rows, hidden, tiles, stride_qr, str
 
 def launch(hidden: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps) of the gathering kernel for heads of `hidden` columns in all: 4 elements a
-    thread (`rows.BACKWARD_TILE`)."""
+    thread (`launch.BACKWARD_TILE`)."""
     block_c = column_block(hidden)
     block_r, warps = tile_launch(block_c, BACKWARD_TILE)
     return block_r, block_c, warps

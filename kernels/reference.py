@@ -97,25 +97,26 @@ def _layer_norm_fp32(x, weight, bias, eps):
     return F.layer_norm(x.to(dtype), x.shape[-1:], weight.to(dtype), bias.to(dtype), eps)
 
 
-def embed_rows_reference(table, ids, pos_table=None, pos_ids=None, ln_weight=None, ln_bias=None, eps=1e-5):
+def embed_rows_reference(table, ids, pos_table=None, pos_ids=None, ln_weight=None, ln_bias=None, eps=1e-5, *,
+                         rows=None, pos_offset=0, extra_row=None):
     """`embed_rows` in plain torch."""
-    x = F.embedding(ids.long(), table)
+    x = F.embedding((ids if rows is None else ids.index_select(0, rows)).long(), table)
     if pos_table is not None:
-        x = x + F.embedding(pos_ids.long(), pos_table)
+        x = x + F.embedding(pos_ids.long() + pos_offset, pos_table)
     if ln_weight is not None:
         x = _layer_norm_fp32(x, ln_weight, ln_bias, eps)
-    return x.to(table.dtype)
+    return x.to(table.dtype) if extra_row is None else (x.to(table.dtype), table[extra_row])
 
 
 def insert_rows_reference(visible, visible_index, removed_index, fill, pos_table=None, pos_ids=None, ln_weight=None,
-                          ln_bias=None, eps=1e-5):
+                          ln_bias=None, eps=1e-5, *, pos_offset=0):
     """`insert_rows` in plain torch."""
     total = visible.shape[0] + removed_index.shape[0]
     out = visible.new_empty(total, visible.shape[1])
     out = out.index_copy(0, visible_index.long(), visible)
     out = out.index_copy(0, removed_index.long(), fill.reshape(-1).to(visible.dtype).expand(removed_index.shape[0], -1))
     if pos_table is not None:
-        out = out + F.embedding(pos_ids.long(), pos_table)
+        out = out + F.embedding(pos_ids.long() + pos_offset, pos_table)
     if ln_weight is not None:
         out = _layer_norm_fp32(out, ln_weight, ln_bias, eps)
     return out.to(visible.dtype)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import tile_launch
+from .launch import tile_launch
 
 
 @triton.jit

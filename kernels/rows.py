@@ -1,13 +1,14 @@
 """Row gather / scatter with a fused position add and LayerNorm: the embedding gather and the insertion.
 
-One Triton kernel pair serves both (ARCHITECTURE.md section 3.2). Output row r is
+One Triton kernel pair serves both (ARCHITECTURE.md section 3.2). Launch row r writes
 
-    out[dst(r)] = LayerNorm(src_row(r) + pos_table[pos_ids[r]])     (position add and LayerNorm each optional)
+    out[dst(r)] = LayerNorm(src_row(r) + pos_table[pos_ids[dst(r)] + pos_offset])   (position add and norm optional)
 
-with src_row(r) = src[src_ids[r]] (a table lookup: the embedding gather) or src[r] for r < num_src_rows and the
-`fill` row after (the insertion), and dst(r) = r or dst_index[r] (a scatter).
-Backward writes d(pre-norm row) once per row, in row order, so no float atomics: the caller reduces it into the
-tables with torch's embedding backward (`_accumulate_rows`) or takes it as the gradient of `src` directly.
+with src_row(r) = src[src_ids[g(r)]] (a table lookup: the embedding gather; g(r) = gather_index[r] or r) or src[r]
+for r < num_src_rows and the `fill` row after (the insertion), and dst(r) = r, or dst_index[r] for a source row and
+fill_index[r - num_src_rows] for a fill row (a scatter). The forward keeps the table rows it read, so the backward
+indexes nothing; it writes d(pre-norm row) once per row, in row order, so no float atomics: the caller reduces it
+into the tables with torch's embedding backward (`_accumulate_rows`) or takes it as the gradient of `src` directly.
 """
 
 from __future__ import annotations
@@ -18,49 +19,66 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import MAX_HIDDEN, carve, sum_parts
+
 # ----------------------------------------------------------------------------------------------------- kernels
 
 
 @triton.jit
-def _input_row(r, SRC, src_ids, FILL, POS, pos_ids, num_src_rows, stride_src, stride_pos, cols, mask,
-               SRC_INDEXED: tl.constexpr, HAS_FILL: tl.constexpr, HAS_POS: tl.constexpr):
-    """fp32 [BLOCK_H] pre-norm value of output row r (branch-free: rows past num_src_rows read FILL)."""
+def _input_row(r, src_row, pos_row, SRC, FILL, POS, num_src_rows, stride_src, stride_pos, cols, mask,
+               HAS_FILL: tl.constexpr, HAS_POS: tl.constexpr):
+    """fp32 [BLOCK_H] pre-norm value of launch row r, which reads src row `src_row` and position row `pos_row`
+    (branch-free: rows past num_src_rows read FILL)."""
     src_mask = mask
     if HAS_FILL:
         src_mask = mask & ((cols * 0 + r) < num_src_rows)  # a block-shaped condition: the interpreter needs one
-    if SRC_INDEXED:
-        src_row = tl.load(src_ids + r).to(tl.int64)
-    else:
-        src_row = r
     x = tl.load(SRC + src_row * stride_src + cols, mask=src_mask, other=0.0).to(tl.float32)
     if HAS_FILL:
         x += tl.load(FILL + cols, mask=mask & ((cols * 0 + r) >= num_src_rows), other=0.0).to(tl.float32)
     if HAS_POS:
-        pos_row = tl.load(pos_ids + r).to(tl.int64)
         x += tl.load(POS + pos_row * stride_pos + cols, mask=mask, other=0.0).to(tl.float32)
     return x
 
 
 @triton.jit
-def _output_row(r, dst_index, DST_INDEXED: tl.constexpr):
-    """Row of the output that launch row r writes (and whose gradient it reads)."""
+def _output_row(r, dst_index, fill_index, num_src_rows, DST_INDEXED: tl.constexpr, HAS_FILL: tl.constexpr):
+    """Row of the output that launch row r writes (and whose gradient it reads): dst_index[r] for a source row,
+    fill_index[r - num_src_rows] for a fill row."""
+    dst = r
     if DST_INDEXED:
-        dst = tl.load(dst_index + r).to(tl.int64)
-    else:
-        dst = r
+        if HAS_FILL:
+            if r < num_src_rows:
+                dst = tl.load(dst_index + r).to(tl.int64)
+            else:
+                dst = tl.load(fill_index + (r - num_src_rows)).to(tl.int64)
+        else:
+            dst = tl.load(dst_index + r).to(tl.int64)
     return dst
 
 
 @triton.jit
-def _rows_fwd_kernel(SRC, src_ids, FILL, POS, pos_ids, W, B, OUT, dst_index, MEAN, RSTD,
-                     num_src_rows, H, stride_src, stride_pos, stride_out, eps,
-                     SRC_INDEXED: tl.constexpr, HAS_FILL: tl.constexpr, HAS_POS: tl.constexpr,
-                     HAS_NORM: tl.constexpr, DST_INDEXED: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rows_fwd_kernel(SRC, src_ids, gather_index, FILL, POS, pos_ids, W, B, OUT, dst_index, fill_index, MEAN, RSTD,
+                     SRC_ROWS, POS_ROWS, num_src_rows, H, stride_src, stride_pos, stride_out, pos_offset, eps,
+                     SRC_INDEXED: tl.constexpr, GATHERED: tl.constexpr, HAS_FILL: tl.constexpr,
+                     HAS_POS: tl.constexpr, HAS_NORM: tl.constexpr, DST_INDEXED: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     mask = cols < H
-    x = _input_row(r, SRC, src_ids, FILL, POS, pos_ids, num_src_rows, stride_src, stride_pos, cols, mask,
-                   SRC_INDEXED, HAS_FILL, HAS_POS)
+    dst = _output_row(r, dst_index, fill_index, num_src_rows, DST_INDEXED, HAS_FILL)
+    src_row = r
+    if SRC_INDEXED:  # the table row this launch row reads, kept for the backward's accumulation
+        id_row = r
+        if GATHERED:
+            id_row = tl.load(gather_index + r).to(tl.int64)
+        src_row = tl.load(src_ids + id_row).to(tl.int64)
+        tl.store(SRC_ROWS + r, src_row.to(tl.int32))
+    pos_row = r
+    if HAS_POS:  # positions are the output row's; the table row read, kept likewise
+        pos_row = tl.load(pos_ids + dst).to(tl.int64) + pos_offset
+        tl.store(POS_ROWS + r, pos_row.to(tl.int32))
+    x = _input_row(r, src_row, pos_row, SRC, FILL, POS, num_src_rows, stride_src, stride_pos, cols, mask,
+                   HAS_FILL, HAS_POS)
     if HAS_NORM:
         mean = tl.sum(x, axis=0) / H
         xc = tl.where(mask, x - mean, 0.0)
@@ -72,13 +90,12 @@ def _rows_fwd_kernel(SRC, src_ids, FILL, POS, pos_ids, W, B, OUT, dst_index, MEA
         tl.store(RSTD + r, rstd)
     else:
         y = x
-    dst = _output_row(r, dst_index, DST_INDEXED)
     tl.store(OUT + dst * stride_out + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rows_bwd_kernel(DOUT, dst_index, SRC, src_ids, FILL, POS, pos_ids, W, MEAN, RSTD, DPRE, DW_PART, DB_PART,
-                     n_rows, num_src_rows, H, stride_dout, stride_src, stride_pos,
+def _rows_bwd_kernel(DOUT, dst_index, fill_index, SRC, SRC_ROWS, FILL, POS, POS_ROWS, W, MEAN, RSTD, DPRE, DW_PART,
+                     DB_PART, n_rows, num_src_rows, H, stride_dout, stride_src, stride_pos,
                      SRC_INDEXED: tl.constexpr, HAS_FILL: tl.constexpr, HAS_POS: tl.constexpr,
                      HAS_NORM: tl.constexpr, DST_INDEXED: tl.constexpr, BLOCK_H: tl.constexpr,
                      ROWS_PER_PROGRAM: tl.constexpr):
@@ -92,11 +109,17 @@ def _rows_bwd_kernel(DOUT, dst_index, SRC, src_ids, FILL, POS, pos_ids, W, MEAN,
     for i in range(ROWS_PER_PROGRAM):
         r = pid * ROWS_PER_PROGRAM + i
         if r < n_rows:
-            dst = _output_row(r, dst_index, DST_INDEXED)
+            dst = _output_row(r, dst_index, fill_index, num_src_rows, DST_INDEXED, HAS_FILL)
             dy = tl.load(DOUT + dst * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_NORM:
-                x = _input_row(r, SRC, src_ids, FILL, POS, pos_ids, num_src_rows, stride_src, stride_pos, cols,
-                               mask, SRC_INDEXED, HAS_FILL, HAS_POS)
+                src_row = r
+                if SRC_INDEXED:
+                    src_row = tl.load(SRC_ROWS + r).to(tl.int64)
+                pos_row = r
+                if HAS_POS:
+                    pos_row = tl.load(POS_ROWS + r).to(tl.int64)
+                x = _input_row(r, src_row, pos_row, SRC, FILL, POS, num_src_rows, stride_src, stride_pos, cols,
+                               mask, HAS_FILL, HAS_POS)
                 xhat = tl.where(mask, (x - tl.load(MEAN + r)) * tl.load(RSTD + r), 0.0)
                 wdy = w * dy
                 c1 = tl.sum(xhat * wdy, axis=0) / H
@@ -112,41 +135,7 @@ def _rows_bwd_kernel(DOUT, dst_index, SRC, src_ids, FILL, POS, pos_ids, W, MEAN,
         tl.store(DB_PART + pid * H + cols, db, mask=mask)
 
 
-@triton.jit
-def _sum_parts_kernel(PARTS, SUMS, programs, H, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Program (c, n): columns block c of SUMS[n] [H] in its dtype, the partial sums PARTS[n] [programs, H] fp32 a
-    backward's programs wrote, added in a fixed order; each thread adds its own elements across the blocks of partial
-    rows and the rows are summed once at the end (no cross-thread sum inside the loop)."""
-    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-    part = tl.program_id(1).to(tl.int64)
-    total = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
-    for start in range(0, programs, BLOCK_P):
-        rows = start + tl.arange(0, BLOCK_P)
-        mask = (rows[:, None] < programs) & (cols[None, :] < H)
-        total += tl.load(PARTS + (part * programs + rows[:, None]) * H + cols[None, :], mask=mask, other=0.0)
-    tl.store(SUMS + part * H + cols, tl.sum(total, axis=0).to(SUMS.dtype.element_ty), mask=cols < H)
-
-
 # ---------------------------------------------------------------------------------------------------- launchers
-
-
-# _sum_parts_kernel's tile and warps: 128 partial rows x 32 columns (a 128-byte line a row), 16 elements a thread.
-# The first GPU timing, at 32 x 64 on 4 warps with a cross-thread sum each step, had 12 programs at RoBERTa-base's
-# width loop 32 times over 1,024 partial rows: 0.07 ms a call, 1.8 ms of an mlm step on an H200.
-SUM_BLOCK_P, SUM_BLOCK_H, SUM_WARPS = 128, 32, 8
-
-
-def sum_parts(parts: torch.Tensor, sums: torch.Tensor) -> None:
-    """sums [n, H] (contiguous, any float dtype) = parts [n, programs, H] fp32, as a backward's programs wrote them,
-    summed over their rows: one kernel for all n (a norm's weight and bias gradients, a projection's bias), a fixed
-    order (deterministic), the cast to the dtype of `sums` in it."""
-    count, programs, hidden = parts.shape
-    if sums.shape != (count, hidden) or not sums.is_contiguous():
-        raise ValueError(f"sum_parts: sums must be contiguous [{count}, {hidden}]; got {tuple(sums.shape)}")
-    if hidden and count:
-        _sum_parts_kernel[(triton.cdiv(hidden, SUM_BLOCK_H), count)](parts, sums, programs, hidden,
-                                                                     BLOCK_P=SUM_BLOCK_P, BLOCK_H=SUM_BLOCK_H,
-                                                                     num_warps=SUM_WARPS)
 
 
 def row_launch_config(hidden: int) -> tuple[int, int]:
@@ -158,96 +147,59 @@ def row_launch_config(hidden: int) -> tuple[int, int]:
 ROWS_PER_PROGRAM = 16  # backward: rows per program, so LayerNorm weight-gradient partials stay few
 
 
-# Elements of a backward kernel's tile (norm.py, activation.py's bias + GELU): 4 a thread over 8 warps, where the
-# forward's 2,048 put 8 a thread. A backward holds more of each element live (the gradient, the recomputed input, the
-# statistics, the partial sums), and at 8 a thread the static GPU check counted 143-146 registers for the LayerNorm's
-# backward at RoBERTa-base's width: one 8-warp program a multiprocessor (8 of 64 warps). At 4 a thread: 75-80, three.
-BACKWARD_TILE = 1024
+def _pointers(device: torch.device, *tensors: torch.Tensor | None) -> list[torch.Tensor]:
+    """The tensors as a kernel's pointer arguments: an empty tensor for each None (the kernel's flags leave it
+    unused)."""
+    none = torch.empty(0, device=device)
+    return [none if t is None else t for t in tensors]
 
 
-# Column-blocked kernels (activation.py's bias + GELU, projection.py's QKV gathering): the columns a program takes
-# at most (wide rows take several programs), and the rows a backward program sums, so that its bias gradient's
-# partials stay few.
-COLUMNS_PER_PROGRAM = 1024
-ROWS_PER_BIAS_PROGRAM = 64
+class RowIndex(NamedTuple):
+    """Which rows a row op reads and writes (the tensors int32, on the op's device; none of them differentiable).
+
+    src_ids: the table rows of a lookup, or None (launch row r reads src row r, then `fill`); gather_index: the
+    entries of src_ids the launch rows read (None: all, in order); dst_index / fill_index: the output rows of the
+    source rows / of the fill rows (None: launch row r writes row r); pos_ids: the position of each output row
+    (indexed by output row), read at row pos_ids + pos_offset of the position table; n_rows: launch (= output) rows.
+    """
+
+    src_ids: torch.Tensor | None
+    gather_index: torch.Tensor | None
+    dst_index: torch.Tensor | None
+    fill_index: torch.Tensor | None
+    pos_ids: torch.Tensor | None
+    pos_offset: int
+    n_rows: int
 
 
-def column_block(columns: int) -> int:
-    """BLOCK_C, the columns a program of a column-blocked kernel takes, for rows of `columns`."""
-    return min(triton.next_power_of_2(columns), COLUMNS_PER_PROGRAM)
-
-
-class RowTiles(NamedTuple):
-    """A row-tiled kernel's launch (norm.py, activation.py, rotary.py): the rows of the tile a program holds at once,
-    and its warps."""
-
-    rows: int
-    warps: int
-
-
-def tile_launch(block: int, elements: int = 2048) -> RowTiles:
-    """The RowTiles of a row-tiled kernel over rows of `block` elements: a tile of about `elements` elements (at most
-    64 rows) over 8 warps, at least 4 and at most 16 (the widest rows hold more a thread). Fewer, larger programs than
-    one a row: also far cheaper under the interpreter."""
-    rows = max(1, min(64, elements // block))
-    return RowTiles(rows, max(4, min(16, rows * block * 8 // elements)))
-
-
-TILED_KERNELS = ("forward", "backward")  # a row-tiled op's two kernels (norm.py's, bias + GELU's)
-
-
-def tiled_pair(block: int) -> dict[str, RowTiles]:
-    """The RowTiles of a row-tiled op's forward and backward kernels (TILED_KERNELS) over rows of `block` elements:
-    `tile_launch`'s 8 elements a thread forward, 4 (BACKWARD_TILE) backward."""
-    return {"forward": tile_launch(block), "backward": tile_launch(block, BACKWARD_TILE)}
-
-
-def carve(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
-    """Tensors of the given (shape, dtype) as views of one allocation, each 256-byte aligned: one op for the host to
-    issue however many buffers a kernel writes (benchmarks/host_overhead.py counts each allocation)."""
-    offsets, size = [], 0
-    for shape, dtype in specs:
-        offsets.append(size)
-        size += -(-torch.Size(shape).numel() * dtype.itemsize // 256) * 256
-    buffer = torch.empty(max(size, 1), device=device, dtype=torch.uint8)
-    return [buffer[start:start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
-            for start, (shape, dtype) in zip(offsets, specs)]
-
-
-def _placeholder(device):
-    """An empty tensor passed for a pointer argument that the kernel's flags leave unused."""
-    return torch.empty(0, device=device)
-
-
-def _launch_forward(src, src_ids, fill, pos_table, pos_ids, ln_weight, ln_bias, eps, dst_index, n_rows):
-    """n_rows: launch rows, one per output row (every output row is written exactly once)."""
-    hidden = src.shape[1]
-    device = src.device
+def _launch_forward(src, fill, pos_table, ln_weight, ln_bias, eps, index: RowIndex):
+    """Every output row written exactly once. Returns (out, mean, rstd, src_rows, pos_rows): the statistics and the
+    table rows each launch row read (fp32, int32; empty where unused), what the backward reads."""
+    hidden, device, n_rows = src.shape[1], src.device, index.n_rows
     out = torch.empty(n_rows, hidden, device=device, dtype=src.dtype)
-    has_norm = ln_weight is not None
-    if has_norm:  # one allocation for both
-        mean, rstd = torch.empty(2, n_rows, device=device, dtype=torch.float32).unbind(0)
-    else:
-        mean = rstd = _placeholder(device)
+    has_norm, has_pos, src_indexed = ln_weight is not None, pos_table is not None, index.src_ids is not None
+    stats, src_rows, pos_rows = carve(device, ((2, n_rows if has_norm else 0), torch.float32),
+                                      ((n_rows if src_indexed else 0,), torch.int32),
+                                      ((n_rows if has_pos else 0,), torch.int32))
+    mean, rstd = stats.unbind(0)
     if n_rows == 0:
-        return out, mean, rstd
+        return out, mean, rstd, src_rows, pos_rows
     block, warps = row_launch_config(hidden)
-    none = _placeholder(device)
+    src_ids, gather_index, fill, pos_table, pos_ids, ln_weight, ln_bias, dst_index, fill_index = _pointers(
+        device, index.src_ids, index.gather_index, fill, pos_table, index.pos_ids, ln_weight, ln_bias,
+        index.dst_index, index.fill_index)
     _rows_fwd_kernel[(n_rows,)](
-        src, src_ids if src_ids is not None else none, fill if fill is not None else none,
-        pos_table if pos_table is not None else none, pos_ids if pos_ids is not None else none,
-        ln_weight if has_norm else none, ln_bias if has_norm else none, out,
-        dst_index if dst_index is not None else none, mean, rstd,
-        src.shape[0], hidden, src.stride(0), pos_table.stride(0) if pos_table is not None else 0, out.stride(0), eps,
-        SRC_INDEXED=src_ids is not None, HAS_FILL=fill is not None, HAS_POS=pos_table is not None,
-        HAS_NORM=has_norm, DST_INDEXED=dst_index is not None, BLOCK_H=block, num_warps=warps,
+        src, src_ids, gather_index, fill, pos_table, pos_ids, ln_weight, ln_bias, out, dst_index, fill_index, mean,
+        rstd, src_rows, pos_rows, src.shape[0], hidden, src.stride(0), pos_table.stride(0) if has_pos else 0,
+        out.stride(0), index.pos_offset, eps, SRC_INDEXED=src_indexed, GATHERED=index.gather_index is not None,
+        HAS_FILL=index.fill_index is not None, HAS_POS=has_pos, HAS_NORM=has_norm,
+        DST_INDEXED=index.dst_index is not None, BLOCK_H=block, num_warps=warps,
     )
-    return out, mean, rstd
+    return out, mean, rstd, src_rows, pos_rows
 
 
-def _launch_backward(dout, src, src_ids, fill, pos_table, pos_ids, ln_weight, mean, rstd, dst_index, n_rows):
-    hidden = src.shape[1]
-    device = src.device
+def _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, index: RowIndex):
+    hidden, device, n_rows = src.shape[1], src.device, index.n_rows
     dpre = torch.empty(n_rows, hidden, device=device, dtype=torch.float32)
     has_norm = ln_weight is not None
     programs = triton.cdiv(n_rows, ROWS_PER_PROGRAM)
@@ -258,17 +210,14 @@ def _launch_backward(dout, src, src_ids, fill, pos_table, pos_ids, ln_weight, me
         return dpre, None, None
     dout = dout.contiguous()
     block, warps = row_launch_config(hidden)
-    none = _placeholder(device)
+    has_fill, has_pos = fill is not None, pos_table is not None
+    dst_index, fill_index, fill, pos_table, ln_weight, dw_part, db_part = _pointers(
+        device, index.dst_index, index.fill_index, fill, pos_table, ln_weight, dw_part, db_part)
     _rows_bwd_kernel[(programs,)](
-        dout, dst_index if dst_index is not None else none, src, src_ids if src_ids is not None else none,
-        fill if fill is not None else none, pos_table if pos_table is not None else none,
-        pos_ids if pos_ids is not None else none, ln_weight if has_norm else none, mean, rstd, dpre,
-        dw_part if has_norm else none, db_part if has_norm else none,
-        n_rows, src.shape[0], hidden, dout.stride(0), src.stride(0),
-        pos_table.stride(0) if pos_table is not None else 0,
-        SRC_INDEXED=src_ids is not None, HAS_FILL=fill is not None, HAS_POS=pos_table is not None,
-        HAS_NORM=has_norm, DST_INDEXED=dst_index is not None, BLOCK_H=block, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM,
-        num_warps=warps,
+        dout, dst_index, fill_index, src, src_rows, fill, pos_table, pos_rows, ln_weight, mean, rstd, dpre, dw_part,
+        db_part, n_rows, src.shape[0], hidden, dout.stride(0), src.stride(0), pos_table.stride(0) if has_pos else 0,
+        SRC_INDEXED=index.src_ids is not None, HAS_FILL=has_fill, HAS_POS=has_pos, HAS_NORM=has_norm,
+        DST_INDEXED=index.dst_index is not None, BLOCK_H=block, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, num_warps=warps,
     )
     if not has_norm:
         return dpre, None, None
@@ -277,14 +226,19 @@ def _launch_backward(dout, src, src_ids, fill, pos_table, pos_ids, ln_weight, me
     return dpre, sums[0], sums[1]
 
 
-def _accumulate_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Gradient of `table` [V, H] from per-row fp32 gradients `rows` [N, H] read at `ids` [N], in table's dtype:
-    torch's embedding backward, which on CUDA sorts the ids and sums each id's rows in parallel partial sums (for a
-    small table torch may add those partials with float atomics, unless torch.use_deterministic_algorithms(True)).
+def _accumulate_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, extra_row: int | None = None,
+                     d_extra: torch.Tensor | None = None) -> torch.Tensor:
+    """Gradient of `table` [V, H] from per-row fp32 gradients `rows` [N, H] read at `ids` [N] (and `d_extra` [H],
+    the gradient of row `extra_row` handed out alone), in table's dtype: torch's embedding backward, which on CUDA
+    sorts the ids and sums each id's rows in parallel partial sums (for a small table torch may add those partials
+    with float atomics, unless torch.use_deterministic_algorithms(True)).
     `index_put_(accumulate=True)`, deterministic, sums an id's rows one after another:
     mlm's `<mask>` id, 15-30% of a micro-batch's rows, made it 5.7 ms of a RoBERTa-base step and 11 ms of a
     ModernBERT-base one on an H200 (Hugging Face's embedding backward: 0.4 ms)."""
-    return torch.ops.aten.embedding_dense_backward(rows, ids, table.shape[0], -1, False).to(table.dtype)
+    grad = torch.ops.aten.embedding_dense_backward(rows, ids, table.shape[0], -1, False)
+    if d_extra is not None:  # in place, before the cast: no [V, H] select_backward and add of its own
+        grad[extra_row].add_(d_extra)
+    return grad.to(table.dtype)
 
 
 # -------------------------------------------------------------------------------------------- autograd + public
@@ -293,32 +247,31 @@ def _accumulate_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor)
 class _RowsFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, src, src_ids, fill, pos_table, pos_ids, ln_weight, ln_bias, eps, dst_index, n_rows):
+    def forward(ctx, src, fill, pos_table, ln_weight, ln_bias, eps, index: RowIndex, extra_row):
         src = src.contiguous()
-        out, mean, rstd = _launch_forward(src, src_ids, fill, pos_table, pos_ids, ln_weight, ln_bias, eps, dst_index,
-                                          n_rows)
-        ctx.save_for_backward(src, src_ids, fill, pos_table, pos_ids, ln_weight, mean, rstd, dst_index)  # None stays
-        ctx.n_rows = n_rows
-        return out
+        out, mean, rstd, src_rows, pos_rows = _launch_forward(src, fill, pos_table, ln_weight, ln_bias, eps, index)
+        ctx.save_for_backward(src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, index.dst_index,
+                              index.fill_index)  # None stays None
+        ctx.index = index._replace(gather_index=None, dst_index=None, fill_index=None, pos_ids=None)
+        ctx.extra_row = extra_row
+        return out if extra_row is None else (out, src[extra_row])
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, dout):
-        src, src_ids, fill, pos_table, pos_ids, ln_weight, mean, rstd, dst_index = ctx.saved_tensors
-        dpre, dw, db = _launch_backward(dout, src, src_ids, fill, pos_table, pos_ids, ln_weight, mean, rstd,
-                                        dst_index, ctx.n_rows)
-        if src_ids is not None:  # a table lookup: rows with the same id add up
-            d_src = _accumulate_rows(src, src_ids, dpre) if ctx.needs_input_grad[0] else None
-        else:  # row r of src made output row r: its gradient is d_pre in row order
+    def backward(ctx, dout, d_extra=None):
+        src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, dst_index, fill_index = ctx.saved_tensors
+        index = ctx.index._replace(dst_index=dst_index, fill_index=fill_index)
+        dpre, dw, db = _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, index)
+        d_src = None
+        if index.src_ids is not None and ctx.needs_input_grad[0]:  # a table lookup: rows with the same id add up
+            d_src = _accumulate_rows(src, src_rows, dpre, ctx.extra_row, d_extra)
+        elif index.src_ids is None:  # row r of src made output row r: its gradient is d_pre in row order
             d_src = dpre[: src.shape[0]].to(src.dtype)
         d_fill = dpre[src.shape[0]:].sum(0).to(fill.dtype) if fill is not None else None
         d_pos = None
-        if pos_table is not None and ctx.needs_input_grad[3]:
-            d_pos = _accumulate_rows(pos_table, pos_ids, dpre)
-        return d_src, None, d_fill, d_pos, None, dw, db, None, None, None
-
-
-MAX_HIDDEN = 8192  # the largest row the launch configurations cover (kernels/aot.py checks each one)
+        if pos_table is not None and ctx.needs_input_grad[2]:
+            d_pos = _accumulate_rows(pos_table, pos_rows, dpre)
+        return d_src, d_fill, d_pos, dw, db, None, None, None
 
 
 def _check_rows(name, src, pos_table, pos_ids, ln_weight, ln_bias, n_rows):
@@ -336,33 +289,37 @@ def _check_rows(name, src, pos_table, pos_ids, ln_weight, ln_bias, n_rows):
 
 def embed_rows(table: torch.Tensor, ids: torch.Tensor, pos_table: torch.Tensor | None = None,
                pos_ids: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
-               ln_bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
-    """Embedding gather (Triton): LayerNorm(table[ids] + pos_table[pos_ids]) for each of the N rows.
+               ln_bias: torch.Tensor | None = None, eps: float = 1e-5, *, rows: torch.Tensor | None = None,
+               pos_offset: int = 0, extra_row: int | None = None):
+    """Embedding gather (Triton): LayerNorm(table[ids[rows]] + pos_table[pos_ids + pos_offset]) for each of the N
+    rows (`rows` None: every id, in order).
 
-    table: [V, H]; ids: [N] int32; pos_table: [P, H] or None; pos_ids: [N] int32 (row of pos_table, offset included);
-    ln_weight, ln_bias: [H] or None (no norm). Returns [N, H] in table's dtype; statistics in fp32.
-    Gradients reach table and pos_table (summed over repeated ids) and the LayerNorm parameters.
+    table: [V, H]; ids: int32; rows: [N] int32 or None; pos_table: [P, H] or None; pos_ids: [N] int32, each row's
+    position (its row of pos_table: pos_ids + pos_offset); ln_weight, ln_bias: [H] or None (no norm). Returns [N, H]
+    in table's dtype (statistics in fp32), and with `extra_row` the pair of that and table[extra_row] [H] (the
+    insertion's `<mask>` row), whose gradient joins the table's in this op's backward. Gradients reach table and
+    pos_table (summed over repeated ids) and the LayerNorm parameters.
     """
-    _check_rows("embed_rows", table, pos_table, pos_ids, ln_weight, ln_bias, ids.numel())
-    return _RowsFunction.apply(table, ids.contiguous(), None, pos_table, pos_ids, ln_weight, ln_bias, eps, None,
-                               ids.numel())
+    n_rows = ids.numel() if rows is None else rows.numel()
+    _check_rows("embed_rows", table, pos_table, pos_ids, ln_weight, ln_bias, n_rows)
+    index = RowIndex(ids.contiguous(), rows, None, None, pos_ids, pos_offset, n_rows)
+    return _RowsFunction.apply(table, None, pos_table, ln_weight, ln_bias, eps, index, extra_row)
 
 
 def insert_rows(visible: torch.Tensor, visible_index: torch.Tensor, removed_index: torch.Tensor, fill: torch.Tensor,
                 pos_table: torch.Tensor | None = None, pos_ids: torch.Tensor | None = None,
                 ln_weight: torch.Tensor | None = None, ln_bias: torch.Tensor | None = None,
-                eps: float = 1e-5) -> torch.Tensor:
+                eps: float = 1e-5, *, pos_offset: int = 0) -> torch.Tensor:
     """Varlen scatter (Triton): the full [T, H] stream from T_v visible rows and one fill row.
 
     visible: [T_v, H]; visible_index: [T_v] int32, their rows in the full stream; removed_index: [T_r] int32, the
     other rows (T_v + T_r = T, disjoint); fill: [H], the row every removed slot gets (the <mask> embedding).
-    Optionally add pos_table[pos_ids[row]] (pos_ids: [T], indexed by full-stream row) and apply LayerNorm.
-    Returns [T, H] in visible's dtype. Backward: a gather for `visible`, a sum over removed rows for `fill`,
-    row sums into pos_table, reductions for the LayerNorm parameters.
+    Optionally add pos_table[pos_ids[row] + pos_offset] (pos_ids: [T], indexed by full-stream row) and apply
+    LayerNorm. Returns [T, H] in visible's dtype. Backward: a gather for `visible`, a sum over removed rows for
+    `fill`, row sums into pos_table, reductions for the LayerNorm parameters.
     """
     total = visible.shape[0] + removed_index.shape[0]
     _check_rows("insert_rows", visible, pos_table, pos_ids, ln_weight, ln_bias, total)
-    dst_index = torch.cat([visible_index, removed_index]).to(torch.int32)
-    launch_pos_ids = pos_ids.index_select(0, dst_index) if pos_ids is not None else None
-    return _RowsFunction.apply(visible, None, fill.reshape(-1).to(visible.dtype), pos_table, launch_pos_ids,
-                               ln_weight, ln_bias, eps, dst_index, total)
+    index = RowIndex(None, None, visible_index, removed_index, pos_ids, pos_offset, total)
+    return _RowsFunction.apply(visible, fill.reshape(-1).to(visible.dtype), pos_table, ln_weight, ln_bias, eps,
+                               index, None)

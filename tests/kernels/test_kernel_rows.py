@@ -13,13 +13,14 @@ VARIANTS = [pytest.param(False, False, id="plain"), pytest.param(True, False, id
             pytest.param(False, True, id="norm"), pytest.param(True, True, id="pos+norm")]
 
 
-def make_inputs(rows, hidden, dtype, seed, with_pos, with_norm, vocab=50, positions=16):
+def make_inputs(rows, hidden, dtype, seed, with_pos, with_norm, vocab=50, positions=16, pos_offset=0):
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     return dict(
         table=rand(vocab, hidden), ids=torch.randint(0, vocab, (rows,), generator=gen, dtype=torch.int32),
         pos_table=rand(positions, hidden) if with_pos else None,
-        pos_ids=torch.randint(0, positions, (rows,), generator=gen, dtype=torch.int32) if with_pos else None,
+        pos_ids=torch.randint(0, positions - pos_offset, (rows,), generator=gen, dtype=torch.int32)
+        if with_pos else None,
         ln_weight=1 + 0.1 * rand(hidden) if with_norm else None, ln_bias=0.1 * rand(hidden) if with_norm else None,
         grad=rand(rows, hidden),
     )
@@ -28,7 +29,7 @@ def make_inputs(rows, hidden, dtype, seed, with_pos, with_norm, vocab=50, positi
 def run(fn, inputs, dtype, float_keys, int_keys, call):
     """Call `call(fn, tensors)` with float inputs in `dtype` (leaves) and return [out, grads of the float inputs]."""
     tensors = {k: inputs[k].to(KERNEL_DEVICE, dtype).requires_grad_() for k in float_keys if inputs[k] is not None}
-    tensors.update({k: inputs[k].to(KERNEL_DEVICE) for k in int_keys if inputs[k] is not None})
+    tensors.update({k: inputs[k].to(KERNEL_DEVICE) for k in int_keys if inputs.get(k) is not None})
     if "ln_weight" in tensors:  # LayerNorm parameters stay fp32, as in the model
         for k in ("ln_weight", "ln_bias"):
             param_dtype = torch.float32 if dtype != torch.float64 else dtype
@@ -67,18 +68,39 @@ def check(kernel, reference, inputs, dtype, float_keys, int_keys, call, bit_exac
 
 @row_cases
 def test_embed_rows(rows, hidden, with_pos, with_norm, dtype, nan_empty):
-    inputs = make_inputs(rows, hidden, dtype, case_seed(rows, hidden, with_pos, with_norm), with_pos, with_norm)
-    floats, ints = ["table", "pos_table", "ln_weight", "ln_bias"], ["ids", "pos_ids"]
+    """Every id in order (mlm's encoder), or the entries `rows` picks of a longer ids tensor (the visible rows of a
+    k > 0 encoder: some shapes), positions past an offset (RoBERTa's)."""
+    seed = case_seed(rows, hidden, with_pos, with_norm)
+    inputs = make_inputs(rows, hidden, dtype, seed, with_pos, with_norm, pos_offset=2)
+    gathered = rows in (20, 37)
+    if gathered:
+        gen = torch.Generator().manual_seed(200 + seed)
+        inputs["ids"] = torch.cat([inputs["ids"], torch.randint(0, 50, (7,), generator=gen, dtype=torch.int32)])
+        inputs["rows"] = torch.randperm(rows + 7, generator=gen)[:rows].to(torch.int32)
+    floats, ints = ["table", "pos_table", "ln_weight", "ln_bias"], ["ids", "pos_ids", "rows"]
     call = lambda fn, t: fn(t["table"], t["ids"], t.get("pos_table"), t.get("pos_ids"), t.get("ln_weight"),  # noqa
-                            t.get("ln_bias"))
+                            t.get("ln_bias"), rows=t.get("rows"), pos_offset=2)
     movement_only = not with_norm and not with_pos  # a pure gather: bit for bit forward
     check(embed_rows, embed_rows_reference, inputs, dtype, floats, ints, call, bit_exact=1 if movement_only else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_the_extra_rows_gradient_joins_the_tables(with_norm, dtype):
+    """`extra_row` hands out one row of the table (the insertion's `<mask>` row), its gradient added in the op's own
+    backward: here the row is added to every output row, and the id also occurs among the ids."""
+    inputs = make_inputs(37, 100, dtype, 5, True, with_norm)
+    inputs["ids"][::5] = 3
+    call = lambda fn, t: torch.add(*fn(t["table"], t["ids"], t["pos_table"], t["pos_ids"], t.get("ln_weight"),  # noqa
+                                       t.get("ln_bias"), extra_row=3))
+    floats, ints = ["table", "pos_table", "ln_weight", "ln_bias"], ["ids", "pos_ids"]
+    check(embed_rows, embed_rows_reference, inputs, dtype, floats, ints, call, bit_exact=0)
 
 
 @row_cases
 def test_insert_rows(rows, hidden, with_pos, with_norm, dtype, nan_empty):
     seed = case_seed(rows, hidden, with_pos, with_norm)
-    inputs = make_inputs(rows, hidden, dtype, seed, with_pos, with_norm)
+    inputs = make_inputs(rows, hidden, dtype, seed, with_pos, with_norm, pos_offset=1)
     gen = torch.Generator().manual_seed(100 + seed)
     num_visible = int(torch.randint(0, rows + 1, (1,), generator=gen))
     perm = torch.randperm(rows, generator=gen).to(torch.int32)
@@ -87,7 +109,7 @@ def test_insert_rows(rows, hidden, with_pos, with_norm, dtype, nan_empty):
     floats = ["visible", "fill", "pos_table", "ln_weight", "ln_bias"]
     ints = ["visible_index", "removed_index", "pos_ids"]
     call = lambda fn, t: fn(t["visible"], t["visible_index"], t["removed_index"], t["fill"], t.get("pos_table"),  # noqa
-                            t.get("pos_ids"), t.get("ln_weight"), t.get("ln_bias"))
+                            t.get("pos_ids"), t.get("ln_weight"), t.get("ln_bias"), pos_offset=1)
     movement_only = not with_norm and not with_pos  # a scatter and its gather: bit for bit both ways
     check(insert_rows, insert_rows_reference, inputs, dtype, floats, ints, call, bit_exact=2 if movement_only else 0)
 
@@ -104,15 +126,15 @@ def test_bad_arguments_are_named():
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_backwards_partial_sums_add_up_to_torchs(groups, dtype):
-    """rows.sum_parts (the norm's weight and bias gradients, bias + GELU's bias gradient, the embedding's LayerNorm):
+    """launch.sum_parts (the norm's weight and bias gradients, bias + GELU's bias gradient, the embedding's LayerNorm):
     more partial rows than one block of them (three loops of SUM_BLOCK_P), a width no column block divides, one
     group and three (the norm's weight and bias with a projection's bias)."""
-    from fastmae.kernels import rows
+    from fastmae.kernels import launch
 
     gen = torch.Generator().manual_seed(groups)
-    parts = torch.randn(groups, 2 * rows.SUM_BLOCK_P + 44, rows.SUM_BLOCK_H + 38, generator=gen).to(KERNEL_DEVICE)
+    parts = torch.randn(groups, 2 * launch.SUM_BLOCK_P + 44, launch.SUM_BLOCK_H + 38, generator=gen).to(KERNEL_DEVICE)
     outs = torch.full((groups, parts.shape[2]), float("nan"), device=KERNEL_DEVICE, dtype=dtype)
-    rows.sum_parts(parts, outs)
+    launch.sum_parts(parts, outs)
     for out, expected in zip(outs, parts.double().sum(1)):
         assert out.dtype == dtype
         torch.testing.assert_close(out.double().cpu(), expected.to(dtype).double().cpu(), rtol=1e-5 if

@@ -1,0 +1,105 @@
+"""What the row-wise kernels share (norm.py, activation.py, projection.py, rotary.py, rows.py): the tiles a
+program takes, column blocks, the buffers a launch writes in one allocation, and the one kernel that adds the
+per-program partial sums a backward writes (weight and bias gradients) in a fixed order, without atomics.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HIDDEN = 8192  # the largest row the launch configurations cover (kernels/aot.py checks each one)
+
+
+@triton.jit
+def _sum_parts_kernel(PARTS, SUMS, programs, H, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (c, n): columns block c of SUMS[n] [H] in its dtype, the partial sums PARTS[n] [programs, H] fp32 a
+    backward's programs wrote, added in a fixed order; each thread adds its own elements across the blocks of partial
+    rows and the rows are summed once at the end (no cross-thread sum inside the loop)."""
+    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    part = tl.program_id(1).to(tl.int64)
+    total = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
+    for start in range(0, programs, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        mask = (rows[:, None] < programs) & (cols[None, :] < H)
+        total += tl.load(PARTS + (part * programs + rows[:, None]) * H + cols[None, :], mask=mask, other=0.0)
+    tl.store(SUMS + part * H + cols, tl.sum(total, axis=0).to(SUMS.dtype.element_ty), mask=cols < H)
+
+
+
+# _sum_parts_kernel's tile and warps: 128 partial rows x 32 columns (a 128-byte line a row), 16 elements a thread.
+# The first GPU timing, at 32 x 64 on 4 warps with a cross-thread sum each step, had 12 programs at RoBERTa-base's
+# width loop 32 times over 1,024 partial rows: 0.07 ms a call, 1.8 ms of an mlm step on an H200.
+SUM_BLOCK_P, SUM_BLOCK_H, SUM_WARPS = 128, 32, 8
+
+
+def sum_parts(parts: torch.Tensor, sums: torch.Tensor) -> None:
+    """sums [n, H] (contiguous, any float dtype) = parts [n, programs, H] fp32, as a backward's programs wrote them,
+    summed over their rows: one kernel for all n (a norm's weight and bias gradients, a projection's bias), a fixed
+    order (deterministic), the cast to the dtype of `sums` in it."""
+    count, programs, hidden = parts.shape
+    if sums.shape != (count, hidden) or not sums.is_contiguous():
+        raise ValueError(f"sum_parts: sums must be contiguous [{count}, {hidden}]; got {tuple(sums.shape)}")
+    if hidden and count:
+        _sum_parts_kernel[(triton.cdiv(hidden, SUM_BLOCK_H), count)](parts, sums, programs, hidden,
+                                                                     BLOCK_P=SUM_BLOCK_P, BLOCK_H=SUM_BLOCK_H,
+                                                                     num_warps=SUM_WARPS)
+
+
+# Elements of a backward kernel's tile (norm.py, activation.py's bias + GELU): 4 a thread over 8 warps, where the
+# forward's 2,048 put 8 a thread. A backward holds more of each element live (the gradient, the recomputed input, the
+# statistics, the partial sums), and at 8 a thread the static GPU check counted 143-146 registers for the LayerNorm's
+# backward at RoBERTa-base's width: one 8-warp program a multiprocessor (8 of 64 warps). At 4 a thread: 75-80, three.
+BACKWARD_TILE = 1024
+
+
+# Column-blocked kernels (activation.py's bias + GELU, projection.py's QKV gathering): the columns a program takes
+# at most (wide rows take several programs), and the rows a backward program sums, so that its bias gradient's
+# partials stay few.
+COLUMNS_PER_PROGRAM = 1024
+ROWS_PER_BIAS_PROGRAM = 64
+
+
+def column_block(columns: int) -> int:
+    """BLOCK_C, the columns a program of a column-blocked kernel takes, for rows of `columns`."""
+    return min(triton.next_power_of_2(columns), COLUMNS_PER_PROGRAM)
+
+
+class RowTiles(NamedTuple):
+    """A row-tiled kernel's launch (norm.py, activation.py, rotary.py): the rows of the tile a program holds at once,
+    and its warps."""
+
+    rows: int
+    warps: int
+
+
+def tile_launch(block: int, elements: int = 2048) -> RowTiles:
+    """The RowTiles of a row-tiled kernel over rows of `block` elements: a tile of about `elements` elements (at most
+    64 rows) over 8 warps, at least 4 and at most 16 (the widest rows hold more a thread). Fewer, larger programs than
+    one a row: also far cheaper under the interpreter."""
+    rows = max(1, min(64, elements // block))
+    return RowTiles(rows, max(4, min(16, rows * block * 8 // elements)))
+
+
+TILED_KERNELS = ("forward", "backward")  # a row-tiled op's two kernels (norm.py's, bias + GELU's)
+
+
+def tiled_pair(block: int) -> dict[str, RowTiles]:
+    """The RowTiles of a row-tiled op's forward and backward kernels (TILED_KERNELS) over rows of `block` elements:
+    `tile_launch`'s 8 elements a thread forward, 4 (BACKWARD_TILE) backward."""
+    return {"forward": tile_launch(block), "backward": tile_launch(block, BACKWARD_TILE)}
+
+
+def carve(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
+    """Tensors of the given (shape, dtype) as views of one allocation, each 256-byte aligned: one op for the host to
+    issue however many buffers a kernel writes (benchmarks/host_overhead.py counts each allocation)."""
+    offsets, size = [], 0
+    for shape, dtype in specs:
+        offsets.append(size)
+        size += -(-torch.Size(shape).numel() * dtype.itemsize // 256) * 256
+    buffer = torch.empty(max(size, 1), device=device, dtype=torch.uint8)
+    return [buffer[start:start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+            for start, (shape, dtype) in zip(offsets, specs)]
