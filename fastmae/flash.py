@@ -65,6 +65,12 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def _as_kernels_write(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """x in like's dtype, contiguous, as the CUDA kernels write their outputs (an einsum's result may be a permuted
+    view: left so, every reshape or `.contiguous()` after it would copy on CPU where it does not on CUDA)."""
+    return x.to(like.dtype).contiguous()  # (`to` with a memory format returns x itself where the dtype is x's)
+
+
 def _twin_probabilities(q, k, cu_q, cu_k, scale, window):
     """(probs [heads, Tq, Tk], lse [heads, Tq]) in fp32 (fp64 for fp64 inputs) over the dense packed scores (a row
     with no key: zeros)."""
@@ -88,7 +94,8 @@ def _forward_cpu(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, window):
     seed = int(torch.randint(0, 2**62, (1,))) if dropout_p else 0  # from torch's CPU generator: manual_seed repeats it
     probs, lse = _twin_probabilities(q, k, cu_q, cu_k, scale, window)
     out = torch.einsum("hqk,khd->qhd", probs * _twin_kept(probs.shape, dropout_p, seed), _wide(v))
-    return out.to(q.dtype), lse.float(), torch.tensor([seed, 0], dtype=torch.int64), q.new_empty(0, dtype=torch.int64)
+    return (_as_kernels_write(out, q), lse.float(), torch.tensor([seed, 0], dtype=torch.int64),
+            q.new_empty(0, dtype=torch.int64))
 
 
 @_backward.register_kernel("cpu")
@@ -103,7 +110,7 @@ def _backward_cpu(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, 
     d_scores = probs * (d_probs - row_dot[..., None]) * scale
     dq = torch.einsum("hqk,khd->qhd", d_scores, _wide(k))
     dk = torch.einsum("hqk,qhd->khd", d_scores, _wide(q))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return _as_kernels_write(dq, q), _as_kernels_write(dk, k), _as_kernels_write(dv, v)
 
 
 # ---------------------------------------------------------------------------------------------- shapes, autograd
@@ -125,9 +132,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state, unused)
     ctx.args = (max_q, max_k, dropout_p, scale, window)
     ctx.mark_non_differentiable(lse, rng_state, unused)
+    ctx.set_materialize_grads(False)  # else autograd makes a zero gradient of lse and the rng state: two CUDA kernels
 
 
 def _autograd_backward(ctx, grad_out, _grad_lse, _grad_rng, _grad_unused):
+    if grad_out is None:  # the output went unused
+        return (None,) * 10
     q, k, v, out, lse, cu_q, cu_k, rng_state, unused = ctx.saved_tensors
     max_q, max_k, dropout_p, scale, window = ctx.args
     dq, dk, dv = _backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, scale, window,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import tile_launch
+from .launch import carve, tile_launch
 
 
 @triton.jit
@@ -51,8 +51,7 @@ def _rotate(q, k, cos_q, sin_q, cos_k, sin_k, sign: float) -> tuple[torch.Tensor
                              f"dimension contiguous; got shape {tuple(x.shape)}, strides {x.stride()}")
     heads, head_dim = q.shape[1:]
     tables = [t.float().contiguous() for t in (cos_q, sin_q, cos_k, sin_k)]
-    q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
-        k, memory_format=torch.contiguous_format)
+    q_out, k_out = carve(q.device, (q.shape, q.dtype), (k.shape, k.dtype))  # contiguous, one allocation
     rows = max(q.shape[0], k.shape[0])
     block = triton.next_power_of_2(heads * head_dim // 2)
     block_r, warps = tile_launch(block)

@@ -90,6 +90,28 @@ def test_dropout_is_redrawn_from_the_forward_rng_state(device, dtype):
     torch.testing.assert_close(first[1], second[1], **({} if device == "cpu" else {"rtol": 2e-2, "atol": 1e-2}))
 
 
+@pytest.mark.parametrize("device, dtype", CASES)
+def test_a_step_asks_for_the_two_kernels_alone(device, dtype):
+    """Forward and backward are one op each: no zero gradient made for the forward's lse and rng state (autograd
+    materialises one for every output, undifferentiated ones too, unless told not to: a CUDA kernel each, every
+    layer, every step), and out, dq, dk, dv come contiguous, as the CUDA kernels write them (the CPU twin too, so
+    the host-overhead proxy counts no copy after them that CUDA does not make)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from host_overhead import StepCounter
+
+    meta = consecutive_meta([40, 9], device)
+    q, k, v = qkv(49, 0, device, dtype)
+    grad = torch.ones(49, HEADS, HEAD_DIM, device=device, dtype=dtype)
+    with StepCounter() as counter:
+        out = flash_varlen(q, k, v, meta.cu_seqlens, meta.cu_seqlens, 40, 40, dropout_p=0.1, window=8)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+    assert dict(counter.ops) == {"flash_varlen_forward": 1, "flash_varlen_backward": 1}
+    assert all(t.is_contiguous() for t in (out, *grads))
+
+
 def test_the_twin_gradient_with_dropout_and_window_is_the_derivative():
     """gradcheck of the CPU twin in fp64 with dropout (the seed fixed per call) and a window, on a small stream
     (gradcheck's fast mode missed a wrong backward here)."""
