@@ -91,7 +91,7 @@ def test_dropout_is_redrawn_from_the_forward_rng_state(device, dtype):
 
 
 @pytest.mark.parametrize("device, dtype", CASES)
-def test_a_step_asks_for_the_two_kernels_alone(device, dtype):
+def test_a_torch_flash_step_asks_for_the_two_kernels_alone(device, dtype):
     """Forward and backward are one op each: no zero gradient made for the forward's lse and rng state (autograd
     materialises one for every output, undifferentiated ones too, unless told not to: a CUDA kernel each, every
     layer, every step), and out, dq, dk, dv come contiguous, as the CUDA kernels write them (the CPU twin too, so
