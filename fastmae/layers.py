@@ -52,16 +52,17 @@ class TransformerLayer(nn.Module):
                    residual_grad: ResidualGrad | None = None) -> torch.Tensor:
         rows, h = x.shape
         heads, head_dim = self.num_heads, h // self.num_heads
-        if context is None:  # on CUDA one gathering kernel backward, the residual's gradient added in its GEMM
-            q, k, v = ops.project_qkv(x, self.qkv.weight, self.qkv.bias, heads, residual_grad)
+        if context is None:  # on CUDA one gathering kernel backward (the rotary undone in it), the residual's
+            q, k, v = ops.project_qkv(x, self.qkv.weight, self.qkv.bias, heads, residual_grad,  # gradient added
+                                      meta.rotary)                                           # in its GEMM
             meta_k = meta
         else:  # queries from x, keys and values from the context rows
             w_q, w_kv = self.qkv.weight.split([h, 2 * h])
             b_q, b_kv = (None, None) if self.qkv.bias is None else self.qkv.bias.split([h, 2 * h])
             q = F.linear(x, w_q, b_q).view(rows, heads, head_dim)
             k, v = F.linear(context, w_kv, b_kv).view(-1, 2, heads, head_dim).unbind(1)
-        if meta.rotary is not None:
-            q, k = ops.rotary_qk(q, k, *meta.rotary, *meta_k.rotary)
+            if meta.rotary is not None:
+                q, k = ops.rotary_qk(q, k, *meta.rotary, *meta_k.rotary)
         out = varlen_attention(q, k, v, meta, meta_k, dropout_p=self.attention_dropout_p,
                                backend=self.attention_backend, bias=bias)
         return out.reshape(rows, h)  # before the output projection, which _add_norm applies

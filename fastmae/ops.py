@@ -83,14 +83,19 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
 
 
 def project_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, heads: int,
-                residual_grad: kernels.ResidualGrad | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v of `heads` heads each from the rows x and the attention's input projection: where `x` goes to Triton
-    and the projection has a bias, torch's GEMM forward and a backward that gathers the three gradients and sums the
-    bias's in one kernel (`kernels.project_qkv`), its input-gradient GEMM adding the residual's gradient where it
-    claims `residual_grad`; else, and under autocast, torch's linear split in three."""
-    if bias is not None and _fused_projection(x):
-        return kernels.project_qkv(x, weight, bias, heads, residual_grad)
-    return kernels.project_qkv_reference(x, weight, bias, heads)
+                residual_grad: kernels.ResidualGrad | None = None,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of `heads` heads each from the rows x and the attention's input projection, q and k rotated by the
+    rows' `rotary` tables (cos, sin) where given: where `x` goes to Triton and the projection has a bias or a
+    rotary, torch's GEMM forward (the rotation in one kernel) and a backward that gathers the three gradients,
+    rotates q's and k's back and sums the bias's in one kernel (`kernels.project_qkv`), its input-gradient GEMM adding
+    the residual's gradient where it claims `residual_grad`; else, and under autocast, torch's linear split in three,
+    then `rotary_qk`."""
+    if (bias is not None or rotary is not None) and _fused_projection(x):
+        return kernels.project_qkv(x, weight, bias, heads, residual_grad, rotary)
+    q, k, v = kernels.project_qkv_reference(x, weight, bias, heads)
+    return (q, k, v) if rotary is None else (*rotary_qk(q, k, *rotary, *rotary), v)
 
 
 def _fused_projection(x: torch.Tensor) -> bool:

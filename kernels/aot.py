@@ -222,17 +222,20 @@ def _activation_configs():
 
 def _projection_configs():
     """The QKV gradient gathering kernel for heads of 32, 64 and 128 at a full column block (base and large widths and
-    beyond), and narrow rows."""
+    beyond), and narrow rows: with a bias (RoBERTa's), a rotary (ModernBERT's) or both."""
     from . import projection
 
     for dtype in ("fp32", "bf16", "fp16"):
         for hidden, head_dim in ((64, 32), (768, 32), (768, 64), (1024, 128)):
-            block_r, block_c, warps = projection.launch(hidden)
-            d = f"*{dtype}"
-            strides = {f"stride_{x}{y}": "i32" for x in ("q", "k", "v") for y in ("r", "h")}
-            yield ("projection._qkv_grad_kernel", f"{dtype} BLOCK_C={block_c} HEAD_DIM={head_dim}",
-                   dict(DQ=d, DK=d, DV=d, G=d, PARTS="*fp32", n_rows="i32", hidden="i32", tiles="i32", **strides),
-                   dict(HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_C=block_c), warps)
+            for bias, rotary in ((1, 0), (0, 1), (1, 1)):
+                block_r, block_c, warps = projection.launch(hidden)
+                d = f"*{dtype}"
+                strides = {f"stride_{x}{y}": "i32" for x in ("q", "k", "v") for y in ("r", "h")}
+                said = f"{dtype} BLOCK_C={block_c} HEAD_DIM={head_dim}" + " bias" * bias + " rotary" * rotary
+                yield ("projection._qkv_grad_kernel", said,
+                       dict(DQ=d, DK=d, DV=d, G=d, PARTS="*fp32", COS="*fp32", SIN="*fp32", n_rows="i32",
+                            hidden="i32", tiles="i32", **strides),
+                       dict(HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_C=block_c, HAS_BIAS=bias, ROTARY=rotary), warps)
 
 
 def _tiles_said(tiling, shipped) -> str:

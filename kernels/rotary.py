@@ -44,7 +44,8 @@ def _rotary_kernel(Q, K, Q_OUT, K_OUT, COS_Q, SIN_Q, COS_K, SIN_K, rows_q, rows_
     _rotate_rows(K, K_OUT, COS_K, SIN_K, rows, rows_k, stride_k_row, stride_k_head, heads, half, sign, idx)
 
 
-def _rotate(q, k, cos_q, sin_q, cos_k, sin_k, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotate(q, k, cos_q, sin_q, cos_k, sin_k, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's launch (no autograd): q and k rotated by their tables' angles times `sign`, contiguous."""
     for name, x in (("q", q), ("k", k)):
         if x.dim() != 3 or x.shape[-1] % 2 or x.stride(-1) != 1:
             raise ValueError(f"rotary_qk: {name} must be [rows, heads, head_dim] with an even head_dim and its last "
@@ -67,12 +68,12 @@ class _RotaryQK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos_q, sin_q, cos_k, sin_k):
         ctx.save_for_backward(cos_q, sin_q, cos_k, sin_k)
-        return _rotate(q, k, cos_q, sin_q, cos_k, sin_k, 1.0)
+        return rotate(q, k, cos_q, sin_q, cos_k, sin_k, 1.0)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         # an unused output's gradient comes as zeros (autograd materialises it)
-        dq, dk = _rotate(grad_q.contiguous(), grad_k.contiguous(), *ctx.saved_tensors, -1.0)
+        dq, dk = rotate(grad_q.contiguous(), grad_k.contiguous(), *ctx.saved_tensors, -1.0)
         return dq, dk, None, None, None, None
 
 

@@ -1,6 +1,7 @@
-"""The QKV projection whose backward gathers the three heads' gradients and sums the bias's in one kernel (Triton),
-against the torch reference (linear, view, unbind), forward and backward: widths of one and two column blocks, rows no
-tile divides, the heads' gradients strided as an attention's backward may leave them, fp32 and bf16."""
+"""The QKV projection whose backward gathers the three heads' gradients (q's and k's rotated back where the forward
+rotated them) and sums the bias's in one kernel (Triton), against the torch reference (linear, view, unbind, rotary),
+forward and backward: with a bias, a rotary or both, widths of one and two column blocks, rows no tile divides, the
+heads' gradients strided as an attention's backward may leave them, fp32 and bf16."""
 
 import pytest
 import torch
@@ -13,19 +14,26 @@ DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_ava
 
 @pytest.mark.parametrize("rows, hidden, heads", [pytest.param(9, 1152, 18, id="N9-H1152"),  # two column blocks
                                                   pytest.param(150, 64, 2, id="N150-H64")])  # several programs
+@pytest.mark.parametrize("with_bias, with_rotary", [pytest.param(True, False, id="bias"),  # RoBERTa's
+                                                    pytest.param(False, True, id="rotary"),  # ModernBERT's
+                                                    pytest.param(True, True, id="bias+rotary")])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_project_qkv_matches_the_reference_forward_and_backward(rows, hidden, heads, dtype, monkeypatch):
+def test_project_qkv_matches_the_reference_forward_and_backward(rows, hidden, heads, with_bias, with_rotary, dtype,
+                                                                monkeypatch):
     monkeypatch.setattr(projection, "ROWS_PER_BIAS_PROGRAM", 16)
     gen = torch.Generator().manual_seed(rows)
     x, weight = torch.randn(rows, hidden, generator=gen), torch.randn(3 * hidden, hidden, generator=gen) / 8
     bias, grad = torch.randn(3 * hidden, generator=gen), torch.randn(3 * rows * hidden, generator=gen)
+    angles = torch.rand(rows, hidden // heads // 2, generator=gen) * 6.3
+    rotary = (angles.cos().to(KERNEL_DEVICE), angles.sin().to(KERNEL_DEVICE)) if with_rotary else None
 
     def run(fn, run_dtype):
         leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (x, weight, bias)]
-        q, k, v = fn(*leaves, heads)
+        q, k, v = fn(leaves[0], leaves[1], leaves[2] if with_bias else None, heads, rotary=rotary)
         # q's and v's gradients come back with heads, not rows, outermost (strided), k's contiguous
         flat = torch.cat([q.transpose(0, 1).reshape(-1), k.reshape(-1), v.transpose(0, 1).reshape(-1)])
-        return (flat, *torch.autograd.grad(flat, leaves, grad.to(KERNEL_DEVICE, run_dtype)))
+        grads = torch.autograd.grad(flat, leaves if with_bias else leaves[:2], grad.to(KERNEL_DEVICE, run_dtype))
+        return (flat, *grads)
 
     got, plain = run(project_qkv, dtype), run(project_qkv_reference, dtype)
     exact = run(project_qkv_reference, torch.float64)
