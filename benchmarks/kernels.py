@@ -4,9 +4,10 @@
 
 `data`: the masking, gather, insertion and cross-entropy kernels against their torch references. `layers`: a
 transformer layer's fused kernels (fastmae.ops: the projection's bias + dropout + add + LayerNorm, bias + GELU after
-the projection, GeGLU) against the stock torch ops a Hugging Face layer runs for the same math (the bias added,
-F.dropout, the add, F.layer_norm; F.linear with its bias and F.gelu; chunk and F.gelu times the gate): the comparison
-issue 55 asks each fused kernel to win.
+the projection, GeGLU, the QKV projection with the rotary of q and k) against the stock torch ops a Hugging Face layer
+runs for the same math (the bias added, F.dropout, the add, F.layer_norm; F.linear with its bias and F.gelu; chunk
+and F.gelu times the gate; F.linear, unbind and transformers' rotate-half): the comparison issue 55 asks each fused
+kernel to win.
 On CUDA `layers` also times the post-LN norm and bias + GELU (on its own, against F.gelu(a + b)) at every candidate
 tiling of one kernel at a time (`norm.CANDIDATES`, `activation.BIAS_GELU_CANDIDATES`): the fastest is what to ship.
 
@@ -191,6 +192,21 @@ def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):
 
     yield ("GeGLU", 8 * tokens * gated * elt, 0, lambda: torch.autograd.backward(stock_geglu(), grad_gated),
            lambda: torch.autograd.backward(ops.geglu(a), grad_gated))
+    # ModernBERT's attention input: QKV projection without a bias, q and k rotated (transformers' rotate-half)
+    heads, head_dim = hidden // 64, 64
+    w_qkv, angles = leaf(3 * hidden, hidden, scale=0.02), torch.rand(tokens, head_dim // 2, device=device) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    grads_qkv = [torch.randn(tokens, heads, head_dim, device=device, dtype=dtype) for _ in range(3)]
+
+    def stock_qkv_rotary():
+        q, k, v = F.linear(x, w_qkv).view(tokens, 3, heads, head_dim).unbind(1)
+        full_cos, full_sin = (torch.cat([t, t], -1)[:, None, :].to(dtype) for t in (cos, sin))
+        turned = [torch.cat([-t[..., head_dim // 2:], t[..., :head_dim // 2]], -1) for t in (q, k)]
+        return q * full_cos + turned[0] * full_sin, k * full_cos + turned[1] * full_sin, v
+
+    yield ("QKV projection + rotary (no bias)", 0, 18 * tokens * hidden * hidden,
+           lambda: torch.autograd.backward(stock_qkv_rotary(), grads_qkv),
+           lambda: torch.autograd.backward(ops.project_qkv(x, w_qkv, None, heads, rotary=(cos, sin)), grads_qkv))
 
 
 def main():
@@ -233,7 +249,8 @@ def main():
         print(row, flush=True)
     columns = list(rows[0])
     note = (f"{tokens} tokens (sequences of 512, 50% masked), hidden {args.hidden}, vocab {args.vocab}, {dtype}; "
-            "the layer ops against stock torch (F.dropout at 0.1, F.layer_norm, F.linear + F.gelu, chunk + F.gelu), "
+            "the layer ops against stock torch (F.dropout at 0.1, F.layer_norm, F.linear + F.gelu, chunk + F.gelu, "
+            "F.linear + unbind + rotate-half), "
             "intermediate width 4 x hidden (GeGLU 1.5 x hidden). "
             + ("Triton kernels and torch side by side; ms = wall time per call, GPU ms = the sum of its "
                "kernels' durations (profiler), from which GB/s and FLOP/s are computed (peaks: data sheet)."
