@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .launch import carve
+
 # ---------------------------------------------------------------------------------------------------- kernel
 
 
@@ -125,11 +127,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_loss):
         grad_x, grad_w, grad_b = ctx.saved_tensors
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
         factor = grad_loss.float() * ctx.scale  # 1 / rows x the incoming gradient, applied in fp32
-        dx = None if grad_x is None else (grad_x * factor).to(x_dtype)
-        dw = None if grad_w is None else (grad_w * factor).to(w_dtype)
-        db = None if grad_b is None else (grad_b * factor).to(b_dtype)
+        kept = [(g, dtype) for g, dtype in zip((grad_x, grad_w, grad_b), ctx.dtypes) if g is not None]
+        scaled = iter(carve(factor.device, *((g.shape, dtype) for g, dtype in kept)))  # one allocation
+        # each product in fp32, written in the gradient's dtype by the same kernel (no fp32 product, then a cast)
+        dx, dw, db = (None if g is None else torch.mul(g, factor, out=next(scaled)) for g in (grad_x, grad_w, grad_b))
         return dx, dw, db, None, None, None, None, None, None
 
 

@@ -119,7 +119,8 @@ class _Allocations(TorchDispatchMode):
 def test_chunked_work_and_allocations(dtype, monkeypatch):
     """Four chunks of 32 rows: one [32, V'] logits tensor each (V' = V padded to CE_VOCAB_ALIGN); the weight gradient
     adds in place into one [V', H] fp32 buffer (in bf16 on CPU through one [V', H] product per chunk and its fp32
-    copy), one scaled [V, H] copy in backward; under no_grad no gradient work."""
+    copy); backward writes the scaled gradients of x, the weight and the bias in their dtypes into one allocation (no
+    [V, H] product in fp32 and then its cast); under no_grad no gradient work."""
     rows, hidden, vocab = 128, 16, 1000
     padded = vocab + -vocab % CE_VOCAB_ALIGN
     monkeypatch.setattr(cross_entropy, "CE_CHUNK_BYTES", 32 * padded * torch.tensor([], dtype=dtype).element_size())
@@ -134,8 +135,9 @@ def test_chunked_work_and_allocations(dtype, monkeypatch):
     # the padded weight and the fp32 buffer; on CPU in bf16 each chunk's product and its fp32 copy
     per_chunk = 2 if dtype == torch.bfloat16 and KERNEL_DEVICE == "cpu" else 0
     assert train.shapes[(padded, hidden)] == 2 + 4 * per_chunk
-    # backward: the scaled gradient, and in bf16 its cast
-    assert train.shapes[(vocab, hidden)] == (1 if dtype == torch.float32 else 2)
+    # backward: the three scaled gradients carved from one buffer, each 256-byte aligned
+    carved = sum(-(-n * x.element_size() // 256) * 256 for n in (rows * hidden, vocab * hidden, vocab))
+    assert train.shapes[(vocab, hidden)] == 0 and train.shapes[(carved,)] == 1
     with torch.no_grad(), _Allocations() as evaluation:
         loss = linear_cross_entropy(x, w, b, labels)
     assert evaluation.shapes[(32, padded)] == 4 and evaluation.shapes[(padded, hidden)] == 1
