@@ -162,9 +162,9 @@ def rotary_qk_reference(q, k, cos_q, sin_q, cos_k, sin_k) -> tuple[torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------------- add + LayerNorm
-def project_qkv_reference(x, weight, bias, heads, residual_grad=None, rotary=None):
+def project_qkv_reference(x, weight, bias, heads, *, rotary=None):
     """`project_qkv` in plain torch: (x W^T + b) split into q, k, v of `heads` heads each (bias may be None), q and
-    k rotated by `rotary`'s (cos, sin) where given; `residual_grad` is the fused op's alone (autograd adds here)."""
+    k rotated by `rotary`'s (cos, sin) where given."""
     q, k, v = F.linear(x, weight, bias).view(x.shape[0], 3, heads, -1).unbind(1)
     return (q, k, v) if rotary is None else (*rotary_qk_reference(q, k, *rotary, *rotary), v)
 

@@ -177,7 +177,8 @@ def _launch_forward(src, fill, pos_table, ln_weight, ln_bias, eps, index: RowInd
     table rows each launch row read (fp32, int32; empty where unused), what the backward reads."""
     hidden, device, n_rows = src.shape[1], src.device, index.n_rows
     out = torch.empty(n_rows, hidden, device=device, dtype=src.dtype)
-    has_norm, has_pos, src_indexed = ln_weight is not None, pos_table is not None, index.src_ids is not None
+    has_norm, has_pos, has_fill = ln_weight is not None, pos_table is not None, fill is not None
+    src_indexed = index.src_ids is not None
     stats, src_rows, pos_rows = carve(device, ((2, n_rows if has_norm else 0), torch.float32),
                                       ((n_rows if src_indexed else 0,), torch.int32),
                                       ((n_rows if has_pos else 0,), torch.int32))
@@ -192,7 +193,7 @@ def _launch_forward(src, fill, pos_table, ln_weight, ln_bias, eps, index: RowInd
         src, src_ids, gather_index, fill, pos_table, pos_ids, ln_weight, ln_bias, out, dst_index, fill_index, mean,
         rstd, src_rows, pos_rows, src.shape[0], hidden, src.stride(0), pos_table.stride(0) if has_pos else 0,
         out.stride(0), index.pos_offset, eps, SRC_INDEXED=src_indexed, GATHERED=index.gather_index is not None,
-        HAS_FILL=index.fill_index is not None, HAS_POS=has_pos, HAS_NORM=has_norm,
+        HAS_FILL=has_fill, HAS_POS=has_pos, HAS_NORM=has_norm,
         DST_INDEXED=index.dst_index is not None, BLOCK_H=block, num_warps=warps,
     )
     return out, mean, rstd, src_rows, pos_rows
