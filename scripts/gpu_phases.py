@@ -43,9 +43,10 @@ class Phase:
     minutes: int  # on a fresh machine, set-up from .whl/ and Triton compiles included
     decides: str
     steps: tuple[Step, ...]
-    # `minutes` as the phase ran on a lent machine, set-up included, rounded up (an H200, 2026-11-27: smoke 193 s,
-    # then headline 122 s in the same call; the study 425 s), else estimated (modernbert ran in 236 s there before
-    # its local-attention step timed each candidate tiling of fastmae's kernel, 14 forms more)
+    # `minutes` as the phase ran on a lent machine, set-up included, rounded up (an H200, 2026-11-27, at f6d59b9:
+    # smoke 300 s with the row-op tests, then headline 138 s in the same call, then modernbert 231 s in a second
+    # call on the same warm machine (a fresh one adds its start and about 25 s of set-up), its local-attention step
+    # timing every candidate tiling: 711 s held for the three; the study 425 s), else estimated
     timed: bool = False
     budget_s: int = 0  # the phase's limit, set-up included (0: PHASE_BUDGET_S)
     # what the command line must give the phase (`--corpus PATH`: {corpus} in its steps)
@@ -62,7 +63,7 @@ def _pytest(*args: str) -> tuple[str, ...]:
 
 
 PHASES = (
-    Phase("smoke", 4, "torch's FlashAttention-2 kernels compute the windowed oracle; captured graphs compute what "
+    Phase("smoke", 5, "torch's FlashAttention-2 kernels compute the windowed oracle; captured graphs compute what "
                       "eager computes; no host-device sync in a steady step", (
         # the torch_flash backend's CUDA kernels against the oracle (global, windows; lengths no block divides),
         # dropout redrawn from the rng state and in a recorded graph
@@ -99,14 +100,14 @@ PHASES = (
                                "kernels_layers"),
              keeps=("benchmarks/results/kernels_layers.json", "benchmarks/results/kernels_layers.md")),
     ), timed=True),
-    Phase("modernbert", 5, "fastmae on ModernBERT's layers against transformers' ModernBertForMaskedLM at base size", (
+    Phase("modernbert", 4, "fastmae on ModernBERT's layers against transformers' ModernBertForMaskedLM at base size", (
         Step("throughput_modernbert", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
                                        "--systems", "hf-modernbert,modern-mlm,modern-3ml,modern-mae-lm",
                                        "--name", "throughput_modernbert_gpu"),
              keeps=tuple(f"benchmarks/results/throughput_modernbert_gpu.{ext}" for ext in ("json", "md", "png"))),
         Step("local_attention", (PY, "benchmarks/local_attention.py"),
              keeps=("benchmarks/results/local_attention_flex.json", "benchmarks/results/local_attention_flex.md")),
-    )),
+    ), timed=True),
     Phase("kernels", 6, "every Triton kernel compiled for this GPU against its torch reference; their speed", (
         Step("kernel_tests", _pytest("-n", "8", "-m", "not large", "tests/kernels")),
         Step("kernel_benchmark", (PY, "benchmarks/kernels.py"),

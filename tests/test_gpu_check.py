@@ -39,7 +39,7 @@ def script(*args, env_extra=None):
 
 
 # those that ran whole on a lent machine as they stand (2026-11-27, an H200)
-TIMED_PHASES = ("smoke", "headline", "study")
+TIMED_PHASES = ("smoke", "headline", "modernbert", "study")
 
 
 def test_the_plan_puts_what_decides_first_and_every_phase_fits_a_command():
