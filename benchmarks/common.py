@@ -9,6 +9,7 @@ import re
 import statistics
 import subprocess
 import time
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -83,20 +84,53 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
 
 
-def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[float, float, dict]:
-    """(GPU kernel seconds, kernels the profiler saw, {kind: [ms, kernels]}) per call of fn; prints the `top` busiest
-    kernels under `label`, the time by kind (kernel_kind) and the `top` most launched kernels (what the count is made
-    of). The count tells whether the profile saw the kernels of CUDA graph replays or only their launches."""
+def _kernel_events(fn, repeats: int, host_ops: bool = False) -> tuple[list, list]:
+    """(the profiler's CUDA kernel entries, one per kernel name summed, over `repeats` calls of fn; its host events,
+    each holding the kernels it launched, where `host_ops`, else []), after one call outside the profile, as each
+    measured one follows others."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()  # one call outside the profile, as each measured one follows others
+    fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if host_ops else [])]
+    with profile(activities=activities) as prof:
         for _ in range(repeats):
             fn()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages()
-              if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+    kernels = [e for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+    return kernels, ([e for e in prof.events() if e.kernels] if host_ops else [])
+
+
+def gpu_kernel_seconds(fn, repeats: int = 5) -> float:
+    """GPU kernel seconds per call of fn, printing nothing: what a replayed CUDA graph of it would keep the GPU busy
+    for, with none of the host's gaps between launches."""
+    return sum(e.device_time_total for e in _kernel_events(fn, repeats)[0]) / 1e6 / repeats
+
+
+def kernel_launchers(host_events, depth: int = 3) -> dict[str, Counter]:
+    """Kernel name -> how often each chain of host ops launched it: the op that launched it, then the ops around it,
+    innermost first, `depth` in all ("aten::fill_ < aten::zero_ < aten::zeros"). `host_events`: a profile's host
+    events that launched kernels (each event's `kernels`, its enclosing op `cpu_parent`, as torch.profiler links
+    them by correlation id)."""
+    launchers: dict[str, Counter] = {}
+    for event in host_events:
+        chain, parent = [event.name], event.cpu_parent
+        while parent is not None and len(chain) < depth:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        for kernel in event.kernels:
+            launchers.setdefault(kernel.name, Counter())[" < ".join(name[:60] for name in chain)] += 1
+    return launchers
+
+
+def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[float, float, dict]:
+    """(GPU kernel seconds, kernels the profiler saw, {kind: [ms, kernels]}) per call of fn; prints the `top` busiest
+    kernels under `label`, the time by kind (kernel_kind) and the `top` most launched kernels (what the count is made
+    of), each with the host ops that launched it (`kernel_launchers`, also returned: {kernel: {ops: per call}} for
+    those `top`). The count tells whether the profile saw the kernels of CUDA graph replays or only their launches."""
+    events, host_events = _kernel_events(fn, repeats, host_ops=True)
+    launchers = kernel_launchers(host_events)
     kernels = sorted(((e.device_time_total / 1e6 / repeats, e.key) for e in events), reverse=True)
     busy = sum(seconds for seconds, _ in kernels)
     count = sum(e.count for e in events) / repeats
@@ -116,10 +150,15 @@ def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[
         print(f"  kind 'other' holds: {'; '.join(key[:80] for key in others)}", flush=True)
     # what a step's kernel count is made of (issue 55's kernels-a-step target): the names launched most often
     launched = sorted(((e.count / repeats, e.key) for e in events), reverse=True)[:top]
-    print(f"{label}: most launched kernels per call:", flush=True)
+    print(f"{label}: most launched kernels per call, and the host ops that launched them:", flush=True)
+    launched_by = {}
     for n, key in launched:
         print(f"  {n:6.0f} x  {kernel_kind(key):<13} {key[:150]}", flush=True)
-    return busy, count, kinds
+        chains = launchers.get(key, Counter()).most_common(4)
+        launched_by[key] = {ops: round(times / repeats, 1) for ops, times in chains}
+        for ops, per_call in launched_by[key].items():
+            print(f"  {per_call:14.0f} x  {ops}", flush=True)
+    return busy, count, kinds, launched_by
 
 
 def stamp() -> dict:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -82,6 +83,28 @@ def test_gpu_kernels_are_sorted_by_the_work_their_names_say():
         "some_kernel_of_another_kind": "other",
     }
     assert {name: common.kernel_kind(name) for name in names} == names
+
+
+def test_each_kernel_is_told_with_the_host_ops_that_launched_it():
+    """kernel_launchers reads a real profile's host events (names and enclosing ops as torch.profiler links them; a
+    CPU profile has no kernels, so each event here is given the kernels a CUDA one would hold): the launching op
+    first, then the ops around it, `depth` in all, counted per chain."""
+    from types import SimpleNamespace
+
+    import common
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.zeros(8).add_(1)
+    events = {event.name: event for event in prof.events()}
+    assert events["aten::zero_"].cpu_parent.name == "aten::zeros" and events["aten::add_"].kernels == []
+    memset, add = SimpleNamespace(name="Memset (Device)"), SimpleNamespace(name="vectorized_elementwise_kernel")
+    launched = [SimpleNamespace(name=e.name, cpu_parent=e.cpu_parent, kernels=kernels)
+                for e, kernels in ((events["aten::zero_"], [memset]), (events["aten::add_"], [add, memset]))]
+    assert common.kernel_launchers(launched * 2) == {
+        "Memset (Device)": {"aten::zero_ < aten::zeros": 2, "aten::add_": 2},
+        "vectorized_elementwise_kernel": {"aten::add_": 2}}
+    assert common.kernel_launchers(launched, depth=1)["Memset (Device)"] == {"aten::zero_": 1, "aten::add_": 1}
 
 
 def test_the_scale_table_reads_gaps_and_spreads_as_it_says():
