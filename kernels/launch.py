@@ -51,8 +51,10 @@ def sum_parts(parts: torch.Tensor, sums: torch.Tensor) -> None:
 
 # Elements of a backward kernel's tile (norm.py, activation.py's bias + GELU): 4 a thread over 8 warps, where the
 # forward's 2,048 put 8 a thread. A backward holds more of each element live (the gradient, the recomputed input, the
-# statistics, the partial sums), and at 8 a thread the static GPU check counted 143-146 registers for the LayerNorm's
-# backward at RoBERTa-base's width: one 8-warp program a multiprocessor (8 of 64 warps). At 4 a thread: 75-80, three.
+# statistics, the partial sums). Chosen when the static GPU check compiled without the JIT's specializations and
+# counted 143-146 registers for the LayerNorm's backward at 8 a thread; as the GPU runs it (kernels/aot.py now
+# compiles so), RoBERTa-base's post-LN backward takes 46 at 4 a thread (40 warps resident) and 72 at 8 (the 1 x 4
+# tile, 28): the GPU benchmark times both (norm.CANDIDATES).
 BACKWARD_TILE = 1024
 
 

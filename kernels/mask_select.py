@@ -113,7 +113,7 @@ def _compact_kernel(tokens, cu_seqlens, RANK, num_removed, num_random, num_predi
 
 
 RANK_BLOCK = 64  # [64, 64] int64 comparison tiles
-RANK_NUM_WARPS = 8  # sm_90: 101 registers at 8 warps vs 162 at 4 (python -m fastmae.kernels.aot); no spills either way
+RANK_NUM_WARPS = 8  # sm_90: 99 registers at 8 warps vs 162 at 4 (python -m fastmae.kernels.aot); no spills either way
 COMPACT_BLOCK = 256
 
 

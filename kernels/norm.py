@@ -144,12 +144,14 @@ def tiles(hidden: int) -> dict[str, RowTiles]:
 
 
 # What the GPU benchmark times beside the shipped tiles, at RoBERTa-base's and -large's widths (768 and 1,024: rows of
-# 1,024 lanes), one kernel's tiles swapped at a time. The H200's profile had both kernels at about half its bandwidth,
-# the backward at 75 registers a thread (24 warps resident a multiprocessor): the candidates trade elements a thread
-# against warps resident (each compiled by kernels/aot.py: registers and residency in kernels_static.md).
+# 1,024 lanes), one kernel's tiles swapped at a time. The H200's profile had both kernels at about half its bandwidth.
+# The candidates timed at f6d59b9 all held at most 8 elements a thread (one 16-byte load of each input) and none beat
+# the shipped tiles by more than the timing's spread; these hold 8 to 16 (forward) and 8 (backward, the shipped tile
+# holding 4: 8-byte loads) for more loads in flight a thread, at the registers and residency kernels_static.md gives
+# (compiled as the JIT specializes, kernels/aot.py).
 CANDIDATES = {
-    "forward": (RowTiles(1, 8), RowTiles(2, 16), RowTiles(1, 4), RowTiles(4, 16)),
-    "backward": (RowTiles(1, 16), RowTiles(2, 16)),
+    "forward": (RowTiles(1, 4), RowTiles(4, 8), RowTiles(2, 4), RowTiles(4, 16)),
+    "backward": (RowTiles(1, 4), RowTiles(2, 8), RowTiles(1, 16)),
 }
 
 

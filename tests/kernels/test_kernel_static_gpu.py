@@ -14,7 +14,7 @@ import warm_python
 from fastmae.kernels import aot
 
 TABLE = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "kernels_static.json"
-MEASURED = ("registers", "local_bytes", "stack_bytes", "shared_bytes")
+MEASURED = ("registers", "local_bytes", "stack_bytes", "shared_bytes", "load_bytes")
 
 
 def test_every_configuration_compiles_without_spills(tmp_path):
@@ -44,3 +44,17 @@ def test_every_configuration_compiles_without_spills(tmp_path):
     assert len(again) == 2 * len({(r["kernel"], r["config"]) for r in nearest}) >= 2
     for r in again:
         assert [r[k] for k in MEASURED] == committed[r["kernel"], r["config"], r["arch"]], r
+
+
+def test_the_table_compiles_each_kernel_as_the_jit_specializes_it():
+    """Each compile is told what Triton's JIT specializes at a launch (aligned pointers, widths divisible by 16), or
+    its registers are another kernel's: RoBERTa-base's bias + GELU and post-LN norm in bf16 read 16 bytes a load, as
+    the GPU runs them (compiled unspecialized, bias + GELU's forward read 2)."""
+    def load_bytes(kernel: str, config: str) -> set[int]:
+        return {r["load_bytes"] for r in json.loads(TABLE.read_text())["results"]
+                if (r["kernel"], r["config"]) == (kernel, config)}
+
+    assert load_bytes("activation._bias_gelu_fwd_kernel", "bf16 BLOCK_C=1024") == {16}
+    assert load_bytes("norm._add_norm_fwd_kernel", "bf16 BLOCK_H=1024 xbias=1 bias=1 sum=0 dropout=1") == {16}
+    assert aot.widest_load_bytes("ld.global.L1::evict_last.v4.b32 {a, b, c, d}, [x];\nld.global.b16 y, [z];") == 16
+    assert aot.widest_load_bytes("ld.global.v2.b32 {a, b}, [x];") == 8 and aot.widest_load_bytes("st.global.b16") == 0
