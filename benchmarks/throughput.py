@@ -73,9 +73,10 @@ def _resident_mib() -> tuple[float, float]:
 
 
 def measure_system(system: str, size: str, sequences: int, precision: str, warmup: int, repeats: int,
-                   variant: str | None, zero_stage: int = ZERO_STAGE) -> dict:
+                   variant: str | None, zero_stage: int = ZERO_STAGE, trace: Path | None = None) -> dict:
     """Median step time, tokens/s, model FLOPs per step and peak memory of one system (run in its own process).
-    variant: None, an attention backend, or "compiled"."""
+    variant: None, an attention backend, or "compiled". trace: where to write one more step's profile, host ops and
+    GPU kernels on one timeline (a Chrome trace, gzipped: where the GPU waits and on what)."""
     init_world_of_one()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
@@ -107,7 +108,23 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
         result["gpu_busy"] = busy_s / seconds
     else:
         result["peak_memory_mib"] = _resident_mib()[1] - baseline_mib
+    if trace is not None:
+        write_trace(step, trace)
     return result
+
+
+def write_trace(step, path: Path) -> None:
+    """One call of step under torch's profiler, host and (on CUDA) device, written to `path` (.json.gz: a Chrome trace,
+    for chrome://tracing or Perfetto)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
+    with profile(activities=activities) as prof:
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
 
 
 def _run_isolated(*args) -> dict:
@@ -150,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="also each fastmae system with compiled layers")
     parser.add_argument("--name", default="throughput", help="results file name under benchmarks/results/ "
                         "(gpu_check: throughput_recipe at the recipes' micro-batch)")
+    parser.add_argument("--trace", default="", help="comma-separated systems whose step (as the first row runs it) "
+                        "is also written as a Chrome trace, host and GPU: results/NAME_SYSTEM_trace.json.gz")
     parser.add_argument("--eager", action="store_true",
                         help="CUDA: also each fastmae system without CUDA graphs (train.cuda_graphs=never)")
     parser.add_argument("--zero-stage", type=int, choices=(1, 2), default=ZERO_STAGE,
@@ -198,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         for system, variant in runs:
             note = ", no attn dropout" if variant == "torch_varlen" else ""
             name = system if variant is None else f"{system} [{variant}{note}]"
-            result = _run_isolated(system, size, sequences, precision, warmup, repeats, variant, args.zero_stage)
+            trace = (RESULTS_DIR / f"{args.name}_{system}_trace.json.gz"
+                     if variant is None and system in args.trace.split(",") else None)
+            result = _run_isolated(system, size, sequences, precision, warmup, repeats, variant, args.zero_stage,
+                                   trace)
             size_rows.append({"system": name, "size": size, "dtype": precision, **result})
             mfu = peak.mfu(result["flops_per_step"] / result["step_s"], name)
             print(f"{size:>5} {name:>16}: {result['tokens_per_s']:8.1f} tokens/s  step {result['step_s']:.3f} s  "
