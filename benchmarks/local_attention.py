@@ -7,10 +7,11 @@ share of a global layer's pairs, plus 20%. The share is counted from the rows' p
 fewer keys within the window of each query).
 
 On CUDA, the forms of a local layer at the throughput benchmark's micro-batch instead (`cuda_forms`; issue 55's
-target: at most 0.6x a global layer, forward + backward): as fastmae runs it (`auto`: torch's FlashAttention-2
-window of rows on the full stream, fastmae's own kernel on the shortened one), fastmae's kernel on both streams (on
-the shortened one also with each candidate tiling of each of its three kernels, `local_window.CANDIDATES`),
-FlexAttention as fastmae called it before, compiled for the static shape, and with key blocks of 64 rows.
+target: at most 0.6x a global layer, forward + backward): as fastmae runs it (`auto`: fastmae's own kernel on both
+streams), fastmae's kernel (on the shortened stream also with each candidate tiling of each of its three kernels,
+`local_window.CANDIDATES`), torch's FlashAttention-2 window of rows on the full stream (`auto`'s choice there with
+attention dropout), FlexAttention as fastmae called it before, compiled for the static shape, and with key blocks of
+64 rows.
 
     python benchmarks/local_attention.py   # CPU: local_attention.{json,md}; CUDA: local_attention_flex.{json,md}
 """
@@ -111,7 +112,11 @@ def cuda_forms(table: torch.Tensor, repeats: int) -> list[dict]:
             "flex, key blocks of 64": lambda: flex_attention_api().compiled(
                 *rows_first, block_mask=narrow, kernel_options={"BLOCK_N": 64, "IS_DIVISIBLE": True}),
         }
-        if not meta.consecutive:  # the stream fastmae runs its kernel on
+        if meta.consecutive:  # torch's FlashAttention-2 window of rows, what `auto` gives a layer with dropout here
+            flash_bias = StreamBias.build(table, meta, meta, "torch_flash", dtype, window=HALF_WINDOW)
+            forms["torch's FlashAttention-2 window (torch_flash)"] = (
+                lambda: varlen_attention(q, k, v, meta, backend="torch_flash", bias=flash_bias))
+        else:  # the stream fastmae's kernel ran on first: each candidate tiling
             forms.update(kernel_tilings(q, k, v, meta))
         narrow = document_block_mask(meta, meta, HALF_WINDOW, kv_block=64)
         global_ms, grads = None, {}  # GPU time of this stream's global layer, forward + backward

@@ -3,16 +3,17 @@
 Backends (`auto` picks per device, dtype, dropout and stream: `resolve_backend`):
 - `torch_flash`: torch's own FlashAttention-2 varlen kernels (fastmae.flash; CUDA, a plain-torch twin on CPU), with
   attention dropout and a window of rows. `auto`'s choice on CUDA in fp16/bf16 for a global layer on a stream whose
-  sequences differ in length (no padding), and for a local layer on a stream whose rows are consecutive positions
-  (mlm's input, the decoder's full stream, fine-tuning), where its window of rows is the window of positions.
+  sequences differ in length (no padding), and for a local layer with attention dropout on a stream whose rows are
+  consecutive positions (mlm's input, the decoder's full stream, fine-tuning), where its window of rows is the
+  window of positions.
 - `flash`: flash_attn.flash_attn_varlen_func (CUDA, the optional `gpu` extra; only when asked for).
 - `torch_varlen`: torch.nn.attention.varlen.varlen_attn (CUDA, in torch; no attention dropout; only when asked for).
 - `triton_window`: fastmae's own local-attention kernel (fastmae.kernels.local_attention; CUDA, or CPU under the
   Triton interpreter): a local window by original position on any stream, each (query, key) pair masked by the
   rows' positions, blocks outside every window skipped; no attention dropout. `auto`'s choice on CUDA in fp16/bf16
-  for a local layer on a stream whose rows skip positions (3ml's and mae-lm's encoder before the insertion), where
-  FlashAttention's window of rows is not the window: FlexAttention's block mask, built in each forward, kept such
-  steps from replaying as CUDA graphs (see CUDA_SHORTENED_LOCAL_BACKEND).
+  for a local layer without attention dropout, on any stream: one whose rows skip positions (3ml's and mae-lm's
+  encoder before the insertion), where FlashAttention's window of rows is not the window, and one of consecutive
+  positions, where it measured faster than FlashAttention's window (see CUDA_LOCAL_BACKEND).
 - `flex`: torch's FlexAttention, compiled (CUDA; fastmae.flex): the document mask as a block mask and the relative
   position bias as a score_mod; no attention dropout. The default with a relative bias (not a window) on CUDA when
   attention dropout is 0. On CPU torch runs it eagerly and forward only (never chosen automatically there).
@@ -57,12 +58,13 @@ CPU_BACKEND, CPU_DROPOUT_BACKEND = "padded", "math"
 # the varlen kernels win (128 sequences of 64-512 rows: 1.20 ms). Nested jagged SDPA measured far slower (a base mlm
 # step 0.194 s against 0.045 s padded, an H100).
 CUDA_RECTANGULAR_BACKEND, CUDA_RAGGED_BACKEND = "padded", "torch_flash"
-# CUDA, fp16/bf16, a local layer on a stream whose rows skip positions, without attention dropout: FlexAttention
-# measured 1.39x a global layer there (ModernBERT-base's 3ml, an H100, 2026-11-26) and its block mask, built in the
-# forward, kept modern-3ml's steps from replaying as CUDA graphs (GPU busy 0.75 of the step, an H200, 2026-11-27);
-# fastmae's own kernel builds nothing per step. Untimed on a GPU when chosen: benchmarks/local_attention.py times it
-# beside flex and the global layer.
-CUDA_SHORTENED_LOCAL_BACKEND = "triton_window"
+# CUDA, fp16/bf16, a local layer without attention dropout, on any stream. On a stream whose rows skip positions
+# FlexAttention measured 1.39x a global layer (ModernBERT-base's 3ml, an H100, 2026-11-26) and its block mask, built
+# in the forward, kept modern-3ml's steps from replaying as CUDA graphs (GPU busy 0.75 of the step, an H200); fastmae's
+# own kernel builds nothing per step. On a stream of consecutive positions it also beat torch's FlashAttention-2
+# window at ModernBERT-base's 128 x 512 rows (an H200 at f6d59b9, benchmarks/local_attention.py, one run: forward
+# 0.49 ms against 0.80, forward + backward 2.47 against 2.90), which keeps the layers with attention dropout.
+CUDA_LOCAL_BACKEND = "triton_window"
 # A local layer's window on CPU's padded SDPA runs in bands (fastmae.banded) in these dtypes. Measured by
 # benchmarks/local_attention.py (benchmarks/results/local_attention.md), forward + backward at ModernBERT-base's
 # attention: in bf16 the band beat the window as a dense mask on every stream; in fp32 it lost on shortened and
@@ -279,10 +281,9 @@ def available_backends(device: torch.device | str) -> list[str]:
 
 BIAS_BACKENDS = ("torch_flash", "triton_window", "flex", "padded", "math", "reference")
 """Backends that add a position bias (torch_flash: a local window over consecutive positions only; triton_window: a
-local window on any stream). `auto` picks `torch_flash` for a window over consecutive positions on CUDA in fp16/bf16,
-`triton_window` for a window over positions that skip, there without attention dropout, else `flex` on CUDA without
-attention dropout (FlexAttention has none), else padded SDPA with the bias as a float mask (or `math` on CPU with
-dropout)."""
+local window on any stream). `auto` picks, on CUDA in fp16/bf16, `triton_window` for a window without attention
+dropout and `torch_flash` for one with it over consecutive positions; else `flex` on CUDA without attention dropout
+(FlexAttention has none), else padded SDPA with the bias as a float mask (or `math` on CPU with dropout)."""
 
 
 def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
@@ -310,10 +311,10 @@ def resolve_backend(backend: str | None, device: torch.device, dropout_p: float,
         return backend
     half_on_cuda = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     if biased:
+        if half_on_cuda and window and not dropout_p:
+            return CUDA_LOCAL_BACKEND
         if half_on_cuda and window_rows:
             return "torch_flash"
-        if half_on_cuda and window and not dropout_p:
-            return CUDA_SHORTENED_LOCAL_BACKEND
         if device.type == "cuda":
             return "padded" if dropout_p else "flex"
         return CPU_DROPOUT_BACKEND if device.type == "cpu" and dropout_p else "padded"

@@ -197,7 +197,8 @@ def local_backends(config: ModelConfig, device: torch.device, dtype: torch.dtype
     consecutive, shortened = local_streams(config)
     backends = {}
     if consecutive:
-        backends["consecutive"] = resolve_backend(None, device, dropout_p, dtype, biased=True, window_rows=True)
+        backends["consecutive"] = resolve_backend(None, device, dropout_p, dtype, biased=True, window_rows=True,
+                                                  window=True)
     if shortened:
         backends["shortened"] = resolve_backend(None, device, dropout_p, dtype, biased=True, window=True)
     return backends
