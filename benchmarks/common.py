@@ -124,7 +124,7 @@ def kernel_launchers(host_events, depth: int = 3) -> dict[str, Counter]:
     return launchers
 
 
-def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[float, float, dict]:
+def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[float, float, dict, dict]:
     """(GPU kernel seconds, kernels the profiler saw, {kind: [ms, kernels]}) per call of fn; prints the `top` busiest
     kernels under `label`, the time by kind (kernel_kind) and the `top` most launched kernels (what the count is made
     of), each with the host ops that launched it (`kernel_launchers`, also returned: {kernel: {ops: per call}} for

@@ -3,9 +3,10 @@
     python -m fastmae.kernels.aot [--arch 80 90] [--json OUT.json] [--markdown OUT.md] [--match REGEX]
 
 Compiles each (kernel, block size, warps, flags, dtype) the launchers can choose for sm_80 and sm_90 with
-`triton.compile(ASTSource(...))`, then reads registers, spills (LOCAL) and shared memory per function from
-`cuobjdump --dump-resource-usage`, the tool shipped inside the triton wheel, and counts the warps its registers let
-stay resident on a multiprocessor (occupancy: what hides memory latency). Run without TRITON_INTERPRET.
+`triton.compile(ASTSource(...))`, told what Triton's JIT specializes at a launch (`specializations`), then reads
+registers, spills (LOCAL) and shared memory per function from `cuobjdump --dump-resource-usage`, the tool shipped
+inside the triton wheel, and the widest load from the PTX, and counts the warps its registers let stay resident on a
+multiprocessor (occupancy: what hides memory latency). Run without TRITON_INTERPRET.
 
 The table is a pure function of this directory's sources and Triton's version (`inputs_sha256`), and compiling all
 ~1,000 takes ~3 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,

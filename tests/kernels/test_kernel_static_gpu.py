@@ -1,7 +1,7 @@
 """Static GPU check, on CPU: every kernel configuration compiles for sm_80 and sm_90 without spills, within shared
 memory and with registers that leave enough warps resident (what stands in for running on CUDA until a GPU is lent).
 
-Compiling all 898 takes ~3 CPU-minutes with Triton's cache empty (a fresh machine), so the table is committed
+Compiling all 1,100 takes ~3 CPU-minutes with Triton's cache empty (a fresh machine), so the table is committed
 (benchmarks/results/kernels_static.json, from `python -m fastmae.kernels.aot`): the suite checks that it is of these
 kernel sources and this Triton, and compiles the configuration nearest the register limit again."""
 
