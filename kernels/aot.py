@@ -273,11 +273,19 @@ def _local_window_configs():
                     yield _local_window_config(kernel, dtype, head_dim, tiling)
 
 
+# The window the local-window kernels are compiled for: ModernBERT's (128 positions, 64 either side); it sets the rows
+# each program's reached-range scan reads (local_window.scan_rows).
+LOCAL_WINDOW = 64
+
+
 def _local_window_config(kernel: str, dtype: str, head_dim: int, tiling):
     """One local-window kernel's configuration: its name, description, signature, constexprs and warps."""
+    from . import local_window
+
     outer_is_keys = kernel == "dkdv"
     blocks = dict(HEAD_DIM=head_dim, BLOCK_M=tiling.inner if outer_is_keys else tiling.outer,
-                  BLOCK_N=tiling.outer if outer_is_keys else tiling.inner, WIDEN=0)
+                  BLOCK_N=tiling.outer if outer_is_keys else tiling.inner, WIDEN=0,
+                  SCAN=local_window.scan_rows(tiling.outer, LOCAL_WINDOW, tiling.inner))
     desc = f"{dtype} HEAD_DIM={head_dim} {tiling.outer}x{tiling.inner} warps={tiling.warps} stages={tiling.stages}"
     common = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}")
     if kernel == "forward":

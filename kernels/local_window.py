@@ -85,13 +85,6 @@ def _positions(POS, rows, valid, window):
 
 
 @triton.jit
-def _reaches(pos_k, valid_k, lowest, highest):
-    """Whether some key of the block lies within [lowest, highest] (a block of keys outside it is skipped)."""
-    inside = valid_k & (pos_k >= lowest) & (pos_k <= highest)
-    return tl.max(inside.to(tl.int32), axis=0) > 0
-
-
-@triton.jit
 def _rows(X, first, end, stride_t, stride_h, head, cols, BLOCK: tl.constexpr):
     """[BLOCK, HEAD_DIM] of X [T, heads, HEAD_DIM] at rows first .. first + BLOCK - 1 of `head`, those at or past the
     sequence's `end` reading its last row instead: no masked load (a mask a row costs each thread registers, enough
@@ -123,30 +116,41 @@ def _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, 
 
 
 @triton.jit
-def _block_positions(POS, first, end, lowest, highest, BLOCK: tl.constexpr):
-    """(which of rows first .. first + BLOCK - 1 exist, their positions, whether any lies in [lowest, highest]: a
-    block of the other side that reaches none of this program's window is skipped)."""
+def _block_positions(POS, first, end, BLOCK: tl.constexpr):
+    """(which of rows first .. first + BLOCK - 1 exist, their positions)."""
     rows = first + tl.arange(0, BLOCK)
     valid = rows < end
-    pos = tl.load(POS + rows, mask=valid, other=0)
-    return valid, pos, _reaches(pos, valid, lowest, highest)
+    return valid, tl.load(POS + rows, mask=valid, other=0)
+
+
+def scan_rows(held: int, window: int, block: int) -> int:
+    """SCAN of a kernel whose programs hold `held` rows and loop over blocks of `block`, for a window of `window`
+    positions: a power of two above the rows `_reached_rows` reads (at most held + 2 window + 2 block - 2)."""
+    return triton.next_power_of_2(held + 2 * window + 2 * block)
 
 
 @triton.jit
-def _reached_rows(POS, start, end, held, HELD: tl.constexpr, lowest, highest, window, BLOCK: tl.constexpr):
+def _reached_rows(POS, start, end, held, HELD: tl.constexpr, lowest, highest, window, BLOCK: tl.constexpr,
+                  SCAN: tl.constexpr):
     """(first, last): rows first .. last - 1 of the sequence's start .. end - 1, in blocks of BLOCK from `start`, run
     from the first block that reaches [lowest, highest] (the window of the program's HELD rows from `held`) to the end
-    of the last one (empty where none does). Positions increase within a sequence, so a row within `window` positions
-    of a held row is within `window` rows of it: only the blocks of those rows are looked at, however long the
-    sequence. The main loops then run a fixed range with no branch, which lets Triton pipeline their loads."""
-    first = end
-    last = start
+    of the last one (empty where none does): a block of the other side that reaches none of the window is skipped.
+    Positions increase within a sequence, so a row within `window` positions of a held row is within `window` rows of
+    it: only the blocks of those rows are read, in one load of SCAN positions (`scan_rows`; it read one block at a
+    time, a load and two reductions each), however long the sequence. The main loops then run a fixed range with no
+    branch, which lets Triton pipeline their loads."""
     scan_from = start + (tl.maximum(held - window - start, 0) // BLOCK) * BLOCK
     scan_to = tl.minimum(held + HELD + window, end)
-    for block_start in range(scan_from, scan_to, BLOCK):
-        valid, pos, reached = _block_positions(POS, block_start, end, lowest, highest, BLOCK)
-        first = tl.where(reached & (first == end), block_start, first)
-        last = tl.where(reached, block_start + BLOCK, last)
+    scan_end = tl.minimum(scan_from + tl.cdiv(scan_to - scan_from, BLOCK) * BLOCK, end)  # whole blocks' rows
+    rows = scan_from + tl.arange(0, SCAN)
+    valid = rows < scan_end
+    pos = tl.load(POS + rows, mask=valid, other=0)
+    inside = valid & (pos >= lowest) & (pos <= highest)
+    first_row = tl.min(tl.where(inside, rows, end), axis=0)  # the first and last rows inside the window
+    last_row = tl.max(tl.where(inside, rows, start - 1), axis=0)
+    reached = last_row >= first_row
+    first = tl.where(reached, scan_from + (first_row - scan_from) // BLOCK * BLOCK, end)
+    last = tl.where(reached, scan_from + ((last_row - scan_from) // BLOCK + 1) * BLOCK, start)
     return first, last
 
 
@@ -183,7 +187,7 @@ def _query_side(Q, DO, LSE, first, end, rows_q, valid_q, stride_qt, stride_qh, s
 @triton.jit
 def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, stride_qt, stride_qh, stride_kt,
                       stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr, SCAN: tl.constexpr):
     head, start, end, first = _program_block(CU, BLOCK_M)
     if first < end:
         cols = tl.arange(0, HEAD_DIM)
@@ -194,9 +198,9 @@ def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, str
         row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        first_k, last_k = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest, window, BLOCK_N)
+        first_k, last_k = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest, window, BLOCK_N, SCAN)
         for key_start in range(first_k, last_k, BLOCK_N):
-            valid_k, pos_k, _ = _block_positions(POS, key_start, end, lowest, highest, BLOCK_N)
+            valid_k, pos_k = _block_positions(POS, key_start, end, BLOCK_N)
             k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
             scores = _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, WIDEN)
             new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -218,7 +222,7 @@ def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, str
 def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, scale, window, n_heads, stride_qt,
                            stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           WIDEN: tl.constexpr):
+                           WIDEN: tl.constexpr, SCAN: tl.constexpr):
     """Program (block of keys, sequence, head): dk and dv of its keys, summed over the query blocks their window
     reaches, in order. DK, DV: contiguous [T, heads, HEAD_DIM]."""
     head, start, end, first = _program_block(CU, BLOCK_N)
@@ -230,9 +234,9 @@ def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, s
         pos_k, lowest, highest = _positions(POS, rows_k, valid_k, window)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        first_q, last_q = _reached_rows(POS, start, end, first, BLOCK_N, lowest, highest, window, BLOCK_M)
+        first_q, last_q = _reached_rows(POS, start, end, first, BLOCK_N, lowest, highest, window, BLOCK_M, SCAN)
         for query_start in range(first_q, last_q, BLOCK_M):
-            valid_q, pos_q, _ = _block_positions(POS, query_start, end, lowest, highest, BLOCK_M)
+            valid_q, pos_q = _block_positions(POS, query_start, end, BLOCK_M)
             rows_q = query_start + tl.arange(0, BLOCK_M)
             q, do, lse = _query_side(Q, DO, LSE, query_start, end, rows_q, valid_q, stride_qt, stride_qh, stride_dot,
                                      stride_doh, head, n_heads, cols, BLOCK_M)
@@ -250,7 +254,7 @@ def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, s
 def _local_bwd_dq_kernel(Q, K, V, DO, OUT, LSE, DELTA, DQ, CU, POS, qk_scale, scale, window, n_heads, stride_qt,
                          stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         WIDEN: tl.constexpr):
+                         WIDEN: tl.constexpr, SCAN: tl.constexpr):
     """Program (block of queries, sequence, head): dq of its queries, summed over the key blocks their window
     reaches, in order, and their delta = rowsum(out * do), the softmax backward's term, stored for the dk/dv kernel
     that runs after it. OUT, DQ: contiguous [T, heads, HEAD_DIM]; DELTA [T, heads] fp32."""
@@ -266,9 +270,9 @@ def _local_bwd_dq_kernel(Q, K, V, DO, OUT, LSE, DELTA, DQ, CU, POS, qk_scale, sc
         tl.store(DELTA + rows_q.to(tl.int64) * n_heads + head, delta, mask=valid_q)
         pos_q, lowest, highest = _positions(POS, rows_q, valid_q, window)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        first_k, last_k = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest, window, BLOCK_N)
+        first_k, last_k = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest, window, BLOCK_N, SCAN)
         for key_start in range(first_k, last_k, BLOCK_N):
-            valid_k, pos_k, _ = _block_positions(POS, key_start, end, lowest, highest, BLOCK_N)
+            valid_k, pos_k = _block_positions(POS, key_start, end, BLOCK_N)
             k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
             p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN)
             ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
@@ -298,7 +302,8 @@ class _LocalAttention(torch.autograd.Function):
             _local_fwd_kernel[(triton.cdiv(max_seqlen, forward.outer), sequences, heads)](
                 q, k, v, out, lse, cu_seqlens, positions, scale * LOG2E, window, heads, *_strides(q, k, v, out),
                 HEAD_DIM=head_dim, BLOCK_M=forward.outer, BLOCK_N=forward.inner, WIDEN=_widened(q),
-                num_warps=forward.warps, num_stages=forward.stages)
+                SCAN=scan_rows(forward.outer, window, forward.inner), num_warps=forward.warps,
+                num_stages=forward.stages)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, positions)
         ctx.max_seqlen, ctx.window, ctx.scale, ctx.tiling = max_seqlen, window, scale, tiling
         return out
@@ -317,10 +322,12 @@ class _LocalAttention(torch.autograd.Function):
             dkdv, by_query = ctx.tiling["dkdv"], ctx.tiling["dq"]
             _local_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, by_query.outer), sequences, heads)](
                 q, k, v, dout, out, lse, delta, dq, *args, HEAD_DIM=head_dim, BLOCK_M=by_query.outer,
-                BLOCK_N=by_query.inner, WIDEN=_widened(q), num_warps=by_query.warps, num_stages=by_query.stages)
+                BLOCK_N=by_query.inner, WIDEN=_widened(q), SCAN=scan_rows(by_query.outer, ctx.window, by_query.inner),
+                num_warps=by_query.warps, num_stages=by_query.stages)
             _local_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, dkdv.outer), sequences, heads)](
                 q, k, v, dout, lse, delta, dk, dv, *args, HEAD_DIM=head_dim, BLOCK_M=dkdv.inner, BLOCK_N=dkdv.outer,
-                WIDEN=_widened(q), num_warps=dkdv.warps, num_stages=dkdv.stages)
+                WIDEN=_widened(q), SCAN=scan_rows(dkdv.outer, ctx.window, dkdv.inner), num_warps=dkdv.warps,
+                num_stages=dkdv.stages)
         return dq, dk, dv, None, None, None, None, None, None
 
 
