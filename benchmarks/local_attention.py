@@ -8,10 +8,11 @@ fewer keys within the window of each query).
 
 On CUDA, the forms of a local layer at the throughput benchmark's micro-batch instead (`cuda_forms`; issue 55's
 target: at most 0.6x a global layer, forward + backward): as fastmae runs it (`auto`: fastmae's own kernel on both
-streams), fastmae's kernel (on the shortened stream also with each candidate tiling of each of its three kernels,
-`local_window.CANDIDATES`), torch's FlashAttention-2 window of rows on the full stream (`auto`'s choice there with
-attention dropout), FlexAttention as fastmae called it before, compiled for the static shape, and with key blocks of
-64 rows.
+streams), fastmae's kernel (also with every block's pairs masked, to time what skipping the masks of the blocks
+wholly inside the window saves; on the shortened stream also with each candidate tiling of each of its three
+kernels, `local_window.CANDIDATES`), torch's FlashAttention-2 window of rows on the full stream (`auto`'s choice
+there with attention dropout), FlexAttention as fastmae called it before, compiled for the static shape, and with key
+blocks of 64 rows.
 
     python benchmarks/local_attention.py   # CPU: local_attention.{json,md}; CUDA: local_attention_flex.{json,md}
 """
@@ -22,6 +23,7 @@ import argparse
 
 import torch
 from common import gpu_kernel_seconds, median_time, write_results
+from fastmae.kernels import local_window
 
 from fastmae.attention import StreamBias, VarlenMeta, resolve_backend, varlen_attention
 from fastmae.flex import document_block_mask, flex_attention_api
@@ -66,8 +68,6 @@ def forward_backward(run, inputs: tuple[torch.Tensor, ...], grads: dict):
 def kernel_tilings(q, k, v, meta: VarlenMeta) -> dict:
     """fastmae's kernel with one kernel's tiles swapped for each of its candidates (local_window.CANDIDATES), the
     others as shipped: form name -> the call."""
-    from fastmae.kernels import local_window
-
     shipped = local_window.tiles(HEAD_DIM)
     forms = {}
     for kernel, candidates in local_window.CANDIDATES.items():
@@ -106,6 +106,9 @@ def cuda_forms(table: torch.Tensor, repeats: int) -> list[dict]:
             f"local as fastmae runs it ({local})": lambda: varlen_attention(q, k, v, meta, bias=auto_bias),
             "fastmae's kernel (triton_window)": lambda: varlen_attention(q, k, v, meta, backend="triton_window",
                                                                           bias=own_bias),
+            # the same with every block's pairs masked, also those wholly inside the window: what skipping them saves
+            "fastmae's kernel, every block masked": lambda: local_window.local_attention(
+                q, k, v, meta.cu_seqlens, meta.positions, meta.max_seqlen, HALF_WINDOW, mask_every_block=True),
             "flex, dynamic shapes, IS_DIVISIBLE": lambda: varlen_attention(q, k, v, meta, backend="flex", bias=bias),
             "flex, static shapes": lambda: static(*rows_first, bias.block_mask),
             # key blocks of 64 rows: a 128-row query block's window then spans 4 of them (256 keys), not 3 of 128

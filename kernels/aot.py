@@ -285,7 +285,7 @@ def _local_window_config(kernel: str, dtype: str, head_dim: int, tiling):
     outer_is_keys = kernel == "dkdv"
     blocks = dict(HEAD_DIM=head_dim, BLOCK_M=tiling.inner if outer_is_keys else tiling.outer,
                   BLOCK_N=tiling.outer if outer_is_keys else tiling.inner, WIDEN=0,
-                  SCAN=local_window.scan_rows(tiling.outer, LOCAL_WINDOW, tiling.inner))
+                  SCAN=local_window.scan_rows(tiling.outer, LOCAL_WINDOW, tiling.inner), MASK_ALL=0)
     desc = f"{dtype} HEAD_DIM={head_dim} {tiling.outer}x{tiling.inner} warps={tiling.warps} stages={tiling.stages}"
     common = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}")
     if kernel == "forward":

@@ -103,16 +103,19 @@ def _in_window(pos_q, valid_q, pos_k, valid_k, window):
 
 
 @triton.jit
-def _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, WIDEN: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] scores of the block in base 2, -inf for the pairs outside the window."""
+def _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, whole, WIDEN: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] scores of the block in base 2, -inf for the pairs outside the window; `whole`: every
+    pair of the block is inside it (`_reached_rows`), and no pair is masked."""
     scores = _dot(q, tl.trans(k), WIDEN) * qk_scale
-    return tl.where(_in_window(pos_q, valid_q, pos_k, valid_k, window), scores, float("-inf"))
+    if not whole:
+        scores = tl.where(_in_window(pos_q, valid_q, pos_k, valid_k, window), scores, float("-inf"))
+    return scores
 
 
 @triton.jit
-def _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN: tl.constexpr):
+def _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, whole, WIDEN: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] softmax probabilities of the block, from the forward's log-sum-exp (base 2)."""
-    return tl.exp2(_scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, WIDEN) - lse[:, None])
+    return tl.exp2(_scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, whole, WIDEN) - lse[:, None])
 
 
 @triton.jit
@@ -131,10 +134,13 @@ def scan_rows(held: int, window: int, block: int) -> int:
 
 @triton.jit
 def _reached_rows(POS, start, end, held, HELD: tl.constexpr, lowest, highest, window, BLOCK: tl.constexpr,
-                  SCAN: tl.constexpr):
-    """(first, last): rows first .. last - 1 of the sequence's start .. end - 1, in blocks of BLOCK from `start`, run
-    from the first block that reaches [lowest, highest] (the window of the program's HELD rows from `held`) to the end
-    of the last one (empty where none does): a block of the other side that reaches none of the window is skipped.
+                  SCAN: tl.constexpr, MASK_ALL: tl.constexpr):
+    """(first, last, whole_from, whole_to): rows first .. last - 1 of the sequence's start .. end - 1, in blocks of
+    BLOCK from `start`, run from the first block that reaches [lowest, highest] (the window of the program's HELD rows
+    from `held`) to the end of the last one (empty where none does): a block of the other side that reaches none of
+    the window is skipped. The blocks from whole_from to whole_to are whole blocks every row of which is within the
+    window of every held row: their pairs need no mask (held rows past the sequence's end are never stored); none
+    under MASK_ALL (the benchmark's measure of what the unmasked blocks save).
     Positions increase within a sequence, so a row within `window` positions of a held row is within `window` rows of
     it: only the blocks of those rows are read, in one load of SCAN positions (`scan_rows`; it read one block at a
     time, a load and two reductions each), however long the sequence. The main loops then run a fixed range with no
@@ -151,7 +157,15 @@ def _reached_rows(POS, start, end, held, HELD: tl.constexpr, lowest, highest, wi
     reached = last_row >= first_row
     first = tl.where(reached, scan_from + (first_row - scan_from) // BLOCK * BLOCK, end)
     last = tl.where(reached, scan_from + ((last_row - scan_from) // BLOCK + 1) * BLOCK, start)
-    return first, last
+    # rows within `window` of every held row: positions from the highest held one's - window to the lowest's + window
+    whole = valid & (pos >= highest - 2 * window) & (pos <= lowest + 2 * window)
+    first_whole = tl.min(tl.where(whole, rows, end), axis=0)
+    after_whole = tl.max(tl.where(whole, rows + 1, scan_from), axis=0)
+    whole_from = scan_from + tl.cdiv(first_whole - scan_from, BLOCK) * BLOCK
+    whole_to = scan_from + (after_whole - scan_from) // BLOCK * BLOCK
+    if MASK_ALL:
+        whole_to = whole_from
+    return first, last, whole_from, whole_to
 
 
 @triton.jit
@@ -187,7 +201,8 @@ def _query_side(Q, DO, LSE, first, end, rows_q, valid_q, stride_qt, stride_qh, s
 @triton.jit
 def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, stride_qt, stride_qh, stride_kt,
                       stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr, SCAN: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr, SCAN: tl.constexpr,
+                      MASK_ALL: tl.constexpr):
     head, start, end, first = _program_block(CU, BLOCK_M)
     if first < end:
         cols = tl.arange(0, HEAD_DIM)
@@ -198,11 +213,13 @@ def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, str
         row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        first_k, last_k = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest, window, BLOCK_N, SCAN)
+        first_k, last_k, whole_from, whole_to = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest,
+                                                             window, BLOCK_N, SCAN, MASK_ALL)
         for key_start in range(first_k, last_k, BLOCK_N):
             valid_k, pos_k = _block_positions(POS, key_start, end, BLOCK_N)
             k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
-            scores = _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, WIDEN)
+            whole = (key_start >= whole_from) & (key_start < whole_to)
+            scores = _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, whole, WIDEN)
             new_max = tl.maximum(row_max, tl.max(scores, axis=1))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key yet: no NaN
             p = tl.exp2(scores - shift[:, None])
@@ -222,7 +239,7 @@ def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, str
 def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, scale, window, n_heads, stride_qt,
                            stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           WIDEN: tl.constexpr, SCAN: tl.constexpr):
+                           WIDEN: tl.constexpr, SCAN: tl.constexpr, MASK_ALL: tl.constexpr):
     """Program (block of keys, sequence, head): dk and dv of its keys, summed over the query blocks their window
     reaches, in order. DK, DV: contiguous [T, heads, HEAD_DIM]."""
     head, start, end, first = _program_block(CU, BLOCK_N)
@@ -234,14 +251,16 @@ def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, s
         pos_k, lowest, highest = _positions(POS, rows_k, valid_k, window)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        first_q, last_q = _reached_rows(POS, start, end, first, BLOCK_N, lowest, highest, window, BLOCK_M, SCAN)
+        first_q, last_q, whole_from, whole_to = _reached_rows(POS, start, end, first, BLOCK_N, lowest, highest,
+                                                             window, BLOCK_M, SCAN, MASK_ALL)
         for query_start in range(first_q, last_q, BLOCK_M):
             valid_q, pos_q = _block_positions(POS, query_start, end, BLOCK_M)
             rows_q = query_start + tl.arange(0, BLOCK_M)
             q, do, lse = _query_side(Q, DO, LSE, query_start, end, rows_q, valid_q, stride_qt, stride_qh, stride_dot,
                                      stride_doh, head, n_heads, cols, BLOCK_M)
             delta = _per_row(DELTA, rows_q, valid_q, n_heads, head)
-            p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN)
+            whole = (query_start >= whole_from) & (query_start < whole_to)
+            p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, whole, WIDEN)
             dv += _dot(tl.trans(p).to(do.dtype), do, WIDEN)
             ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
             dk += _dot(tl.trans(ds).to(q.dtype), q, WIDEN)
@@ -254,7 +273,7 @@ def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, s
 def _local_bwd_dq_kernel(Q, K, V, DO, OUT, LSE, DELTA, DQ, CU, POS, qk_scale, scale, window, n_heads, stride_qt,
                          stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         WIDEN: tl.constexpr, SCAN: tl.constexpr):
+                         WIDEN: tl.constexpr, SCAN: tl.constexpr, MASK_ALL: tl.constexpr):
     """Program (block of queries, sequence, head): dq of its queries, summed over the key blocks their window
     reaches, in order, and their delta = rowsum(out * do), the softmax backward's term, stored for the dk/dv kernel
     that runs after it. OUT, DQ: contiguous [T, heads, HEAD_DIM]; DELTA [T, heads] fp32."""
@@ -270,11 +289,13 @@ def _local_bwd_dq_kernel(Q, K, V, DO, OUT, LSE, DELTA, DQ, CU, POS, qk_scale, sc
         tl.store(DELTA + rows_q.to(tl.int64) * n_heads + head, delta, mask=valid_q)
         pos_q, lowest, highest = _positions(POS, rows_q, valid_q, window)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        first_k, last_k = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest, window, BLOCK_N, SCAN)
+        first_k, last_k, whole_from, whole_to = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest,
+                                                             window, BLOCK_N, SCAN, MASK_ALL)
         for key_start in range(first_k, last_k, BLOCK_N):
             valid_k, pos_k = _block_positions(POS, key_start, end, BLOCK_N)
             k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
-            p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, WIDEN)
+            whole = (key_start >= whole_from) & (key_start < whole_to)
+            p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, whole, WIDEN)
             ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, WIDEN)
         tl.store(DQ + rows_q[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :],
@@ -292,7 +313,7 @@ def _strides(*tensors):
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, positions, max_seqlen, window, scale, tiling):
+    def forward(ctx, q, k, v, cu_seqlens, positions, max_seqlen, window, scale, tiling, mask_all):
         rows, heads, head_dim = q.shape
         out = torch.empty(rows, heads, head_dim, device=q.device, dtype=q.dtype)
         lse = torch.empty(rows, heads, device=q.device, dtype=torch.float32)
@@ -302,10 +323,10 @@ class _LocalAttention(torch.autograd.Function):
             _local_fwd_kernel[(triton.cdiv(max_seqlen, forward.outer), sequences, heads)](
                 q, k, v, out, lse, cu_seqlens, positions, scale * LOG2E, window, heads, *_strides(q, k, v, out),
                 HEAD_DIM=head_dim, BLOCK_M=forward.outer, BLOCK_N=forward.inner, WIDEN=_widened(q),
-                SCAN=scan_rows(forward.outer, window, forward.inner), num_warps=forward.warps,
+                SCAN=scan_rows(forward.outer, window, forward.inner), MASK_ALL=mask_all, num_warps=forward.warps,
                 num_stages=forward.stages)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, positions)
-        ctx.max_seqlen, ctx.window, ctx.scale, ctx.tiling = max_seqlen, window, scale, tiling
+        ctx.max_seqlen, ctx.window, ctx.scale, ctx.tiling, ctx.mask_all = max_seqlen, window, scale, tiling, mask_all
         return out
 
     @staticmethod
@@ -323,23 +344,24 @@ class _LocalAttention(torch.autograd.Function):
             _local_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, by_query.outer), sequences, heads)](
                 q, k, v, dout, out, lse, delta, dq, *args, HEAD_DIM=head_dim, BLOCK_M=by_query.outer,
                 BLOCK_N=by_query.inner, WIDEN=_widened(q), SCAN=scan_rows(by_query.outer, ctx.window, by_query.inner),
-                num_warps=by_query.warps, num_stages=by_query.stages)
+                MASK_ALL=ctx.mask_all, num_warps=by_query.warps, num_stages=by_query.stages)
             _local_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, dkdv.outer), sequences, heads)](
                 q, k, v, dout, lse, delta, dk, dv, *args, HEAD_DIM=head_dim, BLOCK_M=dkdv.inner, BLOCK_N=dkdv.outer,
-                WIDEN=_widened(q), SCAN=scan_rows(dkdv.outer, ctx.window, dkdv.inner), num_warps=dkdv.warps,
-                num_stages=dkdv.stages)
-        return dq, dk, dv, None, None, None, None, None, None
+                WIDEN=_widened(q), SCAN=scan_rows(dkdv.outer, ctx.window, dkdv.inner), MASK_ALL=ctx.mask_all,
+                num_warps=dkdv.warps, num_stages=dkdv.stages)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                     positions: torch.Tensor, max_seqlen: int, window: int, scale: float | None = None,
-                    tiling: dict[str, Tiles] | None = None) -> torch.Tensor:
+                    tiling: dict[str, Tiles] | None = None, mask_every_block: bool = False) -> torch.Tensor:
     """Softmax attention of q [T, heads, D] over k, v [T, heads, D] (one packed stream, its sequences bounded by
     cu_seqlens [B+1] int32; D a power of two, at least 16; each tensor's last dimension contiguous) where a query sees
     the keys of its sequence whose original position (positions [T] int32, increasing within each sequence) is
     within `window` of its own; max_seqlen: the longest sequence's rows (host int). Returns [T, heads, D] in q's
     dtype. Differentiable in q, k, v. `tiling`: each kernel's Tiles, `tiles(D)` unless given (the GPU benchmark's
-    candidates)."""
+    candidates); `mask_every_block`: mask the pairs of every block, also of those wholly inside the window (what the
+    GPU benchmark sets beside the default to time the unmasked blocks' saving)."""
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape or any(t.stride(2) != 1 for t in (q, k, v)):
         raise ValueError(f"local_attention: q, k, v must be [T, heads, D] of one shape, D contiguous; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -351,4 +373,4 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
                          f"{tuple(positions.shape)} {positions.dtype}, {cu_seqlens.dtype}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     return _LocalAttention.apply(q, k, v, cu_seqlens, positions, max_seqlen, window, scale,
-                                 tiling or tiles(head_dim))
+                                 tiling or tiles(head_dim), mask_every_block)
