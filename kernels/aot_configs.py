@@ -178,7 +178,8 @@ def _tiles_said(tiling, shipped) -> str:
 
 def _local_window_configs():
     """Each local-window kernel at its shipped tiles (heads of 32, 64, 128) and, at heads of 64, at every tiling the
-    GPU benchmark times (local_window.CANDIDATES)."""
+    GPU benchmark times (local_window.CANDIDATES) and with every block masked (its form of what the unmasked blocks
+    save)."""
     from . import local_window
 
     for dtype in ("bf16", "fp16"):
@@ -188,6 +189,8 @@ def _local_window_configs():
                 tried = local_window.CANDIDATES[kernel] if head_dim == 64 else ()
                 for tiling in dict.fromkeys((shipped[kernel], *tried)):
                     yield _local_window_config(kernel, dtype, head_dim, tiling)
+                if head_dim == 64:
+                    yield _local_window_config(kernel, dtype, head_dim, shipped[kernel], mask_all=True)
 
 
 # The window the local-window kernels are compiled for: ModernBERT's (128 positions, 64 either side); it sets the rows
@@ -195,15 +198,16 @@ def _local_window_configs():
 LOCAL_WINDOW = 64
 
 
-def _local_window_config(kernel: str, dtype: str, head_dim: int, tiling):
+def _local_window_config(kernel: str, dtype: str, head_dim: int, tiling, mask_all: bool = False):
     """One local-window kernel's configuration: its name, description, signature, constexprs and warps."""
     from . import local_window
 
     outer_is_keys = kernel == "dkdv"
     blocks = dict(HEAD_DIM=head_dim, BLOCK_M=tiling.inner if outer_is_keys else tiling.outer,
                   BLOCK_N=tiling.outer if outer_is_keys else tiling.inner, WIDEN=0,
-                  SCAN=local_window.scan_rows(tiling.outer, LOCAL_WINDOW, tiling.inner), MASK_ALL=0)
-    desc = f"{dtype} HEAD_DIM={head_dim} {tiling.outer}x{tiling.inner} warps={tiling.warps} stages={tiling.stages}"
+                  SCAN=local_window.scan_rows(tiling.outer, LOCAL_WINDOW, tiling.inner), MASK_ALL=int(mask_all))
+    desc = (f"{dtype} HEAD_DIM={head_dim} {tiling.outer}x{tiling.inner} warps={tiling.warps} stages={tiling.stages}"
+            + " every block masked" * mask_all)
     common = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}")
     if kernel == "forward":
         strides = {f"stride_{x}{y}": "i32" for x in ("q", "k", "v", "o") for y in ("t", "h")}

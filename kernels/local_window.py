@@ -113,6 +113,17 @@ def _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, whole, WIDEN
 
 
 @triton.jit
+def _whole(block_start, whole_from, whole_to, MASK_ALL: tl.constexpr):
+    """Whether the block from block_start is wholly inside the window (`_reached_rows`): a run-time flag, or the
+    constant False under MASK_ALL, which compiles the mask of every block and no branch (the GPU benchmark's
+    measure of what the unmasked blocks save)."""
+    whole = False
+    if not MASK_ALL:
+        whole = (block_start >= whole_from) & (block_start < whole_to)
+    return whole
+
+
+@triton.jit
 def _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, whole, WIDEN: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] softmax probabilities of the block, from the forward's log-sum-exp (base 2)."""
     return tl.exp2(_scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, whole, WIDEN) - lse[:, None])
@@ -134,13 +145,12 @@ def scan_rows(held: int, window: int, block: int) -> int:
 
 @triton.jit
 def _reached_rows(POS, start, end, held, HELD: tl.constexpr, lowest, highest, window, BLOCK: tl.constexpr,
-                  SCAN: tl.constexpr, MASK_ALL: tl.constexpr):
+                  SCAN: tl.constexpr):
     """(first, last, whole_from, whole_to): rows first .. last - 1 of the sequence's start .. end - 1, in blocks of
     BLOCK from `start`, run from the first block that reaches [lowest, highest] (the window of the program's HELD rows
     from `held`) to the end of the last one (empty where none does): a block of the other side that reaches none of
     the window is skipped. The blocks from whole_from to whole_to are whole blocks every row of which is within the
-    window of every held row: their pairs need no mask (held rows past the sequence's end are never stored); none
-    under MASK_ALL (the benchmark's measure of what the unmasked blocks save).
+    window of every held row: their pairs need no mask (held rows past the sequence's end are never stored).
     Positions increase within a sequence, so a row within `window` positions of a held row is within `window` rows of
     it: only the blocks of those rows are read, in one load of SCAN positions (`scan_rows`; it read one block at a
     time, a load and two reductions each), however long the sequence. The main loops then run a fixed range with no
@@ -163,8 +173,6 @@ def _reached_rows(POS, start, end, held, HELD: tl.constexpr, lowest, highest, wi
     after_whole = tl.max(tl.where(whole, rows + 1, scan_from), axis=0)
     whole_from = scan_from + tl.cdiv(first_whole - scan_from, BLOCK) * BLOCK
     whole_to = scan_from + (after_whole - scan_from) // BLOCK * BLOCK
-    if MASK_ALL:
-        whole_to = whole_from
     return first, last, whole_from, whole_to
 
 
@@ -214,11 +222,11 @@ def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, str
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         first_k, last_k, whole_from, whole_to = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest,
-                                                             window, BLOCK_N, SCAN, MASK_ALL)
+                                                             window, BLOCK_N, SCAN)
         for key_start in range(first_k, last_k, BLOCK_N):
             valid_k, pos_k = _block_positions(POS, key_start, end, BLOCK_N)
             k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
-            whole = (key_start >= whole_from) & (key_start < whole_to)
+            whole = _whole(key_start, whole_from, whole_to, MASK_ALL)
             scores = _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, whole, WIDEN)
             new_max = tl.maximum(row_max, tl.max(scores, axis=1))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key yet: no NaN
@@ -252,14 +260,14 @@ def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, s
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         first_q, last_q, whole_from, whole_to = _reached_rows(POS, start, end, first, BLOCK_N, lowest, highest,
-                                                             window, BLOCK_M, SCAN, MASK_ALL)
+                                                             window, BLOCK_M, SCAN)
         for query_start in range(first_q, last_q, BLOCK_M):
             valid_q, pos_q = _block_positions(POS, query_start, end, BLOCK_M)
             rows_q = query_start + tl.arange(0, BLOCK_M)
             q, do, lse = _query_side(Q, DO, LSE, query_start, end, rows_q, valid_q, stride_qt, stride_qh, stride_dot,
                                      stride_doh, head, n_heads, cols, BLOCK_M)
             delta = _per_row(DELTA, rows_q, valid_q, n_heads, head)
-            whole = (query_start >= whole_from) & (query_start < whole_to)
+            whole = _whole(query_start, whole_from, whole_to, MASK_ALL)
             p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, whole, WIDEN)
             dv += _dot(tl.trans(p).to(do.dtype), do, WIDEN)
             ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
@@ -290,11 +298,11 @@ def _local_bwd_dq_kernel(Q, K, V, DO, OUT, LSE, DELTA, DQ, CU, POS, qk_scale, sc
         pos_q, lowest, highest = _positions(POS, rows_q, valid_q, window)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         first_k, last_k, whole_from, whole_to = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest,
-                                                             window, BLOCK_N, SCAN, MASK_ALL)
+                                                             window, BLOCK_N, SCAN)
         for key_start in range(first_k, last_k, BLOCK_N):
             valid_k, pos_k = _block_positions(POS, key_start, end, BLOCK_N)
             k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
-            whole = (key_start >= whole_from) & (key_start < whole_to)
+            whole = _whole(key_start, whole_from, whole_to, MASK_ALL)
             p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, whole, WIDEN)
             ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, WIDEN)
