@@ -55,7 +55,7 @@ def median_time(fn, warmup: int = 2, repeats: int = 5, host_only: bool = False) 
 def gpu_kernel_time(fn, label: str, repeats: int = 3, top: int = 8) -> float:
     """GPU kernel seconds per call of fn, from the profiler (against the wall time: how busy fn keeps the GPU);
     prints the `top` busiest kernels under `label`."""
-    return gpu_kernel_profile(fn, label, repeats, top)[0]
+    return gpu_kernel_profile(fn, label, repeats, top)["busy_s"]
 
 
 # What each GPU kernel of a step does, read from its name (first match wins): the profile's table by kind says which
@@ -99,7 +99,7 @@ def _kernel_events(fn, repeats: int, host_ops: bool = False) -> tuple[list, list
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages()
                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
-    return kernels, ([e for e in prof.events() if e.kernels] if host_ops else [])
+    return kernels, (list(prof.events()) if host_ops else [])
 
 
 def gpu_kernel_seconds(fn, repeats: int = 5) -> float:
@@ -108,29 +108,54 @@ def gpu_kernel_seconds(fn, repeats: int = 5) -> float:
     return sum(e.device_time_total for e in _kernel_events(fn, repeats)[0]) / 1e6 / repeats
 
 
-def kernel_launchers(host_events, depth: int = 3) -> dict[str, Counter]:
-    """Kernel name -> how often each chain of host ops launched it: the op that launched it, then the ops around it,
-    innermost first, `depth` in all ("aten::fill_ < aten::zero_ < aten::zeros"). `host_events`: a profile's host
-    events that launched kernels (each event's `kernels`, its enclosing op `cpu_parent`, as torch.profiler links
-    them by correlation id)."""
+def _host_chain(event, depth: int) -> str:
+    """A host op and the ops around it, innermost first, `depth` in all ("aten::fill_ < aten::zero_ < aten::zeros")."""
+    chain, parent = [event.name], event.cpu_parent
+    while parent is not None and len(chain) < depth:
+        chain.append(parent.name)
+        parent = parent.cpu_parent
+    return " < ".join(name[:60] for name in chain)
+
+
+def kernel_launchers(events, depth: int = 3) -> dict[str, Counter]:
+    """Kernel name -> how often each chain of host ops launched it (`_host_chain`). `events`: a profile's events, the
+    host ones holding the kernels they launched (`kernels`) and their enclosing op (`cpu_parent`), as torch.profiler
+    links them by correlation id."""
     launchers: dict[str, Counter] = {}
-    for event in host_events:
-        chain, parent = [event.name], event.cpu_parent
-        while parent is not None and len(chain) < depth:
-            chain.append(parent.name)
-            parent = parent.cpu_parent
+    for event in events:
         for kernel in event.kernels:
-            launchers.setdefault(kernel.name, Counter())[" < ".join(name[:60] for name in chain)] += 1
+            launchers.setdefault(kernel.name, Counter())[_host_chain(event, depth)] += 1
     return launchers
 
 
-def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[float, float, dict, dict]:
-    """(GPU kernel seconds, kernels the profiler saw, {kind: [ms, kernels]}) per call of fn; prints the `top` busiest
-    kernels under `label`, the time by kind (kernel_kind) and the `top` most launched kernels (what the count is made
-    of), each with the host ops that launched it (`kernel_launchers`, also returned: {kernel: {ops: per call}} for
-    those `top`). The count tells whether the profile saw the kernels of CUDA graph replays or only their launches."""
-    events, host_events = _kernel_events(fn, repeats, host_ops=True)
-    launchers = kernel_launchers(host_events)
+def gpu_idle(events, repeats: int, depth: int = 3, top: int = 6) -> dict[str, float]:
+    """Where the GPU waits, ms per call: each stretch with none of its kernels running, between the first and the last
+    kernel of the profiled calls, charged to the host ops that launched the kernel after it (what the GPU waited
+    for), the `top` largest. `events`: a profile's events, kernels linked to the op that launched them by
+    `linked_correlation_id` (the op's `id`)."""
+    host = {e.id: e for e in events  # the ops (the runtime's launch calls are linked to a kernel themselves)
+            if e.device_type == torch.autograd.DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)}
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    waits: Counter = Counter()
+    busy_until = None
+    for kernel in kernels:
+        if busy_until is not None and kernel.time_range.start > busy_until:
+            launcher = host.get(getattr(kernel, "linked_correlation_id", 0))
+            waits[_host_chain(launcher, depth) if launcher else "(no host op linked)"] += (
+                kernel.time_range.start - busy_until)
+        busy_until = max(busy_until or 0, kernel.time_range.end)
+    return {chain: round(us / 1e3 / repeats, 3) for chain, us in waits.most_common(top)}
+
+
+def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> dict:
+    """Per call of fn: {"busy_s": GPU kernel seconds, "kernels": kernels the profiler saw, "kinds": {kind: [ms,
+    kernels]}, "launchers": {kernel: {host ops: per call}} of the `top` most launched, "idle": `gpu_idle`}; prints
+    the `top` busiest kernels under `label`, the time by kind (kernel_kind), the most launched kernels (what the
+    count is made of) with the host ops that launched them (`kernel_launchers`), and where the GPU waited. The count
+    tells whether the profile saw the kernels of CUDA graph replays or only their launches."""
+    events, timeline = _kernel_events(fn, repeats, host_ops=True)
+    launchers = kernel_launchers(timeline)
     kernels = sorted(((e.device_time_total / 1e6 / repeats, e.key) for e in events), reverse=True)
     busy = sum(seconds for seconds, _ in kernels)
     count = sum(e.count for e in events) / repeats
@@ -158,7 +183,11 @@ def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> tuple[
         launched_by[key] = {ops: round(times / repeats, 1) for ops, times in chains}
         for ops, per_call in launched_by[key].items():
             print(f"  {per_call:14.0f} x  {ops}", flush=True)
-    return busy, count, kinds, launched_by
+    idle = gpu_idle(timeline, repeats)
+    print(f"{label}: GPU idle per call, by the host ops that launched the kernel it waited for:", flush=True)
+    for ops, ms in idle.items():
+        print(f"  {ms:8.3f} ms  {ops}", flush=True)
+    return {"busy_s": busy, "kernels": count, "kinds": kinds, "launchers": launched_by, "idle": idle}
 
 
 def stamp() -> dict:

@@ -103,9 +103,10 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
     result["cuda_graphs"] = f"{graphs.replayed_batches} replayed" if graphs is not None else "no"
     if device.type == "cuda":
         result["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        busy_s, result["gpu_kernels_per_step"], result["gpu_kernel_kinds"], result["gpu_kernel_launchers"] = (
-            gpu_kernel_profile(step, f"{system} [{variant or 'eager'}]", top=25))
-        result["gpu_busy"] = busy_s / seconds
+        profile = gpu_kernel_profile(step, f"{system} [{variant or 'eager'}]", top=25)
+        result.update(gpu_kernels_per_step=profile["kernels"], gpu_kernel_kinds=profile["kinds"],
+                      gpu_kernel_launchers=profile["launchers"], gpu_idle_ms=profile["idle"],
+                      gpu_busy=profile["busy_s"] / seconds)
     else:
         result["peak_memory_mib"] = _resident_mib()[1] - baseline_mib
     if trace is not None:

@@ -85,6 +85,38 @@ def test_gpu_kernels_are_sorted_by_the_work_their_names_say():
     assert {name: common.kernel_kind(name) for name in names} == names
 
 
+def test_the_gpus_idle_time_is_charged_to_what_it_waited_for():
+    """gpu_idle: each stretch with no kernel running, between the first kernel and the last, charged to the host ops
+    that launched the kernel after it (by its linked correlation id), overlapping kernels (two streams) one busy
+    stretch, ms per call; a CPU profile (no kernels) has none."""
+    from types import SimpleNamespace
+
+    import common
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.zeros(8).add_(1)
+    assert common.gpu_idle(list(prof.events()), repeats=1) == {}
+
+    def op(name, id, parent=None):
+        return SimpleNamespace(name=name, id=id, cpu_parent=parent, device_type=DeviceType.CPU,
+                               linked_correlation_id=0)
+
+    def kernel(start, end, launched_by):
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), device_type=DeviceType.CUDA,
+                               linked_correlation_id=launched_by)
+
+    step = op("Optimizer.step", 1)
+    adam, mm, fill = op("aten::_fused_adamw_", 2, step), op("aten::mm", 3), op("aten::fill_", 4)
+    launch = SimpleNamespace(name="cudaLaunchKernel", id=2, cpu_parent=None, device_type=DeviceType.CPU,
+                             linked_correlation_id=9)  # the runtime's call: its own id may be an op's
+    events = [step, adam, mm, fill, launch, kernel(0, 100, 3), kernel(20, 60, 4), kernel(150, 160, 2),
+              kernel(400, 500, 3), kernel(700, 710, 77)]
+    assert common.gpu_idle(events, repeats=2) == {
+        "aten::_fused_adamw_ < Optimizer.step": 0.025, "aten::mm": 0.12, "(no host op linked)": 0.1}
+
+
 def test_each_kernel_is_told_with_the_host_ops_that_launched_it():
     """kernel_launchers reads a real profile's host events (names and enclosing ops as torch.profiler links them; a
     CPU profile has no kernels, so each event here is given the kernels a CUDA one would hold): the launching op
