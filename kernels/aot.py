@@ -143,6 +143,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--match", help="compile only the configurations whose 'kernel config' matches this regex")
     args = parser.parse_args(argv)
+    import triton
+
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("fastmae.kernels.aot: unset TRITON_INTERPRET (the interpreter cannot compile)", file=sys.stderr)
         return 2
@@ -152,8 +154,8 @@ def main(argv=None) -> int:
         results = list(pool.map(compile_one, jobs))
     bad = [r for r in results if failures(r)]
     if args.json:
-        table = {"inputs_sha256": inputs_sha256(), "archs": [f"sm_{arch}" for arch in args.arch],
-                 "match": args.match, "results": results}
+        table = {"inputs_sha256": inputs_sha256(), "triton": triton.__version__,
+                 "archs": [f"sm_{arch}" for arch in args.arch], "match": args.match, "results": results}
         args.json.write_text(json.dumps(table, indent=1) + "\n")
     worst = {}
     for r in results:
@@ -163,7 +165,8 @@ def main(argv=None) -> int:
         print(f"{kernel:32s} {arch}: max {regs:3d} registers, max {shared:6d} B shared")
     if args.markdown:
         lines = ["# Static GPU resource usage of every kernel configuration", "",
-                 "From `python -m fastmae.kernels.aot` (Triton AOT compile + cuobjdump, no GPU needed).", "",
+                 f"From `python -m fastmae.kernels.aot` (Triton {triton.__version__} AOT compile + cuobjdump, no GPU "
+                 "needed). A GPU compiles with its own Triton, whose registers may differ.", "",
                  "| kernel | arch | configs | registers (min-max) | resident warps / SM (min) | shared bytes (max) "
                  "| spill bytes (max) | widest load, bytes (min-max) |",
                  "|---|---|---|---|---|---|---|---|"]

@@ -107,9 +107,11 @@ def _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, whole, WIDEN
     """fp32 [BLOCK_M, BLOCK_N] scores of the block in base 2, -inf for the pairs outside the window; `whole`: every
     pair of the block is inside it (`_reached_rows`), and no pair is masked."""
     scores = _dot(q, tl.trans(k), WIDEN) * qk_scale
-    if not whole:
-        scores = tl.where(_in_window(pos_q, valid_q, pos_k, valid_k, window), scores, float("-inf"))
-    return scores
+    if whole:
+        kept = scores
+    else:
+        kept = tl.where(_in_window(pos_q, valid_q, pos_k, valid_k, window), scores, float("-inf"))
+    return kept
 
 
 @triton.jit
@@ -117,9 +119,9 @@ def _whole(block_start, whole_from, whole_to, MASK_ALL: tl.constexpr):
     """Whether the block from block_start is wholly inside the window (`_reached_rows`): a run-time flag, or the
     constant False under MASK_ALL, which compiles the mask of every block and no branch (the GPU benchmark's
     measure of what the unmasked blocks save)."""
-    whole = False
-    if not MASK_ALL:
-        whole = (block_start >= whole_from) & (block_start < whole_to)
+    whole = (block_start >= whole_from) & (block_start < whole_to)
+    if MASK_ALL:
+        whole = False
     return whole
 
 
