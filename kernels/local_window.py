@@ -4,15 +4,16 @@ original positions are at most `window` from its own.
 
 On a stream whose rows skip positions (3ml's and mae-lm's encoder before the insertion) a window of positions is not
 a window of rows, so FlashAttention's own window cannot run it exactly; this kernel masks each (query, key) pair by
-their positions, and skips every block of keys whose positions all lie outside the window of every query of the
-block. Positions must increase within each sequence, as every fastmae stream's do (the full stream's 0, 1, 2, ...;
-a shortened stream's kept positions in order): a row within `window` positions of another is then within `window`
-rows of it, so a program looks only at the blocks of those rows, about (2 * window) / BLOCK_N + 2 of them however
-long its sequence. Program
-(block of BLOCK_M query rows, sequence, head); the backward is two kernels, one a block of queries (dq, and each
-row's rowsum(out * do) for the other) and then one a block of keys (dk, dv), each summing in a fixed order: no
-atomics, deterministic. Softmax in base 2 (`exp2`), the
-log-sum-exp of each row kept for the backward. Reference: `local_attention_reference` in reference.py.
+their positions where a block of keys straddles the window's boundary, leaves the pairs of a block wholly inside it
+unmasked, and skips every block of keys whose positions all lie outside the window of every query of the block (on
+any stream: on a full one it also beat FlashAttention's window, attention.CUDA_LOCAL_BACKEND). Positions must
+increase within each sequence, as every fastmae stream's do (the full stream's 0, 1, 2, ...; a shortened stream's
+kept positions in order): a row within `window` positions of another is then within `window` rows of it, so a
+program looks only at the blocks of those rows, about (2 * window) / BLOCK_N + 2 of them however long its sequence.
+Program (block of BLOCK_M query rows, sequence, head); the backward is two kernels, one a block of queries (dq, and
+each row's rowsum(out * do) for the other) and then one a block of keys (dk, dv), each summing in a fixed order: no
+atomics, deterministic. Softmax in base 2 (`exp2`), the log-sum-exp of each row kept for the backward. Reference:
+`local_attention_reference` in reference.py.
 """
 
 from __future__ import annotations
