@@ -132,7 +132,9 @@ def gpu_idle(events, repeats: int, depth: int = 3, top: int = 6) -> dict[str, fl
     """Where the GPU waits, ms per call: each stretch with none of its kernels running, between the first and the last
     kernel of the profiled calls, charged to the host ops that launched the kernel after it (what the GPU waited
     for), the `top` largest. `events`: a profile's events, kernels linked to the op that launched them by
-    `linked_correlation_id` (the op's `id`)."""
+    `linked_correlation_id` (the op's `id`). Measured under the profiler, whose recording of every host op slows the
+    host: where the GPU waits on the host, it waits longer than unprofiled (a step's own idle time is 1 - gpu_busy
+    of its step time)."""
     host = {e.id: e for e in events  # the ops (the runtime's launch calls are linked to a kernel themselves)
             if e.device_type == torch.autograd.DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)}
     kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
@@ -184,7 +186,8 @@ def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> dict:
         for ops, per_call in launched_by[key].items():
             print(f"  {per_call:14.0f} x  {ops}", flush=True)
     idle = gpu_idle(timeline, repeats)
-    print(f"{label}: GPU idle per call, by the host ops that launched the kernel it waited for:", flush=True)
+    print(f"{label}: GPU idle per call under the profiler (its host slowed by the recording), by the host ops that "
+          "launched the kernel it waited for:", flush=True)
     for ops, ms in idle.items():
         print(f"  {ms:8.3f} ms  {ops}", flush=True)
     return {"busy_s": busy, "kernels": count, "kinds": kinds, "launchers": launched_by, "idle": idle}
