@@ -198,11 +198,11 @@ def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):
     cos, sin = angles.cos(), angles.sin()
     grads_qkv = [torch.randn(tokens, heads, head_dim, device=device, dtype=dtype) for _ in range(3)]
 
-    def stock_qkv_rotary():
+    def stock_qkv_rotary():  # what ModernBertForMaskedLM runs: transformers' own apply_rotary_pos_emb
+        from transformers.models.modernbert.modeling_modernbert import apply_rotary_pos_emb
+
         q, k, v = F.linear(x, w_qkv).view(tokens, 3, heads, head_dim).unbind(1)
-        full_cos, full_sin = (torch.cat([t, t], -1)[:, None, :].to(dtype) for t in (cos, sin))
-        turned = [torch.cat([-t[..., head_dim // 2:], t[..., :head_dim // 2]], -1) for t in (q, k)]
-        return q * full_cos + turned[0] * full_sin, k * full_cos + turned[1] * full_sin, v
+        return (*apply_rotary_pos_emb(q, k, torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)), v)
 
     yield ("QKV projection + rotary (no bias)", 0, 18 * tokens * hidden * hidden,
            lambda: torch.autograd.backward(stock_qkv_rotary(), grads_qkv),
