@@ -5,8 +5,9 @@
 Compiles each (kernel, block size, warps, flags, dtype) the launchers can choose for sm_80 and sm_90 with
 `triton.compile(ASTSource(...))`, told what Triton's JIT specializes at a launch (`specializations`), then reads
 registers, spills (LOCAL) and shared memory per function from `cuobjdump --dump-resource-usage`, the tool shipped
-inside the triton wheel, and the widest load from the PTX, and counts the warps its registers let stay resident on a
-multiprocessor (occupancy: what hides memory latency). Run without TRITON_INTERPRET.
+inside the triton wheel, the widest load from the PTX and the instructions a thread issues per element from the SASS
+(`cuobjdump -sass`), and counts the warps its registers let stay resident on a multiprocessor (occupancy: what hides
+memory latency). Run without TRITON_INTERPRET.
 
 The table is a pure function of this directory's sources and Triton's version (`inputs_sha256`), and compiling all
 ~1,000 takes ~3 CPU-minutes with Triton's cache empty, so it is committed (benchmarks/results/kernels_static.json,
@@ -106,6 +107,24 @@ def widest_load_bytes(ptx: str) -> int:
     return max(widths, default=0)
 
 
+def issue_instructions(sass: str) -> int:
+    """SASS instructions (NOPs aside) of the kernel's largest loop body (from a backward branch's target to it), or of
+    the whole kernel where it has no loop: what a thread issues per pass over its elements. The row-wise kernels are
+    bound by it more than by memory (an H200's 132 x 4 schedulers issue one warp instruction a cycle each)."""
+    lines = [(int(address, 16), op, rest) for address, op, rest
+             in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)]
+    spans = [(int(m.group(1), 16), address) for address, op, rest in lines
+             if op.startswith("BRA") and (m := re.search(r"0x([0-9a-f]+)", rest)) and int(m.group(1), 16) < address]
+    start, end = max(spans, key=lambda span: span[1] - span[0], default=(0, float("inf")))
+    return sum(1 for address, op, _ in lines if start <= address <= end and not op.startswith("NOP"))
+
+
+def thread_elements(constexprs: dict, warps: int) -> float | None:
+    """Elements of a row-wise kernel's tile (BLOCK_R x BLOCK_C or BLOCK_H) a thread holds, None for other kernels."""
+    columns = constexprs.get("BLOCK_C", constexprs.get("BLOCK_H"))
+    return constexprs["BLOCK_R"] * columns / (32 * warps) if "BLOCK_R" in constexprs and columns else None
+
+
 def compile_one(job):
     """Compile one configuration for one architecture; return its resource usage."""
     import importlib
@@ -126,13 +145,23 @@ def compile_one(job):
         cubin.write_bytes(compiled.asm["cubin"])
         dump = subprocess.run([_cuobjdump(), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
+        sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", dump))
     registers = int(usage.get("REG", -1))
+    instructions, elements = issue_instructions(sass), thread_elements(constexprs, warps)
     return {"kernel": name, "config": desc, "arch": f"sm_{arch}", "num_warps": warps, "registers": registers,
             "resident_warps": resident_warps(registers, warps), "local_bytes": int(usage.get("LOCAL", -1)),
             "stack_bytes": int(usage.get("STACK", -1)), "load_bytes": widest_load_bytes(compiled.asm["ptx"]),
+            "instructions": instructions,
+            "instructions_per_element": round(instructions / elements, 2) if elements else None,
             "shared_bytes": max(int(usage.get("SHARED", 0)), int(compiled.metadata.shared)),
             "shared_limit": SHARED_LIMIT[arch]}
+
+
+def _span(values) -> str:
+    """'min-max' of the numbers among `values` (None: not a row-wise kernel), '-' for none."""
+    numbers = [v for v in values if v is not None]
+    return f"{min(numbers):g}-{max(numbers):g}" if numbers else "-"
 
 
 def main(argv=None) -> int:
@@ -166,17 +195,21 @@ def main(argv=None) -> int:
     if args.markdown:
         lines = ["# Static GPU resource usage of every kernel configuration", "",
                  f"From `python -m fastmae.kernels.aot` (Triton {triton.__version__} AOT compile + cuobjdump, no GPU "
-                 "needed). A GPU compiles with its own Triton, whose registers may differ.", "",
+                 "needed). A GPU compiles with its own Triton, whose registers may differ. Instructions a thread's "
+                 "element: the SASS a thread issues per pass (its loop's body, or the whole kernel) over the elements "
+                 "of the tile it holds, for the row-wise kernels; these are bound by it (an H200 issues about 28 a "
+                 "thread in the time its memory moves a bf16 element in and out).", "",
                  "| kernel | arch | configs | registers (min-max) | resident warps / SM (min) | shared bytes (max) "
-                 "| spill bytes (max) | widest load, bytes (min-max) |",
-                 "|---|---|---|---|---|---|---|---|"]
+                 "| spill bytes (max) | widest load, bytes (min-max) | instructions a thread's element (min-max) |",
+                 "|---|---|---|---|---|---|---|---|---|"]
         for (kernel, arch) in sorted(worst):
             rows = [r for r in results if (r["kernel"], r["arch"]) == (kernel, arch)]
             regs = [r["registers"] for r in rows]
             lines.append(f"| {kernel} | {arch} | {len(rows)} | {min(regs)}-{max(regs)} | "
                          f"{min(r['resident_warps'] for r in rows)} | {max(r['shared_bytes'] for r in rows)} | "
                          f"{max(r['local_bytes'] for r in rows)} | {min(r['load_bytes'] for r in rows)}-"
-                         f"{max(r['load_bytes'] for r in rows)} |")
+                         f"{max(r['load_bytes'] for r in rows)} | "
+                         f"{_span(r['instructions_per_element'] for r in rows)} |")
         args.markdown.write_text("\n".join(lines) + "\n")
     print(f"{len(results)} configurations compiled, {len(bad)} with a fault (`failures`)")
     for r in bad:

@@ -14,7 +14,7 @@ import warm_python
 from fastmae.kernels import aot
 
 TABLE = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "kernels_static.json"
-MEASURED = ("registers", "local_bytes", "stack_bytes", "shared_bytes", "load_bytes")
+MEASURED = ("registers", "local_bytes", "stack_bytes", "shared_bytes", "load_bytes", "instructions")
 
 
 def test_every_configuration_compiles_without_spills(tmp_path):
@@ -58,3 +58,29 @@ def test_the_table_compiles_each_kernel_as_the_jit_specializes_it():
     assert load_bytes("norm._add_norm_fwd_kernel", "bf16 BLOCK_H=1024 xbias=1 bias=1 sum=0 dropout=1") == {16}
     assert aot.widest_load_bytes("ld.global.L1::evict_last.v4.b32 {a, b, c, d}, [x];\nld.global.b16 y, [z];") == 16
     assert aot.widest_load_bytes("ld.global.v2.b32 {a, b}, [x];") == 8 and aot.widest_load_bytes("st.global.b16") == 0
+
+
+SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*0020*/              @!P0 LDG.E.64 R12, desc[UR6][R2.64] ;
+        /*0030*/                   FFMA R4, R12, R13, 1 ;
+        /*0040*/                   NOP ;
+        /*0050*/               @P0 BRA 0x20 ;
+        /*0060*/                   EXIT ;
+        /*0070*/                   BRA 0x70;
+"""
+
+
+def test_the_table_counts_what_a_thread_issues_per_element():
+    """The row-wise kernels are bound by the instructions they issue: the table counts a thread's loop body (or whole
+    kernel) over the elements it holds. RoBERTa-base's bias + GELU, as shipped, issues at most 32 an element forward
+    and 41 backward (libdevice's erf, a coefficient selected per element: 43 and 56)."""
+    assert aot.issue_instructions(SASS) == 3  # the loop's LDG, FFMA, BRA: not its NOP, not the prologue
+    assert aot.issue_instructions(SASS.replace("0x20 ;", "0x70 ;")) == 7  # no backward branch: all but the NOP
+    assert aot.thread_elements({"BLOCK_R": 2, "BLOCK_C": 1024}, 8) == 8
+    assert aot.thread_elements({"BLOCK_M": 64}, 4) is None
+    per_element = {(r["kernel"], r["config"]): r["instructions_per_element"]
+                   for r in json.loads(TABLE.read_text())["results"] if r["arch"] == "sm_90"}
+    assert per_element["activation._bias_gelu_fwd_kernel", "bf16 BLOCK_C=1024"] <= 32
+    assert per_element["activation._bias_gelu_bwd_kernel", "bf16 BLOCK_C=1024"] <= 41
