@@ -92,12 +92,13 @@ NORM_BACKWARD_FLAGS = (("dh", "HAS_DH"), ("xbias", "HAS_XBIAS"), ("dropout", "HA
 
 
 def _norm_configs():
-    """Each norm kernel at its shipped tiles, every flag, at three widths; and at RoBERTa's (rows of 1,024 lanes) in
-    bf16, post-LN with dropout and the projection's bias, at every tiling the GPU benchmark times (norm.CANDIDATES)."""
+    """Each norm kernel at its shipped tiles, every flag, at four widths; and at RoBERTa-base's (768: three chunks of
+    256 lanes) in bf16, post-LN with dropout and the projection's bias, at every tiling the GPU benchmark times
+    (norm.CANDIDATES)."""
     from . import launch, norm
 
-    for hidden in (64, 1024, launch.MAX_HIDDEN):  # the smallest row, base and large models' (768, 1024), the largest
-        block = hidden  # a power of two: the kernels' BLOCK_H
+    for hidden in (64, 768, 1024, launch.MAX_HIDDEN):  # the smallest row, base and large models', the largest
+        chunks, block = norm.row_chunks(hidden)  # the kernels' CHUNKS and BLOCK_H
         shipped = norm.tiles(hidden)
         for dtype in ("fp32", "bf16"):
             fwd = dict(X=f"*{dtype}", XB=f"*{dtype}", R=f"*{dtype}", W=f"*{dtype}", B=f"*{dtype}", Y=f"*{dtype}",
@@ -107,17 +108,17 @@ def _norm_configs():
                        MEAN="*fp32", RSTD="*fp32", KEY="*i64", DX=f"*{dtype}", DR=f"*{dtype}", PARTS="*fp32",
                        n_rows="i32", tiles="i32", programs="i32", H="i32", stride_x="i32", stride_r="i32",
                        threshold="i32", scale="fp32")
-            tried = norm.CANDIDATES if (hidden, dtype) == (1024, "bf16") else {kernel: () for kernel in norm.KERNELS}
+            tried = norm.CANDIDATES if (hidden, dtype) == (768, "bf16") else {kernel: () for kernel in norm.KERNELS}
             for kernel, name, sig, flags, post_ln in (
                     ("forward", "norm._add_norm_fwd_kernel", fwd, NORM_FORWARD_FLAGS, (1, 1, 0, 1)),
                     ("backward", "norm._add_norm_bwd_kernel", bwd, NORM_BACKWARD_FLAGS, (0, 1, 1, 0))):
                 for values in itertools.product((0, 1), repeat=len(flags)):
                     for tiling in dict.fromkeys((shipped[kernel], *(tried[kernel] if values == post_ln else ()))):
                         said = " ".join(f"{short}={value}" for (short, _), value in zip(flags, values))
-                        yield (name,
-                               f"{dtype} BLOCK_H={block} {said}" + _tiles_said(tiling, shipped[kernel]), sig,
+                        yield (name, f"{dtype} BLOCK_H={block}" + (f" CHUNKS={chunks}" if chunks > 1 else "")
+                               + f" {said}" + _tiles_said(tiling, shipped[kernel]), sig,
                                {**{flag: value for (_, flag), value in zip(flags, values)}, "BLOCK_R": tiling.rows,
-                                "BLOCK_H": block}, tiling.warps)
+                                "BLOCK_H": block, "CHUNKS": chunks}, tiling.warps)
     for dtype in ("fp32", "bf16"):
         yield ("launch._sum_parts_kernel", dtype, dict(PARTS="*fp32", SUMS=f"*{dtype}", programs="i32", H="i32"),
                dict(BLOCK_P=launch.SUM_BLOCK_P, BLOCK_H=launch.SUM_BLOCK_H), launch.SUM_WARPS)

@@ -3,6 +3,11 @@
 
     h = dropout(x) + residual  (each rounded to x's dtype, as torch gives them)      y = LayerNorm(h) * weight + bias
 
+A program holds whole rows, each as `row_chunks` blocks of lanes: RoBERTa-base's 768 as three of 256, not one of
+1,024 with a quarter masked, for these kernels are bound by the instructions they issue, not by memory
+(`python -m fastmae.kernels.aot` counts them: post-LN at 768 in bf16, the forward issues 40 an element where the
+masked block issued 72, the backward 68 where 100).
+
 Forward reads x and residual once and writes y (and h, where the caller keeps the residual stream: pre-LN layers),
 with each row's mean and 1 / std in fp32. Backward reads dy (and dh, h's own gradient) once, reads h where the
 forward kept it (x and the residual need not stay alive for it) or recomputes it from x and residual, and writes
@@ -53,26 +58,46 @@ def _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale
 
 
 @triton.jit
+def _chunk(c, rows, n_rows, H, BLOCK_H: tl.constexpr):
+    """(columns, mask, offsets in a [N, H] tensor) of chunk c of the rows: BLOCK_H lanes from column c * BLOCK_H."""
+    cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rows < n_rows)[:, None] & (cols[None, :] < H)
+    return cols, mask, rows[:, None] * H + cols[None, :]
+
+
+@triton.jit
 def _add_norm_fwd_kernel(X, XB, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, stride_x, stride_r, eps, threshold,
                          scale, HAS_XBIAS: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_SUM: tl.constexpr,
-                         HAS_DROPOUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                         HAS_DROPOUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                         CHUNKS: tl.constexpr):
+    """Program p: rows p * BLOCK_R on, each as CHUNKS chunks of BLOCK_H lanes (`row_chunks`), all held at once."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_H)
     in_rows = rows < n_rows
-    mask = in_rows[:, None] & (cols[None, :] < H)
-    offsets = rows[:, None] * H + cols[None, :]
-    kept = _kept(rows, cols, H, KEY, threshold) if HAS_DROPOUT else mask
-    x_bias = tl.load(XB + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :] if HAS_XBIAS else 0.0
-    h = _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS, HAS_DROPOUT)
-    if STORE_SUM:
-        tl.store(H_OUT + offsets, h.to(H_OUT.dtype.element_ty), mask=mask)
-    mean = tl.sum(h, axis=1) / H
-    hc = tl.where(mask, h - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=1) / H + eps)
-    y = hc * rstd[:, None] * tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        y += tl.load(B + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+    sums = ()
+    total = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        cols, mask, offsets = _chunk(c, rows, n_rows, H, BLOCK_H)
+        kept = _kept(rows, cols, H, KEY, threshold) if HAS_DROPOUT else mask
+        x_bias = tl.load(XB + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :] if HAS_XBIAS else 0.0
+        h = _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS, HAS_DROPOUT)
+        if STORE_SUM:
+            tl.store(H_OUT + offsets, h.to(H_OUT.dtype.element_ty), mask=mask)
+        sums = sums + (h,)
+        total += h
+    mean = tl.sum(total, axis=1) / H
+    squares = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        _, mask, _ = _chunk(c, rows, n_rows, H, BLOCK_H)
+        centred = tl.where(mask, sums[c] - mean[:, None], 0.0)
+        squares += centred * centred
+    rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / H + eps)
+    for c in tl.static_range(CHUNKS):
+        cols, mask, offsets = _chunk(c, rows, n_rows, H, BLOCK_H)
+        y = (sums[c] - mean[:, None]) * rstd[:, None] * tl.load(W + cols, mask=cols < H, other=0.0).to(
+            tl.float32)[None, :]
+        if HAS_BIAS:
+            y += tl.load(B + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
     tl.store(MEAN + rows, mean, mask=in_rows)
     tl.store(RSTD + rows, rstd, mask=in_rows)
 
@@ -81,50 +106,67 @@ def _add_norm_fwd_kernel(X, XB, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, s
 def _add_norm_bwd_kernel(DY, DH, X, XB, R, W, MEAN, RSTD, KEY, DX, DR, PARTS, n_rows, tiles, programs, H,
                          stride_x, stride_r, threshold, scale, HAS_DH: tl.constexpr, HAS_XBIAS: tl.constexpr,
                          HAS_DROPOUT: tl.constexpr, FROM_SUM: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
-    """Program p: `tiles` tiles of BLOCK_R rows, from row p * tiles * BLOCK_R; its partial weight and bias gradients
-    (and x_bias's) into row p of PARTS [2 or 3, programs, H]. The partials accumulate per element of the tile and are
-    summed over its rows once, at the end: no reduction across the tile's rows (and its barrier) in the loop.
-    FROM_SUM: X holds the forward's h (rounded as _summed_rows rounds it), read in place of x and the residual."""
+                         BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
+    """Program p: `tiles` tiles of BLOCK_R rows (each as CHUNKS chunks of BLOCK_H lanes), from row p * tiles *
+    BLOCK_R; its partial weight and bias gradients (and x_bias's) into row p of PARTS [2 or 3, programs, H]. The
+    partials accumulate per element of the tile and are summed over its rows once, at the end: no reduction across the
+    tile's rows (and its barrier) in the loop. FROM_SUM: X holds the forward's h (rounded as _summed_rows rounds it),
+    read in place of x and the residual."""
     pid = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
-    dw = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-    db = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-    dxb = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    dw, db, dxb = (), (), ()
+    for c in tl.static_range(CHUNKS):
+        dw, db = dw + (tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32),), db + (tl.zeros([BLOCK_R, BLOCK_H],
+                                                                                       dtype=tl.float32),)
+        dxb = dxb + (tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32),)
     for tile in range(tiles):
-        # the weight and x_bias read again each tile (from cache) rather than held: registers for warps resident
-        w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
-        x_bias = tl.load(XB + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :] if HAS_XBIAS else 0.0
         rows = (pid * tiles + tile) * BLOCK_R + tl.arange(0, BLOCK_R)
         in_rows = rows < n_rows
-        mask = in_rows[:, None] & (cols[None, :] < H)
-        offsets = rows[:, None] * H + cols[None, :]
-        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
-        kept = _kept(rows, cols, H, KEY, threshold) if HAS_DROPOUT else mask  # hashed once, used twice
-        if FROM_SUM:
-            h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        else:
-            h = _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS, HAS_DROPOUT)
         rstd = tl.load(RSTD + rows, mask=in_rows, other=0.0)[:, None]
-        hhat = tl.where(mask, (h - tl.load(MEAN + rows, mask=in_rows, other=0.0)[:, None]) * rstd, 0.0)
-        wdy = w * dy
-        c1 = tl.sum(hhat * wdy, axis=1)[:, None] / H
-        c2 = tl.sum(wdy, axis=1)[:, None] / H
-        dh = (wdy - (hhat * c1 + c2)) * rstd
-        if HAS_DH:
-            dh += tl.load(DH + offsets, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DR + offsets, dh.to(DR.dtype.element_ty), mask=mask)  # its own tensor: no aliased gradients
-        if HAS_DROPOUT:
-            dh = tl.where(kept, dh * scale, 0.0)
-        tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
-        dw += dy * hhat
-        db += dy
+        mean = tl.load(MEAN + rows, mask=in_rows, other=0.0)[:, None]
+        hhats, wdys, kepts = (), (), ()
+        c1 = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+        c2 = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+        new_dw, new_db = (), ()
+        for c in tl.static_range(CHUNKS):
+            cols, mask, offsets = _chunk(c, rows, n_rows, H, BLOCK_H)
+            # the weight and x_bias read again each tile (from cache) rather than held: registers for warps resident
+            w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+            x_bias = tl.load(XB + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :] if HAS_XBIAS else 0.0
+            dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+            kept = _kept(rows, cols, H, KEY, threshold) if HAS_DROPOUT else mask  # hashed once, used twice
+            if FROM_SUM:
+                h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            else:
+                h = _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS,
+                                 HAS_DROPOUT)
+            hhat = tl.where(mask, (h - mean) * rstd, 0.0)
+            wdy = w * dy
+            c1 += hhat * wdy
+            c2 += wdy
+            # the weight's and bias's partials now: dy need not stay live for the second pass
+            new_dw, new_db = new_dw + (dw[c] + dy * hhat,), new_db + (db[c] + dy,)
+            hhats, wdys, kepts = hhats + (hhat,), wdys + (wdy,), kepts + (kept,)
+        dw, db = new_dw, new_db
+        c1 = tl.sum(c1, axis=1)[:, None] / H
+        c2 = tl.sum(c2, axis=1)[:, None] / H
+        new_dxb = ()
+        for c in tl.static_range(CHUNKS):
+            _, mask, offsets = _chunk(c, rows, n_rows, H, BLOCK_H)
+            dh = (wdys[c] - (hhats[c] * c1 + c2)) * rstd
+            if HAS_DH:
+                dh += tl.load(DH + offsets, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DR + offsets, dh.to(DR.dtype.element_ty), mask=mask)  # its own tensor: no aliased gradients
+            if HAS_DROPOUT:
+                dh = tl.where(kepts[c], dh * scale, 0.0)
+            tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
+            new_dxb = new_dxb + ((dxb[c] + tl.where(mask, dh, 0.0)) if HAS_XBIAS else dxb[c],)
+        dxb = new_dxb
+    for c in tl.static_range(CHUNKS):
+        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+        tl.store(PARTS + pid * H + cols, tl.sum(dw[c], axis=0), mask=cols < H)
+        tl.store(PARTS + (programs + pid) * H + cols, tl.sum(db[c], axis=0), mask=cols < H)
         if HAS_XBIAS:
-            dxb += tl.where(mask, dh, 0.0)
-    tl.store(PARTS + pid * H + cols, tl.sum(dw, axis=0), mask=cols < H)
-    tl.store(PARTS + (programs + pid) * H + cols, tl.sum(db, axis=0), mask=cols < H)
-    if HAS_XBIAS:
-        tl.store(PARTS + (2 * programs + pid) * H + cols, tl.sum(dxb, axis=0), mask=cols < H)
+            tl.store(PARTS + (2 * programs + pid) * H + cols, tl.sum(dxb[c], axis=0), mask=cols < H)
 
 
 # The backward's programs, at most: about 8 for each multiprocessor of an H100 / H200 (132), so every one stays busy,
@@ -137,21 +179,43 @@ BACKWARD_PROGRAMS = 1024
 KERNELS = TILED_KERNELS
 
 
+# The narrowest chunk a row is split into (`row_chunks`): 8 elements a thread still fill a tile of whole rows.
+MIN_CHUNK_LANES = 64
+
+
+def row_chunks(hidden: int) -> tuple[int, int]:
+    """(chunks, lanes): the kernels take a row of `hidden` elements as `chunks` blocks of `lanes` (a power of two)
+    each: three where hidden is 3 x 2^k, at least MIN_CHUNK_LANES lanes a block, else one block of the next power of
+    two, its tail masked. RoBERTa-base's and ModernBERT-base's 768 as 3 x 256: in one block of 1,024, a quarter of the
+    lanes would issue every instruction for nothing (these kernels are bound by what they issue). Not five or seven
+    (Ettin-1B's 1,792 = 7 x 256): the backward, holding six values an element of every chunk, took 180-231 registers
+    at seven; 1,792 runs in 2,048 lanes."""
+    if hidden % 3 == 0 and (hidden // 3) & (hidden // 3 - 1) == 0 and hidden // 3 >= MIN_CHUNK_LANES:
+        return 3, hidden // 3
+    return 1, triton.next_power_of_2(hidden)
+
+
 def tiles(hidden: int) -> dict[str, RowTiles]:
-    """Each kernel's RowTiles (KERNELS) for rows of `hidden` elements (`launch.tiled_pair`). `benchmarks/kernels.py
-    --ops layers` times every CANDIDATE on CUDA."""
-    return tiled_pair(triton.next_power_of_2(hidden))
+    """Each kernel's RowTiles (KERNELS) for rows of `hidden` elements: `launch.tiled_pair` of a chunk's lanes
+    (`row_chunks`), the rows of a tile each held whole; a backward over several chunks takes one row a tile at 2
+    elements of each chunk a thread (it holds six values an element across the chunks: at RoBERTa-base's 768, 4 a
+    chunk took 138 registers, 8 warps resident). `benchmarks/kernels.py --ops layers` times every CANDIDATE on
+    CUDA."""
+    chunks, lanes = row_chunks(hidden)
+    tiling = tiled_pair(lanes)
+    if chunks > 1:
+        tiling["backward"] = RowTiles(1, max(1, lanes // 64))
+    return tiling
 
 
-# What the GPU benchmark times beside the shipped tiles, at RoBERTa-base's and -large's widths (768 and 1,024: rows of
-# 1,024 lanes), one kernel's tiles swapped at a time. The H200's profile had both kernels at about half its bandwidth.
-# The candidates timed at f6d59b9 all held at most 8 elements a thread (one 16-byte load of each input) and none beat
-# the shipped tiles by more than the timing's spread; these hold 8 to 16 (forward) and 8 (backward, the shipped tile
-# holding 4: 8-byte loads) for more loads in flight a thread, at the registers and residency kernels_static.md gives
-# (compiled as the JIT specializes, kernels/aot.py).
+# What the GPU benchmark times beside the shipped tiles, at RoBERTa-base's width (768: three chunks of 256 lanes,
+# `row_chunks`), one kernel's tiles swapped at a time. Until f6d59b9 a row of 768 took one block of 1,024 lanes, and no
+# tile timed there beat the shipped one by more than the timing's spread: the kernels were bound by the instructions
+# they issue, a quarter of them on masked lanes. These hold 8 or 16 elements of each chunk a thread (forward; shipped
+# 8) and 2 or 4 (backward; shipped 2), on fewer or more warps, at the registers and residency kernels_static.md gives.
 CANDIDATES = {
-    "forward": (RowTiles(1, 4), RowTiles(4, 8), RowTiles(2, 4), RowTiles(4, 16)),
-    "backward": (RowTiles(1, 4), RowTiles(2, 8), RowTiles(1, 16)),
+    "forward": (RowTiles(4, 4), RowTiles(16, 8), RowTiles(8, 4), RowTiles(16, 16)),
+    "backward": (RowTiles(1, 2), RowTiles(2, 8), RowTiles(4, 16)),
 }
 
 
@@ -168,14 +232,14 @@ class _AddLayerNorm(torch.autograd.Function):
         threshold, scale = dropout_threshold(dropout_p)
         y, h, stats = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden) if keep_sum else (0,), x.dtype),
                              ((2, rows), torch.float32))
-        block = triton.next_power_of_2(hidden)
+        chunks, lanes = row_chunks(hidden)
         block_r, warps = tiling["forward"]
         if rows:
             _add_norm_fwd_kernel[(triton.cdiv(rows, block_r),)](
                 x, x_bias if x_bias is not None else weight, residual, weight, bias if bias is not None else weight,
                 y, h, stats[0], stats[1], key if threshold else stats, rows, hidden, x.stride(0), residual.stride(0),
                 eps, threshold, scale, HAS_XBIAS=x_bias is not None, HAS_BIAS=bias is not None, STORE_SUM=keep_sum,
-                HAS_DROPOUT=threshold > 0, BLOCK_R=block_r, BLOCK_H=block, num_warps=warps)
+                HAS_DROPOUT=threshold > 0, BLOCK_R=block_r, BLOCK_H=lanes, CHUNKS=chunks, num_warps=warps)
         # the kept sum is what the backward reads (x and the residual are then free to go)
         ctx.save_for_backward(h if keep_sum else x, x_bias if x_bias is not None else weight,
                               h if keep_sum else residual, weight, stats, key if threshold else stats)
@@ -188,7 +252,7 @@ class _AddLayerNorm(torch.autograd.Function):
     def backward(ctx, dy, dh):
         x, x_bias, residual, weight, stats, key = ctx.saved_tensors
         rows, hidden = x.shape
-        block = triton.next_power_of_2(hidden)
+        chunks, lanes = row_chunks(hidden)
         block_r, warps = ctx.tiling["backward"]
         tiles = backward_tiles(rows, block_r)
         programs = triton.cdiv(rows, tiles * block_r)
@@ -203,7 +267,8 @@ class _AddLayerNorm(torch.autograd.Function):
                                               weight, stats[0], stats[1], key, dx, dr, parts, rows, tiles, programs,
                                               hidden, x.stride(0), residual.stride(0), ctx.threshold, ctx.scale,
                                               HAS_DH=has_dh, HAS_XBIAS=ctx.has_x_bias, HAS_DROPOUT=ctx.threshold > 0,
-                                              FROM_SUM=ctx.keep_sum, BLOCK_R=block_r, BLOCK_H=block, num_warps=warps)
+                                              FROM_SUM=ctx.keep_sum, BLOCK_R=block_r, BLOCK_H=lanes,
+                                              CHUNKS=chunks, num_warps=warps)
         sum_parts(parts, sums)
         if ctx.handoff is not None:  # the projection reading the residual's rows adds its gradient in its GEMM
             ctx.handoff.put(dr)
