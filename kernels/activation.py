@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .launch import (
+    LOG2_E,
     ROWS_PER_BIAS_PROGRAM,
     TILED_KERNELS,
     RowTiles,
@@ -40,7 +41,6 @@ from .launch import (
 # its backward 40 where 56 (kernels_static.md; sm_90).
 ERFC = tl.constexpr((-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398,
                      1.48851587, -0.82215223, 0.17087277))
-LOG2_E = tl.constexpr(1.4426950408889634)  # exp(v) = exp2(v log2 e): exp2 is one approximate instruction on a GPU
 
 
 @triton.jit

@@ -12,6 +12,9 @@ import triton
 import triton.language as tl
 
 MAX_HIDDEN = 8192  # the largest row the launch configurations cover (kernels/aot.py checks each one)
+# exp(v) = exp2(v log2 e): `tl.math.exp2` is one approximate instruction on a GPU, where `tl.exp` adds range checks
+# (the row-wise kernels are bound by the instructions they issue)
+LOG2_E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

@@ -80,7 +80,7 @@ def test_the_table_counts_what_a_thread_issues_per_element():
     assert aot.issue_instructions(SASS) == 3  # the loop's LDG, FFMA, BRA: not its NOP, not the prologue
     assert aot.issue_instructions(SASS.replace("0x20 ;", "0x70 ;")) == 7  # no backward branch: all but the NOP
     assert aot.thread_elements({"BLOCK_R": 2, "BLOCK_C": 1024}, 8) == 8
-    assert aot.thread_elements({"BLOCK_M": 64}, 4) is None
+    assert aot.thread_elements({"BLOCK_M": 64}, 4) is None and aot.thread_elements({"BLOCK_V": 4096}, 8) == 16
     per_element = {(r["kernel"], r["config"]): r["instructions_per_element"]
                    for r in json.loads(TABLE.read_text())["results"] if r["arch"] == "sm_90"}
     assert per_element["activation._bias_gelu_fwd_kernel", "bf16 BLOCK_C=1024"] <= 32
