@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import LOG2_E
+
 
 class Tiles(NamedTuple):
     """One kernel's tiling: the rows of the block a program holds (`outer`: queries in the forward and the dq kernel,
@@ -62,7 +64,7 @@ CANDIDATES = {
 }
 
 
-LOG2E = 1.4426950408889634
+FAR = tl.constexpr(1 << 30)  # a position outside every window (the rows past a sequence's end a loop walks)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -89,7 +91,8 @@ def _positions(POS, rows, valid, window):
 def _rows(X, first, end, stride_t, stride_h, head, cols, BLOCK: tl.constexpr):
     """[BLOCK, HEAD_DIM] of X [T, heads, HEAD_DIM] at rows first .. first + BLOCK - 1 of `head`, those at or past the
     sequence's `end` reading its last row instead: no masked load (a mask a row costs each thread registers, enough
-    to spill the backward on sm_80), and the window's mask (`_in_window`) drops every pair of such a row. One 64-bit
+    to spill the backward on sm_80); the window's mask (`_in_window`) drops every pair of such a row on the side a
+    loop walks, and the held side's are never stored. One 64-bit
     base a block, 32-bit offsets within it."""
     base = X + tl.cast(first, tl.int64) * stride_t + head * stride_h
     offsets = tl.minimum(tl.arange(0, BLOCK), end - 1 - first)
@@ -97,21 +100,23 @@ def _rows(X, first, end, stride_t, stride_h, head, cols, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _in_window(pos_q, valid_q, pos_k, valid_k, window):
-    """bool [BLOCK_M, BLOCK_N]: the pairs the window keeps."""
-    distance = pos_q[:, None] - pos_k[None, :]
-    return valid_q[:, None] & valid_k[None, :] & (distance <= window) & (distance >= -window)
+def _in_window(pos_q, pos_k, window):
+    """bool [BLOCK_M, BLOCK_N]: the pairs the window keeps, two compares a pair against each query's bounds. A row
+    past the sequence's end on the side a loop walks sits at position -FAR (`_block_positions`), outside every
+    window; the held side's rows past it are never stored, nor do they reach any stored row."""
+    return (pos_k[None, :] >= (pos_q - window)[:, None]) & (pos_k[None, :] <= (pos_q + window)[:, None])
 
 
 @triton.jit
-def _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, whole, WIDEN: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] scores of the block in base 2, -inf for the pairs outside the window; `whole`: every
+def _scores(q, k, pos_q, pos_k, window, whole, WIDEN: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] q k^T of the block, not yet scaled (the caller scales it into base 2 in the multiply-add
+    that subtracts the row's shift: one instruction a score), -inf for the pairs outside the window; `whole`: every
     pair of the block is inside it (`_reached_rows`), and no pair is masked."""
-    scores = _dot(q, tl.trans(k), WIDEN) * qk_scale
+    scores = _dot(q, tl.trans(k), WIDEN)
     if whole:
         kept = scores
     else:
-        kept = tl.where(_in_window(pos_q, valid_q, pos_k, valid_k, window), scores, float("-inf"))
+        kept = tl.where(_in_window(pos_q, pos_k, window), scores, float("-inf"))
     return kept
 
 
@@ -127,17 +132,17 @@ def _whole(block_start, whole_from, whole_to, MASK_ALL: tl.constexpr):
 
 
 @triton.jit
-def _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, whole, WIDEN: tl.constexpr):
+def _probabilities(q, k, pos_q, pos_k, lse, qk_scale, window, whole, WIDEN: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] softmax probabilities of the block, from the forward's log-sum-exp (base 2)."""
-    return tl.exp2(_scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, whole, WIDEN) - lse[:, None])
+    return tl.exp2(_scores(q, k, pos_q, pos_k, window, whole, WIDEN) * qk_scale - lse[:, None])
 
 
 @triton.jit
 def _block_positions(POS, first, end, BLOCK: tl.constexpr):
-    """(which of rows first .. first + BLOCK - 1 exist, their positions)."""
+    """(which of rows first .. first + BLOCK - 1 exist, their positions: -FAR for those past the sequence's end)."""
     rows = first + tl.arange(0, BLOCK)
     valid = rows < end
-    return valid, tl.load(POS + rows, mask=valid, other=0)
+    return valid, tl.load(POS + rows, mask=valid, other=-FAR)
 
 
 def scan_rows(held: int, window: int, block: int) -> int:
@@ -227,13 +232,14 @@ def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, str
         first_k, last_k, whole_from, whole_to = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest,
                                                              window, BLOCK_N, SCAN)
         for key_start in range(first_k, last_k, BLOCK_N):
-            valid_k, pos_k = _block_positions(POS, key_start, end, BLOCK_N)
+            _, pos_k = _block_positions(POS, key_start, end, BLOCK_N)
             k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
             whole = _whole(key_start, whole_from, whole_to, MASK_ALL)
-            scores = _scores(q, k, pos_q, valid_q, pos_k, valid_k, qk_scale, window, whole, WIDEN)
-            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            scores = _scores(q, k, pos_q, pos_k, window, whole, WIDEN)
+            # the row's largest score in base 2: the scale (positive) commutes with the max, rounding included
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1) * qk_scale)
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key yet: no NaN
-            p = tl.exp2(scores - shift[:, None])
+            p = tl.exp2(scores * qk_scale - shift[:, None])
             rescale = tl.exp2(row_max - shift)
             row_sum = row_sum * rescale + tl.sum(p, axis=1)
             acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, WIDEN)
@@ -271,7 +277,7 @@ def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, s
                                      stride_doh, head, n_heads, cols, BLOCK_M)
             delta = _per_row(DELTA, rows_q, valid_q, n_heads, head)
             whole = _whole(query_start, whole_from, whole_to, MASK_ALL)
-            p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, whole, WIDEN)
+            p = _probabilities(q, k, pos_q, pos_k, lse, qk_scale, window, whole, WIDEN)
             dv += _dot(tl.trans(p).to(do.dtype), do, WIDEN)
             ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
             dk += _dot(tl.trans(ds).to(q.dtype), q, WIDEN)
@@ -303,10 +309,10 @@ def _local_bwd_dq_kernel(Q, K, V, DO, OUT, LSE, DELTA, DQ, CU, POS, qk_scale, sc
         first_k, last_k, whole_from, whole_to = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest,
                                                              window, BLOCK_N, SCAN)
         for key_start in range(first_k, last_k, BLOCK_N):
-            valid_k, pos_k = _block_positions(POS, key_start, end, BLOCK_N)
+            _, pos_k = _block_positions(POS, key_start, end, BLOCK_N)
             k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
             whole = _whole(key_start, whole_from, whole_to, MASK_ALL)
-            p = _probabilities(q, k, pos_q, valid_q, pos_k, valid_k, lse, qk_scale, window, whole, WIDEN)
+            p = _probabilities(q, k, pos_q, pos_k, lse, qk_scale, window, whole, WIDEN)
             ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, WIDEN)
         tl.store(DQ + rows_q[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :],
@@ -332,7 +338,7 @@ class _LocalAttention(torch.autograd.Function):
         if rows:
             forward = tiling["forward"]
             _local_fwd_kernel[(triton.cdiv(max_seqlen, forward.outer), sequences, heads)](
-                q, k, v, out, lse, cu_seqlens, positions, scale * LOG2E, window, heads, *_strides(q, k, v, out),
+                q, k, v, out, lse, cu_seqlens, positions, scale * LOG2_E.value, window, heads, *_strides(q, k, v, out),
                 HEAD_DIM=head_dim, BLOCK_M=forward.outer, BLOCK_N=forward.inner, WIDEN=_widened(q),
                 SCAN=scan_rows(forward.outer, window, forward.inner), MASK_ALL=mask_all, num_warps=forward.warps,
                 num_stages=forward.stages)
@@ -349,7 +355,7 @@ class _LocalAttention(torch.autograd.Function):
         if rows:
             delta = torch.empty(rows, heads, device=q.device, dtype=torch.float32)  # written by the dq kernel
             sequences = cu_seqlens.shape[0] - 1
-            args = (cu_seqlens, positions, ctx.scale * LOG2E, ctx.scale, ctx.window, heads,
+            args = (cu_seqlens, positions, ctx.scale * LOG2_E.value, ctx.scale, ctx.window, heads,
                     *_strides(q, k, v, dout))
             dkdv, by_query = ctx.tiling["dkdv"], ctx.tiling["dq"]
             _local_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, by_query.outer), sequences, heads)](
