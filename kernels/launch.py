@@ -33,10 +33,13 @@ def _sum_parts_kernel(PARTS, SUMS, programs, H, BLOCK_P: tl.constexpr, BLOCK_H: 
 
 
 
-# _sum_parts_kernel's tile and warps: 128 partial rows x 32 columns (a 128-byte line a row), 16 elements a thread.
-# The first GPU timing, at 32 x 64 on 4 warps with a cross-thread sum each step, had 12 programs at RoBERTa-base's
-# width loop 32 times over 1,024 partial rows: 0.07 ms a call, 1.8 ms of an mlm step on an H200.
-SUM_BLOCK_P, SUM_BLOCK_H, SUM_WARPS = 128, 32, 8
+# _sum_parts_kernel's tile and warps: 256 partial rows x 16 columns (64 bytes a row: two whole 32-byte sectors),
+# 16 elements a thread. The first GPU timing, at 32 x 64 on 4 warps with a cross-thread sum each step, had 12 programs
+# at RoBERTa-base's width loop 32 times over 1,024 partial rows: 0.07 ms a call, 1.8 ms of an mlm step on an H200; at
+# 128 x 32 (f6d59b9) 49 calls took 0.93 ms of the step, about 19 us each for 9 MB, the time of a few dependent loads:
+# 72 programs (24 column blocks, three sums) on 132 multiprocessors, each looping 8 times. Twice the programs, each
+# looping 4 times, halve the chain.
+SUM_BLOCK_P, SUM_BLOCK_H, SUM_WARPS = 256, 16, 8
 
 
 def sum_parts(parts: torch.Tensor, sums: torch.Tensor) -> None:
