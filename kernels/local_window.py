@@ -101,10 +101,12 @@ def _rows(X, first, end, stride_t, stride_h, head, cols, BLOCK: tl.constexpr):
 
 @triton.jit
 def _in_window(pos_q, pos_k, window):
-    """bool [BLOCK_M, BLOCK_N]: the pairs the window keeps, two compares a pair against each query's bounds. A row
-    past the sequence's end on the side a loop walks sits at position -FAR (`_block_positions`), outside every
-    window; the held side's rows past it are never stored, nor do they reach any stored row."""
-    return (pos_k[None, :] >= (pos_q - window)[:, None]) & (pos_k[None, :] <= (pos_q + window)[:, None])
+    """bool [BLOCK_M, BLOCK_N]: the pairs the window keeps, pos_q - window <= pos_k <= pos_q + window as one unsigned
+    compare a pair (a key below the window wraps to above 2 window). A row past the sequence's end on the side a loop
+    walks sits at position -FAR (`_block_positions`), outside every window; the held side's rows past it are never
+    stored, nor do they reach any stored row."""
+    above_lowest = pos_k[None, :] - (pos_q - window)[:, None]
+    return above_lowest.to(tl.uint32, bitcast=True) <= (2 * window).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
