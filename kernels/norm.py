@@ -209,7 +209,7 @@ def tiles(hidden: int) -> dict[str, RowTiles]:
 
 
 # What the GPU benchmark times beside the shipped tiles, at RoBERTa-base's width (768: three chunks of 256 lanes,
-# `row_chunks`), one kernel's tiles swapped at a time. Until f6d59b9 a row of 768 took one block of 1,024 lanes, and no
+# `row_chunks`), one kernel's tiles swapped at a time. At f6d59b9 a row of 768 took one block of 1,024 lanes, and no
 # tile timed there beat the shipped one by more than the timing's spread: the kernels were bound by the instructions
 # they issue, a quarter of them on masked lanes. These hold 8 or 16 elements of each chunk a thread (forward; shipped
 # 8) and 2 or 4 (backward; shipped 2), on fewer or more warps, at the registers and residency kernels_static.md gives.
