@@ -130,7 +130,8 @@ def _activation_configs():
     (activation.BIAS_GELU_CANDIDATES)."""
     from . import activation, launch
 
-    for columns in (64, 256, launch.COLUMNS_PER_PROGRAM):  # narrow rows, and a full column block (wide rows)
+    # narrow rows, ModernBERT-base's GeGLU (1,152: blocks of 128), and a full column block (wide rows)
+    for columns in (64, 256, 1152, launch.COLUMNS_PER_PROGRAM):
         block_r, block_c, warps = activation.launch_shape(columns)
         shipped = activation.bias_gelu_tiles(columns)
         for dtype in ("fp32", "bf16"):

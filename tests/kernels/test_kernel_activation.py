@@ -11,6 +11,7 @@ from tolerance import assert_as_accurate
 DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
 SHAPES = [pytest.param(1, 8, id="N1-I8"), pytest.param(37, 100, id="N37-I100"),
           pytest.param(9, 2600, id="N9-I2600"),  # three column blocks, the last partial
+          pytest.param(9, 192, id="N9-I192"),  # three blocks of 64 (`launch.column_block`: a power of two dividing)
           pytest.param(16384, 1152, id="N16384-I1152", marks=pytest.mark.large)]  # ModernBERT-base's
 
 
@@ -34,7 +35,7 @@ def test_geglu_matches_the_reference_forward_and_backward(rows, columns, dtype, 
         assert_as_accurate(f"geglu {name}", g.cpu(), p.cpu(), e.cpu(), dtype, factor=2)
 
 
-@pytest.mark.parametrize("rows, columns", [*SHAPES[:3], pytest.param(300, 70, id="N300-I70")])  # 3 row programs
+@pytest.mark.parametrize("rows, columns", [*SHAPES[:4], pytest.param(300, 70, id="N300-I70")])  # 3 row programs
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_bias_gelu_matches_the_reference_forward_and_backward(rows, columns, dtype, seed):
@@ -101,6 +102,16 @@ def test_the_kernels_gelu_is_exact_to_fp32_over_its_bend_and_tails():
     assert relative.max() <= tails, f"gelu's tails: relative error {relative.max():.3g}"
     slope_error = (slope.double().cpu().flatten() - exact_slope).abs().max()
     assert slope_error <= slope_bound, f"gelu': error {slope_error:.3g}"
+
+
+def test_rows_take_column_blocks_that_divide_them():
+    """The kernels issue every instruction on masked lanes too: a row takes blocks of a power of two dividing it, at
+    least launch.MIN_DIVIDING_BLOCK wide, where one does (ModernBERT-base's GeGLU 1,152, RoBERTa-base's QKV 768), else
+    blocks of COLUMNS_PER_PROGRAM or the next power of two, the last partial."""
+    from fastmae.kernels.launch import column_block
+
+    assert [column_block(c) for c in (1152, 768, 192, 3072, 1024, 2600, 100, 8)] == [128, 256, 64, 1024, 1024, 1024,
+                                                                                      128, 8]
 
 
 def test_geglu_names_what_it_cannot_take():

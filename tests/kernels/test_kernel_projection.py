@@ -1,7 +1,8 @@
 """The QKV projection whose backward gathers the three heads' gradients (q's and k's rotated back where the forward
 rotated them) and sums the bias's in one kernel (Triton), against the torch reference (linear, view, unbind, rotary),
-forward and backward: with a bias, a rotary or both, widths of one and two column blocks, rows no tile divides, the
-heads' gradients strided as an attention's backward may leave them, fp32 and bf16."""
+forward and backward: with a bias, a rotary or both, widths of one, two (the last partial) and nine column blocks
+(`launch.column_block`), rows no tile divides, the heads' gradients strided as an attention's backward may leave
+them, fp32 and bf16."""
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from tolerance import assert_as_accurate
 DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
 
 
-@pytest.mark.parametrize("rows, hidden, heads", [pytest.param(9, 1152, 18, id="N9-H1152"),  # two column blocks
+@pytest.mark.parametrize("rows, hidden, heads", [pytest.param(9, 1152, 18, id="N9-H1152"),  # nine blocks of 128
+                                                  pytest.param(9, 1056, 33, id="N9-H1056"),  # two, the last partial
                                                   pytest.param(150, 64, 2, id="N150-H64")])  # several programs
 @pytest.mark.parametrize("with_bias, with_rotary", [pytest.param(True, False, id="bias"),  # RoBERTa's
                                                     pytest.param(False, True, id="rotary"),  # ModernBERT's
