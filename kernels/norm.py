@@ -113,11 +113,10 @@ def _add_norm_bwd_kernel(DY, DH, X, XB, R, W, MEAN, RSTD, KEY, DX, DR, PARTS, n_
     tile's rows (and its barrier) in the loop. FROM_SUM: X holds the forward's h (rounded as _summed_rows rounds it),
     read in place of x and the residual."""
     pid = tl.program_id(0).to(tl.int64)
-    dw, db, dxb = (), (), ()
+    dw, db, dxb = (), (), ()  # a tile of each partial for each chunk
     for c in tl.static_range(CHUNKS):
-        dw, db = dw + (tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32),), db + (tl.zeros([BLOCK_R, BLOCK_H],
-                                                                                       dtype=tl.float32),)
-        dxb = dxb + (tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32),)
+        zeros = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+        dw, db, dxb = dw + (zeros,), db + (zeros,), dxb + (zeros,)
     for tile in range(tiles):
         rows = (pid * tiles + tile) * BLOCK_R + tl.arange(0, BLOCK_R)
         in_rows = rows < n_rows
