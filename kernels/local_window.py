@@ -92,8 +92,7 @@ def _rows(X, first, end, stride_t, stride_h, head, cols, BLOCK: tl.constexpr):
     """[BLOCK, HEAD_DIM] of X [T, heads, HEAD_DIM] at rows first .. first + BLOCK - 1 of `head`, those at or past the
     sequence's `end` reading its last row instead: no masked load (a mask a row costs each thread registers, enough
     to spill the backward on sm_80); the window's mask (`_in_window`) drops every pair of such a row on the side a
-    loop walks, and the held side's are never stored. One 64-bit
-    base a block, 32-bit offsets within it."""
+    loop walks, and the held side's are never stored. One 64-bit base a block, 32-bit offsets within it."""
     base = X + tl.cast(first, tl.int64) * stride_t + head * stride_h
     offsets = tl.minimum(tl.arange(0, BLOCK), end - 1 - first)
     return tl.load(base + offsets[:, None] * stride_t + cols[None, :])
