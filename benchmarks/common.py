@@ -33,13 +33,19 @@ def mfu_text(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
-def median_time(fn, warmup: int = 2, repeats: int = 5, host_only: bool = False) -> float:
-    """Median wall time of `fn()` in seconds, after `warmup` untimed calls (synchronising CUDA). `host_only`: until
-    `fn()` returns, the device then drained untimed (the host's time to issue the work)."""
+def _warmed_up(fn, warmup: int):
+    """Call fn `warmup` times untimed and drain the device; returns the drain (CUDA's synchronize, or nothing)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
     sync()
+    return sync
+
+
+def median_time(fn, warmup: int = 2, repeats: int = 5, host_only: bool = False) -> float:
+    """Median wall time of `fn()` in seconds, after `warmup` untimed calls (synchronising CUDA). `host_only`: until
+    `fn()` returns, the device then drained untimed (the host's time to issue the work)."""
+    sync = _warmed_up(fn, warmup)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -49,6 +55,22 @@ def median_time(fn, warmup: int = 2, repeats: int = 5, host_only: bool = False) 
         sync()
         if not host_only:
             times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def steady_time(fn, warmup: int = 2, windows: int = 5, calls: int = 3) -> float:
+    """Median wall time of one call of `fn()` in seconds, in steady state: `windows` runs of `calls` calls back to
+    back, each run's time over its calls, the device drained at the end of each run only (after `warmup` untimed
+    calls). The host issues a call while the device still runs the one before, as a training loop whose steps read
+    nothing back does (fastmae's train_step); a call that waits on the device itself pays for that wait."""
+    sync = _warmed_up(fn, warmup)
+    times = []
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
@@ -152,7 +174,8 @@ def gpu_idle(events, repeats: int, depth: int = 3, top: int = 6) -> dict[str, fl
 
 def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> dict:
     """Per call of fn: {"busy_s": GPU kernel seconds, "kernels": kernels the profiler saw, "kinds": {kind: [ms,
-    kernels]}, "launchers": {kernel: {host ops: per call}} of the `top` most launched, "idle": `gpu_idle`}; prints
+    kernels]}, "launchers": {kernel: {host ops: per call}} of the `top` most launched, "idle": `gpu_idle`, "table":
+    {kernel: [ms, launches]} of every kernel, busiest first}; prints
     the `top` busiest kernels under `label`, the time by kind (kernel_kind), the most launched kernels (what the
     count is made of) with the host ops that launched them (`kernel_launchers`), and where the GPU waited. The count
     tells whether the profile saw the kernels of CUDA graph replays or only their launches."""
@@ -190,7 +213,10 @@ def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> dict:
           "launched the kernel it waited for:", flush=True)
     for ops, ms in idle.items():
         print(f"  {ms:8.3f} ms  {ops}", flush=True)
-    return {"busy_s": busy, "kernels": count, "kinds": kinds, "launchers": launched_by, "idle": idle}
+    table = {e.key[:200]: [round(e.device_time_total / 1e3 / repeats, 4), round(e.count / repeats, 1)]
+             for e in sorted(events, key=lambda e: -e.device_time_total)}
+    return {"busy_s": busy, "kernels": count, "kinds": kinds, "launchers": launched_by, "idle": idle,
+            "table": table}
 
 
 def stamp() -> dict:

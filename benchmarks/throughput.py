@@ -23,9 +23,10 @@ a global layer every 3rd, the others over windows of 128 positions; mlm at Moder
 `hf-modernbert` is transformers' ModernBertForMaskedLM of the same shape at its best CPU/GPU settings (sdpa,
 `sparse_prediction`: its head on the masked rows only), so both count the same model FLOPs.
 
-On CUDA every system's step is also profiled (3 steps after the timed ones): `gpu_busy` is the share of the step's
-wall time that the GPU spends in kernels (well below 1: the host cannot keep up, or waits), and the busiest kernels
-are printed.
+A step's time is its steady-state time: steps issued back to back, the device drained once per run of
+STEPS_PER_WINDOW (common.steady_time), as the trainer issues them. On CUDA every system's step is also profiled (3
+steps after the timed ones): `gpu_busy` is the share of the step's wall time that the GPU spends in kernels (well
+below 1: the host cannot keep up, or waits), and the busiest kernels are printed.
 
 Writes benchmarks/results/throughput.{json,md,png}.
 """
@@ -39,7 +40,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import RESULTS_DIR, gpu_kernel_profile, median_time, write_results
+from common import RESULTS_DIR, gpu_kernel_profile, steady_time, write_results
 from systems import (
     DOC_DATA,
     EAGER,
@@ -64,6 +65,11 @@ from systems import (
 )
 
 from fastmae.hardware import DTYPES, PeakFlops, choose_precision, matmul_flops
+
+# A step's time is taken over runs of this many steps issued back to back (common.steady_time): the host issues the
+# next step while the device still runs the one before, as the trainer does. Timed one at a time (up to f6d59b9's
+# runs), each step also paid for the host's work up to its first kernel, the device idle meanwhile.
+STEPS_PER_WINDOW = 3
 
 
 def _resident_mib() -> tuple[float, float]:
@@ -95,7 +101,7 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
     else:
         step, flops = fastmae_step(config, doc_micro_batches(sequences) if variant == DOC_DATA else tokens, device,
                                     precision, variant, run)
-    seconds = median_time(step, warmup=warmup, repeats=repeats)
+    seconds = steady_time(step, warmup=warmup, windows=repeats, calls=STEPS_PER_WINDOW)
     result = {"step_s": seconds, "tokens_per_step": step.tokens, "tokens_per_s": step.tokens / seconds,
               "flops_per_step": flops,
               "attention": attention_backend(system, config, device, precision, variant)}
@@ -103,9 +109,10 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
     result["cuda_graphs"] = f"{graphs.replayed_batches} replayed" if graphs is not None else "no"
     if device.type == "cuda":
         result["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        profile = gpu_kernel_profile(step, f"{system} [{variant or 'eager'}]", top=25)
+        profile = gpu_kernel_profile(step, system if variant is None else f"{system} [{variant}]", top=25)
         result.update(gpu_kernels_per_step=profile["kernels"], gpu_kernel_kinds=profile["kinds"],
                       gpu_kernel_launchers=profile["launchers"], gpu_idle_ms=profile["idle"],
+                      gpu_kernel_table=profile["table"],
                       gpu_busy=profile["busy_s"] / seconds)
     else:
         result["peak_memory_mib"] = _resident_mib()[1] - baseline_mib
@@ -244,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{shapes}; {sequences} x {SEQ_LEN} tokens, vocab {VOCAB_SIZE}, {precision}, peak "
              f"{peak.flops / 1e9:.0f} GFLOP/s")
     stage = args.zero_stage if precision != "fp32" else 0
-    notes = (f"{title}. Full training steps (DeepSpeed ZeRO-{stage} + AdamW), median of {repeats} after {warmup} "
-             "warm-up. "
+    notes = (f"{title}. Full training steps (DeepSpeed ZeRO-{stage} + AdamW) in steady state: the median over "
+             f"{repeats} runs of {STEPS_PER_WINDOW} steps issued back to back, the device drained after each run "
+             f"(after {warmup} warm-up steps), as the trainer issues its steps, none of which reads a device value "
+             "back. "
              f"MFU = model FLOPs / (step time x the {peak.source}); Hugging Face RoBERTa's FLOPs include its LM "
              "head on every row; x_hf: against hf-modernbert for the modern-* rows, hf-roberta for the others. "
              "Peak memory: CUDA allocator peak, or resident-set growth of the system's process."

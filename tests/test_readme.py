@@ -4,6 +4,7 @@ and fails on a figure that differs from its artifact, a block that is missing or
 import json
 import re
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -137,6 +138,31 @@ def test_each_kernel_is_told_with_the_host_ops_that_launched_it():
         "Memset (Device)": {"aten::zero_ < aten::zeros": 2, "aten::add_": 2},
         "vectorized_elementwise_kernel": {"aten::add_": 2}}
     assert common.kernel_launchers(launched, depth=1)["Memset (Device)"] == {"aten::zero_": 1, "aten::add_": 1}
+
+
+def test_a_steady_step_is_timed_back_to_back_and_drained_once_a_run(monkeypatch):
+    """steady_time: `calls` calls back to back, the device drained once at the end of each of `windows` runs (and
+    once after the warm-up), the time of a run over its calls, the median over runs; on a fake clock each call takes
+    its number in seconds."""
+    import common
+
+    clock, drained, order = [0.0], [], []
+
+    def call():
+        order.append("call")
+        clock[0] += len(order)
+
+    def synchronize():
+        order.append("drain")
+        drained.append(len(order))
+
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    seconds = common.steady_time(call, warmup=1, windows=3, calls=2)
+    assert order == ["call", "drain"] + ["call", "call", "drain"] * 3
+    # the runs' calls are entries 3-4, 6-7, 9-10 of `order` (counted when each is made): their means
+    assert seconds == statistics.median([(3 + 4) / 2, (6 + 7) / 2, (9 + 10) / 2])
 
 
 def test_the_scale_table_reads_gaps_and_spreads_as_it_says():
