@@ -34,6 +34,7 @@ TARGET_MARGIN = 1.2
 # what a replayed step pays for a layer's attention (the target's measure on CUDA): its kernels' time, forward +
 # backward, no host gaps between launches
 GPU_MS = "forward + backward GPU ms"
+PRODUCTS = "tiles' products x global"  # products_share: the floor of `x global` at a global layer's speed a product
 
 
 def make_stream(lengths: list[int], spread: int, dtype, device: str, seed: int = 0):
@@ -65,9 +66,42 @@ def forward_backward(run, inputs: tuple[torch.Tensor, ...], grads: dict):
     return torch.autograd.grad(out, inputs, grad)
 
 
+# Tensor-core products of each local-window kernel a visit of a block of the other side (forward: q k^T, p v; dk/dv:
+# q k^T, p^T do, do v^T, ds^T q; dq: q k^T, do v^T, ds k), and of a global layer's forward and backward a pair
+# (FlashAttention's: 2 forward, 5 backward)
+KERNEL_PRODUCTS = {"forward": 2, "dkdv": 4, "dq": 3}
+GLOBAL_PRODUCTS = 7
+
+
+def visited_blocks(positions: torch.Tensor, held: int, block: int, window: int) -> int:
+    """Blocks of `block` rows that fastmae's local-window kernels visit for one sequence of increasing `positions`,
+    summed over its programs of `held` rows: each program loops over the blocks from the one holding the first row
+    whose position a held row's window reaches to the one holding the last (local_window._reached_rows)."""
+    visits = 0
+    for first in range(0, len(positions), held):
+        held_positions = positions[first:first + held]
+        reached = ((positions >= held_positions.min() - window) & (positions <= held_positions.max() + window))
+        rows = reached.nonzero().flatten()
+        visits += int(rows[-1]) // block - int(rows[0]) // block + 1
+    return visits
+
+
+def products_share(sequences: list[torch.Tensor], window: int, tiling: dict) -> float:
+    """The tensor-core work of fastmae's local-window kernels with `tiling` (local_window.Tiles per kernel), forward
+    and backward, over a global layer's on the same sequences (their positions): every lane of every tile visited,
+    masked or not, against GLOBAL_PRODUCTS a pair. What the kernels could cost against a global layer at the same
+    speed a product: the floor of `x global` (a CPU-countable proxy of it)."""
+    local = 0
+    for kernel, products in KERNEL_PRODUCTS.items():
+        tiles = tiling[kernel]
+        held, block = (tiles.outer, tiles.inner)
+        local += products * held * block * sum(visited_blocks(p, held, block, window) for p in sequences)
+    return local / (GLOBAL_PRODUCTS * sum(len(p) ** 2 for p in sequences))
+
+
 def kernel_tilings(q, k, v, meta: VarlenMeta) -> dict:
     """fastmae's kernel with one kernel's tiles swapped for each of its candidates (local_window.CANDIDATES), the
-    others as shipped: form name -> the call."""
+    others as shipped: form name -> (its tiling, the call)."""
     shipped = local_window.tiles(HEAD_DIM)
     forms = {}
     for kernel, candidates in local_window.CANDIDATES.items():
@@ -76,7 +110,7 @@ def kernel_tilings(q, k, v, meta: VarlenMeta) -> dict:
             name = (f"fastmae's kernel, {kernel} {tiles.outer}x{tiles.inner} on {tiles.warps} warps, "
                     f"{tiles.stages} stages (shipped {shipped[kernel].outer}x{shipped[kernel].inner}, "
                     f"{shipped[kernel].warps}, {shipped[kernel].stages})")
-            forms[name] = (lambda tiling=tiling: local_window.local_attention(
+            forms[name] = tiling, (lambda tiling=tiling: local_window.local_attention(
                 q, k, v, meta.cu_seqlens, meta.positions, meta.max_seqlen, HALF_WINDOW, tiling=tiling))
     return forms
 
@@ -100,6 +134,9 @@ def cuda_forms(table: torch.Tensor, repeats: int) -> list[dict]:
         auto_bias = StreamBias.build(table, meta, meta, local, dtype, window=HALF_WINDOW)
         own_bias = StreamBias.build(table, meta, meta, "triton_window", dtype, window=HALF_WINDOW)
         rows_first = [t.transpose(0, 1)[None] for t in (q, k, v)]  # the lengths here are whole blocks already
+        shipped = local_window.tiles(HEAD_DIM)
+        tilings = {"fastmae's kernel (triton_window)": shipped, "fastmae's kernel, every block masked": shipped,
+                   **({f"local as fastmae runs it ({local})": shipped} if local == "triton_window" else {})}
         forms = {
             f"global ({resolve_backend(None, torch.device('cuda'), 0.0, dtype)})": (
                 lambda: varlen_attention(q, k, v, meta)),
@@ -120,12 +157,17 @@ def cuda_forms(table: torch.Tensor, repeats: int) -> list[dict]:
             forms["torch's FlashAttention-2 window (torch_flash)"] = (
                 lambda: varlen_attention(q, k, v, meta, backend="torch_flash", bias=flash_bias))
         else:  # the stream fastmae's kernel ran on first: each candidate tiling
-            forms.update(kernel_tilings(q, k, v, meta))
+            candidates = kernel_tilings(q, k, v, meta)
+            forms.update({form: call for form, (_, call) in candidates.items()})
+            tilings.update({form: tiling for form, (tiling, _) in candidates.items()})
         narrow = document_block_mask(meta, meta, HALF_WINDOW, kv_block=64)
         global_ms, grads = None, {}  # GPU time of this stream's global layer, forward + backward
+        sequences = meta.positions.cpu().split(lengths)
         for form, run in forms.items():
             row = {"shape": name, "tokens": sum(lengths), "dtype": "bfloat16", "form": form,
                    "window's share of pairs": share}
+            if form in tilings:
+                row[PRODUCTS] = products_share(sequences, HALF_WINDOW, tilings[form])
             step = (lambda run=run: forward_backward(run, (q, k, v), grads))
             try:
                 with torch.no_grad():
@@ -158,7 +200,7 @@ def main():
     if device == "cuda":
         cuda_rows = cuda_forms(table, args.repeats)
         columns = ["shape", "tokens", "dtype", "form", "forward ms", "forward + backward ms", GPU_MS, "x global",
-                   "window's share of pairs", "error"]
+                   PRODUCTS, "window's share of pairs", "error"]
         cuda_rows = [{column: row.get(column, "") for column in columns} for row in cuda_rows]
         path = write_results("local_attention_flex", cuda_rows, columns,
                              "The forms of a local layer at 128 sequences a micro-batch, and a global layer",
@@ -166,7 +208,10 @@ def main():
                              "+ backward: the attention's output against a fixed gradient, the gradients of q, k and v "
                              "returned (no loss, no accumulation into .grad); GPU ms: the profiler's kernel time of "
                              f"that, the mean of {args.repeats}; x global: GPU ms against the global layer's on the "
-                             "same stream (target: at most 0.6).")
+                             "same stream (target: at most 0.6); tiles' products x global: fastmae's kernels' "
+                             "tensor-core products, every lane of every tile they visit, against a global layer's "
+                             f"{GLOBAL_PRODUCTS} a pair (forward and backward): x global where each product ran at "
+                             "the global layer's speed.")
         print(f"wrote {path}")
         return
     rows = []
@@ -188,6 +233,8 @@ def main():
                                             (q, k, v), grads)
                 row[f"{column} ms"] = 1e3 * median_time(step, warmup=1, repeats=args.repeats)
             row["window's share of pairs"] = share
+            row[f"CUDA's kernel: {PRODUCTS}"] = products_share(meta.positions.cpu().split(lengths), HALF_WINDOW,
+                                                                 local_window.tiles(HEAD_DIM))
             row["local / global"] = row["local ms"] / row["global ms"]
             row["target: share x 1.2"] = share * TARGET_MARGIN
             row["met"] = "yes" if row["local / global"] <= row["target: share x 1.2"] else "no"
@@ -195,7 +242,11 @@ def main():
             print(row, flush=True)
     notes = (f"Median of {args.repeats} after 1 warm-up, each form in turn on the same tensors. A local layer sees the "
              f"keys within {HALF_WINDOW} original positions of each query; the target is the window's share of a "
-             f"global layer's pairs x {TARGET_MARGIN}.")
+             f"global layer's pairs x {TARGET_MARGIN}. CUDA's kernel: {PRODUCTS}: the tensor-core products of "
+             "fastmae's local-window kernels (triton_window, CUDA's choice; shipped tiles), every lane of every tile "
+             f"they visit, against a global layer's {GLOBAL_PRODUCTS} a pair, forward and backward (counted, not "
+             "timed): what a local layer would cost against a global one on CUDA if each product ran at the global "
+             "layer's speed.")
     path = write_results("local_attention", rows, list(rows[0]),
                          f"A local attention layer against a global one on {device}: forward + backward", notes)
     print(f"wrote {path}")

@@ -113,6 +113,36 @@ def test_blocks_outside_every_window_are_skipped(monkeypatch):
     assert len(products) == (2 + 4 + 3) * reached
 
 
+@pytest.mark.skipif(KERNEL_DEVICE != "cpu", reason="counts the interpreter's tensor-core products")
+def test_the_benchmarks_count_of_visited_blocks_is_the_kernels(monkeypatch):
+    """benchmarks/local_attention.visited_blocks, the CPU-countable floor of a local layer's cost against a global
+    one, counts the blocks each kernel visits: on a shortened stream whose lengths no block divides, with another
+    tiling for each kernel, the interpreter's products are each kernel's products a visit times its visits."""
+    import sys
+    from pathlib import Path
+
+    from triton.runtime import interpreter
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from local_attention import KERNEL_PRODUCTS, visited_blocks
+
+    products = []
+    create_dot = interpreter.InterpreterBuilder.create_dot
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
+                        lambda self, *args: products.append(1) or create_dot(self, *args))
+    lengths, window = [150, 37], 20
+    cu, positions = stream(lengths, True, 2)
+    tiling = {"forward": local_window.Tiles(32, 16, 4), "dkdv": local_window.Tiles(16, 32, 4),
+              "dq": local_window.Tiles(16, 16, 4)}
+    q, k, v = (torch.randn(int(cu[-1]), 1, 16, generator=torch.Generator().manual_seed(i)).requires_grad_()
+               for i in range(3))
+    local_attention(q, k, v, cu, positions, max(lengths), window, tiling=tiling).sum().backward()
+    sequences = positions.split(lengths)
+    expected = sum(KERNEL_PRODUCTS[kernel] * visited_blocks(p, tiles.outer, tiles.inner, window)
+                   for kernel, tiles in tiling.items() for p in sequences)
+    assert len(products) == expected, (len(products), expected)
+
+
 TILINGS = [(kernel, tiles) for kernel, candidates in local_window.CANDIDATES.items() for tiles in candidates]
 if KERNEL_DEVICE == "cpu":  # under the interpreter: each kernel's largest blocks
     TILINGS = [max(((k, t) for k, t in TILINGS if k == kernel), key=lambda kt: kt[1].outer * kt[1].inner)
