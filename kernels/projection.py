@@ -86,9 +86,11 @@ def _rows_of_heads(t: torch.Tensor) -> torch.Tensor:
 
 
 def _input_grad(g: torch.Tensor, weight: torch.Tensor, residual_grad: ResidualGrad | None) -> torch.Tensor:
-    """The projection's input gradient g W, with the residual's gradient a norm handed over added by the GEMM."""
+    """The projection's input gradient g W, with the residual's gradient a norm handed over added by the GEMM, into
+    the handed tensor itself (the handoff's alone): an out-of-place addmm would first copy it into its output, a pass
+    over the rows as costly as the add it saves."""
     handed = residual_grad.take() if residual_grad is not None else None
-    return g @ weight if handed is None else torch.addmm(handed, g, weight)
+    return g @ weight if handed is None else handed.addmm_(g, weight)
 
 
 def _claimed(residual_grad: ResidualGrad | None) -> ResidualGrad | None:

@@ -5,8 +5,9 @@ In a post-LN layer the sublayer's input x feeds two ops: the projection at the s
 the feed-forward's input projection) and, as the residual, the norm at its end. Autograd sums their gradients of x with
 an add over all rows (two a layer). Here the projection, running first, `claim`s the handoff; the norm then returns
 no gradient for its residual and `put`s it here instead; the projection's backward, which always runs after the
-norm's (it needs the sublayer's gradient, which passes through the norm), `take`s it into its GEMM. A handoff nobody
-claimed is never used: the norm then returns its residual's gradient as usual. No Triton here.
+norm's (it needs the sublayer's gradient, which passes through the norm), `take`s it into its GEMM, which adds into
+the handed tensor in place (the norm made it for the handoff alone). A handoff nobody claimed is never used: the norm
+then returns its residual's gradient as usual. No Triton here.
 """
 
 from __future__ import annotations

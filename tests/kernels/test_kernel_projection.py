@@ -56,7 +56,9 @@ def test_project_qkv_names_what_it_cannot_take():
 def test_a_residuals_gradient_handed_to_the_projection_is_added_by_its_gemm(claimed):
     """x feeds a projection and, as the residual, the norm after it (a post-LN sublayer): where the projection claims
     the handoff, the norm's backward hands it the residual's gradient and returns none, and the projection's input
-    gradient adds it; unclaimed, the norm returns it and autograd adds the two. Either way x's gradient is torch's."""
+    gradient adds it, in place: the gradient is the handed tensor (torch's out-of-place addmm would copy it into a
+    new output first, a pass over the rows); unclaimed, the norm returns it and autograd adds the two. Either way x's
+    gradient is torch's."""
     from fastmae.kernels import ResidualGrad, add_layer_norm, add_layer_norm_reference, project
 
     gen = torch.Generator().manual_seed(11)
@@ -66,9 +68,10 @@ def test_a_residuals_gradient_handed_to_the_projection_is_added_by_its_gemm(clai
     class Recorded(ResidualGrad):
         def put(self, grad):
             handed.append(grad.shape)
+            pointers.append(grad.data_ptr())
             super().put(grad)
 
-    handed = []
+    handed, pointers = [], []
 
     def run(fused, dtype):
         leaf = x.to(KERNEL_DEVICE, dtype).requires_grad_()
@@ -81,6 +84,8 @@ def test_a_residuals_gradient_handed_to_the_projection_is_added_by_its_gemm(clai
             y, _ = add_layer_norm_reference(leaf @ w.t(), leaf, nw, None)
         (dx,) = torch.autograd.grad(y, leaf, grad.to(KERNEL_DEVICE, dtype))
         assert handoff.take() is None  # taken by the projection's backward, or never put
+        if fused and claimed:  # the projection's input gradient, added by its GEMM into the handed tensor
+            assert dx.data_ptr() == pointers[-1], "the handed gradient was copied"
         return [dx]
 
     got, plain, exact = run(True, torch.float32), run(False, torch.float32), run(False, torch.float64)
