@@ -102,6 +102,9 @@ PHASES = (
                                      "throughput_headline"),
              keeps=(*(f"benchmarks/results/throughput_headline.{ext}" for ext in ("json", "md")),
                     "benchmarks/results/throughput_headline_3ml_trace.json.gz")),
+        # what cuBLAS launches for each GEMM of a base layer (the memsets and split-K reductions of a step), with
+        # torch's default BLAS and with cuBLASLt: a table in its log, no file of its own (headline's are 8 with smoke's)
+        Step("gemm_probe", (PY, "scripts/gemm_probe.py")),
         # each fused layer kernel against the stock torch ops it replaces, at the headline's 65,536 rows
         Step("layer_kernels", (PY, "benchmarks/kernels.py", "--ops", "layers", "--tokens", "65536", "--name",
                                "kernels_layers"),

@@ -123,7 +123,7 @@ def test_every_phase_names_real_files_and_valid_runs():
         out = gpu_check.out_files(phase)
         assert len(out) <= 8 and len(set(out)) == len(out) and all(
             re.fullmatch(rf"{phase.name}/[A-Za-z0-9._-]+", path) for path in out), out
-    assert {"graph_tests", "sync_tests", "sync_step_3ml_base", "throughput_headline", "kernel_tests",
+    assert {"graph_tests", "sync_tests", "sync_step_3ml_base", "throughput_headline", "gemm_probe", "kernel_tests",
             "kernel_tests_large", "attention_tests", "train_3ml_base"} <= set(seen)
     smoke, _ = dry_run("smoke")
     assert smoke["graph_tests"][-2:] == ["-k", "captured"] and smoke["sync_tests"][-2:] == ["-k", "steady_state"]
@@ -135,6 +135,15 @@ def test_every_phase_names_real_files_and_valid_runs():
     assert int(throughput[throughput.index("--sequences") + 1]) * 512 == load_run_config(
         str(ROOT / "configs/3ml-base.yaml"), ["model.vocab_size=32000"]).data.tokens_per_micro_batch
     assert not (ROOT / "benchmarks" / "results" / "gpu" / "DEVICE").exists()  # a dry run writes nothing
+
+
+def test_the_gemm_probe_runs_each_gemm_of_a_layer_on_cpu():
+    """scripts/gemm_probe.py (headline's probe of what cuBLAS launches a GEMM) runs its twelve GEMMs on CPU, where it
+    profiles nothing: the shapes it gives cuBLAS on a lent GPU are valid before the lease."""
+    done = subprocess.run([sys.executable, "scripts/gemm_probe.py", "--rows", "64"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("nothing profiled") == 12 and "weight grad: (768, 3072)" in done.stdout
 
 
 def test_unknown_arguments_are_refused():
