@@ -195,8 +195,8 @@ class _BiasGELU(torch.autograd.Function):
         block_r, warps = ctx.tiling["backward"]
         tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
         programs = triton.cdiv(rows, tiles * block_r)
-        da, parts, dbias = carve(a.device, ((rows, columns), a.dtype), ((1, programs, columns), torch.float32),
-                                 ((1, columns), bias.dtype))
+        da, parts = carve(a.device, ((rows, columns), a.dtype), ((1, programs, columns), torch.float32))
+        dbias = torch.empty(1, columns, device=a.device, dtype=bias.dtype)  # its own: it outlives da (`carve`)
         if rows and columns:
             _bias_gelu_bwd_kernel[(programs, triton.cdiv(columns, block_c))](
                 dy.contiguous(), a, bias, da, parts, rows, columns, tiles, BLOCK_R=block_r, BLOCK_C=block_c,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .launch import LOG2_E, carve
+from .launch import LOG2_E
 
 # ---------------------------------------------------------------------------------------------------- kernel
 
@@ -131,10 +131,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_x, grad_w, grad_b = ctx.saved_tensors
         factor = grad_loss.float() * ctx.scale  # 1 / rows x the incoming gradient, applied in fp32
-        kept = [(g, dtype) for g, dtype in zip((grad_x, grad_w, grad_b), ctx.dtypes) if g is not None]
-        scaled = iter(carve(factor.device, *((g.shape, dtype) for g, dtype in kept)))  # one allocation
-        # each product in fp32, written in the gradient's dtype by the same kernel (no fp32 product, then a cast)
-        dx, dw, db = (None if g is None else torch.mul(g, factor, out=next(scaled)) for g in (grad_x, grad_w, grad_b))
+        # each product in fp32, written in the gradient's dtype by the same kernel (no fp32 product, then a cast),
+        # each into an allocation of its own: the parameters' gradients outlive the rows' (`launch.carve`)
+        dx, dw, db = (None if g is None else torch.mul(g, factor, out=torch.empty_like(g, dtype=dtype))
+                      for g, dtype in zip((grad_x, grad_w, grad_b), ctx.dtypes))
         return dx, dw, db, None, None, None, None, None, None
 
 

@@ -256,10 +256,12 @@ class _AddLayerNorm(torch.autograd.Function):
         tiles = backward_tiles(rows, block_r)
         programs = triton.cdiv(rows, tiles * block_r)
         # dx and dr two tensors (no aliased gradients); every program writes its row of partial sums: the weight's,
-        # the bias's, and x_bias's where there is one, summed by one kernel into `sums`
+        # the bias's, and x_bias's where there is one, summed by one kernel into `sums`, an allocation of its own
+        # (`launch.carve`: a parameter's gradient outlives the rows' gradients)
         summed = 3 if ctx.has_x_bias else 2
-        dx, dr, parts, sums = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden), x.dtype),
-                                    ((summed, programs, hidden), torch.float32), ((summed, hidden), weight.dtype))
+        dx, dr, parts = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden), x.dtype),
+                              ((summed, programs, hidden), torch.float32))
+        sums = torch.empty(summed, hidden, device=x.device, dtype=weight.dtype)
         has_dh = ctx.keep_sum and dh is not None
         if rows:
             _add_norm_bwd_kernel[(programs,)](dy.contiguous(), dh.contiguous() if has_dh else dy, x, x_bias, residual,

@@ -141,8 +141,9 @@ class _ProjectQKV(torch.autograd.Function):
         tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
         programs = triton.cdiv(rows, tiles * block_r)
         bias_rows = programs if ctx.has_bias else 0
-        g, parts, dbias = carve(x.device, ((rows, 3 * hidden), x.dtype), ((1, bias_rows, 3 * hidden), torch.float32),
-                                ((1, 3 * hidden if ctx.has_bias else 0), weight.dtype))
+        g, parts = carve(x.device, ((rows, 3 * hidden), x.dtype), ((1, bias_rows, 3 * hidden), torch.float32))
+        # the bias's gradient an allocation of its own: it outlives g (`carve`)
+        dbias = torch.empty(1, 3 * hidden if ctx.has_bias else 0, device=x.device, dtype=weight.dtype)
         if rows:
             tables = (cos, sin) if cos is not None else (parts, parts)  # unread without ROTARY
             _qkv_grad_kernel[(programs, triton.cdiv(hidden, block_c), 3)](

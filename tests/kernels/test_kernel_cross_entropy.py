@@ -119,8 +119,9 @@ class _Allocations(TorchDispatchMode):
 def test_chunked_work_and_allocations(dtype, monkeypatch):
     """Four chunks of 32 rows: one [32, V'] logits tensor each (V' = V padded to CE_VOCAB_ALIGN); the weight gradient
     adds in place into one [V', H] fp32 buffer (in bf16 on CPU through one [V', H] product per chunk and its fp32
-    copy); backward writes the scaled gradients of x, the weight and the bias in their dtypes into one allocation (no
-    [V, H] product in fp32 and then its cast); under no_grad no gradient work."""
+    copy); backward writes the scaled gradients of x, the weight and the bias in their dtypes, each into an
+    allocation of its own (the parameters' outlive x's: `launch.carve`), no [V, H] product in fp32 and then its cast;
+    under no_grad no gradient work."""
     rows, hidden, vocab = 128, 16, 1000
     padded = vocab + -vocab % CE_VOCAB_ALIGN
     monkeypatch.setattr(cross_entropy, "CE_CHUNK_BYTES", 32 * padded * torch.tensor([], dtype=dtype).element_size())
@@ -135,9 +136,9 @@ def test_chunked_work_and_allocations(dtype, monkeypatch):
     # the padded weight and the fp32 buffer; on CPU in bf16 each chunk's product and its fp32 copy
     per_chunk = 2 if dtype == torch.bfloat16 and KERNEL_DEVICE == "cpu" else 0
     assert train.shapes[(padded, hidden)] == 2 + 4 * per_chunk
-    # backward: the three scaled gradients carved from one buffer, each 256-byte aligned
-    carved = sum(-(-n * x.element_size() // 256) * 256 for n in (rows * hidden, vocab * hidden, vocab))
-    assert train.shapes[(vocab, hidden)] == 0 and train.shapes[(carved,)] == 1
+    # backward: each scaled gradient in its own allocation, in its dtype: [N, H] twice (the forward's unscaled
+    # gradient of x, and this), [V, H] and [V] once (the forward's are slices of its padded-vocabulary buffers)
+    assert train.shapes[(vocab, hidden)] == 1 and train.shapes[(rows, hidden)] == 2 and train.shapes[(vocab,)] == 1
     with torch.no_grad(), _Allocations() as evaluation:
         loss = linear_cross_entropy(x, w, b, labels)
     assert evaluation.shapes[(32, padded)] == 4 and evaluation.shapes[(padded, hidden)] == 1
