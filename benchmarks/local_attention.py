@@ -10,9 +10,9 @@ On CUDA, the forms of a local layer at the throughput benchmark's micro-batch in
 target: at most 0.6x a global layer, forward + backward): as fastmae runs it (`auto`: fastmae's own kernel on both
 streams), fastmae's kernel (also with every block's pairs masked, to time what skipping the masks of the blocks
 wholly inside the window saves; on the shortened stream also with each candidate tiling of each of its three
-kernels, `local_window.CANDIDATES`), torch's FlashAttention-2 window of rows on the full stream (`auto`'s choice
-there with attention dropout), FlexAttention as fastmae called it before, compiled for the static shape, and with key
-blocks of 64 rows.
+kernels, `local_window.CANDIDATES`), and torch's FlashAttention-2 window of rows on the full stream (`auto`'s choice
+there with attention dropout); beside each of fastmae's kernel's forms, the floor its tiles set (`products_share`).
+The CUDA table keeps its earlier name (`local_attention_flex`, from the FlexAttention forms it timed until f6d59b9).
 
     python benchmarks/local_attention.py   # CPU: local_attention.{json,md}; CUDA: local_attention_flex.{json,md}
 """
@@ -26,7 +26,6 @@ from common import gpu_kernel_seconds, median_time, write_results
 from fastmae.kernels import local_window
 
 from fastmae.attention import StreamBias, VarlenMeta, resolve_backend, varlen_attention
-from fastmae.flex import document_block_mask, flex_attention_api
 from fastmae.positions import window_by_distance
 
 HEADS, HEAD_DIM, HALF_WINDOW = 12, 64, 64
@@ -117,23 +116,18 @@ def kernel_tilings(q, k, v, meta: VarlenMeta) -> dict:
 
 def cuda_forms(table: torch.Tensor, repeats: int) -> list[dict]:
     """CUDA: a local layer at the throughput benchmark's micro-batch (128 sequences): as fastmae runs it (`auto`),
-    FlexAttention as fastmae calls it (compiled with dynamic shapes, the stream padded to whole blocks and the kernel
-    told so), compiled for the static shape, and with key blocks of 64 rows; forward alone and with the backward;
-    the global layer beside them (as fastmae runs it), and each form's cost against it."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    def static_flex(q, k, v, block_mask):  # a function of its own: dynamo's recompile limit counts per function
-        return flex_attention(q, k, v, block_mask=block_mask)
-
-    static, dtype, rows = torch.compile(static_flex, dynamic=False), torch.bfloat16, []
+    fastmae's kernel (also with every block masked, and on the shortened stream with each candidate tiling), torch's
+    FlashAttention-2 window on the full stream; forward alone and with the backward; the global layer beside them (as
+    fastmae runs it), and each form's cost against it. (FlexAttention's forms, timed at aaab8be, 86facbd and f6d59b9
+    in the committed tables, slower than fastmae's kernel each time, are no longer run: their compiles took much of
+    the `modernbert` phase's minutes.)"""
+    dtype, rows = torch.bfloat16, []
     for name, lengths, spread in (("128x512 full", [512] * 128, 1), ("128x256 visible", [256] * 128, 2)):
         (q, k, v), meta, share = make_stream(lengths, spread, dtype, "cuda")
-        bias = StreamBias.build(table, meta, meta, "flex", dtype, window=HALF_WINDOW)
         local = resolve_backend(None, torch.device("cuda"), 0.0, dtype, biased=True, window_rows=meta.consecutive,
                                 window=True)
         auto_bias = StreamBias.build(table, meta, meta, local, dtype, window=HALF_WINDOW)
         own_bias = StreamBias.build(table, meta, meta, "triton_window", dtype, window=HALF_WINDOW)
-        rows_first = [t.transpose(0, 1)[None] for t in (q, k, v)]  # the lengths here are whole blocks already
         shipped = local_window.tiles(HEAD_DIM)
         tilings = {"fastmae's kernel (triton_window)": shipped, "fastmae's kernel, every block masked": shipped,
                    **({f"local as fastmae runs it ({local})": shipped} if local == "triton_window" else {})}
@@ -146,11 +140,6 @@ def cuda_forms(table: torch.Tensor, repeats: int) -> list[dict]:
             # the same with every block's pairs masked, also those wholly inside the window: what skipping them saves
             "fastmae's kernel, every block masked": lambda: local_window.local_attention(
                 q, k, v, meta.cu_seqlens, meta.positions, meta.max_seqlen, HALF_WINDOW, mask_every_block=True),
-            "flex, dynamic shapes, IS_DIVISIBLE": lambda: varlen_attention(q, k, v, meta, backend="flex", bias=bias),
-            "flex, static shapes": lambda: static(*rows_first, bias.block_mask),
-            # key blocks of 64 rows: a 128-row query block's window then spans 4 of them (256 keys), not 3 of 128
-            "flex, key blocks of 64": lambda: flex_attention_api().compiled(
-                *rows_first, block_mask=narrow, kernel_options={"BLOCK_N": 64, "IS_DIVISIBLE": True}),
         }
         if meta.consecutive:  # torch's FlashAttention-2 window of rows, what `auto` gives a layer with dropout here
             flash_bias = StreamBias.build(table, meta, meta, "torch_flash", dtype, window=HALF_WINDOW)
@@ -160,7 +149,6 @@ def cuda_forms(table: torch.Tensor, repeats: int) -> list[dict]:
             candidates = kernel_tilings(q, k, v, meta)
             forms.update({form: call for form, (_, call) in candidates.items()})
             tilings.update({form: tiling for form, (tiling, _) in candidates.items()})
-        narrow = document_block_mask(meta, meta, HALF_WINDOW, kv_block=64)
         global_ms, grads = None, {}  # GPU time of this stream's global layer, forward + backward
         sequences = meta.positions.cpu().split(lengths)
         for form, run in forms.items():

@@ -102,13 +102,14 @@ PHASES = (
                                      "throughput_headline"),
              keeps=(*(f"benchmarks/results/throughput_headline.{ext}" for ext in ("json", "md")),
                     "benchmarks/results/throughput_headline_3ml_trace.json.gz")),
-        # what cuBLAS launches for each GEMM of a base layer (the memsets and split-K reductions of a step), with
-        # torch's default BLAS and with cuBLASLt: a table in its log, no file of its own (headline's are 8 with smoke's)
-        Step("gemm_probe", (PY, "scripts/gemm_probe.py")),
         # each fused layer kernel against the stock torch ops it replaces, at the headline's 65,536 rows
         Step("layer_kernels", (PY, "benchmarks/kernels.py", "--ops", "layers", "--tokens", "65536", "--name",
                                "kernels_layers"),
              keeps=("benchmarks/results/kernels_layers.json", "benchmarks/results/kernels_layers.md")),
+        # what cuBLAS launches for each GEMM of a base layer (the memsets and split-K reductions of a step), with
+        # torch's default BLAS and with cuBLASLt: a table in its log, no file of its own (headline's are 8 with
+        # smoke's); last, so that a phase cut by its minutes loses this before the layer kernels' table
+        Step("gemm_probe", (PY, "scripts/gemm_probe.py")),
     ), timed=True),
     Phase("modernbert", 4, "fastmae on ModernBERT's layers against transformers' ModernBertForMaskedLM at base size", (
         Step("throughput_modernbert", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
