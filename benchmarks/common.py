@@ -124,6 +124,17 @@ def _kernel_events(fn, repeats: int, host_ops: bool = False) -> tuple[list, list
     return kernels, (list(prof.events()) if host_ops else [])
 
 
+def _table(events, repeats: int) -> dict[str, list[float]]:
+    """{kernel: [GPU ms, launches] per call}, busiest first, from `_kernel_events`' kernel entries."""
+    return {e.key[:200]: [round(e.device_time_total / 1e3 / repeats, 4), round(e.count / repeats, 1)]
+            for e in sorted(events, key=lambda e: -e.device_time_total)}
+
+
+def gpu_kernel_table(fn, repeats: int = 3) -> dict[str, list[float]]:
+    """{kernel: [GPU ms, launches] per call of fn}, busiest first, printing nothing (scripts/gemm_probe.py)."""
+    return _table(_kernel_events(fn, repeats)[0], repeats)
+
+
 def gpu_kernel_seconds(fn, repeats: int = 5) -> float:
     """GPU kernel seconds per call of fn, printing nothing: what a replayed CUDA graph of it would keep the GPU busy
     for, with none of the host's gaps between launches."""
@@ -175,10 +186,10 @@ def gpu_idle(events, repeats: int, depth: int = 3, top: int = 6) -> dict[str, fl
 def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> dict:
     """Per call of fn: {"busy_s": GPU kernel seconds, "kernels": kernels the profiler saw, "kinds": {kind: [ms,
     kernels]}, "launchers": {kernel: {host ops: per call}} of the `top` most launched, "idle": `gpu_idle`, "table":
-    {kernel: [ms, launches]} of every kernel, busiest first}; prints
-    the `top` busiest kernels under `label`, the time by kind (kernel_kind), the most launched kernels (what the
-    count is made of) with the host ops that launched them (`kernel_launchers`), and where the GPU waited. The count
-    tells whether the profile saw the kernels of CUDA graph replays or only their launches."""
+    {kernel: [ms, launches]} of every kernel, busiest first}; prints the `top` busiest kernels under `label`, the time
+    by kind (kernel_kind), the most launched kernels (what the count is made of) with the host ops that launched them
+    (`kernel_launchers`), and where the GPU waited. The count tells whether the profile saw the kernels of CUDA graph
+    replays or only their launches."""
     events, timeline = _kernel_events(fn, repeats, host_ops=True)
     launchers = kernel_launchers(timeline)
     kernels = sorted(((e.device_time_total / 1e6 / repeats, e.key) for e in events), reverse=True)
@@ -213,10 +224,8 @@ def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> dict:
           "launched the kernel it waited for:", flush=True)
     for ops, ms in idle.items():
         print(f"  {ms:8.3f} ms  {ops}", flush=True)
-    table = {e.key[:200]: [round(e.device_time_total / 1e3 / repeats, 4), round(e.count / repeats, 1)]
-             for e in sorted(events, key=lambda e: -e.device_time_total)}
     return {"busy_s": busy, "kernels": count, "kinds": kinds, "launchers": launched_by, "idle": idle,
-            "table": table}
+            "table": _table(events, repeats)}
 
 
 def stamp() -> dict:

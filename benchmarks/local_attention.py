@@ -92,8 +92,7 @@ def products_share(sequences: list[torch.Tensor], window: int, tiling: dict) -> 
     speed a product: the floor of `x global` (a CPU-countable proxy of it)."""
     local = 0
     for kernel, products in KERNEL_PRODUCTS.items():
-        tiles = tiling[kernel]
-        held, block = (tiles.outer, tiles.inner)
+        held, block = tiling[kernel].outer, tiling[kernel].inner
         local += products * held * block * sum(visited_blocks(p, held, block, window) for p in sequences)
     return local / (GLOBAL_PRODUCTS * sum(len(p) ** 2 for p in sequences))
 

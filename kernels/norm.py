@@ -73,7 +73,7 @@ def _add_norm_fwd_kernel(X, XB, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, s
     """Program p: rows p * BLOCK_R on, each as CHUNKS chunks of BLOCK_H lanes (`row_chunks`), all held at once."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_rows = rows < n_rows
-    sums = ()
+    hs = ()  # each chunk's h, held for the statistics and the output
     total = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
     for c in tl.static_range(CHUNKS):
         cols, mask, offsets = _chunk(c, rows, n_rows, H, BLOCK_H)
@@ -82,18 +82,18 @@ def _add_norm_fwd_kernel(X, XB, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, s
         h = _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS, HAS_DROPOUT)
         if STORE_SUM:
             tl.store(H_OUT + offsets, h.to(H_OUT.dtype.element_ty), mask=mask)
-        sums = sums + (h,)
+        hs = hs + (h,)
         total += h
     mean = tl.sum(total, axis=1) / H
     squares = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
     for c in tl.static_range(CHUNKS):
         _, mask, _ = _chunk(c, rows, n_rows, H, BLOCK_H)
-        centred = tl.where(mask, sums[c] - mean[:, None], 0.0)
+        centred = tl.where(mask, hs[c] - mean[:, None], 0.0)
         squares += centred * centred
     rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / H + eps)
     for c in tl.static_range(CHUNKS):
         cols, mask, offsets = _chunk(c, rows, n_rows, H, BLOCK_H)
-        y = (sums[c] - mean[:, None]) * rstd[:, None] * tl.load(W + cols, mask=cols < H, other=0.0).to(
+        y = (hs[c] - mean[:, None]) * rstd[:, None] * tl.load(W + cols, mask=cols < H, other=0.0).to(
             tl.float32)[None, :]
         if HAS_BIAS:
             y += tl.load(B + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]

@@ -10,9 +10,14 @@ and its GPU microseconds, with torch's default BLAS and again with cuBLASLt pref
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from common import gpu_kernel_table  # noqa: E402
 
 HIDDEN, FFN = 768, 3072
 
@@ -47,22 +52,6 @@ def layer_gemms(rows: int, device: str, dtype: torch.dtype) -> dict:
     }
 
 
-def profile_call(call, repeats: int = 3) -> tuple[Counter, float]:
-    """(kernel name -> launches a call, GPU microseconds a call) of `call` on CUDA, after two calls unprofiled."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(2):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            call()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return (Counter({e.key: e.count / repeats for e in kernels}),
-            sum(e.device_time_total for e in kernels) / repeats)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=65536)
@@ -82,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         launched, micros = Counter(), 0.0
         print(f"\n| {library} | kernels a call | memsets | GPU us |\n|---|---|---|---|")
         for name, call in gemms.items():
-            kernels, us = profile_call(call)
+            table = gpu_kernel_table(call)
+            kernels = Counter({key: launches for key, (_, launches) in table.items()})
+            us = 1e3 * sum(ms for ms, _ in table.values())
             launched.update(kernels)
             micros += us
             memsets = sum(n for key, n in kernels.items() if "memset" in key.lower())
