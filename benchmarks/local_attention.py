@@ -9,7 +9,7 @@ fewer keys within the window of each query).
 On CUDA, the forms of a local layer at the throughput benchmark's micro-batch instead (`cuda_forms`; issue 55's
 target: at most 0.6x a global layer, forward + backward): as fastmae runs it (`auto`: fastmae's own kernel on both
 streams), fastmae's kernel (also with every block's pairs masked, to time what skipping the masks of the blocks
-wholly inside the window saves; on the shortened stream also with each candidate tiling of each of its three
+wholly inside the window saves; on the shortened stream also with each candidate tiling of each of its two
 kernels, `local_window.CANDIDATES`), and torch's FlashAttention-2 window of rows on the full stream (`auto`'s choice
 there with attention dropout); beside each of fastmae's kernel's forms, the floor its tiles set (`products_share`).
 The CUDA table keeps its earlier name (`local_attention_flex`, from the FlexAttention forms it timed until f6d59b9).
@@ -65,23 +65,46 @@ def forward_backward(run, inputs: tuple[torch.Tensor, ...], grads: dict):
     return torch.autograd.grad(out, inputs, grad)
 
 
-# Tensor-core products of each local-window kernel a visit of a block of the other side (forward: q k^T, p v; dk/dv:
-# q k^T, p^T do, do v^T, ds^T q; dq: q k^T, do v^T, ds k), and of a global layer's forward and backward a pair
-# (FlashAttention's: 2 forward, 5 backward)
-KERNEL_PRODUCTS = {"forward": 2, "dkdv": 4, "dq": 3}
+# Tensor-core products a visit of a block of the other side: the forward's (q k^T, p v), the backward's (q k^T,
+# p^T do, do v^T, ds^T q, ds k; its dq term computed for every visit, stored for the span's queries only), the
+# backward's for a block of keys outside a program's span that reaches its queries (q k^T, do v^T, ds k); and a global
+# layer's forward and backward a pair (FlashAttention's: 2 forward, 5 backward)
+KERNEL_PRODUCTS = {"forward": 2, "backward": 5}
+OUTSIDE_PRODUCTS = 3
 GLOBAL_PRODUCTS = 7
+
+
+def _reached_blocks(positions: torch.Tensor, first: int, held: int, block: int, window: int) -> tuple[int, int]:
+    """(first row, end row) of the blocks of `block` rows that rows first .. first + held - 1 of a sequence of
+    increasing `positions` reach: from the block holding the first row whose position their windows reach to the end
+    of the block holding the last (local_blocks._reached_rows)."""
+    held_positions = positions[first:first + held]
+    reached = ((positions >= held_positions.min() - window) & (positions <= held_positions.max() + window))
+    rows = reached.nonzero().flatten()
+    return int(rows[0]) // block * block, (int(rows[-1]) // block + 1) * block
 
 
 def visited_blocks(positions: torch.Tensor, held: int, block: int, window: int) -> int:
     """Blocks of `block` rows that fastmae's local-window kernels visit for one sequence of increasing `positions`,
-    summed over its programs of `held` rows: each program loops over the blocks from the one holding the first row
-    whose position a held row's window reaches to the one holding the last (local_window._reached_rows)."""
+    summed over its blocks of `held` rows (a program's in the forward, a step of a span's loop in the backward)."""
     visits = 0
     for first in range(0, len(positions), held):
-        held_positions = positions[first:first + held]
-        reached = ((positions >= held_positions.min() - window) & (positions <= held_positions.max() + window))
-        rows = reached.nonzero().flatten()
-        visits += int(rows[-1]) // block - int(rows[0]) // block + 1
+        lo, hi = _reached_blocks(positions, first, held, block, window)
+        visits += (hi - lo) // block
+    return visits
+
+
+def outside_visits(positions: torch.Tensor, tiles, window: int) -> int:
+    """Visits of the backward's loops over the blocks of keys outside a program's span (`tiles.span` rows) whose
+    window reaches its queries: those within `window` rows before and after it, each over the span's blocks of
+    queries it reaches (none where a span holds the whole sequence)."""
+    held, block, rows, visits = tiles.outer, tiles.inner, len(positions), 0
+    for span_start in range(0, rows, tiles.span):
+        span_end = min(span_start + tiles.span, rows)
+        before = range(max(span_start - window, 0) // held * held, span_start, held)
+        for first in (*before, *range(span_end, min(span_end + window, rows), held)):
+            lo, hi = _reached_blocks(positions, first, held, block, window)
+            visits += max(0, -(-(min(hi, span_end) - max(lo, span_start)) // block))
     return visits
 
 
@@ -94,7 +117,16 @@ def products_share(sequences: list[torch.Tensor], window: int, tiling: dict) -> 
     for kernel, products in KERNEL_PRODUCTS.items():
         held, block = tiling[kernel].outer, tiling[kernel].inner
         local += products * held * block * sum(visited_blocks(p, held, block, window) for p in sequences)
+    backward = tiling["backward"]
+    local += (OUTSIDE_PRODUCTS * backward.outer * backward.inner
+              * sum(outside_visits(p, backward, window) for p in sequences))
     return local / (GLOBAL_PRODUCTS * sum(len(p) ** 2 for p in sequences))
+
+
+def _tiles_said(kernel: str, tiles) -> str:
+    """A kernel's Tiles in a form's name: blocks, warps, stages, and the backward's span."""
+    return (f"{tiles.outer}x{tiles.inner} on {tiles.warps} warps, {tiles.stages} stages"
+            + f", spans of {tiles.span}" * (kernel == "backward"))
 
 
 def kernel_tilings(q, k, v, meta: VarlenMeta) -> dict:
@@ -105,9 +137,8 @@ def kernel_tilings(q, k, v, meta: VarlenMeta) -> dict:
     for kernel, candidates in local_window.CANDIDATES.items():
         for tiles in candidates:
             tiling = {**shipped, kernel: tiles}
-            name = (f"fastmae's kernel, {kernel} {tiles.outer}x{tiles.inner} on {tiles.warps} warps, "
-                    f"{tiles.stages} stages (shipped {shipped[kernel].outer}x{shipped[kernel].inner}, "
-                    f"{shipped[kernel].warps}, {shipped[kernel].stages})")
+            name = (f"fastmae's kernel, {kernel} {_tiles_said(kernel, tiles)} (shipped "
+                    f"{_tiles_said(kernel, shipped[kernel])})")
             forms[name] = tiling, (lambda tiling=tiling: local_window.local_attention(
                 q, k, v, meta.cu_seqlens, meta.positions, meta.max_seqlen, HALF_WINDOW, tiling=tiling))
     return forms

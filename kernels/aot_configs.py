@@ -204,12 +204,13 @@ def _local_window_config(kernel: str, dtype: str, head_dim: int, tiling, mask_al
     """One local-window kernel's configuration: its name, description, signature, constexprs and warps."""
     from . import local_window
 
-    outer_is_keys = kernel == "dkdv"
-    blocks = dict(HEAD_DIM=head_dim, BLOCK_M=tiling.inner if outer_is_keys else tiling.outer,
-                  BLOCK_N=tiling.outer if outer_is_keys else tiling.inner, WIDEN=0,
-                  SCAN=local_window.scan_rows(tiling.outer, LOCAL_WINDOW, tiling.inner), MASK_ALL=int(mask_all))
+    backward = kernel == "backward"  # its outer block holds keys, and its programs take spans of them
+    blocks = dict(HEAD_DIM=head_dim, BLOCK_M=tiling.inner if backward else tiling.outer,
+                  BLOCK_N=tiling.outer if backward else tiling.inner, **({"SPAN": tiling.span} if backward else {}),
+                  WIDEN=0, SCAN=local_window.scan_rows(tiling.outer, LOCAL_WINDOW, tiling.inner),
+                  MASK_ALL=int(mask_all))
     desc = (f"{dtype} HEAD_DIM={head_dim} {tiling.outer}x{tiling.inner} warps={tiling.warps} stages={tiling.stages}"
-            + " every block masked" * mask_all)
+            + f" span={tiling.span}" * backward + " every block masked" * mask_all)
     common = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}")
     if kernel == "forward":
         strides = {f"stride_{x}{y}": "i32" for x in ("q", "k", "v", "o") for y in ("t", "h")}
@@ -217,14 +218,10 @@ def _local_window_config(kernel: str, dtype: str, head_dim: int, tiling, mask_al
                 dict(**common, OUT=f"*{dtype}", LSE="*fp32", CU="*i32", POS="*i32", qk_scale="fp32", window="i32",
                      n_heads="i32", **strides), blocks, tiling.warps, tiling.stages)
     strides = {f"stride_{x}{y}": "i32" for x in ("q", "k", "v", "do") for y in ("t", "h")}
-    tail = dict(CU="*i32", POS="*i32", qk_scale="fp32", scale="fp32", window="i32", n_heads="i32", **strides)
-    if kernel == "dkdv":
-        return ("local_window._local_bwd_dkdv_kernel", desc,
-                dict(**common, DO=f"*{dtype}", LSE="*fp32", DELTA="*fp32", DK=f"*{dtype}", DV=f"*{dtype}", **tail),
-                blocks, tiling.warps, tiling.stages)
-    return ("local_window._local_bwd_dq_kernel", desc,
-            dict(**common, DO=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32", DELTA="*fp32", DQ=f"*{dtype}", **tail), blocks,
-            tiling.warps, tiling.stages)
+    return ("local_window._local_bwd_kernel", desc,
+            dict(**common, DO=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32", DQ_SUM="*fp32", DQ=f"*{dtype}",
+                 DK=f"*{dtype}", DV=f"*{dtype}", CU="*i32", POS="*i32", qk_scale="fp32", scale="fp32", window="i32",
+                 n_heads="i32", **strides), blocks, tiling.warps, tiling.stages)
 
 
 def all_configs():

@@ -3,23 +3,29 @@ FlashAttention (online softmax, nothing of [T, T] stored): a query attends to th
 original positions are at most `window` from its own.
 
 On a stream whose rows skip positions (3ml's and mae-lm's encoder before the insertion) a window of positions is not
-a window of rows, so FlashAttention's own window cannot run it exactly; this kernel masks each (query, key) pair by
-their positions where a block of keys straddles the window's boundary, leaves the pairs of a block wholly inside it
-unmasked, and skips every block of keys whose positions all lie outside the window of every query of the block (on
+a window of rows, so FlashAttention's own window cannot run it exactly; these kernels mask each (query, key) pair by
+their positions where a block of keys straddles the window's boundary, leave the pairs of a block wholly inside it
+unmasked, and skip every block of keys whose positions all lie outside the window of every query of the block (on
 any stream: on a full one it also beat FlashAttention's window, attention.CUDA_LOCAL_BACKEND). Positions must
 increase within each sequence, as every fastmae stream's do (the full stream's 0, 1, 2, ...; a shortened stream's
 kept positions in order): a row within `window` positions of another is then within `window` rows of it, so a
-program looks only at the blocks of those rows, about (2 * window) / BLOCK_N + 2 of them however long its sequence.
-Program (block of BLOCK_M query rows, sequence, head); the backward is two kernels, one a block of queries (dq, and
-each row's rowsum(out * do) for the other) and then one a block of keys (dk, dv), each summing in a fixed order: no
-atomics, deterministic. Softmax in base 2 (`exp2`), the log-sum-exp of each row kept for the backward. Reference:
+program looks only at the blocks of those rows, about (2 * window) / BLOCK_N + 2 of them however long its sequence
+(the blocks: local_blocks.py).
+
+The forward: program (block of BLOCK_M query rows, sequence, head). The backward is one kernel of FlashAttention's
+five products a pair (q k^T, p^T do, do v^T, ds^T q, ds k) with dq summed in a fixed order, without atomics
+(deterministic): program (span of SPAN rows of a sequence, head) loops over the span's blocks of keys in order, each
+over the blocks of queries its window reaches, and sums dk and dv of the block and, for the queries inside its own
+span, their dq in fp32 partial sums only it touches; the keys outside its span whose window reaches its queries (a
+sequence longer than the span) add their dq terms in their own loops (three products a pair: q k^T, do v^T, ds k,
+where the program owning those keys took the other two). The span's dq is then scaled and stored in the inputs'
+dtype. Softmax in base 2 (`exp2`), the log-sum-exp of each row kept for the backward. Reference:
 `local_attention_reference` in reference.py.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -27,197 +33,66 @@ import triton
 import triton.language as tl
 
 from .launch import LOG2_E
+from .local_blocks import (
+    INTERPRETED,
+    _block_positions,
+    _dot,
+    _key_side,
+    _positions,
+    _probabilities,
+    _program_block,
+    _query_side,
+    _reached_rows,
+    _rows,
+    _scores,
+    _whole,
+    scan_rows,
+)
 
 
 class Tiles(NamedTuple):
-    """One kernel's tiling: the rows of the block a program holds (`outer`: queries in the forward and the dq kernel,
-    keys in the dk/dv kernel), the rows of the blocks of the other side it loops over (`inner`), warps a program and
-    Triton's pipeline stages (the inner loop's loads in flight)."""
+    """One kernel's tiling: the rows of the block a program holds (`outer`: queries in the forward, keys in the
+    backward), the rows of the blocks of the other side it loops over (`inner`), warps a program, Triton's pipeline
+    stages (the inner loop's loads in flight) and, for the backward, the rows of a sequence a program takes in blocks
+    of `outer` (`span`, a multiple of both blocks; the forward's programs take one block)."""
 
     outer: int
     inner: int
     warps: int
     stages: int = 3
+    span: int = 512
 
 
-KERNELS = ("forward", "dkdv", "dq")
+KERNELS = ("forward", "backward")
 
 
 def tiles(head_dim: int) -> dict[str, Tiles]:
-    """Each kernel's Tiles (KERNELS) for heads of `head_dim`. As in FlashAttention's Triton backward, a backward
-    kernel holds a large block and loops over small ones: the dk/dv kernel's products dv += p^T do and dk += ds^T q
-    have its keys as their rows, and Hopper's tensor-core instruction (wgmma) takes 64 rows or more. Chosen without a
-    GPU timing from what compiles for sm_80 and sm_90 without spills (kernels/aot.py, which compiles these and every
-    CANDIDATE); `benchmarks/local_attention.py` times every candidate on CUDA. Tests shrink them."""
+    """Each kernel's Tiles (KERNELS) for heads of `head_dim`. As in FlashAttention's Triton backward, the backward
+    holds a large block of keys and loops over small blocks of queries: its products dv += p^T do and dk += ds^T q
+    have its keys as their rows, and Hopper's tensor-core instruction (wgmma) takes 64 rows or more. A span of 512
+    rows holds a whole sequence of the throughput benchmark's (128 x 512 full, 128 x 256 visible), so no dq term is
+    computed twice there. Chosen without a GPU timing from what compiles for sm_80 and sm_90 without spills
+    (kernels/aot.py, which compiles these and every CANDIDATE); `benchmarks/local_attention.py` times every candidate
+    on CUDA; at wider heads the backward's 8 warps spill on sm_80 where 4 do not. Tests shrink them."""
     if head_dim <= 64:
-        return {"forward": Tiles(64, 32, 4), "dkdv": Tiles(64, 16, 4), "dq": Tiles(64, 32, 4)}
-    return {"forward": Tiles(32, 32, 8), "dkdv": Tiles(32, 16, 8), "dq": Tiles(32, 32, 8)}
+        return {"forward": Tiles(64, 32, 4), "backward": Tiles(64, 16, 4)}
+    return {"forward": Tiles(32, 32, 8), "backward": Tiles(32, 16, 4)}
 
 
 # What the GPU benchmark times at heads of 64 beside the shipped tiles (each compiled without spills by kernels/aot.py).
-# The dk/dv kernel's 128-key tiles on 8 warps, timed slower than the shipped tile on an H200 at f6d59b9, are out: as
-# the JIT specializes them they spill to the stack on sm_80, as its 64 x 64 tile on 4 warps does. The forward's and
-# dq's 64 x 64 tiles on 4 warps hold twice the scores a thread of the shipped 64 x 32 (32, not 16), over which each
-# step of the loop spreads its fixed work (the accumulator's rescale, the loads' addresses, the row reductions): on
-# sm_90 under Triton 3.6 about 22.5 instructions a score where the shipped tile issues 26.5, at half the warps
-# resident (186 registers a thread).
+# The forward's 64 x 64 tiles on 4 warps hold twice the scores a thread of the shipped 64 x 32 (32, not 16), over
+# which each step of the loop spreads its fixed work (the accumulator's rescale, the loads' addresses, the row
+# reductions): on sm_90 under Triton 3.6 about 22.5 instructions a score where the shipped tile issues 26.5, at half
+# the warps resident (186 registers a thread). The backward's: larger blocks of keys (128) or of queries (32), on 4
+# or 8 warps, two pipeline stages, and spans of 256 rows (twice the programs, each half as long, on the full
+# stream's sequences of 512, the dq terms across a span's edge computed twice). Its 64 x 16 and 32 x 32 tiles on 8
+# and 4 warps spill to the stack on sm_80 as the JIT specializes them: left out.
 CANDIDATES = {
     "forward": (Tiles(64, 32, 8), Tiles(64, 64, 8), Tiles(128, 32, 8), Tiles(128, 64, 8), Tiles(64, 32, 4, 2),
                 Tiles(64, 64, 4)),
-    "dkdv": (Tiles(64, 16, 8), Tiles(32, 32, 4), Tiles(64, 32, 4)),
-    "dq": (Tiles(64, 16, 4), Tiles(128, 32, 8), Tiles(64, 64, 8), Tiles(128, 16, 8), Tiles(64, 64, 4)),
+    "backward": (Tiles(64, 32, 4), Tiles(128, 16, 8), Tiles(64, 32, 8), Tiles(128, 32, 8), Tiles(64, 16, 4, 2),
+                 Tiles(64, 16, 4, 3, 256)),
 }
-
-
-FAR = tl.constexpr(1 << 30)  # a position outside every window (the rows past a sequence's end a loop walks)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _dot(a, b, WIDEN: tl.constexpr):
-    """tl.dot(a, b) with fp32 accumulation; WIDEN: the operands widened to fp32 and multiplied in full fp32 precision
-    (fp32 inputs, which a GPU's tl.dot would round to tf32; and under the Triton interpreter, whose tl.dot returns
-    garbage for bf16 operands: the products of bf16 values are exact in fp32 either way)."""
-    if WIDEN:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
-def _positions(POS, rows, valid, window):
-    """(positions of `rows` [BLOCK], the lowest and highest position a window around them reaches)."""
-    pos = tl.load(POS + rows, mask=valid, other=0)
-    lowest = tl.min(tl.where(valid, pos, 2147483647), axis=0) - window
-    highest = tl.max(tl.where(valid, pos, -2147483647), axis=0) + window
-    return pos, lowest, highest
-
-
-@triton.jit
-def _rows(X, first, end, stride_t, stride_h, head, cols, BLOCK: tl.constexpr):
-    """[BLOCK, HEAD_DIM] of X [T, heads, HEAD_DIM] at rows first .. first + BLOCK - 1 of `head`, those at or past the
-    sequence's `end` reading its last row instead: no masked load (a mask a row costs each thread registers, enough
-    to spill the backward on sm_80); the window's mask (`_in_window`) drops every pair of such a row on the side a
-    loop walks, and the held side's are never stored. One 64-bit base a block, 32-bit offsets within it."""
-    base = X + tl.cast(first, tl.int64) * stride_t + head * stride_h
-    offsets = tl.minimum(tl.arange(0, BLOCK), end - 1 - first)
-    return tl.load(base + offsets[:, None] * stride_t + cols[None, :])
-
-
-@triton.jit
-def _in_window(pos_q, pos_k, window):
-    """bool [BLOCK_M, BLOCK_N]: the pairs the window keeps, pos_q - window <= pos_k <= pos_q + window as one unsigned
-    compare a pair (a key below the window wraps to above 2 window). A row past the sequence's end on the side a loop
-    walks sits at position -FAR (`_block_positions`), outside every window; the held side's rows past it are never
-    stored, nor do they reach any stored row."""
-    above_lowest = pos_k[None, :] - (pos_q - window)[:, None]
-    return above_lowest.to(tl.uint32, bitcast=True) <= (2 * window).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _scores(q, k, pos_q, pos_k, window, whole, WIDEN: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] q k^T of the block, not yet scaled (the caller scales it into base 2 in the multiply-add
-    that subtracts the row's shift: one instruction a score), -inf for the pairs outside the window; `whole`: every
-    pair of the block is inside it (`_reached_rows`), and no pair is masked."""
-    scores = _dot(q, tl.trans(k), WIDEN)
-    if whole:
-        kept = scores
-    else:
-        kept = tl.where(_in_window(pos_q, pos_k, window), scores, float("-inf"))
-    return kept
-
-
-@triton.jit
-def _whole(block_start, whole_from, whole_to, MASK_ALL: tl.constexpr):
-    """Whether the block from block_start is wholly inside the window (`_reached_rows`): a run-time flag, or the
-    constant False under MASK_ALL, which compiles the mask of every block and no branch (the GPU benchmark's
-    measure of what the unmasked blocks save)."""
-    whole = (block_start >= whole_from) & (block_start < whole_to)
-    if MASK_ALL:
-        whole = False
-    return whole
-
-
-@triton.jit
-def _probabilities(q, k, pos_q, pos_k, lse, qk_scale, window, whole, WIDEN: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] softmax probabilities of the block, from the forward's log-sum-exp (base 2)."""
-    return tl.exp2(_scores(q, k, pos_q, pos_k, window, whole, WIDEN) * qk_scale - lse[:, None])
-
-
-@triton.jit
-def _block_positions(POS, first, end, BLOCK: tl.constexpr):
-    """(which of rows first .. first + BLOCK - 1 exist, their positions: -FAR for those past the sequence's end)."""
-    rows = first + tl.arange(0, BLOCK)
-    valid = rows < end
-    return valid, tl.load(POS + rows, mask=valid, other=-FAR)
-
-
-def scan_rows(held: int, window: int, block: int) -> int:
-    """SCAN of a kernel whose programs hold `held` rows and loop over blocks of `block`, for a window of `window`
-    positions: a power of two above the rows `_reached_rows` reads (at most held + 2 window + 2 block - 2)."""
-    return triton.next_power_of_2(held + 2 * window + 2 * block)
-
-
-@triton.jit
-def _reached_rows(POS, start, end, held, HELD: tl.constexpr, lowest, highest, window, BLOCK: tl.constexpr,
-                  SCAN: tl.constexpr):
-    """(first, last, whole_from, whole_to): rows first .. last - 1 of the sequence's start .. end - 1, in blocks of
-    BLOCK from `start`, run from the first block that reaches [lowest, highest] (the window of the program's HELD rows
-    from `held`) to the end of the last one (empty where none does): a block of the other side that reaches none of
-    the window is skipped. The blocks from whole_from to whole_to are whole blocks every row of which is within the
-    window of every held row: their pairs need no mask (held rows past the sequence's end are never stored).
-    Positions increase within a sequence, so a row within `window` positions of a held row is within `window` rows of
-    it: only the blocks of those rows are read, in one load of SCAN positions (`scan_rows`; it read one block at a
-    time, a load and two reductions each), however long the sequence. The main loops then run a fixed range with no
-    branch, which lets Triton pipeline their loads."""
-    scan_from = start + (tl.maximum(held - window - start, 0) // BLOCK) * BLOCK
-    scan_to = tl.minimum(held + HELD + window, end)
-    scan_end = tl.minimum(scan_from + tl.cdiv(scan_to - scan_from, BLOCK) * BLOCK, end)  # whole blocks' rows
-    rows = scan_from + tl.arange(0, SCAN)
-    valid = rows < scan_end
-    pos = tl.load(POS + rows, mask=valid, other=0)
-    inside = valid & (pos >= lowest) & (pos <= highest)
-    first_row = tl.min(tl.where(inside, rows, end), axis=0)  # the first and last rows inside the window
-    last_row = tl.max(tl.where(inside, rows, start - 1), axis=0)
-    reached = last_row >= first_row
-    first = tl.where(reached, scan_from + (first_row - scan_from) // BLOCK * BLOCK, end)
-    last = tl.where(reached, scan_from + ((last_row - scan_from) // BLOCK + 1) * BLOCK, start)
-    # rows within `window` of every held row: positions from the highest held one's - window to the lowest's + window
-    whole = valid & (pos >= highest - 2 * window) & (pos <= lowest + 2 * window)
-    first_whole = tl.min(tl.where(whole, rows, end), axis=0)
-    after_whole = tl.max(tl.where(whole, rows + 1, scan_from), axis=0)
-    whole_from = scan_from + tl.cdiv(first_whole - scan_from, BLOCK) * BLOCK
-    whole_to = scan_from + (after_whole - scan_from) // BLOCK * BLOCK
-    return first, last, whole_from, whole_to
-
-
-@triton.jit
-def _key_side(K, V, first, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N: tl.constexpr):
-    """(k, v) of a block of keys."""
-    return (_rows(K, first, end, stride_kt, stride_kh, head, cols, BLOCK_N),
-            _rows(V, first, end, stride_vt, stride_vh, head, cols, BLOCK_N))
-
-
-@triton.jit
-def _program_block(CU, BLOCK: tl.constexpr):
-    """(head, the sequence's first row, its end, the first row of this program's block of BLOCK rows)."""
-    start = tl.load(CU + tl.program_id(1))
-    end = tl.load(CU + tl.program_id(1) + 1)
-    return tl.program_id(2), start, end, start + tl.program_id(0) * BLOCK
-
-
-@triton.jit
-def _per_row(X, rows, valid, n_heads, head):
-    """fp32 [BLOCK] of X [T, heads] (the log-sum-exp, delta) at `rows` of `head`, 0 where not valid."""
-    return tl.load(X + rows.to(tl.int64) * n_heads + head, mask=valid, other=0.0)
-
-
-@triton.jit
-def _query_side(Q, DO, LSE, first, end, rows_q, valid_q, stride_qt, stride_qh, stride_dot, stride_doh, head, n_heads,
-                cols, BLOCK_M: tl.constexpr):
-    """(q, do, the forward's log-sum-exp) of a block of queries, for the backward."""
-    q = _rows(Q, first, end, stride_qt, stride_qh, head, cols, BLOCK_M)
-    do = _rows(DO, first, end, stride_dot, stride_doh, head, cols, BLOCK_M)
-    return q, do, _per_row(LSE, rows_q, valid_q, n_heads, head)
 
 
 @triton.jit
@@ -259,70 +134,105 @@ def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, str
 
 
 @triton.jit
-def _local_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, POS, qk_scale, scale, window, n_heads, stride_qt,
-                           stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           WIDEN: tl.constexpr, SCAN: tl.constexpr, MASK_ALL: tl.constexpr):
-    """Program (block of keys, sequence, head): dk and dv of its keys, summed over the query blocks their window
-    reaches, in order. DK, DV: contiguous [T, heads, HEAD_DIM]."""
-    head, start, end, first = _program_block(CU, BLOCK_N)
-    if first < end:
-        cols = tl.arange(0, HEAD_DIM)
-        rows_k = first + tl.arange(0, BLOCK_N)
-        valid_k = rows_k < end
-        k, v = _key_side(K, V, first, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
-        pos_k, lowest, highest = _positions(POS, rows_k, valid_k, window)
-        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        first_q, last_q, whole_from, whole_to = _reached_rows(POS, start, end, first, BLOCK_N, lowest, highest,
-                                                             window, BLOCK_M, SCAN)
-        for query_start in range(first_q, last_q, BLOCK_M):
-            valid_q, pos_q = _block_positions(POS, query_start, end, BLOCK_M)
-            rows_q = query_start + tl.arange(0, BLOCK_M)
-            q, do, lse = _query_side(Q, DO, LSE, query_start, end, rows_q, valid_q, stride_qt, stride_qh, stride_dot,
-                                     stride_doh, head, n_heads, cols, BLOCK_M)
-            delta = _per_row(DELTA, rows_q, valid_q, n_heads, head)
-            whole = _whole(query_start, whole_from, whole_to, MASK_ALL)
-            p = _probabilities(q, k, pos_q, pos_k, lse, qk_scale, window, whole, WIDEN)
-            dv += _dot(tl.trans(p).to(do.dtype), do, WIDEN)
-            ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
-            dk += _dot(tl.trans(ds).to(q.dtype), q, WIDEN)
-        offsets = rows_k[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :]
-        tl.store(DK + offsets, (dk * scale).to(DK.dtype.element_ty), mask=valid_k[:, None])
-        tl.store(DV + offsets, dv.to(DV.dtype.element_ty), mask=valid_k[:, None])
+def _add_dq(DQ_SUM, part, rows_q, span_start, span_end, summed_to, head, n_heads, cols, HEAD_DIM: tl.constexpr):
+    """DQ_SUM [T, heads, HEAD_DIM] fp32 += part [BLOCK_M, HEAD_DIM] fp32 at those of rows_q of `head` inside the span
+    (only its program touches them, in a fixed order), = part at those from `summed_to` on (no partial sum yet)."""
+    offsets = rows_q[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :]
+    in_span = ((rows_q >= span_start) & (rows_q < span_end))[:, None]
+    tl.debug_barrier()  # the program's earlier stores of these elements, by whichever threads held them, land first
+    held = tl.load(DQ_SUM + offsets, mask=in_span & (rows_q < summed_to)[:, None], other=0.0)
+    tl.store(DQ_SUM + offsets, held + part, mask=in_span)
 
 
 @triton.jit
-def _local_bwd_dq_kernel(Q, K, V, DO, OUT, LSE, DELTA, DQ, CU, POS, qk_scale, scale, window, n_heads, stride_qt,
-                         stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         WIDEN: tl.constexpr, SCAN: tl.constexpr, MASK_ALL: tl.constexpr):
-    """Program (block of queries, sequence, head): dq of its queries, summed over the key blocks their window
-    reaches, in order, and their delta = rowsum(out * do), the softmax backward's term, stored for the dk/dv kernel
-    that runs after it. OUT, DQ: contiguous [T, heads, HEAD_DIM]; DELTA [T, heads] fp32."""
-    head, start, end, first = _program_block(CU, BLOCK_M)
-    if first < end:
-        cols = tl.arange(0, HEAD_DIM)
-        rows_q = first + tl.arange(0, BLOCK_M)
-        valid_q = rows_q < end
-        q, do, lse = _query_side(Q, DO, LSE, first, end, rows_q, valid_q, stride_qt, stride_qh, stride_dot, stride_doh,
-                                 head, n_heads, cols, BLOCK_M)
-        out = _rows(OUT, first, end, n_heads * HEAD_DIM, HEAD_DIM, head, cols, BLOCK_M)
-        delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), axis=1)
-        tl.store(DELTA + rows_q.to(tl.int64) * n_heads + head, delta, mask=valid_q)
-        pos_q, lowest, highest = _positions(POS, rows_q, valid_q, window)
-        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        first_k, last_k, whole_from, whole_to = _reached_rows(POS, start, end, first, BLOCK_M, lowest, highest,
-                                                             window, BLOCK_N, SCAN)
-        for key_start in range(first_k, last_k, BLOCK_N):
-            _, pos_k = _block_positions(POS, key_start, end, BLOCK_N)
-            k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
-            whole = _whole(key_start, whole_from, whole_to, MASK_ALL)
+def _dq_of_keys_outside(Q, K, V, DO, OUT, LSE, DQ_SUM, POS, key_from, key_to, span_start, span_end, summed_to, start,
+                        end, qk_scale, window, n_heads, head, cols, stride_qt, stride_qh, stride_kt, stride_kh,
+                        stride_vt, stride_vh, stride_dot, stride_doh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, WIDEN: tl.constexpr, SCAN: tl.constexpr, MASK_ALL: tl.constexpr):
+    """The dq terms that the blocks of keys from key_from to key_to (outside the program's span) give the span's
+    queries their window reaches, into DQ_SUM. Returns the row below which the span's rows hold partial sums."""
+    for key_start in range(key_from, key_to, BLOCK_N):
+        rows_k = key_start + tl.arange(0, BLOCK_N)
+        k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
+        pos_k, lowest, highest = _positions(POS, rows_k, rows_k < end, window)
+        first_q, last_q, whole_from, whole_to = _reached_rows(POS, start, end, key_start, BLOCK_N, lowest, highest,
+                                                             window, BLOCK_M, SCAN)
+        whole_to = tl.where(key_start + BLOCK_N <= end, whole_to, whole_from)  # keys past the end: masked, as dq sums
+        for query_start in range(tl.maximum(first_q, span_start), tl.minimum(last_q, span_end), BLOCK_M):
+            valid_q, pos_q = _block_positions(POS, query_start, end, BLOCK_M)
+            rows_q = query_start + tl.arange(0, BLOCK_M)
+            q, do, lse, delta = _query_side(Q, DO, OUT, LSE, query_start, end, rows_q, valid_q, stride_qt, stride_qh,
+                                            stride_dot, stride_doh, head, n_heads, cols, BLOCK_M, HEAD_DIM)
+            whole = _whole(query_start, whole_from, whole_to, MASK_ALL)
             p = _probabilities(q, k, pos_q, pos_k, lse, qk_scale, window, whole, WIDEN)
             ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
-            dq += _dot(ds.to(k.dtype), k, WIDEN)
-        tl.store(DQ + rows_q[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :],
-                 (dq * scale).to(DQ.dtype.element_ty), mask=valid_q[:, None])
+            _add_dq(DQ_SUM, _dot(ds.to(k.dtype), k, WIDEN), rows_q, span_start, span_end, summed_to, head, n_heads,
+                    cols, HEAD_DIM)
+        summed_to = tl.maximum(summed_to, tl.minimum(last_q, span_end))
+    return summed_to
+
+
+@triton.jit
+def _local_bwd_kernel(Q, K, V, DO, OUT, LSE, DQ_SUM, DQ, DK, DV, CU, POS, qk_scale, scale, window, n_heads, stride_qt,
+                      stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr,
+                      WIDEN: tl.constexpr, SCAN: tl.constexpr, MASK_ALL: tl.constexpr):
+    """Program (span of SPAN rows, sequence, head): dk and dv of the span's keys, each block's summed over the blocks
+    of queries its window reaches, in order, and dq of the span's queries, summed in DQ_SUM [T, heads, HEAD_DIM] fp32
+    (rows only this program touches) in a fixed order: the keys before the span, its own, the keys after it. OUT, DQ,
+    DK, DV: contiguous [T, heads, HEAD_DIM]. Positions increase, so the blocks of queries a block of keys reaches
+    move forward with it: a block of queries from the highest row reached so far (`summed_to`) on holds no partial
+    sum of dq yet, and every block of the span's queries is reached by its own rows' keys."""
+    head, start, end, span_start = _program_block(CU, SPAN)
+    if span_start < end:
+        span_end = tl.minimum(span_start + SPAN, end)
+        cols = tl.arange(0, HEAD_DIM)
+        # keys before the span within `window` rows of it (none where the span starts its sequence)
+        summed_to = _dq_of_keys_outside(Q, K, V, DO, OUT, LSE, DQ_SUM, POS,
+                                        start + tl.maximum(span_start - window - start, 0) // BLOCK_N * BLOCK_N,
+                                        span_start, span_start, span_end, span_start, start, end, qk_scale, window,
+                                        n_heads, head, cols, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                                        stride_vh, stride_dot, stride_doh, HEAD_DIM, BLOCK_M, BLOCK_N, WIDEN, SCAN,
+                                        MASK_ALL)
+        for key_start in range(span_start, span_end, BLOCK_N):
+            rows_k = key_start + tl.arange(0, BLOCK_N)
+            valid_k = rows_k < end
+            k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
+            pos_k, lowest, highest = _positions(POS, rows_k, valid_k, window)
+            dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+            first_q, last_q, whole_from, whole_to = _reached_rows(POS, start, end, key_start, BLOCK_N, lowest,
+                                                                 highest, window, BLOCK_M, SCAN)
+            whole_to = tl.where(key_start + BLOCK_N <= end, whole_to, whole_from)  # keys past the end: masked
+            for query_start in range(first_q, last_q, BLOCK_M):
+                valid_q, pos_q = _block_positions(POS, query_start, end, BLOCK_M)
+                rows_q = query_start + tl.arange(0, BLOCK_M)
+                q, do, lse, delta = _query_side(Q, DO, OUT, LSE, query_start, end, rows_q, valid_q, stride_qt,
+                                                stride_qh, stride_dot, stride_doh, head, n_heads, cols, BLOCK_M,
+                                                HEAD_DIM)
+                whole = _whole(query_start, whole_from, whole_to, MASK_ALL)
+                p = _probabilities(q, k, pos_q, pos_k, lse, qk_scale, window, whole, WIDEN)
+                dv += _dot(tl.trans(p).to(do.dtype), do, WIDEN)
+                ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
+                dk += _dot(tl.trans(ds).to(q.dtype), q, WIDEN)
+                # the span's queries only (those of another span: its own program sums them)
+                _add_dq(DQ_SUM, _dot(ds.to(k.dtype), k, WIDEN), rows_q, span_start, span_end, summed_to, head,
+                        n_heads, cols, HEAD_DIM)
+            summed_to = tl.maximum(summed_to, tl.minimum(last_q, span_end))
+            offsets = rows_k[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :]
+            tl.store(DK + offsets, (dk * scale).to(DK.dtype.element_ty), mask=valid_k[:, None])
+            tl.store(DV + offsets, dv.to(DV.dtype.element_ty), mask=valid_k[:, None])
+        # keys after the span within `window` rows of it (none where the span ends its sequence)
+        _dq_of_keys_outside(Q, K, V, DO, OUT, LSE, DQ_SUM, POS, span_end, tl.minimum(span_end + window, end),
+                            span_start, span_end, summed_to, start, end, qk_scale, window, n_heads, head, cols,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, WIDEN, SCAN, MASK_ALL)
+        tl.debug_barrier()  # every thread's partial sums stored before the span's are read back
+        for query_start in range(span_start, span_end, BLOCK_M):
+            rows_q = query_start + tl.arange(0, BLOCK_M)
+            offsets = rows_q[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :]
+            summed = tl.load(DQ_SUM + offsets, mask=rows_q[:, None] < span_end, other=0.0)
+            tl.store(DQ + offsets, (summed * scale).to(DQ.dtype.element_ty), mask=rows_q[:, None] < span_end)
 
 
 def _widened(q: torch.Tensor) -> bool:
@@ -359,19 +269,14 @@ class _LocalAttention(torch.autograd.Function):
         rows, heads, head_dim = q.shape
         dq, dk, dv = torch.empty((3, rows, heads, head_dim), device=q.device, dtype=q.dtype).unbind(0)
         if rows:
-            delta = torch.empty(rows, heads, device=q.device, dtype=torch.float32)  # written by the dq kernel
-            sequences = cu_seqlens.shape[0] - 1
-            args = (cu_seqlens, positions, ctx.scale * LOG2_E.value, ctx.scale, ctx.window, heads,
-                    *_strides(q, k, v, dout))
-            dkdv, by_query = ctx.tiling["dkdv"], ctx.tiling["dq"]
-            _local_bwd_dq_kernel[(triton.cdiv(ctx.max_seqlen, by_query.outer), sequences, heads)](
-                q, k, v, dout, out, lse, delta, dq, *args, HEAD_DIM=head_dim, BLOCK_M=by_query.outer,
-                BLOCK_N=by_query.inner, WIDEN=_widened(q), SCAN=scan_rows(by_query.outer, ctx.window, by_query.inner),
-                MASK_ALL=ctx.mask_all, num_warps=by_query.warps, num_stages=by_query.stages)
-            _local_bwd_dkdv_kernel[(triton.cdiv(ctx.max_seqlen, dkdv.outer), sequences, heads)](
-                q, k, v, dout, lse, delta, dk, dv, *args, HEAD_DIM=head_dim, BLOCK_M=dkdv.inner, BLOCK_N=dkdv.outer,
-                WIDEN=_widened(q), SCAN=scan_rows(dkdv.outer, ctx.window, dkdv.inner), MASK_ALL=ctx.mask_all,
-                num_warps=dkdv.warps, num_stages=dkdv.stages)
+            dq_sum = torch.empty(rows, heads, head_dim, device=q.device, dtype=torch.float32)  # the kernel's alone
+            backward = ctx.tiling["backward"]
+            _local_bwd_kernel[(triton.cdiv(ctx.max_seqlen, backward.span), cu_seqlens.shape[0] - 1, heads)](
+                q, k, v, dout, out, lse, dq_sum, dq, dk, dv, cu_seqlens, positions, ctx.scale * LOG2_E.value,
+                ctx.scale, ctx.window, heads, *_strides(q, k, v, dout), HEAD_DIM=head_dim, BLOCK_M=backward.inner,
+                BLOCK_N=backward.outer, SPAN=backward.span, WIDEN=_widened(q),
+                SCAN=scan_rows(backward.outer, ctx.window, backward.inner), MASK_ALL=ctx.mask_all,
+                num_warps=backward.warps, num_stages=backward.stages)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -394,6 +299,9 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     if positions.shape != (q.shape[0],) or positions.dtype != torch.int32 or cu_seqlens.dtype != torch.int32:
         raise ValueError(f"local_attention: positions [T] and cu_seqlens [B+1] must be int32; got "
                          f"{tuple(positions.shape)} {positions.dtype}, {cu_seqlens.dtype}")
+    tiling = tiling or tiles(head_dim)
+    backward = tiling["backward"]
+    if backward.span % backward.outer or backward.span % backward.inner:
+        raise ValueError(f"local_attention: the backward's span must be a multiple of both its blocks; got {backward}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    return _LocalAttention.apply(q, k, v, cu_seqlens, positions, max_seqlen, window, scale,
-                                 tiling or tiles(head_dim), mask_every_block)
+    return _LocalAttention.apply(q, k, v, cu_seqlens, positions, max_seqlen, window, scale, tiling, mask_every_block)

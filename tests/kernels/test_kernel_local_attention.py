@@ -25,11 +25,12 @@ else:  # under the interpreter (seconds a case): each stream, dtype and seed at 
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    """16-row blocks where the interpreter runs the kernel: the sequences above span up to four of them."""
+    """16-row blocks where the interpreter runs the kernel: the sequences above span up to four of them, and the
+    backward's programs 32 rows, so that the keys of one program's span reach the queries of another's."""
     if KERNEL_DEVICE == "cpu":
         from fastmae.kernels import local_window
 
-        small = local_window.Tiles(16, 16, 4)
+        small = local_window.Tiles(16, 16, 4, span=32)  # the backward's programs: two spans of the longer sequences
         monkeypatch.setattr(local_window, "tiles", lambda head_dim: dict.fromkeys(local_window.KERNELS, small))
 
 
@@ -69,6 +70,33 @@ def test_local_attention_matches_the_reference_forward_and_backward(stream_name,
                            factor=2 if name == "out" else 3, zero_scale=1.0)
 
 
+@pytest.mark.parametrize("window", [3, 200])
+def test_the_backward_sums_dq_across_its_spans(window):
+    """A sequence longer than the backward's span: the keys of one program's span give dq terms to the queries of
+    the next (and the one before), which that program adds in its own loops. Also a sequence whose last block of keys
+    is cut short by its end in a span of several blocks: with a window wider than the sequence every other block is
+    wholly inside it, unmasked, and the rows past the end must still give dq nothing."""
+    block, span = (16, 48) if KERNEL_DEVICE == "cpu" else (64, 128)
+    lengths = [37, 100] if KERNEL_DEVICE == "cpu" else [150, 300]
+    tiling = {"forward": local_window.Tiles(block, block, 4),
+              "backward": local_window.Tiles(block, 16, 4, span=span)}
+    cu, positions = stream(lengths, True, 4)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, grad = (torch.randn(int(cu[-1]), 2, 16, generator=gen) for _ in range(4))
+    dtype = torch.float32 if KERNEL_DEVICE == "cpu" else torch.bfloat16
+
+    def run(fn, run_dtype, **options):
+        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, cu.to(KERNEL_DEVICE), positions.to(KERNEL_DEVICE), max(lengths), window, **options)
+        return [out, *torch.autograd.grad(out, leaves, grad.to(KERNEL_DEVICE, run_dtype))]
+
+    got, plain = run(local_attention, dtype, tiling=tiling), run(local_attention_reference, dtype)
+    exact = run(local_attention_reference, torch.float64)
+    for name, g, p, e in zip(["out", "dq", "dk", "dv"], got, plain, exact):
+        assert_as_accurate(f"local_attention {name}", g.cpu(), p.cpu(), e.cpu(), dtype,
+                           factor=2 if name == "out" else 3, zero_scale=1.0)
+
+
 def test_the_window_counts_positions_not_rows():
     """On a shortened stream a window of rows keeps pairs a window of positions drops: the kernel must not."""
     cu, positions = stream([40], True, 0)
@@ -94,53 +122,57 @@ def test_local_attention_names_what_it_cannot_take():
         local_attention(q, q, q, cu, positions.long(), 4, 2)
 
 
+def count_products(monkeypatch) -> list:
+    """The tensor-core products (tl.dot) the interpreter runs from here on, one entry each."""
+    from triton.runtime import interpreter
+
+    products = []
+    create_dot = interpreter.InterpreterBuilder.create_dot
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
+                        lambda self, *args: products.append(1) or create_dot(self, *args))
+    return products
+
+
 @pytest.mark.skipif(KERNEL_DEVICE != "cpu", reason="counts the interpreter's tensor-core products")
 def test_blocks_outside_every_window_are_skipped(monkeypatch):
     """The kernels multiply only the blocks of the other side that some row's window reaches: one sequence of 256
     consecutive positions, a window of 3, blocks of 16 rows, so each block reaches itself and its neighbours (46 of
-    the 256 block pairs); each visit costs the forward 2 products, the dk/dv kernel 4 and the dq kernel 3."""
-    from triton.runtime import interpreter
-
-    products = []
-    create_dot = interpreter.InterpreterBuilder.create_dot
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
-                        lambda self, *args: products.append(1) or create_dot(self, *args))
+    the 256 block pairs); each visit costs the forward 2 products and the backward 5, FlashAttention's (its span
+    holds the whole sequence: no dq term computed twice)."""
+    products = count_products(monkeypatch)
     rows, blocks = 256, 256 // 16
     cu = torch.tensor([0, rows], dtype=torch.int32)
     q, k, v = (torch.randn(rows, 1, 16, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3))
-    local_attention(q, k, v, cu, torch.arange(rows, dtype=torch.int32), rows, 3).sum().backward()
+    tiling = {"forward": local_window.Tiles(16, 16, 4), "backward": local_window.Tiles(16, 16, 4, span=rows)}
+    local_attention(q, k, v, cu, torch.arange(rows, dtype=torch.int32), rows, 3, tiling=tiling).sum().backward()
     reached = 3 * blocks - 2  # the first and the last block have one neighbour
-    assert len(products) == (2 + 4 + 3) * reached
+    assert len(products) == (2 + 5) * reached
 
 
 @pytest.mark.skipif(KERNEL_DEVICE != "cpu", reason="counts the interpreter's tensor-core products")
 def test_the_benchmarks_count_of_visited_blocks_is_the_kernels(monkeypatch):
-    """benchmarks/local_attention.visited_blocks, the CPU-countable floor of a local layer's cost against a global
-    one, counts the blocks each kernel visits: on a shortened stream whose lengths no block divides, with another
-    tiling for each kernel, the interpreter's products are each kernel's products a visit times its visits."""
+    """benchmarks/local_attention's visited_blocks and outside_visits, the CPU-countable floor of a local layer's
+    cost against a global one, count the blocks each kernel visits: on a shortened stream whose lengths no block
+    divides, another tiling for each kernel and backward spans shorter than a sequence (the keys of one span reaching
+    the queries of the next), the interpreter's products are each loop's products a visit times its visits."""
     import sys
     from pathlib import Path
 
-    from triton.runtime import interpreter
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from local_attention import KERNEL_PRODUCTS, visited_blocks
+    from local_attention import KERNEL_PRODUCTS, OUTSIDE_PRODUCTS, outside_visits, visited_blocks
 
-    products = []
-    create_dot = interpreter.InterpreterBuilder.create_dot
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
-                        lambda self, *args: products.append(1) or create_dot(self, *args))
+    products = count_products(monkeypatch)
     lengths, window = [150, 37], 20
     cu, positions = stream(lengths, True, 2)
-    tiling = {"forward": local_window.Tiles(32, 16, 4), "dkdv": local_window.Tiles(16, 32, 4),
-              "dq": local_window.Tiles(16, 16, 4)}
+    tiling = {"forward": local_window.Tiles(32, 16, 4), "backward": local_window.Tiles(16, 32, 4, span=64)}
     q, k, v = (torch.randn(int(cu[-1]), 1, 16, generator=torch.Generator().manual_seed(i)).requires_grad_()
                for i in range(3))
     local_attention(q, k, v, cu, positions, max(lengths), window, tiling=tiling).sum().backward()
     sequences = positions.split(lengths)
+    outside = sum(outside_visits(p, tiling["backward"], window) for p in sequences)
     expected = sum(KERNEL_PRODUCTS[kernel] * visited_blocks(p, tiles.outer, tiles.inner, window)
-                   for kernel, tiles in tiling.items() for p in sequences)
-    assert len(products) == expected, (len(products), expected)
+                   for kernel, tiles in tiling.items() for p in sequences) + OUTSIDE_PRODUCTS * outside
+    assert outside > 0 and len(products) == expected, (len(products), expected, outside)
 
 
 TILINGS = [(kernel, tiles) for kernel, candidates in local_window.CANDIDATES.items() for tiles in candidates]
