@@ -123,8 +123,13 @@ def candidate_tilings(shipped: dict, candidates: dict):
         ship = shipped[kernel]
         for tiles in tried:
             if tiles != ship:
-                yield (f"{kernel} tiles {tiles.rows}x{tiles.warps} (rows x warps; shipped {ship.rows}x{ship.warps})",
+                yield (f"{kernel} tiles {_tiles_said(tiles)} (rows x warps; shipped {_tiles_said(ship)})",
                        {**shipped, kernel: tiles})
+
+
+def _tiles_said(tiles) -> str:
+    """A RowTiles in a row's name: rows x warps, and whether it prefetches its next tile."""
+    return f"{tiles.rows}x{tiles.warps}" + (" prefetching" if tiles.prefetch else "")
 
 
 def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):

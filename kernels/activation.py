@@ -99,29 +99,46 @@ def _bias_gelu_fwd_kernel(A, B, Y, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _bias_gelu_bwd_kernel(DY, A, B, DA, DB_PART, n_rows, n_cols, tiles, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _bias_gelu_bwd_kernel(DY, A, B, DA, DB_PART, n_rows, n_cols, tiles, PREFETCH: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
     """Program (p, c): `tiles` tiles of BLOCK_R rows from row p * tiles * BLOCK_R, columns block c; its partial bias
     gradient into row p of DB_PART, accumulated per element of the tile and summed over its rows once, at the end (no
-    reduction across rows, and its barrier, in the loop)."""
+    reduction across rows, and its barrier, in the loop). PREFETCH: each step loads the next tile's dy and a before
+    the maths of its own (`launch.RowTiles`)."""
     db = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     bias = tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]  # once, not once a tile
+    first = tl.program_id(0) * tiles
+    if PREFETCH:
+        dy_next, a_next = _bwd_tile(DY, A, first, n_rows, n_cols, BLOCK_R, BLOCK_C)
     for tile in range(tiles):
-        offsets, _, mask, _ = _tile(tl.program_id(0) * tiles + tile, n_rows, n_cols, 1, BLOCK_R, BLOCK_C)
-        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)  # both loads issued before the maths
-        _, slope = _gelu_parts(tl.load(A + offsets, mask=mask, other=0.0).to(tl.float32) + bias)
-        da = tl.where(mask, dy * slope, 0.0)
+        offsets, _, mask, _ = _tile(first + tile, n_rows, n_cols, 1, BLOCK_R, BLOCK_C)
+        if PREFETCH:  # the next tile's rows, none past the program's last (its rows' bound 0 there)
+            dy, a = dy_next, a_next
+            dy_next, a_next = _bwd_tile(DY, A, first + tile + 1, tl.where(tile + 1 < tiles, n_rows, 0), n_cols,
+                                        BLOCK_R, BLOCK_C)
+        else:
+            dy, a = _bwd_tile(DY, A, first + tile, n_rows, n_cols, BLOCK_R, BLOCK_C)  # both issued before the maths
+        _, slope = _gelu_parts(a.to(tl.float32) + bias)
+        da = tl.where(mask, dy.to(tl.float32) * slope, 0.0)
         tl.store(DA + offsets, da.to(DA.dtype.element_ty), mask=mask)
         db += da
     tl.store(DB_PART + tl.program_id(0).to(tl.int64) * n_cols + cols, tl.sum(db, axis=0), mask=cols < n_cols)
+
+
+@triton.jit
+def _bwd_tile(DY, A, row_block, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(dy, a) of rows block `row_block` (of the first n_rows rows), columns block program_id(1), as loaded."""
+    offsets, _, mask, _ = _tile(row_block, n_rows, n_cols, 1, BLOCK_R, BLOCK_C)
+    return tl.load(DY + offsets, mask=mask, other=0.0), tl.load(A + offsets, mask=mask, other=0.0)
 
 
 def launch_shape(columns: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps) of GeGLU's kernels for rows of `columns` outputs: `tile_launch`'s tile of a
     column block."""
     block_c = column_block(columns)
-    block_r, warps = tile_launch(block_c)
-    return block_r, block_c, warps
+    tiles = tile_launch(block_c)
+    return tiles.rows, block_c, tiles.warps
 
 
 KERNELS = TILED_KERNELS  # bias + GELU's
@@ -137,10 +154,13 @@ def bias_gelu_tiles(columns: int) -> dict[str, RowTiles]:
 # of 1,024), one kernel's tiles swapped at a time: the H200's profile had both near half its bandwidth. The candidates
 # timed at f6d59b9 all held at most 8 elements a thread and none beat the shipped tiles by more than the timing's
 # spread; these hold 16 and 32 (forward: two and four 16-byte loads of the input a thread in flight) and 8 and 16
-# (backward, the shipped tile holding 4: 8-byte loads), at the registers and residency kernels_static.md gives.
+# (backward, the shipped tile holding 4: 8-byte loads), at the registers and residency kernels_static.md gives; and
+# backward tiles that load the next tile before the maths of this one (`RowTiles.prefetch`: 41 to 46 instructions
+# an element on sm_90 at the shipped tile, which holds 64 warps resident without it), untimed on a GPU yet.
 BIAS_GELU_CANDIDATES = {
     "forward": (RowTiles(1, 4), RowTiles(4, 8), RowTiles(8, 8), RowTiles(8, 16)),
-    "backward": (RowTiles(2, 8), RowTiles(4, 8), RowTiles(2, 4), RowTiles(1, 4)),
+    "backward": (RowTiles(2, 8), RowTiles(4, 8), RowTiles(2, 4), RowTiles(1, 4), RowTiles(1, 8, True),
+                 RowTiles(2, 8, True)),
 }
 
 
@@ -179,7 +199,7 @@ class _BiasGELU(torch.autograd.Function):
         rows, columns = a.shape
         y = torch.empty_like(a)
         block_c = column_block(columns)
-        block_r, warps = tiling["forward"]
+        block_r, warps, _ = tiling["forward"]
         if rows and columns:
             _bias_gelu_fwd_kernel[_grid(rows, columns, block_r, block_c)](a, bias, y, rows, columns, BLOCK_R=block_r,
                                                                            BLOCK_C=block_c, num_warps=warps)
@@ -192,15 +212,15 @@ class _BiasGELU(torch.autograd.Function):
         a, bias = ctx.saved_tensors
         rows, columns = a.shape
         block_c = column_block(columns)
-        block_r, warps = ctx.tiling["backward"]
+        block_r, warps, prefetch = ctx.tiling["backward"]
         tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
         programs = triton.cdiv(rows, tiles * block_r)
         da, parts = carve(a.device, ((rows, columns), a.dtype), ((1, programs, columns), torch.float32))
         dbias = torch.empty(1, columns, device=a.device, dtype=bias.dtype)  # its own: it outlives da (`carve`)
         if rows and columns:
             _bias_gelu_bwd_kernel[(programs, triton.cdiv(columns, block_c))](
-                dy.contiguous(), a, bias, da, parts, rows, columns, tiles, BLOCK_R=block_r, BLOCK_C=block_c,
-                num_warps=warps)
+                dy.contiguous(), a, bias, da, parts, rows, columns, tiles, PREFETCH=prefetch, BLOCK_R=block_r,
+                BLOCK_C=block_c, num_warps=warps)
         sum_parts(parts, dbias)  # the partials in a fixed order: deterministic
         return da, dbias[0], None
 

@@ -81,7 +81,7 @@ def _rotary_configs():
                        SIN_Q="*fp32", COS_K="*fp32", SIN_K="*fp32", rows_q="i32", rows_k="i32", stride_q_row="i32",
                        stride_q_head="i32", stride_k_row="i32", stride_k_head="i32", heads="i32", half="i32",
                        sign="fp32")
-            block_r, warps = launch.tile_launch(block)
+            block_r, warps, _ = launch.tile_launch(block)
             yield ("rotary._rotary_kernel", f"{dtype} BLOCK={block}", sig, dict(BLOCK_R=block_r, BLOCK=block), warps)
 
 
@@ -117,8 +117,9 @@ def _norm_configs():
                         said = " ".join(f"{short}={value}" for (short, _), value in zip(flags, values))
                         yield (name, f"{dtype} BLOCK_H={block}" + (f" CHUNKS={chunks}" if chunks > 1 else "")
                                + f" {said}" + _tiles_said(tiling, shipped[kernel]), sig,
-                               {**{flag: value for (_, flag), value in zip(flags, values)}, "BLOCK_R": tiling.rows,
-                                "BLOCK_H": block, "CHUNKS": chunks}, tiling.warps)
+                               {**{flag: value for (_, flag), value in zip(flags, values)},
+                                **({"PREFETCH": int(tiling.prefetch)} if kernel == "backward" else {}),
+                                "BLOCK_R": tiling.rows, "BLOCK_H": block, "CHUNKS": chunks}, tiling.warps)
     for dtype in ("fp32", "bf16"):
         yield ("launch._sum_parts_kernel", dtype, dict(PARTS="*fp32", SUMS=f"*{dtype}", programs="i32", H="i32"),
                dict(BLOCK_P=launch.SUM_BLOCK_P, BLOCK_H=launch.SUM_BLOCK_H), launch.SUM_WARPS)
@@ -152,7 +153,8 @@ def _activation_configs():
                 yield ("activation._bias_gelu_bwd_kernel", f"{dtype} BLOCK_C={block_c}"
                        + _tiles_said(tiling, shipped["backward"]),
                        dict(DY=f"*{dtype}", A=f"*{dtype}", B=f"*{dtype}", DA=f"*{dtype}", DB_PART="*fp32", **sizes,
-                            tiles="i32"), dict(BLOCK_R=tiling.rows, BLOCK_C=block_c), tiling.warps)
+                            tiles="i32"), dict(PREFETCH=int(tiling.prefetch), BLOCK_R=tiling.rows, BLOCK_C=block_c),
+                       tiling.warps)
 
 
 def _projection_configs():
@@ -175,7 +177,9 @@ def _projection_configs():
 
 def _tiles_said(tiling, shipped) -> str:
     """A candidate tiling's part of its configuration's description (nothing for the shipped one)."""
-    return "" if tiling == shipped else f" candidate {tiling.rows} rows x {tiling.warps} warps"
+    if tiling == shipped:
+        return ""
+    return f" candidate {tiling.rows} rows x {tiling.warps} warps" + (" prefetch" if tiling.prefetch else "")
 
 
 def _local_window_configs():

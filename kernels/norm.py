@@ -43,18 +43,25 @@ def _kept(rows, cols, H, KEY, threshold):
 
 
 @triton.jit
-def _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS: tl.constexpr,
-                 HAS_DROPOUT: tl.constexpr):
-    """fp32 h [BLOCK_R, BLOCK_H] of `rows`: dropout(x + x_bias) + residual (x kept where `kept`; x_bias: fp32
-    [1, BLOCK_H], loaded once by the caller), the dropout's output and the sum each rounded to x's dtype (what torch
-    stores; x + x_bias stays fp32, a rounding fewer than torch's projection with its bias)."""
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+def _summed(x, res, x_bias, kept, scale, HAS_XBIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """fp32 h = dropout(x + x_bias) + res of loaded rows x and res (x kept where `kept`; x_bias: fp32 [1, BLOCK_H],
+    loaded once by the caller), the dropout's output and the sum each rounded to x's dtype (what torch stores; x +
+    x_bias stays fp32, a rounding fewer than torch's projection with its bias)."""
+    dtype = x.dtype
     if HAS_XBIAS:
         x = x.to(tl.float32) + x_bias
     if HAS_DROPOUT:
-        x = tl.where(kept, (x.to(tl.float32) * scale).to(X.dtype.element_ty), 0.0)
+        x = tl.where(kept, (x.to(tl.float32) * scale).to(dtype), 0.0)
+    return (x.to(tl.float32) + res.to(tl.float32)).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr):
+    """fp32 h [BLOCK_R, BLOCK_H] of `rows`: `_summed` of x and the residual as loaded here."""
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     res = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-    return (x.to(tl.float32) + res.to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
+    return _summed(x, res, x_bias, kept, scale, HAS_XBIAS, HAS_DROPOUT)
 
 
 @triton.jit
@@ -103,25 +110,54 @@ def _add_norm_fwd_kernel(X, XB, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, s
 
 
 @triton.jit
+def _tile_rows(DY, X, R, MEAN, RSTD, first, end, H, stride_x, stride_r, FROM_SUM: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
+    """What a backward tile of rows first .. first + BLOCK_R - 1 reads, as loaded (rows from `end` on masked): (its
+    rows' mean and rstd, and for each chunk dy, x (or the forward's h where FROM_SUM) and the residual's rows)."""
+    rows = first + tl.arange(0, BLOCK_R)
+    mean = tl.load(MEAN + rows, mask=rows < end, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=rows < end, other=0.0)
+    dys, xs, res = (), (), ()
+    for c in tl.static_range(CHUNKS):
+        cols, mask, offsets = _chunk(c, rows, end, H, BLOCK_H)
+        dys = dys + (tl.load(DY + offsets, mask=mask, other=0.0),)
+        xs = xs + (tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0),)
+        if not FROM_SUM:  # the residual's rows (FROM_SUM: h holds them already, read as x)
+            res = res + (tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0),)
+    return mean, rstd, dys, xs, res
+
+
+@triton.jit
 def _add_norm_bwd_kernel(DY, DH, X, XB, R, W, MEAN, RSTD, KEY, DX, DR, PARTS, n_rows, tiles, programs, H,
                          stride_x, stride_r, threshold, scale, HAS_DH: tl.constexpr, HAS_XBIAS: tl.constexpr,
-                         HAS_DROPOUT: tl.constexpr, FROM_SUM: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
+                         HAS_DROPOUT: tl.constexpr, FROM_SUM: tl.constexpr, PREFETCH: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
     """Program p: `tiles` tiles of BLOCK_R rows (each as CHUNKS chunks of BLOCK_H lanes), from row p * tiles *
     BLOCK_R; its partial weight and bias gradients (and x_bias's) into row p of PARTS [2 or 3, programs, H]. The
     partials accumulate per element of the tile and are summed over its rows once, at the end: no reduction across the
-    tile's rows (and its barrier) in the loop. FROM_SUM: X holds the forward's h (rounded as _summed_rows rounds it),
-    read in place of x and the residual."""
+    tile's rows (and its barrier) in the loop. FROM_SUM: X holds the forward's h (rounded as `_summed` rounds it),
+    read in place of x and the residual. PREFETCH: each step loads the next tile's rows before the maths of its own
+    (`launch.RowTiles`)."""
     pid = tl.program_id(0).to(tl.int64)
+    first = pid * tiles * BLOCK_R
+    end = tl.minimum(first + tiles * BLOCK_R, n_rows)  # the program's rows end here (a prefetch past it loads nothing)
     dw, db, dxb = (), (), ()  # a tile of each partial for each chunk
     for c in tl.static_range(CHUNKS):
         zeros = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
         dw, db, dxb = dw + (zeros,), db + (zeros,), dxb + (zeros,)
+    if PREFETCH:
+        loaded = _tile_rows(DY, X, R, MEAN, RSTD, first, end, H, stride_x, stride_r, FROM_SUM, BLOCK_R, BLOCK_H,
+                            CHUNKS)
     for tile in range(tiles):
-        rows = (pid * tiles + tile) * BLOCK_R + tl.arange(0, BLOCK_R)
-        in_rows = rows < n_rows
-        rstd = tl.load(RSTD + rows, mask=in_rows, other=0.0)[:, None]
-        mean = tl.load(MEAN + rows, mask=in_rows, other=0.0)[:, None]
+        rows = first + tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        if PREFETCH:
+            mean, rstd, dys, xs, res = loaded
+            loaded = _tile_rows(DY, X, R, MEAN, RSTD, first + (tile + 1) * BLOCK_R, end, H, stride_x, stride_r,
+                                FROM_SUM, BLOCK_R, BLOCK_H, CHUNKS)
+        else:
+            mean, rstd, dys, xs, res = _tile_rows(DY, X, R, MEAN, RSTD, first + tile * BLOCK_R, end, H, stride_x,
+                                                  stride_r, FROM_SUM, BLOCK_R, BLOCK_H, CHUNKS)
+        mean, rstd = mean[:, None], rstd[:, None]
         hhats, wdys, kepts = (), (), ()
         c1 = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
         c2 = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
@@ -131,13 +167,12 @@ def _add_norm_bwd_kernel(DY, DH, X, XB, R, W, MEAN, RSTD, KEY, DX, DR, PARTS, n_
             # the weight and x_bias read again each tile (from cache) rather than held: registers for warps resident
             w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
             x_bias = tl.load(XB + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :] if HAS_XBIAS else 0.0
-            dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+            dy = dys[c].to(tl.float32)
             kept = _kept(rows, cols, H, KEY, threshold) if HAS_DROPOUT else mask  # hashed once, used twice
             if FROM_SUM:
-                h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                h = xs[c].to(tl.float32)
             else:
-                h = _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS,
-                                 HAS_DROPOUT)
+                h = _summed(xs[c], res[c], x_bias, kept, scale, HAS_XBIAS, HAS_DROPOUT)
             hhat = tl.where(mask, (h - mean) * rstd, 0.0)
             wdy = w * dy
             c1 += hhat * wdy
@@ -211,10 +246,12 @@ def tiles(hidden: int) -> dict[str, RowTiles]:
 # `row_chunks`), one kernel's tiles swapped at a time. At f6d59b9 a row of 768 took one block of 1,024 lanes, and no
 # tile timed there beat the shipped one by more than the timing's spread: the kernels were bound by the instructions
 # they issue, a quarter of them on masked lanes. These hold 8 or 16 elements of each chunk a thread (forward; shipped
-# 8) and 2 or 4 (backward; shipped 2), on fewer or more warps, at the registers and residency kernels_static.md gives.
+# 8) and 2 or 4 (backward; shipped 2), on fewer or more warps, at the registers and residency kernels_static.md gives;
+# and backward tiles that load the next tile before the maths of this one (`RowTiles.prefetch`: about 7% more
+# instructions an element on sm_90, the loads' latency hidden behind the tile's reductions), untimed on a GPU yet.
 CANDIDATES = {
     "forward": (RowTiles(4, 4), RowTiles(16, 8), RowTiles(8, 4), RowTiles(16, 16)),
-    "backward": (RowTiles(1, 2), RowTiles(2, 8), RowTiles(4, 16)),
+    "backward": (RowTiles(1, 2), RowTiles(2, 8), RowTiles(4, 16), RowTiles(1, 4, True), RowTiles(2, 8, True)),
 }
 
 
@@ -232,7 +269,7 @@ class _AddLayerNorm(torch.autograd.Function):
         y, h, stats = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden) if keep_sum else (0,), x.dtype),
                              ((2, rows), torch.float32))
         chunks, lanes = row_chunks(hidden)
-        block_r, warps = tiling["forward"]
+        block_r, warps, _ = tiling["forward"]
         if rows:
             _add_norm_fwd_kernel[(triton.cdiv(rows, block_r),)](
                 x, x_bias if x_bias is not None else weight, residual, weight, bias if bias is not None else weight,
@@ -252,7 +289,7 @@ class _AddLayerNorm(torch.autograd.Function):
         x, x_bias, residual, weight, stats, key = ctx.saved_tensors
         rows, hidden = x.shape
         chunks, lanes = row_chunks(hidden)
-        block_r, warps = ctx.tiling["backward"]
+        block_r, warps, prefetch = ctx.tiling["backward"]
         tiles = backward_tiles(rows, block_r)
         programs = triton.cdiv(rows, tiles * block_r)
         # dx and dr two tensors (no aliased gradients); every program writes its row of partial sums: the weight's,
@@ -268,7 +305,7 @@ class _AddLayerNorm(torch.autograd.Function):
                                               weight, stats[0], stats[1], key, dx, dr, parts, rows, tiles, programs,
                                               hidden, x.stride(0), residual.stride(0), ctx.threshold, ctx.scale,
                                               HAS_DH=has_dh, HAS_XBIAS=ctx.has_x_bias, HAS_DROPOUT=ctx.threshold > 0,
-                                              FROM_SUM=ctx.keep_sum, BLOCK_R=block_r, BLOCK_H=lanes,
+                                              FROM_SUM=ctx.keep_sum, PREFETCH=prefetch, BLOCK_R=block_r, BLOCK_H=lanes,
                                               CHUNKS=chunks, num_warps=warps)
         sum_parts(parts, sums)
         if ctx.handoff is not None:  # the projection reading the residual's rows adds its gradient in its GEMM

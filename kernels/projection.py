@@ -76,7 +76,7 @@ def launch(hidden: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps) of the gathering kernel for heads of `hidden` columns in all: 4 elements a
     thread (`launch.BACKWARD_TILE`)."""
     block_c = column_block(hidden)
-    block_r, warps = tile_launch(block_c, BACKWARD_TILE)
+    block_r, warps, _ = tile_launch(block_c, BACKWARD_TILE)
     return block_r, block_c, warps
 
 

@@ -75,11 +75,11 @@ KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def candidate_tilings(shipped: dict, candidates: dict) -> list:
     """(kernel, tiles) of every candidate tiling a GPU benchmark times (the row kernels' RowTiles); under the
-    interpreter, which runs a tile the same whatever its warps, one of each number of rows not shipped."""
+    interpreter, which runs a tile the same whatever its warps, one of each number of rows and prefetch not shipped."""
     found = [(kernel, tiles) for kernel, tried in candidates.items() for tiles in tried if tiles != shipped[kernel]]
     if KERNEL_DEVICE == "cpu":
-        found = list({(kernel, tiles.rows): (kernel, tiles) for kernel, tiles in found
-                      if tiles.rows != shipped[kernel].rows}.values())
+        found = list({(kernel, tiles.rows, tiles.prefetch): (kernel, tiles) for kernel, tiles in found
+                      if (tiles.rows, tiles.prefetch) != (shipped[kernel].rows, shipped[kernel].prefetch)}.values())
     return found
 
 

@@ -58,7 +58,7 @@ BIAS_GELU_TILINGS = candidate_tilings(activation.bias_gelu_tiles(1100), activati
 
 
 @pytest.mark.parametrize("kernel, tiles", BIAS_GELU_TILINGS,
-                         ids=[f"{k}-{t.rows}x{t.warps}" for k, t in BIAS_GELU_TILINGS])
+                         ids=[f"{k}-{t.rows}x{t.warps}{'-prefetch' * t.prefetch}" for k, t in BIAS_GELU_TILINGS])
 def test_every_bias_gelu_tiling_the_gpu_benchmark_times_computes_the_reference(kernel, tiles, monkeypatch):
     """benchmarks/kernels.py times each candidate tiling on CUDA, where fastmae may ship the fastest: each computes
     what the reference does, forward and backward, on rows no tile divides and two column blocks (the last partial),

@@ -59,7 +59,8 @@ def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden,
 NORM_TILINGS = candidate_tilings(norm.tiles(768), norm.CANDIDATES)
 
 
-@pytest.mark.parametrize("kernel, tiles", NORM_TILINGS, ids=[f"{k}-{t.rows}x{t.warps}" for k, t in NORM_TILINGS])
+@pytest.mark.parametrize("kernel, tiles", NORM_TILINGS,
+                         ids=[f"{k}-{t.rows}x{t.warps}{'-prefetch' * t.prefetch}" for k, t in NORM_TILINGS])
 def test_every_norm_tiling_the_gpu_benchmark_times_computes_the_reference(kernel, tiles, monkeypatch):
     """benchmarks/kernels.py times each candidate tiling on CUDA, where fastmae may ship the fastest: each computes
     what the reference does for RoBERTa's post-LN with dropout and the projection's bias at its width, forward and
