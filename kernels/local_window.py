@@ -86,12 +86,15 @@ def tiles(head_dim: int) -> dict[str, Tiles]:
 # the warps resident (186 registers a thread). The backward's: larger blocks of keys (128) or of queries (32), on 4
 # or 8 warps, two pipeline stages, and spans of 256 rows (twice the programs, each half as long, on the full
 # stream's sequences of 512, the dq terms across a span's edge computed twice). Its 64 x 16 and 32 x 32 tiles on 8
-# and 4 warps spill to the stack on sm_80 as the JIT specializes them: left out.
+# and 4 warps spill to the stack on sm_80 as the JIT specializes them: left out. Blocks of 32 rows held, forward and
+# backward: a 64-row block spans about twice the window's positions on a shortened stream, and visits blocks beyond
+# its rows' windows (the floor of `x global` there, benchmarks/local_attention.products_share: 0.49 shipped, 0.40
+# with both), at products of fewer rows.
 CANDIDATES = {
     "forward": (Tiles(64, 32, 8), Tiles(64, 64, 8), Tiles(128, 32, 8), Tiles(128, 64, 8), Tiles(64, 32, 4, 2),
-                Tiles(64, 64, 4)),
+                Tiles(64, 64, 4), Tiles(32, 32, 4)),
     "backward": (Tiles(64, 32, 4), Tiles(128, 16, 8), Tiles(64, 32, 8), Tiles(128, 32, 8), Tiles(64, 16, 4, 2),
-                 Tiles(64, 16, 4, 3, 256)),
+                 Tiles(64, 16, 4, 3, 256), Tiles(32, 16, 4)),
 }
 
 
