@@ -155,7 +155,7 @@ def bias_gelu_tiles(columns: int) -> dict[str, RowTiles]:
 # timed at f6d59b9 all held at most 8 elements a thread and none beat the shipped tiles by more than the timing's
 # spread; these hold 16 and 32 (forward: two and four 16-byte loads of the input a thread in flight) and 8 and 16
 # (backward, the shipped tile holding 4: 8-byte loads), at the registers and residency kernels_static.md gives; and
-# backward tiles that load the next tile before the maths of this one (`RowTiles.prefetch`: 41 to 46 instructions
+# backward tiles that load the next tile before the maths of this one (`RowTiles.prefetch`: 40 to 45 instructions
 # an element on sm_90 at the shipped tile, which holds 64 warps resident without it), untimed on a GPU yet.
 BIAS_GELU_CANDIDATES = {
     "forward": (RowTiles(1, 4), RowTiles(4, 8), RowTiles(8, 8), RowTiles(8, 16)),
