@@ -18,9 +18,9 @@ five products a pair (q k^T, p^T do, do v^T, ds^T q, ds k) with dq summed in a f
 over the blocks of queries its window reaches, and sums dk and dv of the block and, for the queries inside its own
 span, their dq in fp32 partial sums only it touches; the keys outside its span whose window reaches its queries (a
 sequence longer than the span) add their dq terms in their own loops (three products a pair: q k^T, do v^T, ds k,
-where the program owning those keys took the other two). The span's dq is then scaled and stored in the inputs'
-dtype. Softmax in base 2 (`exp2`), the log-sum-exp of each row kept for the backward. Reference:
-`local_attention_reference` in reference.py.
+recomputed: the program owning those keys computes them too, for dk and dv, and drops its dq term for queries not
+its own). The span's dq is then scaled and stored in the inputs' dtype. Softmax in base 2 (`exp2`), the
+log-sum-exp of each row kept for the backward. Reference: `local_attention_reference` in reference.py.
 """
 
 from __future__ import annotations
