@@ -120,6 +120,9 @@ def test_local_attention_names_what_it_cannot_take():
     q = torch.randn(4, 1, 16, device=KERNEL_DEVICE)
     with pytest.raises(ValueError, match="int32"):
         local_attention(q, q, q, cu, positions.long(), 4, 2)
+    uneven = {"forward": local_window.Tiles(16, 16, 4), "backward": local_window.Tiles(32, 16, 4, span=48)}
+    with pytest.raises(ValueError, match="span must be a multiple of both its blocks"):
+        local_attention(q, q, q, cu, positions, 4, 2, tiling=uneven)
 
 
 def count_products(monkeypatch) -> list:
