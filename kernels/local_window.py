@@ -86,15 +86,16 @@ def tiles(head_dim: int) -> dict[str, Tiles]:
 # the warps resident (186 registers a thread). The backward's: larger blocks of keys (128) or of queries (32), on 4
 # or 8 warps, two pipeline stages, and spans of 256 rows (twice the programs, each half as long, on the full
 # stream's sequences of 512, the dq terms across a span's edge computed twice). Its 64 x 16 and 32 x 32 tiles on 8
-# and 4 warps spill to the stack on sm_80 as the JIT specializes them: left out. Blocks of 32 rows held, forward and
+# and 4 warps, and 128 x 32 on 8 (with its loads pipelined), spill to the stack on sm_80 as the JIT specializes them:
+# left out. Blocks of 32 rows held, forward and
 # backward: a 64-row block spans about twice the window's positions on a shortened stream, and visits blocks beyond
 # its rows' windows (the floor of `x global` there, benchmarks/local_attention.products_share: 0.49 shipped, 0.40
 # with both), at products of fewer rows.
 CANDIDATES = {
     "forward": (Tiles(64, 32, 8), Tiles(64, 64, 8), Tiles(128, 32, 8), Tiles(128, 64, 8), Tiles(64, 32, 4, 2),
                 Tiles(64, 64, 4), Tiles(32, 32, 4)),
-    "backward": (Tiles(64, 32, 4), Tiles(128, 16, 8), Tiles(64, 32, 8), Tiles(128, 32, 8), Tiles(64, 16, 4, 2),
-                 Tiles(64, 16, 4, 3, 256), Tiles(32, 16, 4)),
+    "backward": (Tiles(64, 32, 4), Tiles(128, 16, 8), Tiles(64, 32, 8), Tiles(64, 16, 4, 2), Tiles(64, 16, 4, 3, 256),
+                 Tiles(32, 16, 4)),
 }
 
 
@@ -139,12 +140,28 @@ def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, str
 @triton.jit
 def _add_dq(DQ_SUM, part, rows_q, span_start, span_end, summed_to, head, n_heads, cols, HEAD_DIM: tl.constexpr):
     """DQ_SUM [T, heads, HEAD_DIM] fp32 += part [BLOCK_M, HEAD_DIM] fp32 at those of rows_q of `head` inside the span
-    (only its program touches them, in a fixed order), = part at those from `summed_to` on (no partial sum yet)."""
+    (only its program touches them, in a fixed order), = part at those from `summed_to` on (no partial sum yet). The
+    load and the store may give an element to different threads: a loop over a block of keys touches each block of
+    queries once, and each step over the blocks of keys begins with a barrier (`_next_key_block`), so what one step
+    stored is visible to the next; a barrier here, inside the loop over queries, would keep Triton from pipelining
+    that loop's loads."""
     offsets = rows_q[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :]
     in_span = ((rows_q >= span_start) & (rows_q < span_end))[:, None]
-    tl.debug_barrier()  # the program's earlier stores of these elements, by whichever threads held them, land first
     held = tl.load(DQ_SUM + offsets, mask=in_span & (rows_q < summed_to)[:, None], other=0.0)
     tl.store(DQ_SUM + offsets, held + part, mask=in_span)
+
+
+@triton.jit
+def _next_key_block(K, V, POS, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, window,
+                    BLOCK_N: tl.constexpr):
+    """(rows, k, v, positions, the lowest and highest position their window reaches) of the block of keys from
+    key_start, the backward's next, after a barrier: every dq partial sum the program stored in its step over the
+    previous block is visible to all its threads before this step reads it back (`_add_dq`)."""
+    tl.debug_barrier()
+    rows_k = key_start + tl.arange(0, BLOCK_N)
+    k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
+    pos_k, lowest, highest = _positions(POS, rows_k, rows_k < end, window)
+    return rows_k, k, v, pos_k, lowest, highest
 
 
 @triton.jit
@@ -155,9 +172,8 @@ def _dq_of_keys_outside(Q, K, V, DO, OUT, LSE, DQ_SUM, POS, key_from, key_to, sp
     """The dq terms that the blocks of keys from key_from to key_to (outside the program's span) give the span's
     queries their window reaches, into DQ_SUM. Returns the row below which the span's rows hold partial sums."""
     for key_start in range(key_from, key_to, BLOCK_N):
-        rows_k = key_start + tl.arange(0, BLOCK_N)
-        k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
-        pos_k, lowest, highest = _positions(POS, rows_k, rows_k < end, window)
+        _, k, v, pos_k, lowest, highest = _next_key_block(K, V, POS, key_start, end, stride_kt, stride_kh, stride_vt,
+                                                          stride_vh, head, cols, window, BLOCK_N)
         first_q, last_q, whole_from, whole_to = _reached_rows(POS, start, end, key_start, BLOCK_N, lowest, highest,
                                                              window, BLOCK_M, SCAN)
         whole_to = tl.where(key_start + BLOCK_N <= end, whole_to, whole_from)  # keys past the end: masked, as dq sums
@@ -198,10 +214,8 @@ def _local_bwd_kernel(Q, K, V, DO, OUT, LSE, DQ_SUM, DQ, DK, DV, CU, POS, qk_sca
                                         stride_vh, stride_dot, stride_doh, HEAD_DIM, BLOCK_M, BLOCK_N, WIDEN, SCAN,
                                         MASK_ALL)
         for key_start in range(span_start, span_end, BLOCK_N):
-            rows_k = key_start + tl.arange(0, BLOCK_N)
-            valid_k = rows_k < end
-            k, v = _key_side(K, V, key_start, end, stride_kt, stride_kh, stride_vt, stride_vh, head, cols, BLOCK_N)
-            pos_k, lowest, highest = _positions(POS, rows_k, valid_k, window)
+            rows_k, k, v, pos_k, lowest, highest = _next_key_block(K, V, POS, key_start, end, stride_kt, stride_kh,
+                                                                   stride_vt, stride_vh, head, cols, window, BLOCK_N)
             dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
             dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
             first_q, last_q, whole_from, whole_to = _reached_rows(POS, start, end, key_start, BLOCK_N, lowest,
@@ -223,8 +237,8 @@ def _local_bwd_kernel(Q, K, V, DO, OUT, LSE, DQ_SUM, DQ, DK, DV, CU, POS, qk_sca
                         n_heads, cols, HEAD_DIM)
             summed_to = tl.maximum(summed_to, tl.minimum(last_q, span_end))
             offsets = rows_k[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :]
-            tl.store(DK + offsets, (dk * scale).to(DK.dtype.element_ty), mask=valid_k[:, None])
-            tl.store(DV + offsets, dv.to(DV.dtype.element_ty), mask=valid_k[:, None])
+            tl.store(DK + offsets, (dk * scale).to(DK.dtype.element_ty), mask=rows_k[:, None] < end)
+            tl.store(DV + offsets, dv.to(DV.dtype.element_ty), mask=rows_k[:, None] < end)
         # keys after the span within `window` rows of it (none where the span ends its sequence)
         _dq_of_keys_outside(Q, K, V, DO, OUT, LSE, DQ_SUM, POS, span_end, tl.minimum(span_end + window, end),
                             span_start, span_end, summed_to, start, end, qk_scale, window, n_heads, head, cols,
