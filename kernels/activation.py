@@ -109,16 +109,16 @@ def _bias_gelu_bwd_kernel(DY, A, B, DA, DB_PART, n_rows, n_cols, tiles, PREFETCH
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     bias = tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]  # once, not once a tile
     first = tl.program_id(0) * tiles
+    end = tl.minimum((first + tiles) * BLOCK_R, n_rows)  # the program's rows end here: a prefetch past it loads none
     if PREFETCH:
-        dy_next, a_next = _bwd_tile(DY, A, first, n_rows, n_cols, BLOCK_R, BLOCK_C)
+        dy_next, a_next = _bwd_tile(DY, A, first, end, n_cols, BLOCK_R, BLOCK_C)
     for tile in range(tiles):
-        offsets, _, mask, _ = _tile(first + tile, n_rows, n_cols, 1, BLOCK_R, BLOCK_C)
-        if PREFETCH:  # the next tile's rows, none past the program's last (its rows' bound 0 there)
+        offsets, _, mask, _ = _tile(first + tile, end, n_cols, 1, BLOCK_R, BLOCK_C)
+        if PREFETCH:
             dy, a = dy_next, a_next
-            dy_next, a_next = _bwd_tile(DY, A, first + tile + 1, tl.where(tile + 1 < tiles, n_rows, 0), n_cols,
-                                        BLOCK_R, BLOCK_C)
+            dy_next, a_next = _bwd_tile(DY, A, first + tile + 1, end, n_cols, BLOCK_R, BLOCK_C)
         else:
-            dy, a = _bwd_tile(DY, A, first + tile, n_rows, n_cols, BLOCK_R, BLOCK_C)  # both issued before the maths
+            dy, a = _bwd_tile(DY, A, first + tile, end, n_cols, BLOCK_R, BLOCK_C)  # both issued before the maths
         _, slope = _gelu_parts(a.to(tl.float32) + bias)
         da = tl.where(mask, dy.to(tl.float32) * slope, 0.0)
         tl.store(DA + offsets, da.to(DA.dtype.element_ty), mask=mask)
@@ -127,9 +127,9 @@ def _bias_gelu_bwd_kernel(DY, A, B, DA, DB_PART, n_rows, n_cols, tiles, PREFETCH
 
 
 @triton.jit
-def _bwd_tile(DY, A, row_block, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """(dy, a) of rows block `row_block` (of the first n_rows rows), columns block program_id(1), as loaded."""
-    offsets, _, mask, _ = _tile(row_block, n_rows, n_cols, 1, BLOCK_R, BLOCK_C)
+def _bwd_tile(DY, A, row_block, end, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(dy, a) of rows block `row_block` (rows from `end` on masked), columns block program_id(1), as loaded."""
+    offsets, _, mask, _ = _tile(row_block, end, n_cols, 1, BLOCK_R, BLOCK_C)
     return tl.load(DY + offsets, mask=mask, other=0.0), tl.load(A + offsets, mask=mask, other=0.0)
 
 
@@ -155,7 +155,7 @@ def bias_gelu_tiles(columns: int) -> dict[str, RowTiles]:
 # timed at f6d59b9 all held at most 8 elements a thread and none beat the shipped tiles by more than the timing's
 # spread; these hold 16 and 32 (forward: two and four 16-byte loads of the input a thread in flight) and 8 and 16
 # (backward, the shipped tile holding 4: 8-byte loads), at the registers and residency kernels_static.md gives; and
-# backward tiles that load the next tile before the maths of this one (`RowTiles.prefetch`: 40 to 45 instructions
+# backward tiles that load the next tile before the maths of this one (`RowTiles.prefetch`: 40 to 42 instructions
 # an element on sm_90 at the shipped tile, which holds 64 warps resident without it), untimed on a GPU yet.
 BIAS_GELU_CANDIDATES = {
     "forward": (RowTiles(1, 4), RowTiles(4, 8), RowTiles(8, 8), RowTiles(8, 16)),

@@ -247,7 +247,7 @@ def tiles(hidden: int) -> dict[str, RowTiles]:
 # tile timed there beat the shipped one by more than the timing's spread: the kernels were bound by the instructions
 # they issue, a quarter of them on masked lanes. These hold 8 or 16 elements of each chunk a thread (forward; shipped
 # 8) and 2 or 4 (backward; shipped 2), on fewer or more warps, at the registers and residency kernels_static.md gives;
-# and backward tiles that load the next tile before the maths of this one (`RowTiles.prefetch`: about 7% more
+# and backward tiles that load the next tile before the maths of this one (`RowTiles.prefetch`: about 5% more
 # instructions an element on sm_90, the loads' latency hidden behind the tile's reductions), untimed on a GPU yet.
 CANDIDATES = {
     "forward": (RowTiles(4, 4), RowTiles(16, 8), RowTiles(8, 4), RowTiles(16, 16)),

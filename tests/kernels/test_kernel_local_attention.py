@@ -46,6 +46,23 @@ def stream(lengths, shortened: bool, seed: int):
     return cu, torch.cat(positions).int()
 
 
+def assert_matches_the_reference(q, k, v, grad, cu, positions, max_seqlen, window, dtype, label="local_attention",
+                                 **options):
+    """local_attention (with `options`) in `dtype` against the reference in `dtype` and in fp64: the output and the
+    gradients of q, k and v under `grad`, at the tolerances of tolerance.assert_as_accurate."""
+    def run(fn, run_dtype, **kwargs):
+        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, cu.to(KERNEL_DEVICE), positions.to(KERNEL_DEVICE), max_seqlen, window, **kwargs)
+        return [out, *torch.autograd.grad(out, leaves, grad.to(KERNEL_DEVICE, run_dtype))]
+
+    got, plain = run(local_attention, dtype, **options), run(local_attention_reference, dtype)
+    exact = run(local_attention_reference, torch.float64)
+    for name, g, p, e in zip(["out", "dq", "dk", "dv"], got, plain, exact):
+        assert g.dtype == dtype
+        assert_as_accurate(f"{label} {name}", g.cpu(), p.cpu(), e.cpu(), dtype, factor=2 if name == "out" else 3,
+                           zero_scale=1.0)
+
+
 @pytest.mark.parametrize("stream_name, dtype, seed", CASES, ids=[f"{n}-{str(d)[6:]}-{s}" for n, d, s in CASES])
 def test_local_attention_matches_the_reference_forward_and_backward(stream_name, dtype, seed):
     window, shortened = STREAMS[stream_name]
@@ -55,19 +72,7 @@ def test_local_attention_matches_the_reference_forward_and_backward(stream_name,
     q, k, v, grad = (torch.randn(rows, heads, head_dim, generator=gen) for _ in range(4))
     if seed == 1:  # q as a strided view, as the model's split of one projection gives it
         q = torch.cat([q, torch.randn(rows, heads, head_dim, generator=gen)], dim=1)[:, :heads]
-    cu_dev, pos_dev = cu.to(KERNEL_DEVICE), positions.to(KERNEL_DEVICE)
-
-    def run(fn, run_dtype):
-        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves, cu_dev, pos_dev, max(LENGTHS), window)
-        return [out, *torch.autograd.grad(out, leaves, grad.to(KERNEL_DEVICE, run_dtype))]
-
-    got, plain = run(local_attention, dtype), run(local_attention_reference, dtype)
-    exact = run(local_attention_reference, torch.float64)
-    for name, g, p, e in zip(["out", "dq", "dk", "dv"], got, plain, exact):
-        assert g.dtype == dtype
-        assert_as_accurate(f"local_attention {name}", g.cpu(), p.cpu(), e.cpu(), dtype,
-                           factor=2 if name == "out" else 3, zero_scale=1.0)
+    assert_matches_the_reference(q, k, v, grad, cu, positions, max(LENGTHS), window, dtype)
 
 
 @pytest.mark.parametrize("window", [3, 200])
@@ -84,17 +89,7 @@ def test_the_backward_sums_dq_across_its_spans(window):
     gen = torch.Generator().manual_seed(5)
     q, k, v, grad = (torch.randn(int(cu[-1]), 2, 16, generator=gen) for _ in range(4))
     dtype = torch.float32 if KERNEL_DEVICE == "cpu" else torch.bfloat16
-
-    def run(fn, run_dtype, **options):
-        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves, cu.to(KERNEL_DEVICE), positions.to(KERNEL_DEVICE), max(lengths), window, **options)
-        return [out, *torch.autograd.grad(out, leaves, grad.to(KERNEL_DEVICE, run_dtype))]
-
-    got, plain = run(local_attention, dtype, tiling=tiling), run(local_attention_reference, dtype)
-    exact = run(local_attention_reference, torch.float64)
-    for name, g, p, e in zip(["out", "dq", "dk", "dv"], got, plain, exact):
-        assert_as_accurate(f"local_attention {name}", g.cpu(), p.cpu(), e.cpu(), dtype,
-                           factor=2 if name == "out" else 3, zero_scale=1.0)
+    assert_matches_the_reference(q, k, v, grad, cu, positions, max(lengths), window, dtype, tiling=tiling)
 
 
 def test_the_window_counts_positions_not_rows():
@@ -194,18 +189,9 @@ def test_every_tiling_the_gpu_benchmark_times_computes_the_reference(kernel, til
     gen = torch.Generator().manual_seed(3)
     q, k, v, grad = (torch.randn(int(cu[-1]), 1, 64, generator=gen) for _ in range(4))
     tiling = {**local_window.tiles(64), kernel: tiles}
-
-    def run(fn, dtype, **options):
-        leaves = [t.to(KERNEL_DEVICE, dtype).requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves, cu.to(KERNEL_DEVICE), positions.to(KERNEL_DEVICE), 150, 20, **options)
-        return [out, *torch.autograd.grad(out, leaves, grad.to(KERNEL_DEVICE, dtype))]
-
     dtype = torch.bfloat16 if KERNEL_DEVICE == "cuda" else torch.float32
-    got = run(local_attention, dtype, tiling=tiling)
-    plain, exact = run(local_attention_reference, dtype), run(local_attention_reference, torch.float64)
-    for name, g, p, e in zip(["out", "dq", "dk", "dv"], got, plain, exact):
-        assert_as_accurate(f"local_attention {name} ({kernel} {tiles})", g.cpu(), p.cpu(), e.cpu(), dtype,
-                           factor=2 if name == "out" else 3, zero_scale=1.0)
+    assert_matches_the_reference(q, k, v, grad, cu, positions, 150, 20, dtype,
+                                 label=f"local_attention ({kernel} {tiles})", tiling=tiling)
 
 
 @pytest.mark.skipif(KERNEL_DEVICE != "cpu", reason="counts the interpreter's loads")

@@ -22,7 +22,6 @@ VARIANTS = [
 ]
 
 
-
 @pytest.mark.parametrize("preset, extra", [VARIANTS[0], VARIANTS[4]])
 def test_a_parameters_gradient_keeps_no_rows_alive(preset, extra, monkeypatch):
     """The fused backwards return each parameter's gradient in an allocation of parameter gradients only: autograd
@@ -36,6 +35,7 @@ def test_a_parameters_gradient_keeps_no_rows_alive(preset, extra, monkeypatch):
         held = shared[0].untyped_storage().nbytes()
         own = sum(-(-g.numel() * g.element_size() // 256) * 256 for g in shared)  # carve aligns to 256 bytes
         assert held <= own, ([tuple(g.shape) for g in shared], held, own)
+
 
 def loss_and_grads(preset, extra, mode, monkeypatch):
     monkeypatch.setenv("FASTMAE_KERNELS", mode)
