@@ -58,15 +58,16 @@ def _in_window(pos_q, pos_k, window):
 
 
 @triton.jit
-def _scores(q, k, pos_q, pos_k, window, whole, WIDEN: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] q k^T of the block, not yet scaled (the caller scales it into base 2 in the multiply-add
-    that subtracts the row's shift: one instruction a score), -inf for the pairs outside the window; `whole`: every
-    pair of the block is inside it (`_reached_rows`), and no pair is masked."""
-    scores = _dot(q, tl.trans(k), WIDEN)
+def _scores(a, b, pos_a, pos_b, window, whole, WIDEN: tl.constexpr):
+    """fp32 a b^T of the block: [rows of a, rows of b], q k^T in the forward, k q^T (the scores transposed) in the
+    backward; not yet scaled (the caller scales it into base 2 in the multiply-add that subtracts the row's shift: one
+    instruction a score), -inf for the pairs outside the window, which is symmetric (`_in_window` of either order);
+    `whole`: every pair of the block is inside it (`_reached_rows`), and no pair is masked."""
+    scores = _dot(a, tl.trans(b), WIDEN)
     if whole:
         kept = scores
     else:
-        kept = tl.where(_in_window(pos_q, pos_k, window), scores, float("-inf"))
+        kept = tl.where(_in_window(pos_a, pos_b, window), scores, float("-inf"))
     return kept
 
 
@@ -82,9 +83,12 @@ def _whole(block_start, whole_from, whole_to, MASK_ALL: tl.constexpr):
 
 
 @triton.jit
-def _probabilities(q, k, pos_q, pos_k, lse, qk_scale, window, whole, WIDEN: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] softmax probabilities of the block, from the forward's log-sum-exp (base 2)."""
-    return tl.exp2(_scores(q, k, pos_q, pos_k, window, whole, WIDEN) * qk_scale - lse[:, None])
+def _probabilities_t(k, q, pos_k, pos_q, lse, qk_scale, window, whole, WIDEN: tl.constexpr):
+    """fp32 [BLOCK_N, BLOCK_M] softmax probabilities of the block transposed, keys as rows, from the forward's
+    log-sum-exp of each query (base 2): the backward's products then take the block of keys as their rows, as
+    Hopper's tensor-core instruction (wgmma) needs 64 rows or more; a block of 16 queries as rows compiles to the
+    older mma.sync."""
+    return tl.exp2(_scores(k, q, pos_k, pos_q, window, whole, WIDEN) * qk_scale - lse[None, :])
 
 
 @triton.jit

@@ -39,7 +39,7 @@ from .local_blocks import (
     _dot,
     _key_side,
     _positions,
-    _probabilities,
+    _probabilities_t,
     _program_block,
     _query_side,
     _reached_rows,
@@ -68,34 +68,35 @@ KERNELS = ("forward", "backward")
 
 def tiles(head_dim: int) -> dict[str, Tiles]:
     """Each kernel's Tiles (KERNELS) for heads of `head_dim`. As in FlashAttention's Triton backward, the backward
-    holds a large block of keys and loops over small blocks of queries: its products dv += p^T do and dk += ds^T q
-    have its keys as their rows, and Hopper's tensor-core instruction (wgmma) takes 64 rows or more. A span of 512
-    rows holds a whole sequence of the throughput benchmark's (128 x 512 full, 128 x 256 visible), so no dq term is
-    computed twice there. Chosen without a GPU timing from what compiles for sm_80 and sm_90 without spills
-    (kernels/aot.py, which compiles these and every CANDIDATE); `benchmarks/local_attention.py` times every candidate
-    on CUDA; at wider heads the backward's 8 warps spill on sm_80 where 4 do not. Tests shrink them."""
+    holds a large block of keys and loops over small blocks of queries, its products taken with the keys as rows
+    (p^T, dp^T, ds^T; dq^T with the head's dimensions as rows), as Hopper's tensor-core instruction (wgmma) needs 64
+    rows or more. A span of 512 rows holds a whole sequence of the throughput benchmark's (128 x 512 full, 128 x 256
+    visible), so no dq term is computed twice there. The backward's 64 x 32 at heads of 64: the H200 at e63392c timed
+    it faster than 64 x 16 (then the shipped tile) with the products not yet transposed; at heads of 32, 64 x 16 on 3
+    stages spills on sm_80. At heads of 128 only 8 warps on one stage compile without spills on sm_80. Every tiling
+    compiles for sm_80 and sm_90 without spills (kernels/aot.py, which compiles these and every CANDIDATE);
+    `benchmarks/local_attention.py` times every candidate on CUDA. Tests shrink them."""
     if head_dim <= 64:
-        return {"forward": Tiles(64, 32, 4), "backward": Tiles(64, 16, 4)}
-    return {"forward": Tiles(32, 32, 8), "backward": Tiles(32, 16, 4)}
+        return {"forward": Tiles(64, 32, 4), "backward": Tiles(64, 32, 4)}
+    return {"forward": Tiles(32, 32, 8), "backward": Tiles(32, 16, 8, 1)}
 
 
 # What the GPU benchmark times at heads of 64 beside the shipped tiles (each compiled without spills by kernels/aot.py).
 # The forward's 64 x 64 tiles on 4 warps hold twice the scores a thread of the shipped 64 x 32 (32, not 16), over
 # which each step of the loop spreads its fixed work (the accumulator's rescale, the loads' addresses, the row
 # reductions): on sm_90 under Triton 3.6 about 22.5 instructions a score where the shipped tile issues 26.5, at half
-# the warps resident (186 registers a thread). The backward's: larger blocks of keys (128) or of queries (32), on 4
-# or 8 warps, two pipeline stages, and spans of 256 rows (twice the programs, each half as long, on the full
-# stream's sequences of 512, the dq terms across a span's edge computed twice). Its 64 x 16 and 32 x 32 tiles on 8
-# and 4 warps, and 128 x 32 on 8 (with its loads pipelined), spill to the stack on sm_80 as the JIT specializes them:
-# left out. Blocks of 32 rows held, forward and
-# backward: a 64-row block spans about twice the window's positions on a shortened stream, and visits blocks beyond
-# its rows' windows (the floor of `x global` there, benchmarks/local_attention.products_share: 0.49 shipped, 0.40
-# with both), at products of fewer rows.
+# the warps resident (186 registers a thread). The backward's: larger blocks of keys (128) or smaller of queries
+# (16, the tile shipped until its products were transposed), on 4 or 8 warps, two pipeline stages, and spans of 256
+# rows (twice the programs, each half as long, on the full stream's sequences of 512, the dq terms across a span's
+# edge computed twice). 64 x 64 on 4 warps spills on both. Blocks of 32 rows held, forward and backward: a 64-row
+# block spans about twice the window's positions on a shortened stream, and visits blocks beyond its rows' windows
+# (`benchmarks/local_attention.products_share` gives the floor of `x global` each tiling allows), at products of
+# fewer rows.
 CANDIDATES = {
     "forward": (Tiles(64, 32, 8), Tiles(64, 64, 8), Tiles(128, 32, 8), Tiles(128, 64, 8), Tiles(64, 32, 4, 2),
                 Tiles(64, 64, 4), Tiles(32, 32, 4)),
-    "backward": (Tiles(64, 32, 4), Tiles(128, 16, 8), Tiles(64, 32, 8), Tiles(64, 16, 4, 2), Tiles(64, 16, 4, 3, 256),
-                 Tiles(32, 16, 4)),
+    "backward": (Tiles(64, 16, 4), Tiles(128, 16, 8), Tiles(64, 32, 8), Tiles(64, 32, 4, 2), Tiles(128, 32, 8),
+                 Tiles(64, 32, 4, 3, 256), Tiles(32, 16, 4)),
 }
 
 
@@ -138,17 +139,18 @@ def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, str
 
 
 @triton.jit
-def _add_dq(DQ_SUM, part, rows_q, span_start, span_end, summed_to, head, n_heads, cols, HEAD_DIM: tl.constexpr):
-    """DQ_SUM [T, heads, HEAD_DIM] fp32 += part [BLOCK_M, HEAD_DIM] fp32 at those of rows_q of `head` inside the span
+def _add_dq(DQ_SUM, part_t, rows_q, span_start, span_end, summed_to, head, n_heads, cols, HEAD_DIM: tl.constexpr):
+    """DQ_SUM [T, heads, HEAD_DIM] fp32 += part_t [HEAD_DIM, BLOCK_M] fp32 (dq^T = k^T ds^T, whose rows, HEAD_DIM,
+    make it a wgmma product where ds k's block of queries would not) at those of rows_q of `head` inside the span
     (only its program touches them, in a fixed order), = part at those from `summed_to` on (no partial sum yet). The
     load and the store may give an element to different threads: a loop over a block of keys touches each block of
     queries once, and each step over the blocks of keys begins with a barrier (`_next_key_block`), so what one step
     stored is visible to the next; a barrier here, inside the loop over queries, would keep Triton from pipelining
     that loop's loads."""
-    offsets = rows_q[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :]
-    in_span = ((rows_q >= span_start) & (rows_q < span_end))[:, None]
-    held = tl.load(DQ_SUM + offsets, mask=in_span & (rows_q < summed_to)[:, None], other=0.0)
-    tl.store(DQ_SUM + offsets, held + part, mask=in_span)
+    offsets = rows_q[None, :].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[:, None]
+    in_span = ((rows_q >= span_start) & (rows_q < span_end))[None, :]
+    held = tl.load(DQ_SUM + offsets, mask=in_span & (rows_q < summed_to)[None, :], other=0.0)
+    tl.store(DQ_SUM + offsets, held + part_t, mask=in_span)
 
 
 @triton.jit
@@ -183,10 +185,10 @@ def _dq_of_keys_outside(Q, K, V, DO, OUT, LSE, DQ_SUM, POS, key_from, key_to, sp
             q, do, lse, delta = _query_side(Q, DO, OUT, LSE, query_start, end, rows_q, valid_q, stride_qt, stride_qh,
                                             stride_dot, stride_doh, head, n_heads, cols, BLOCK_M, HEAD_DIM)
             whole = _whole(query_start, whole_from, whole_to, MASK_ALL)
-            p = _probabilities(q, k, pos_q, pos_k, lse, qk_scale, window, whole, WIDEN)
-            ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
-            _add_dq(DQ_SUM, _dot(ds.to(k.dtype), k, WIDEN), rows_q, span_start, span_end, summed_to, head, n_heads,
-                    cols, HEAD_DIM)
+            p_t = _probabilities_t(k, q, pos_k, pos_q, lse, qk_scale, window, whole, WIDEN)
+            ds_t = p_t * (_dot(v, tl.trans(do), WIDEN) - delta[None, :])
+            _add_dq(DQ_SUM, _dot(tl.trans(k), ds_t.to(k.dtype), WIDEN), rows_q, span_start, span_end, summed_to,
+                    head, n_heads, cols, HEAD_DIM)
         summed_to = tl.maximum(summed_to, tl.minimum(last_q, span_end))
     return summed_to
 
@@ -228,13 +230,14 @@ def _local_bwd_kernel(Q, K, V, DO, OUT, LSE, DQ_SUM, DQ, DK, DV, CU, POS, qk_sca
                                                 stride_qh, stride_dot, stride_doh, head, n_heads, cols, BLOCK_M,
                                                 HEAD_DIM)
                 whole = _whole(query_start, whole_from, whole_to, MASK_ALL)
-                p = _probabilities(q, k, pos_q, pos_k, lse, qk_scale, window, whole, WIDEN)
-                dv += _dot(tl.trans(p).to(do.dtype), do, WIDEN)
-                ds = p * (_dot(do, tl.trans(v), WIDEN) - delta[:, None])
-                dk += _dot(tl.trans(ds).to(q.dtype), q, WIDEN)
+                # transposed, keys as rows (`_probabilities_t`): p^T, dp^T = v do^T, ds^T, dq^T = k^T ds^T
+                p_t = _probabilities_t(k, q, pos_k, pos_q, lse, qk_scale, window, whole, WIDEN)
+                dv += _dot(p_t.to(do.dtype), do, WIDEN)
+                ds_t = p_t * (_dot(v, tl.trans(do), WIDEN) - delta[None, :])
+                dk += _dot(ds_t.to(q.dtype), q, WIDEN)
                 # the span's queries only (those of another span: its own program sums them)
-                _add_dq(DQ_SUM, _dot(ds.to(k.dtype), k, WIDEN), rows_q, span_start, span_end, summed_to, head,
-                        n_heads, cols, HEAD_DIM)
+                _add_dq(DQ_SUM, _dot(tl.trans(k), ds_t.to(k.dtype), WIDEN), rows_q, span_start, span_end, summed_to,
+                        head, n_heads, cols, HEAD_DIM)
             summed_to = tl.maximum(summed_to, tl.minimum(last_q, span_end))
             offsets = rows_k[:, None].to(tl.int64) * (n_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :]
             tl.store(DK + offsets, (dk * scale).to(DK.dtype.element_ty), mask=rows_k[:, None] < end)

@@ -231,27 +231,26 @@ def row_chunks(hidden: int) -> tuple[int, int]:
 
 def tiles(hidden: int) -> dict[str, RowTiles]:
     """Each kernel's RowTiles (KERNELS) for rows of `hidden` elements: `launch.tiled_pair` of a chunk's lanes
-    (`row_chunks`), the rows of a tile each held whole; a backward over several chunks takes one row a tile at 2
-    elements of each chunk a thread (it holds six values an element across the chunks: at RoBERTa-base's 768, 4 a
-    chunk took 138 registers, 8 warps resident). `benchmarks/kernels.py --ops layers` times every CANDIDATE on
-    CUDA."""
+    (`row_chunks`), the rows of a tile each held whole; a backward over several chunks takes one row a tile at 4
+    elements of each chunk a thread: at RoBERTa-base's 768 on 2 warps, which the H200 at e63392c timed faster than
+    the 4 warps at 2 elements then shipped (fewer instructions an element: a row's sums across threads span fewer
+    warps; it holds six values an element across the chunks, at most 128 registers, 16 warps resident).
+    `benchmarks/kernels.py --ops layers` times every CANDIDATE on CUDA."""
     chunks, lanes = row_chunks(hidden)
     tiling = tiled_pair(lanes)
     if chunks > 1:
-        tiling["backward"] = RowTiles(1, max(1, lanes // 64))
+        tiling["backward"] = RowTiles(1, max(1, lanes // 128))
     return tiling
 
 
 # What the GPU benchmark times beside the shipped tiles, at RoBERTa-base's width (768: three chunks of 256 lanes,
-# `row_chunks`), one kernel's tiles swapped at a time. At f6d59b9 a row of 768 took one block of 1,024 lanes, and no
-# tile timed there beat the shipped one by more than the timing's spread: the kernels were bound by the instructions
-# they issue, a quarter of them on masked lanes. These hold 8 or 16 elements of each chunk a thread (forward; shipped
-# 8) and 2 or 4 (backward; shipped 2), on fewer or more warps, at the registers and residency kernels_static.md gives;
-# and backward tiles that load the next tile before the maths of this one (`RowTiles.prefetch`: about 5% more
-# instructions an element on sm_90, the loads' latency hidden behind the tile's reductions), untimed on a GPU yet.
+# `row_chunks`), one kernel's tiles swapped at a time. They hold 8 or 16 elements of each chunk a thread (forward;
+# shipped 8) and 2 or 4 (backward; shipped 4), on fewer or more warps, at the registers and residency
+# kernels_static.md gives; and a backward tile that loads the next tile before the maths of this one
+# (`RowTiles.prefetch`), which at e63392c did not beat the same tile without it (1 x 4: the tile then shipped).
 CANDIDATES = {
     "forward": (RowTiles(4, 4), RowTiles(16, 8), RowTiles(8, 4), RowTiles(16, 16)),
-    "backward": (RowTiles(1, 2), RowTiles(2, 8), RowTiles(4, 16), RowTiles(1, 4, True), RowTiles(2, 8, True)),
+    "backward": (RowTiles(1, 4), RowTiles(2, 4), RowTiles(2, 8), RowTiles(1, 2, True)),
 }
 
 
