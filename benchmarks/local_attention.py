@@ -33,6 +33,7 @@ TARGET_MARGIN = 1.2
 # what a replayed step pays for a layer's attention (the target's measure on CUDA): its kernels' time, forward +
 # backward, no host gaps between launches
 GPU_MS = "forward + backward GPU ms"
+FORWARD_GPU_MS = "forward GPU ms"  # the forward alone under no_grad: how GPU_MS splits between the two
 PRODUCTS = "tiles' products x global"  # products_share: the floor of `x global` at a global layer's speed a product
 
 
@@ -190,6 +191,7 @@ def cuda_forms(table: torch.Tensor, repeats: int) -> list[dict]:
             try:
                 with torch.no_grad():
                     row["forward ms"] = 1e3 * median_time(run, warmup=2, repeats=repeats)
+                    row[FORWARD_GPU_MS] = 1e3 * gpu_kernel_seconds(run, repeats)
                 row["forward + backward ms"] = 1e3 * median_time(step, warmup=2, repeats=repeats)
                 row[GPU_MS] = 1e3 * gpu_kernel_seconds(step, repeats)
             except Exception as error:  # a form torch refuses on this GPU: said in its row, the others still run
@@ -217,15 +219,15 @@ def main():
     table = window_by_distance(HALF_WINDOW, HEADS, device)
     if device == "cuda":
         cuda_rows = cuda_forms(table, args.repeats)
-        columns = ["shape", "tokens", "dtype", "form", "forward ms", "forward + backward ms", GPU_MS, "x global",
-                   PRODUCTS, "window's share of pairs", "error"]
+        columns = ["shape", "tokens", "dtype", "form", "forward ms", "forward + backward ms", FORWARD_GPU_MS, GPU_MS,
+                   "x global", PRODUCTS, "window's share of pairs", "error"]
         cuda_rows = [{column: row.get(column, "") for column in columns} for row in cuda_rows]
         path = write_results("local_attention_flex", cuda_rows, columns,
                              "The forms of a local layer at 128 sequences a micro-batch, and a global layer",
                              f"Median of {args.repeats} after 2 warm-ups (wall time); forward under no_grad; forward "
                              "+ backward: the attention's output against a fixed gradient, the gradients of q, k and v "
                              "returned (no loss, no accumulation into .grad); GPU ms: the profiler's kernel time of "
-                             f"that, the mean of {args.repeats}; x global: GPU ms against the global layer's on the "
+                             f"each, the mean of {args.repeats}; x global: GPU ms against the global layer's on the "
                              "same stream (target: at most 0.6); tiles' products x global: fastmae's kernels' "
                              "tensor-core products, every lane of every tile they visit, against a global layer's "
                              f"{GLOBAL_PRODUCTS} a pair (forward and backward): x global where each product ran at "

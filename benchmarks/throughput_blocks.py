@@ -161,12 +161,13 @@ def gpu_local_attention() -> str:
     blocks = []
     for path in sorted((RESULTS_DIR / "gpu").glob("*/*/local_attention_flex.json")):
         result = _gpu_result(path)
-        rows = ["| shape | form | forward ms | forward + backward ms | forward + backward GPU ms | x global | tiles' "
-                "products x global | window's share of pairs | error |", "|---|---|---|---|---|---|---|---|---|"]
+        rows = ["| shape | form | forward ms | forward + backward ms | forward GPU ms | forward + backward GPU ms | "
+                "x global | tiles' products x global | window's share of pairs | error |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["results"]:  # GPU ms since 2026-11-27's second H200 run (x global from wall time before)
             timed = [f"{r[key]:.3f}" if isinstance(r.get(key), float) else "-"
-                     for key in ("forward ms", "forward + backward ms", "forward + backward GPU ms", "x global",
-                                 "tiles' products x global")]
+                     for key in ("forward ms", "forward + backward ms", "forward GPU ms", "forward + backward GPU ms",
+                                 "x global", "tiles' products x global")]
             share = r["window's share of pairs"]
             rows.append(f"| {r['shape']} | {r['form']} | {' | '.join(timed)} | {share:.3f} | "
                         f"{r['error'].split(':')[0]} |")

@@ -1,8 +1,11 @@
 """What cuBLAS launches for each GEMM of a RoBERTa-base post-LN layer as fastmae runs it, at the headline's 65,536
-rows a micro-batch (issue 55's kernels a step: the H200 profile of an mlm step at f6d59b9 counted 134 memsets and 50
+rows a micro-batch (issue 55's kernels a step: the H200 profile of an mlm step at e63392c counted 144 memsets and 50
 split-K reductions, about one memset a GEMM, none of them fastmae's own launches): each GEMM's kernels a call by name
-and its GPU microseconds, with torch's default BLAS and again with cuBLASLt preferred
-(`torch.backends.cuda.preferred_blas_library`). Prints a table (the GPU check keeps it in the phase's log).
+and its GPU microseconds, under each of VARIANTS, each in a process of its own (cuBLAS reads its workspace's size
+when torch makes its handle): torch's default BLAS; cuBLASLt preferred (`torch.backends.cuda.preferred_blas_library`;
+at e63392c: no split-K reductions, the memsets kept, 1% slower); and no workspace for cuBLAS and cuBLASLt, whose
+kernels then can neither split K nor schedule tiles through it (what the memsets zero, if they are that). Prints a
+table a variant (the GPU check keeps it in the phase's log).
 
     python scripts/gemm_probe.py [--rows 65536]      # on CUDA; on CPU the GEMMs run and nothing is profiled
 """
@@ -10,6 +13,8 @@ and its GPU microseconds, with torch's default BLAS and again with cuBLASLt pref
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -20,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from common import gpu_kernel_table  # noqa: E402
 
 HIDDEN, FFN = 768, 3072
+# variant -> (the environment its process adds, the BLAS library torch prefers in it)
+VARIANTS = {"default": ({}, None), "cublaslt": ({}, "cublaslt"),
+            "no workspace": ({"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}, None)}
 
 
 def layer_gemms(rows: int, device: str, dtype: torch.dtype) -> dict:
@@ -52,37 +60,47 @@ def layer_gemms(rows: int, device: str, dtype: torch.dtype) -> dict:
     }
 
 
+def profile(variant: str, rows: int) -> None:
+    """Print the table of one variant (VARIANTS): each GEMM's kernels a call, memsets and GPU microseconds."""
+    library = VARIANTS[variant][1]
+    if library:
+        torch.backends.cuda.preferred_blas_library(library)
+    launched, micros = Counter(), 0.0
+    print(f"\n| {variant} | kernels a call | memsets | GPU us |\n|---|---|---|---|")
+    for name, call in layer_gemms(rows, "cuda", torch.bfloat16).items():
+        table = gpu_kernel_table(call)
+        kernels = Counter({key: launches for key, (_, launches) in table.items()})
+        us = 1e3 * sum(ms for ms, _ in table.values())
+        launched.update(kernels)
+        micros += us
+        memsets = sum(n for key, n in kernels.items() if "memset" in key.lower())
+        names = "; ".join(f"{n:g} x {key[:70]}" for key, n in kernels.most_common())
+        print(f"| {name} | {names} | {memsets:g} | {us:.1f} |", flush=True)
+    print(f"{variant}: {sum(launched.values()):g} kernels, {micros:.1f} us for the layer's twelve GEMMs", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=65536)
+    parser.add_argument("--variant", choices=VARIANTS, help="profile this variant only, in this process")
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    gemms = layer_gemms(args.rows, "cuda" if cuda else "cpu", torch.bfloat16)
-    if not cuda:
-        for name, call in gemms.items():
+    if not torch.cuda.is_available():
+        for name, call in layer_gemms(args.rows, "cpu", torch.bfloat16).items():
             print(f"{name}: {tuple(call().shape)} (no CUDA: nothing profiled)")
+        return 0
+    if args.variant:
+        profile(args.variant, args.rows)
         return 0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda}), {args.rows} rows, "
           "bf16")
-    totals = {}
-    for library in ("default", "cublaslt"):
-        if library == "cublaslt":
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-        launched, micros = Counter(), 0.0
-        print(f"\n| {library} | kernels a call | memsets | GPU us |\n|---|---|---|---|")
-        for name, call in gemms.items():
-            table = gpu_kernel_table(call)
-            kernels = Counter({key: launches for key, (_, launches) in table.items()})
-            us = 1e3 * sum(ms for ms, _ in table.values())
-            launched.update(kernels)
-            micros += us
-            memsets = sum(n for key, n in kernels.items() if "memset" in key.lower())
-            names = "; ".join(f"{n:g} x {key[:70]}" for key, n in kernels.most_common())
-            print(f"| {name} | {names} | {memsets:g} | {us:.1f} |", flush=True)
-        totals[library] = (sum(launched.values()), micros)
-        print(f"{library}: {sum(launched.values()):g} kernels, {micros:.1f} us for the layer's twelve GEMMs")
-    print("\n" + "; ".join(f"{library}: {n:g} kernels, {us:.0f} us" for library, (n, us) in totals.items()))
-    return 0
+    failed = 0
+    for variant, (env, _) in VARIANTS.items():
+        done = subprocess.run([sys.executable, __file__, "--rows", str(args.rows), "--variant", variant],
+                              env={**os.environ, **env}, capture_output=True, text=True)
+        print(done.stdout + (f"{variant}: exit {done.returncode}\n{done.stderr[-2000:]}" if done.returncode else ""),
+              flush=True)
+        failed += done.returncode != 0
+    return int(failed > 0)
 
 
 if __name__ == "__main__":
