@@ -25,8 +25,11 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from common import gpu_kernel_time, median_time, write_results
 from fastmae.kernels import (
+    activation,
     embed_rows,
     embed_rows_reference,
     insert_rows,
@@ -37,6 +40,8 @@ from fastmae.kernels import (
     select_masked,
     select_masked_reference,
 )
+from fastmae.kernels.activation import _tile
+from fastmae.kernels.launch import column_block
 
 from fastmae import PackedBatch, ops
 from fastmae.config import SpecialTokens
@@ -132,13 +137,32 @@ def _tiles_said(tiles) -> str:
     return f"{tiles.rows}x{tiles.warps}" + (" prefetching" if tiles.prefetch else "")
 
 
+@triton.jit
+def _tile_copy_kernel(A, Y, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """bias + GELU's forward (kernels/activation.py) without its bias and its maths: the same tiles' loads and
+    stores, what those tiles alone move a second (a reference row: where it reaches torch's copy, the maths bind)."""
+    offsets, _, mask, _ = _tile(tl.program_id(0), n_rows, n_cols, 1, BLOCK_R, BLOCK_C)
+    tl.store(Y + offsets, tl.load(A + offsets, mask=mask, other=0.0), mask=mask)
+
+
+def tile_copy(source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` = `source` [rows, columns] by _tile_copy_kernel at bias + GELU's shipped forward tiles for `columns`."""
+    rows, columns = source.shape
+    block_c = column_block(columns)
+    block_r, warps, _ = activation.bias_gelu_tiles(columns)["forward"]
+    _tile_copy_kernel[(triton.cdiv(rows, block_r), triton.cdiv(columns, block_c))](
+        source, out, rows, columns, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return out
+
+
 def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):
     """(name, bytes moved by the ideal fused kernel, FLOPs, stock torch fn, fastmae.ops fn) for each of a layer's fused
     ops, forward + backward, at RoBERTa's (bias + GELU, post-LN with dropout) and ModernBERT's (GeGLU, pre-LN without
     bias) shapes for `hidden`; on CUDA also the post-LN norm and bias + GELU at each candidate tiling. First a copy
     of the feed-forward's rows by torch on both sides: the bandwidth a streaming kernel reaches on this device, which
-    the data sheet's peak (the `% of peak BW` column) overstates."""
-    from fastmae.kernels import activation, add_layer_norm, bias_gelu, norm
+    the data sheet's peak (the `% of peak BW` column) overstates; on CUDA then the same copy by a Triton kernel at
+    bias + GELU's forward tiles (`tile_copy`)."""
+    from fastmae.kernels import add_layer_norm, bias_gelu, norm
 
     tilings = candidate_tilings if device.type == "cuda" else lambda shipped, candidates: ()
     gen = torch.Generator(device=device).manual_seed(0)
@@ -153,8 +177,13 @@ def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):
     inner = 4 * hidden
     source, copied = torch.randn(tokens, inner, device=device, dtype=dtype), torch.empty(tokens, inner, device=device,
                                                                                            dtype=dtype)
+    torch_copy = lambda: copied.copy_(source)  # noqa: E731 (the same reference for both rows: timed once)
     yield ("copy of the feed-forward's rows (torch on both sides: the device's streaming bandwidth)",
-           2 * tokens * inner * elt, 0, lambda: copied.copy_(source), lambda: copied.copy_(source))
+           2 * tokens * inner * elt, 0, torch_copy, torch_copy)
+    if device.type == "cuda":
+        assert torch.equal(tile_copy(source, torch.empty_like(source)), source), "tile_copy does not copy"
+        yield ("copy of the feed-forward's rows, Triton at bias + GELU's forward tiles (its loads and stores, none of "
+               "its maths)", 2 * tokens * inner * elt, 0, torch_copy, lambda: tile_copy(source, copied))
 
     def post_ln(fn):
         return lambda: torch.autograd.backward(fn(), grad)
