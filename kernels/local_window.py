@@ -13,12 +13,13 @@ program looks only at the blocks of those rows, about (2 * window) / BLOCK_N + 2
 (the blocks: local_blocks.py).
 
 The forward: program (block of BLOCK_M query rows, sequence, head). The backward is one kernel of FlashAttention's
-five products a pair (q k^T, p^T do, do v^T, ds^T q, ds k) with dq summed in a fixed order, without atomics
+five products a pair, each taken with the block of keys (or the head's dimensions) as its rows, as Hopper's wgmma
+needs (k q^T, p^T do, v do^T, ds^T q, k^T ds^T = dq^T), with dq summed in a fixed order, without atomics
 (deterministic): program (span of SPAN rows of a sequence, head) loops over the span's blocks of keys in order, each
 over the blocks of queries its window reaches, and sums dk and dv of the block and, for the queries inside its own
 span, their dq in fp32 partial sums only it touches; the keys outside its span whose window reaches its queries (a
-sequence longer than the span) add their dq terms in their own loops (three products a pair: q k^T, do v^T, ds k,
-recomputed: the program owning those keys computes them too, for dk and dv, and drops its dq term for queries not
+sequence longer than the span) add their dq terms in their own loops (three products a pair: k q^T, v do^T,
+k^T ds^T, recomputed: the program owning those keys computes them too, for dk and dv, and drops its dq term for queries not
 its own). The span's dq is then scaled and stored in the inputs' dtype. Softmax in base 2 (`exp2`), the
 log-sum-exp of each row kept for the backward. Reference: `local_attention_reference` in reference.py.
 """
