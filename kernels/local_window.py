@@ -19,8 +19,8 @@ needs (k q^T, p^T do, v do^T, ds^T q, k^T ds^T = dq^T), with dq summed in a fixe
 over the blocks of queries its window reaches, and sums dk and dv of the block and, for the queries inside its own
 span, their dq in fp32 partial sums only it touches; the keys outside its span whose window reaches its queries (a
 sequence longer than the span) add their dq terms in their own loops (three products a pair: k q^T, v do^T,
-k^T ds^T, recomputed: the program owning those keys computes them too, for dk and dv, and drops its dq term for queries not
-its own). The span's dq is then scaled and stored in the inputs' dtype. Softmax in base 2 (`exp2`), the
+k^T ds^T, recomputed: the program owning those keys computes them too, for dk and dv, and drops its dq term for
+queries not its own). The span's dq is then scaled and stored in the inputs' dtype. Softmax in base 2 (`exp2`), the
 log-sum-exp of each row kept for the backward. Reference: `local_attention_reference` in reference.py.
 """
 
