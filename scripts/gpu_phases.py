@@ -119,6 +119,19 @@ PHASES = (
         Step("local_attention", (PY, "benchmarks/local_attention.py"),
              keeps=("benchmarks/results/local_attention_flex.json", "benchmarks/results/local_attention_flex.md")),
     ), timed=True),
+    # after a change to the kernels, with the minutes a lease has left after the phases above (each lease so far
+    # ended with about 5 of its 15 left, too few for another phase; at 1a99eec a hand-made probe of these steps, each
+    # under its own timeout, lost its throughput table to a timeout that cut the step's last system)
+    Phase("retime", 4, "what a kernel change did: the local-attention kernels against their reference on CUDA (bf16), "
+          "mlm's and 3ml's tokens/s and MFU, the local-attention table", (
+        Step("local_attention_tests", _pytest("tests/kernels/test_kernel_local_attention.py", "-k",
+                                              "(matches_the_reference and bfloat16) or sums_dq")),
+        Step("throughput_retime", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
+                                   "--systems", "mlm,3ml", "--name", "throughput_retime"),
+             keeps=tuple(f"benchmarks/results/throughput_retime.{ext}" for ext in ("json", "md"))),
+        Step("local_attention", (PY, "benchmarks/local_attention.py"),
+             keeps=("benchmarks/results/local_attention_flex.json", "benchmarks/results/local_attention_flex.md")),
+    ), budget_s=4 * 60),
     Phase("kernels", 6, "every Triton kernel compiled for this GPU against its torch reference; their speed", (
         Step("kernel_tests", _pytest("-n", "8", "-m", "not large", "tests/kernels")),
         Step("kernel_benchmark", (PY, "benchmarks/kernels.py"),
