@@ -72,11 +72,11 @@ def tiles(head_dim: int) -> dict[str, Tiles]:
     holds a large block of keys and loops over small blocks of queries, its products taken with the keys as rows
     (p^T, dp^T, ds^T; dq^T with the head's dimensions as rows), as Hopper's tensor-core instruction (wgmma) needs 64
     rows or more. A span of 512 rows holds a whole sequence of the throughput benchmark's (128 x 512 full, 128 x 256
-    visible), so no dq term is computed twice there. The backward's 64 x 32 at heads of 64: the H200 at e63392c timed
-    it faster than 64 x 16 (then the shipped tile) with the products not yet transposed; at heads of 32, 64 x 16 on 3
-    stages spills on sm_80. At heads of 128 only 8 warps on one stage compile without spills on sm_80. Every tiling
-    compiles for sm_80 and sm_90 without spills (kernels/aot.py, which compiles these and every CANDIDATE);
-    `benchmarks/local_attention.py` times every candidate on CUDA. Tests shrink them."""
+    visible), so no dq term is computed twice there. The backward's 64 x 32 at heads of 64: the H200 timed it faster
+    than 64 x 16 (then the shipped tile) before the products were transposed (e63392c) and after (1a99eec); at heads
+    of 32, 64 x 16 on 3 stages spills on sm_80. At heads of 128 only 8 warps on one stage compile without spills on
+    sm_80. Every tiling compiles for sm_80 and sm_90 without spills (kernels/aot.py, which compiles these and every
+    CANDIDATE); `benchmarks/local_attention.py` times every candidate on CUDA. Tests shrink them."""
     if head_dim <= 64:
         return {"forward": Tiles(64, 32, 4), "backward": Tiles(64, 32, 4)}
     return {"forward": Tiles(32, 32, 8), "backward": Tiles(32, 16, 8, 1)}
@@ -143,7 +143,7 @@ def _local_fwd_kernel(Q, K, V, OUT, LSE, CU, POS, qk_scale, window, n_heads, str
 def _add_dq(DQ_SUM, part_t, rows_q, span_start, span_end, summed_to, head, n_heads, cols, HEAD_DIM: tl.constexpr):
     """DQ_SUM [T, heads, HEAD_DIM] fp32 += part_t [HEAD_DIM, BLOCK_M] fp32 (dq^T = k^T ds^T, whose rows, HEAD_DIM,
     make it a wgmma product where ds k's block of queries would not) at those of rows_q of `head` inside the span
-    (only its program touches them, in a fixed order), = part at those from `summed_to` on (no partial sum yet). The
+    (only its program touches them, in a fixed order), = part_t at those from `summed_to` on (no partial sum yet). The
     load and the store may give an element to different threads: a loop over a block of keys touches each block of
     queries once, and each step over the blocks of keys begins with a barrier (`_next_key_block`), so what one step
     stored is visible to the next; a barrier here, inside the loop over queries, would keep Triton from pipelining
