@@ -107,8 +107,9 @@ PHASES = (
                                "kernels_layers"),
              keeps=("benchmarks/results/kernels_layers.json", "benchmarks/results/kernels_layers.md")),
         # what cuBLAS launches for each GEMM of a base layer (the memsets and split-K reductions of a step), with
-        # torch's default BLAS and with cuBLASLt: a table in its log, no file of its own (headline's are 8 with
-        # smoke's); last, so that a phase cut by its minutes loses this before the layer kernels' table
+        # torch's default BLAS, with cuBLASLt and with no workspace: a table in its log, no file of its own
+        # (headline's are 8 with smoke's); last, so that a phase cut by its minutes loses this before the layer
+        # kernels' table
         Step("gemm_probe", (PY, "scripts/gemm_probe.py")),
     ), timed=True),
     Phase("modernbert", 4, "fastmae on ModernBERT's layers against transformers' ModernBertForMaskedLM at base size", (
@@ -123,11 +124,11 @@ PHASES = (
     # ended with about 5 of its 15 left, too few for another phase; at 1a99eec a hand-made probe of these steps, each
     # under its own timeout, lost its throughput table to a timeout that cut the step's last system)
     Phase("retime", 4, "what a kernel change did: the local-attention kernels against their reference on CUDA (bf16), "
-          "mlm's and 3ml's tokens/s and MFU, the local-attention table", (
+          "mlm's and 3ml's tokens/s and MFU against Hugging Face RoBERTa's, the local-attention table", (
         Step("local_attention_tests", _pytest("tests/kernels/test_kernel_local_attention.py", "-k",
                                               "(matches_the_reference and bfloat16) or sums_dq")),
         Step("throughput_retime", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
-                                   "--systems", "mlm,3ml", "--name", "throughput_retime"),
+                                   "--systems", "hf-roberta,mlm,3ml", "--name", "throughput_retime"),
              keeps=tuple(f"benchmarks/results/throughput_retime.{ext}" for ext in ("json", "md"))),
         Step("local_attention", (PY, "benchmarks/local_attention.py"),
              keeps=("benchmarks/results/local_attention_flex.json", "benchmarks/results/local_attention_flex.md")),
