@@ -93,14 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda}), {args.rows} rows, "
           "bf16")
-    failed = 0
+    exits = {}
     for variant, (env, _) in VARIANTS.items():
         done = subprocess.run([sys.executable, __file__, "--rows", str(args.rows), "--variant", variant],
                               env={**os.environ, **env}, capture_output=True, text=True)
         print(done.stdout + (f"{variant}: exit {done.returncode}\n{done.stderr[-2000:]}" if done.returncode else ""),
               flush=True)
-        failed += done.returncode != 0
-    return int(failed > 0)
+        exits[variant] = done.returncode
+    # a variant the device refuses (cuBLAS without a workspace may) is said in its table's place; only the default
+    # failing fails the probe
+    return int(exits["default"] != 0)
 
 
 if __name__ == "__main__":
