@@ -180,10 +180,16 @@ def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):
     torch_copy = lambda: copied.copy_(source)  # noqa: E731 (the same reference for both rows: timed once)
     yield ("copy of the feed-forward's rows (torch on both sides: the device's streaming bandwidth)",
            2 * tokens * inner * elt, 0, torch_copy, torch_copy)
-    if device.type == "cuda":
-        assert torch.equal(tile_copy(source, torch.empty_like(source)), source), "tile_copy does not copy"
-        yield ("copy of the feed-forward's rows, Triton at bias + GELU's forward tiles (its loads and stores, none of "
-               "its maths)", 2 * tokens * inner * elt, 0, torch_copy, lambda: tile_copy(source, copied))
+    if device.type == "cuda":  # a reference row: where it fails, said, and the fused kernels' rows still run
+        try:
+            copies = torch.equal(tile_copy(source, torch.empty_like(source)), source)
+        except Exception as error:  # noqa: BLE001 (a compile failure on this device)
+            copies = f"{type(error).__name__}: {str(error)[:200]}"
+        if copies is True:
+            yield ("copy of the feed-forward's rows, Triton at bias + GELU's forward tiles (its loads and stores, none "
+                   "of its maths)", 2 * tokens * inner * elt, 0, torch_copy, lambda: tile_copy(source, copied))
+        else:
+            print(f"tile_copy left out: {copies or 'its copy differs from its source'}", flush=True)
 
     def post_ln(fn):
         return lambda: torch.autograd.backward(fn(), grad)
