@@ -151,12 +151,12 @@ def bias_gelu_tiles(columns: int) -> dict[str, RowTiles]:
 
 
 # What the GPU benchmark times beside the shipped tiles at RoBERTa's feed-forward widths (3,072 and 4,096: column blocks
-# of 1,024), one kernel's tiles swapped at a time: the H200's profile had both near half its bandwidth. The candidates
-# timed at f6d59b9 all held at most 8 elements a thread and none beat the shipped tiles by more than the timing's
-# spread; these hold 16 and 32 (forward: two and four 16-byte loads of the input a thread in flight) and 8 and 16
+# of 1,024), one kernel's tiles swapped at a time: the H200's profile had both near half its bandwidth. These hold 16
+# and 32 elements a thread (forward: two and four 16-byte loads of the input a thread in flight) and 8 and 16
 # (backward, the shipped tile holding 4: 8-byte loads), at the registers and residency kernels_static.md gives; and
 # backward tiles that load the next tile before the maths of this one (`RowTiles.prefetch`: 40 to 42 instructions
-# an element on sm_90 at the shipped tile, which holds 64 warps resident without it), untimed on a GPU yet.
+# an element on sm_90 at the shipped tile). At f6d59b9 and at e63392c none beat the shipped tiles by more than a few
+# percent, about the spread of rows that change nothing of the kernel timed.
 BIAS_GELU_CANDIDATES = {
     "forward": (RowTiles(1, 4), RowTiles(4, 8), RowTiles(8, 8), RowTiles(8, 16)),
     "backward": (RowTiles(2, 8), RowTiles(4, 8), RowTiles(2, 4), RowTiles(1, 4), RowTiles(1, 8, True),
