@@ -150,7 +150,7 @@ def tile_copy(source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     rows, columns = source.shape
     block_c = column_block(columns)
     block_r, warps, _ = activation.bias_gelu_tiles(columns)["forward"]
-    _tile_copy_kernel[(triton.cdiv(rows, block_r), triton.cdiv(columns, block_c))](
+    _tile_copy_kernel[activation._grid(rows, columns, block_r, block_c)](
         source, out, rows, columns, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return out
 

@@ -117,9 +117,8 @@ def _norm_configs():
                         said = " ".join(f"{short}={value}" for (short, _), value in zip(flags, values))
                         yield (name, f"{dtype} BLOCK_H={block}" + (f" CHUNKS={chunks}" if chunks > 1 else "")
                                + f" {said}" + _tiles_said(tiling, shipped[kernel]), sig,
-                               {**{flag: value for (_, flag), value in zip(flags, values)},
-                                **({"PREFETCH": int(tiling.prefetch)} if kernel == "backward" else {}),
-                                "BLOCK_R": tiling.rows, "BLOCK_H": block, "CHUNKS": chunks}, tiling.warps)
+                               {**{flag: value for (_, flag), value in zip(flags, values)}, "BLOCK_R": tiling.rows,
+                                "BLOCK_H": block, "CHUNKS": chunks}, tiling.warps)
     for dtype in ("fp32", "bf16"):
         yield ("launch._sum_parts_kernel", dtype, dict(PARTS="*fp32", SUMS=f"*{dtype}", programs="i32", H="i32"),
                dict(BLOCK_P=launch.SUM_BLOCK_P, BLOCK_H=launch.SUM_BLOCK_H), launch.SUM_WARPS)

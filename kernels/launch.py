@@ -85,10 +85,10 @@ def column_block(columns: int) -> int:
 
 class RowTiles(NamedTuple):
     """A row-tiled kernel's launch (norm.py, activation.py, rotary.py): the rows of the tile a program holds at once,
-    its warps, and, for a kernel whose programs loop over several tiles (the backwards), whether each step loads the
-    next tile before it computes on this one (`prefetch`): Triton pipelines only the loads that feed a tensor-core
-    product, and a thread would otherwise issue the next tile's loads only after this one's stores, with nothing of
-    its own in flight through the loads' latency."""
+    its warps, and, for a kernel whose programs loop over several tiles (bias + GELU's backward), whether each step
+    loads the next tile before it computes on this one (`prefetch`): Triton pipelines only the loads that feed a
+    tensor-core product, and a thread would otherwise issue the next tile's loads only after this one's stores, with
+    nothing of its own in flight through the loads' latency."""
 
     rows: int
     warps: int

@@ -130,33 +130,24 @@ def _tile_rows(DY, X, R, MEAN, RSTD, first, end, H, stride_x, stride_r, FROM_SUM
 @triton.jit
 def _add_norm_bwd_kernel(DY, DH, X, XB, R, W, MEAN, RSTD, KEY, DX, DR, PARTS, n_rows, tiles, programs, H,
                          stride_x, stride_r, threshold, scale, HAS_DH: tl.constexpr, HAS_XBIAS: tl.constexpr,
-                         HAS_DROPOUT: tl.constexpr, FROM_SUM: tl.constexpr, PREFETCH: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
+                         HAS_DROPOUT: tl.constexpr, FROM_SUM: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
     """Program p: `tiles` tiles of BLOCK_R rows (each as CHUNKS chunks of BLOCK_H lanes), from row p * tiles *
     BLOCK_R; its partial weight and bias gradients (and x_bias's) into row p of PARTS [2 or 3, programs, H]. The
     partials accumulate per element of the tile and are summed over its rows once, at the end: no reduction across the
     tile's rows (and its barrier) in the loop. FROM_SUM: X holds the forward's h (rounded as `_summed` rounds it),
-    read in place of x and the residual. PREFETCH: each step loads the next tile's rows before the maths of its own
-    (`launch.RowTiles`)."""
+    read in place of x and the residual."""
     pid = tl.program_id(0).to(tl.int64)
     first = pid * tiles * BLOCK_R
-    end = tl.minimum(first + tiles * BLOCK_R, n_rows)  # the program's rows end here (a prefetch past it loads nothing)
+    end = tl.minimum(first + tiles * BLOCK_R, n_rows)  # the program's rows end here
     dw, db, dxb = (), (), ()  # a tile of each partial for each chunk
     for c in tl.static_range(CHUNKS):
         zeros = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
         dw, db, dxb = dw + (zeros,), db + (zeros,), dxb + (zeros,)
-    if PREFETCH:
-        loaded = _tile_rows(DY, X, R, MEAN, RSTD, first, end, H, stride_x, stride_r, FROM_SUM, BLOCK_R, BLOCK_H,
-                            CHUNKS)
     for tile in range(tiles):
         rows = first + tile * BLOCK_R + tl.arange(0, BLOCK_R)
-        if PREFETCH:
-            mean, rstd, dys, xs, res = loaded
-            loaded = _tile_rows(DY, X, R, MEAN, RSTD, first + (tile + 1) * BLOCK_R, end, H, stride_x, stride_r,
-                                FROM_SUM, BLOCK_R, BLOCK_H, CHUNKS)
-        else:
-            mean, rstd, dys, xs, res = _tile_rows(DY, X, R, MEAN, RSTD, first + tile * BLOCK_R, end, H, stride_x,
-                                                  stride_r, FROM_SUM, BLOCK_R, BLOCK_H, CHUNKS)
+        mean, rstd, dys, xs, res = _tile_rows(DY, X, R, MEAN, RSTD, first + tile * BLOCK_R, end, H, stride_x,
+                                              stride_r, FROM_SUM, BLOCK_R, BLOCK_H, CHUNKS)
         mean, rstd = mean[:, None], rstd[:, None]
         hhats, wdys, kepts = (), (), ()
         c1 = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
@@ -246,11 +237,11 @@ def tiles(hidden: int) -> dict[str, RowTiles]:
 # What the GPU benchmark times beside the shipped tiles, at RoBERTa-base's width (768: three chunks of 256 lanes,
 # `row_chunks`), one kernel's tiles swapped at a time. They hold 8 or 16 elements of each chunk a thread (forward;
 # shipped 8) and 2 or 4 (backward; shipped 4), on fewer or more warps, at the registers and residency
-# kernels_static.md gives. A backward tile that loads the next tile before the maths of this one (`RowTiles.prefetch`)
-# beside the same tile without it: at e63392c no faster; on the shipped 1 x 2 it leaves 14 warps resident on sm_90.
+# kernels_static.md gives. (Backward tiles that loaded the next tile before the maths of this one, timed at e63392c,
+# were no faster than the same tiles without: the norm's backward no longer has the form; bias + GELU's still does.)
 CANDIDATES = {
     "forward": (RowTiles(4, 4), RowTiles(16, 8), RowTiles(8, 4), RowTiles(16, 16)),
-    "backward": (RowTiles(1, 4), RowTiles(1, 4, True), RowTiles(2, 4), RowTiles(2, 8)),
+    "backward": (RowTiles(1, 4), RowTiles(2, 4), RowTiles(2, 8)),
 }
 
 
@@ -288,7 +279,7 @@ class _AddLayerNorm(torch.autograd.Function):
         x, x_bias, residual, weight, stats, key = ctx.saved_tensors
         rows, hidden = x.shape
         chunks, lanes = row_chunks(hidden)
-        block_r, warps, prefetch = ctx.tiling["backward"]
+        block_r, warps, _ = ctx.tiling["backward"]
         tiles = backward_tiles(rows, block_r)
         programs = triton.cdiv(rows, tiles * block_r)
         # dx and dr two tensors (no aliased gradients); every program writes its row of partial sums: the weight's,
@@ -304,7 +295,7 @@ class _AddLayerNorm(torch.autograd.Function):
                                               weight, stats[0], stats[1], key, dx, dr, parts, rows, tiles, programs,
                                               hidden, x.stride(0), residual.stride(0), ctx.threshold, ctx.scale,
                                               HAS_DH=has_dh, HAS_XBIAS=ctx.has_x_bias, HAS_DROPOUT=ctx.threshold > 0,
-                                              FROM_SUM=ctx.keep_sum, PREFETCH=prefetch, BLOCK_R=block_r, BLOCK_H=lanes,
+                                              FROM_SUM=ctx.keep_sum, BLOCK_R=block_r, BLOCK_H=lanes,
                                               CHUNKS=chunks, num_warps=warps)
         sum_parts(parts, sums)
         if ctx.handoff is not None:  # the projection reading the residual's rows adds its gradient in its GEMM
