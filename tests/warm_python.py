@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import shlex
 import signal
 import socket
@@ -124,20 +125,35 @@ start_failure: str | None = None
 
 
 def _cold(args: list[str]) -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)  # a signal held meanwhile acts now, as on `python`
     os.execv(sys.executable, [sys.executable, *args])
 
 
-def _read_line(connection: socket.socket) -> dict | None:
-    data = b""
-    while not data.endswith(b"\n"):
-        try:
-            chunk = connection.recv(4096)
-        except InterruptedError:
-            continue
-        if not chunk:
-            return None
-        data += chunk
-    return json.loads(data)
+def _read_line(connection: socket.socket, received: bytearray, wake: socket.socket | None = None,
+               pid: int = 0) -> dict | None:
+    """The server's next line (JSON), None once the server is gone; `received` keeps what came after that line.
+    With `wake` (the signal wakeup socket), each signal this process gets meanwhile is sent on to `pid`: the wakeup
+    socket wakes the wait even where a signal lands just before it blocks (a handler alone would run only after)."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(connection, selectors.EVENT_READ)
+        if wake is not None:
+            selector.register(wake, selectors.EVENT_READ)
+        while b"\n" not in received:
+            for key, _ in selector.select():
+                if key.fileobj is wake:
+                    for signum in wake.recv(4096):
+                        try:
+                            os.kill(pid, signum)
+                        except ProcessLookupError:
+                            pass
+                    continue
+                chunk = connection.recv(4096)
+                if not chunk:
+                    return None
+                received += chunk
+    line, _, rest = bytes(received).partition(b"\n")
+    received[:] = rest
+    return json.loads(line)
 
 
 def _inherited_descriptors() -> list[int]:
@@ -160,29 +176,30 @@ def client(args: list[str]) -> None:
     path = os.environ.get(SOCKET_VARIABLE)
     if not path or _parse(args) is None or _inherited_descriptors():
         _cold(args)
+    # held from here until they can be sent on: a signal before the process's pid is known neither kills this
+    # client (leaving the process to the server) nor is lost
+    signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    received = bytearray()
     try:
         connection.connect(path)
         request = json.dumps({"args": args, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
         socket.send_fds(connection, [_HEADER.pack(len(request))], [0, 1, 2])
         connection.sendall(request)
-        reply = _read_line(connection)
+        reply = _read_line(connection, received)
     except OSError:
         reply = None
     if reply is None or "pid" not in reply:
         connection.close()
         _cold(args)
-    pid = reply["pid"]
-
-    def forward(signum, frame):
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
+    wake, wake_write = socket.socketpair()
+    wake.setblocking(False)
+    wake_write.setblocking(False)
+    signal.set_wakeup_fd(wake_write.fileno())
     for signum in _FORWARDED:
-        signal.signal(signum, forward)
-    ended = _read_line(connection)
+        signal.signal(signum, lambda signum, frame: None)  # not to die of it: the wakeup socket carries it on
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
+    ended = _read_line(connection, received, wake, reply["pid"])
     if ended is None:  # the server is gone: its processes with it
         sys.exit(1)
     if "signal" in ended:
@@ -241,7 +258,6 @@ def _send(connection: socket.socket, message: dict) -> None:
 
 def serve(path: str) -> dict:
     """Accept requests until SIGTERM; returns (in a forked process only) the request it is to run."""
-    import selectors
     import threading
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -277,7 +293,7 @@ def serve(path: str) -> dict:
                 connection, _ = listener.accept()
                 try:
                     request, fds = _receive(connection)
-                except (OSError, ValueError):
+                except (OSError, ValueError, struct.error):  # a client gone before its request ended
                     connection.close()
                     continue
                 cold = _why_cold(request, before, imported, threading.active_count())
