@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -86,12 +87,36 @@ def forked_by_the_server(client: subprocess.Popen) -> psutil.Process:
     return forked[0]
 
 
+def states(*processes) -> str:
+    """What the processes of a warm command and its server were doing (a failure's message): each one's state,
+    signals pending, blocked and caught, and the kernel function it waits in; then the server's log."""
+    lines = []
+    for name, pid in (*processes, ("server", warm_python.started_server.pid)):
+        try:
+            status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+        except OSError as err:
+            lines.append(f"{name} {pid}: {err}")
+            continue
+        lines.append(f"{name} {pid}: " + ", ".join(f"{key} {status[key]}" for key in
+                                                   ("State", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigCgt"))
+                     + f", waits in {wchan}")
+    log = Path(os.environ[warm_python.SOCKET_VARIABLE]).parent / "server.log"
+    return "\n".join(lines) + "\nthe server's log ends:\n" + log.read_text()[-2000:]
+
+
 def test_a_signal_to_the_client_reaches_the_process_and_a_killed_client_takes_it_along():
     start = [*warm_python.COMMAND, "-u", "-c", WAIT]
     client = subprocess.Popen(start, stdout=subprocess.PIPE, text=True, env=warm_python.environment())
-    forked_by_the_server(client)
+    forked = forked_by_the_server(client)
     client.terminate()
-    assert client.communicate(timeout=30)[0] == "SIGTERM\n" and client.returncode == 0
+    try:
+        output = client.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        report = states(("client", client.pid), ("forked", forked.pid))
+        client.kill(), forked.kill()
+        pytest.fail(f"SIGTERM to the client did not end it and its process in 30 s:\n{report}")
+    assert output == "SIGTERM\n" and client.returncode == 0, (output, client.returncode, states())
     client = subprocess.Popen(start, stdout=subprocess.PIPE, text=True, env=warm_python.environment())
     forked = forked_by_the_server(client)
     client.kill()

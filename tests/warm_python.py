@@ -35,6 +35,7 @@ import struct
 import subprocess
 import sys
 import time
+import traceback
 
 SOCKET_VARIABLE = "FASTMAE_WARM_PYTHON"
 EXECUTABLE_VARIABLE = "FASTMAE_WARM_PYTHON_EXECUTABLE"
@@ -225,14 +226,19 @@ def _preload() -> None:
 
 def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
     header, fds, _, _ = socket.recv_fds(connection, _HEADER.size, 3)
-    size, = _HEADER.unpack(header)
-    data = b""
-    while len(data) < size:
-        chunk = connection.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError("the client left before its request ended")
-        data += chunk
-    return json.loads(data), fds
+    try:
+        size, = _HEADER.unpack(header)
+        data = b""
+        while len(data) < size:
+            chunk = connection.recv(size - len(data))
+            if not chunk:
+                raise ConnectionError("the client left before its request ended")
+            data += chunk
+        return json.loads(data), fds
+    except BaseException:
+        for fd in fds:  # the client's streams, held here no longer
+            os.close(fd)
+        raise
 
 
 def _why_cold(request: dict, before: dict[str, str], imported: dict[str, str], threads: int) -> str:
@@ -281,62 +287,81 @@ def serve(path: str) -> dict:
     selector.register(listener, selectors.EVENT_READ, "listener")
     selector.register(wake_read, selectors.EVENT_READ, "wake")
     children: dict[int, socket.socket] = {}  # pid -> its client's connection
+    server_pid = os.getpid()
     while not stopping:
         for key, _ in selector.select():
-            if key.data == "wake":
-                try:
-                    wake_read.recv(4096)
-                except BlockingIOError:
-                    pass
-                _reap(children, selector)
-            elif key.data == "listener":
-                connection, _ = listener.accept()
-                try:
-                    request, fds = _receive(connection)
-                except (OSError, ValueError, struct.error):  # a client gone before its request ended
-                    connection.close()
-                    continue
-                cold = _why_cold(request, before, imported, threading.active_count())
-                if cold:
-                    print(f"warm_python: cold: {shlex.join(request['args'])[:300]}: {cold}", flush=True)
+            try:
+                if key.data == "wake":
+                    try:
+                        wake_read.recv(4096)
+                    except BlockingIOError:
+                        pass
+                    _reap(children, selector)
+                elif key.data == "listener":
+                    connection, _ = listener.accept()
+                    try:
+                        request, fds = _receive(connection)
+                    except (OSError, ValueError, struct.error):  # a client gone before its request ended
+                        connection.close()
+                        continue
+                    cold = _why_cold(request, before, imported, threading.active_count())
+                    if cold:
+                        print(f"warm_python: cold: {shlex.join(request['args'])[:300]}: {cold}", flush=True)
+                        for fd in fds:
+                            os.close(fd)
+                        _send(connection, {"cold": cold})
+                        connection.close()
+                        continue
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    pid = os.fork()
+                    if pid == 0:
+                        _die_with(server_pid)
+                        signal.set_wakeup_fd(-1)
+                        for signum in (signal.SIGCHLD, signal.SIGTERM):
+                            signal.signal(signum, signal.SIG_DFL)
+                        for sock in (listener, wake_read, wake_write, connection, *children.values()):
+                            sock.close()
+                        selector.close()
+                        for target, fd in enumerate(fds):
+                            os.dup2(fd, target)
+                            os.close(fd)
+                        request["env"].update(imported)
+                        return request
                     for fd in fds:
                         os.close(fd)
-                    _send(connection, {"cold": cold})
-                    connection.close()
-                    continue
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    signal.set_wakeup_fd(-1)
-                    for signum in (signal.SIGCHLD, signal.SIGTERM):
-                        signal.signal(signum, signal.SIG_DFL)
-                    for sock in (listener, wake_read, wake_write, connection, *children.values()):
-                        sock.close()
-                    selector.close()
-                    for target, fd in enumerate(fds):
-                        os.dup2(fd, target)
-                        os.close(fd)
-                    request["env"].update(imported)
-                    return request
-                for fd in fds:
-                    os.close(fd)
-                children[pid] = connection
-                selector.register(connection, selectors.EVENT_READ, pid)
-                _send(connection, {"pid": pid})
-            else:  # the client sent nothing more, so it is gone: its process goes too
-                pid = key.data
-                selector.unregister(key.fileobj)
-                key.fileobj.close()
-                children.pop(pid, None)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                    children[pid] = connection
+                    selector.register(connection, selectors.EVENT_READ, pid)
+                    _send(connection, {"pid": pid})
+                else:  # the client sent nothing more, so it is gone: its process goes too
+                    pid = key.data
+                    if children.get(pid) is not key.fileobj:  # reaped earlier in this batch, its client told already
+                        continue
+                    selector.unregister(key.fileobj)
+                    key.fileobj.close()
+                    children.pop(pid, None)
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            except Exception:  # one request or event gone wrong: logged, and the server goes on serving
+                if os.getpid() != server_pid:
+                    os._exit(1)
+                traceback.print_exc()
         _reap(children, selector)
     for pid in children:
         os.kill(pid, signal.SIGKILL)
     sys.exit(0)
+
+
+def _die_with(server_pid: int) -> None:
+    """In a process the server forked: be killed when the server dies (Linux's parent-death signal), so that no
+    process of a server gone holds its client's streams open."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != server_pid:  # the server died before the signal was asked for
+        os._exit(1)
 
 
 def _reap(children: dict[int, socket.socket], selector) -> None:
