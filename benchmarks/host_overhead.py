@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 from common import median_time, write_results
+from cuda_emulation import count_triton_launches, emulate_cuda_path
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if __name__ == "__main__" and not torch.cuda.is_available():  # before Triton is imported here or in the systems'
@@ -52,14 +53,21 @@ MODERN_SYSTEMS = ("modern-mlm", "modern-3ml", "modern-mae-lm")  # on ModernBERT'
 NARROW = dict(hidden_size=96, num_heads=6, intermediate_size=384)  # heads of 16: the smallest triton_window takes
 REPO = Path(__file__).resolve().parent.parent
 SYNC_OPS = {"_local_scalar_dense": "host read", "lift_fresh": "host-to-device copy"}
+ALLOCATIONS = ("empty", "empty_like", "empty_strided", "new_empty")  # memory handed out, none written
 
 
 class StepCounter(TorchDispatchMode):
     """Counts what the host asks of the device while active: ops (views excluded), syncs and fastmae's own host reads
-    apart (`host_reads`, the module doc says why), Triton launches (`kernel`)."""
+    apart (`host_reads`, the module doc says why), Triton launches (`kernel`). With `model_sized` (the numel of the
+    model's largest parameter, of all its parameters), also the ops over a tensor that size (DeepSpeed's gradient
+    hooks and optimizer step over the flat gradients and weights: `model_passes`) and the bytes of the distinct
+    tensors each of them reads or writes (`model_bytes`): what the GPU's memory moves a step outside the model."""
 
-    def __init__(self):
+    def __init__(self, model_sized: tuple[int, int] | None = None):
         super().__init__()
+        self.model_sized = model_sized
+        self.model_passes: collections.Counter = collections.Counter()
+        self.model_bytes = 0
         self.ops: collections.Counter = collections.Counter()
         self.syncs: collections.Counter = collections.Counter()
         self.host_reads: collections.Counter = collections.Counter()
@@ -69,6 +77,7 @@ class StepCounter(TorchDispatchMode):
         self.muted = 0  # > 0 inside an emulated kernel: its own torch calls are not the host's
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if not self.muted:
             name = func.overloadpacket.__name__
             if name in SYNC_OPS:
@@ -77,7 +86,16 @@ class StepCounter(TorchDispatchMode):
             elif not _is_metadata(func):
                 self.ops[name] += 1
                 self.by_phase[self.phase] += 1
-        return func(*args, **(kwargs or {}))
+                if self.model_sized and name not in ALLOCATIONS:
+                    self._count_model_pass(name, (args, kwargs, out))
+        return out
+
+    def _count_model_pass(self, name: str, tensors) -> None:
+        tensors = {t.data_ptr(): t for t in torch.utils._pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor)}
+        smallest, largest = self.model_sized
+        if any(smallest <= t.numel() <= largest for t in tensors.values()):
+            self.model_passes[name] += 1
+            self.model_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
 
     def __enter__(self):
         from deepspeed.accelerator import get_accelerator
@@ -161,135 +179,6 @@ def count_phases(counter_of) -> None:
         setattr(DeepSpeedEngine, phase, wrapped)
 
 
-def count_triton_launches(counter_of) -> None:
-    """Report every Triton kernel launch (compiled, or run by the interpreter) to `counter_of()`."""
-    from triton.runtime import interpreter, jit
-
-    for cls in (interpreter.InterpretedFunction, jit.JITFunction):
-        original = cls.run
-
-        def run(self, *args, _original=original, **kwargs):
-            counter = counter_of()
-            if counter is None:
-                return _original(self, *args, **kwargs)
-            with counter.kernel(f"triton {getattr(self, '__name__', '?')}"):
-                return _original(self, *args, **kwargs)
-
-        cls.run = run
-
-
-def emulate_cuda_path(counter_of) -> None:
-    """Make this process take the code path a CUDA device takes: Triton kernels (each launch reported to
-    `counter_of()`, a StepCounter or None), flash-attn's varlen attention (two kernels), a local layer's window on
-    the backend CUDA picks, CUDA's fused SDPA and dropout (two aten ops each), the copy of a packed micro-batch to
-    the device (one op, its rotary tables made there) and a replay of a recorded pass (CUDA graphs' CPU twin) as one
-    graph launch."""
-    os.environ["FASTMAE_KERNELS"] = "triton"
-    from fastmae import attention, dropout, graphs, layers, masking
-
-    count_triton_launches(counter_of)
-
-    class FlashVarlen(torch.autograd.Function):
-        """flash-attn's varlen forward and backward kernels: one launch each (the reference computes them)."""
-
-        @staticmethod
-        def forward(ctx, q, k, v, meta_q, meta_k, scale):
-            ctx.save_for_backward(q, k, v)
-            ctx.meta, ctx.scale = (meta_q, meta_k), scale
-            counter = counter_of()
-            with counter.kernel("flash_attn_varlen_fwd") if counter else contextlib.nullcontext():
-                return attention.varlen_attention_reference(q, k, v, meta_q, meta_k, 0.0, scale)
-
-        @staticmethod
-        def backward(ctx, grad_out):
-            q, k, v = ctx.saved_tensors
-            counter = counter_of()
-            with counter.kernel("flash_attn_varlen_bwd") if counter else contextlib.nullcontext():
-                with torch.enable_grad():
-                    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-                    out = attention.varlen_attention_reference(*inputs, *ctx.meta, 0.0, ctx.scale)
-                    grads = torch.autograd.grad(out, inputs, grad_out)
-            return (*grads, None, None, None)
-
-    def flash(q, k, v, meta_q, meta_k, dropout_p, scale, bias=None):
-        return FlashVarlen.apply(q, k, v, meta_q, meta_k, scale)
-
-    attention._IMPLS["flash"] = flash
-
-    class NativeDropout(torch.autograd.Function):
-        """CUDA's dropout: native_dropout forward (mask and output in one kernel), native_dropout_backward."""
-
-        @staticmethod
-        def forward(ctx, x, p):
-            counter = counter_of()
-            with counter.kernel("native_dropout", aten=True) if counter else contextlib.nullcontext():
-                keep = torch.rand_like(x, dtype=torch.float32) >= p
-                ctx.save_for_backward(keep)
-                ctx.scale = 1.0 / (1.0 - p)
-                return x * keep * ctx.scale
-
-        @staticmethod
-        def backward(ctx, grad):
-            counter = counter_of()
-            with counter.kernel("native_dropout_backward", aten=True) if counter else contextlib.nullcontext():
-                return grad * ctx.saved_tensors[0] * ctx.scale, None
-
-    def native_dropout(x, p=0.5, training=True, inplace=False):
-        return NativeDropout.apply(x, p) if training and p else x
-
-    dropout.dropout = native_dropout  # fastmae's, and torch's that Hugging Face's modules call
-    torch.nn.functional.dropout = native_dropout
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    class FusedSDPA(torch.autograd.Function):
-        """Hugging Face's SDPA as CUDA runs it with a mask and dropout: the memory-efficient kernel, one op each way
-        (on CPU, dropout sends SDPA to its unfused math path)."""
-
-        @staticmethod
-        def forward(ctx, q, k, v, mask, dropout_p, scale):
-            ctx.save_for_backward(q, k, v, mask)
-            ctx.dropout_p, ctx.scale = dropout_p, scale
-            counter = counter_of()
-            with counter.kernel("_efficient_attention_forward", aten=True) if counter else contextlib.nullcontext():
-                return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-
-        @staticmethod
-        def backward(ctx, grad):
-            q, k, v, mask = ctx.saved_tensors
-            counter = counter_of()
-            with counter.kernel("_efficient_attention_backward", aten=True) if counter else contextlib.nullcontext():
-                with torch.enable_grad():
-                    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-                    out = sdpa(*inputs, attn_mask=mask, dropout_p=ctx.dropout_p, scale=ctx.scale)
-                    grads = torch.autograd.grad(out, inputs, grad)
-            return (*grads, None, None, None)
-
-    def fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
-        assert not is_causal and not kwargs, "an encoder's attention"
-        return FusedSDPA.apply(q, k, v, attn_mask, dropout_p, scale)
-
-    torch.nn.functional.scaled_dot_product_attention = fused_sdpa
-
-    def moved_in_one_copy(self, device, non_blocking=False):
-        """The copy of a packed micro-batch to the device, which on CPU it is on already: a clone stands for it."""
-        return self.viewing(self.buffer.clone())
-
-    masking.MaskedBatch.to = moved_in_one_copy
-    for name in ("replay_forward", "replay_backward"):  # the CPU twin of a CUDA graph: one launch for the pass
-        original = getattr(graphs.Recording, name)
-
-        def replay(self, _original=original):
-            counter = counter_of()
-            with counter.kernel("cuda_graph_replay", aten=True) if counter else contextlib.nullcontext():
-                return _original(self)
-
-        setattr(graphs.Recording, name, replay)
-    original_resolve = attention.resolve_backend
-    for module in (attention, layers, graphs):  # flash-attn's kernels (emulated above); with a bias, CUDA's choice
-        module.resolve_backend = lambda backend, device, dropout_p, dtype=None, biased=False, **stream: (
-            original_resolve(backend, torch.device("cuda"), dropout_p, dtype, biased, **stream) if biased else "flash")
-
-
 def _step(system: str, sequences: int, seq_len: int, narrow: bool, precision: str, run, graphs: bool = False):
     """A training-step closure of `system` on one engine (benchmarks/systems.py's steps); `graphs`: fastmae's model
     replays its forward and backward (captured on CUDA as the run config allows, else CUDA graphs' CPU twin)."""
@@ -316,6 +205,7 @@ def measure_system(system: str, sequences: int, seq_len: int, overrides: list[st
 
     init_world_of_one()
     count_phases(lambda: ACTIVE)
+    built = _record_models()
     torch.manual_seed(0)
     run = load_run_config(None, ["train.zero_stage=1", f"train.cuda_graphs={'auto' if graphs else 'never'}",
                                  *overrides])
@@ -331,7 +221,8 @@ def measure_system(system: str, sequences: int, seq_len: int, overrides: list[st
         step = _step(system, sequences, seq_len, True, precision, run, graphs)
     for _ in range(2):
         step()
-    counter = StepCounter()
+    sizes = [p.numel() for p in built[-1].parameters()]
+    counter = StepCounter(model_sized=(max(sizes), int(1.01 * sum(sizes))))  # 1%: DeepSpeed's alignment padding
     ACTIVE = counter
     with counter:
         step()
@@ -341,9 +232,26 @@ def measure_system(system: str, sequences: int, seq_len: int, overrides: list[st
     return {"device_ops_per_step": sum(counter.ops.values()),
             "triton_launches_per_step": sum(counter.launches.values()),
             "syncs_per_step": sum(counter.syncs.values()), "host_ms_per_step": timing,
+            "model_passes_per_step": sum(counter.model_passes.values()),
+            "model_bytes_per_parameter": round(counter.model_bytes / sum(sizes), 1),
+            "model_passes": dict(counter.model_passes),
             "syncs": dict(counter.syncs), "fastmae_host_reads": sum(counter.host_reads.values()),
             "launches": dict(counter.launches), "by_phase": dict(counter.by_phase),
             "top_ops": dict(counter.ops.most_common(12))}
+
+
+def _record_models() -> list:
+    """The models fastmae.engine.build_engine is given from now on, in this process (measure_system's own)."""
+    import fastmae.engine
+
+    built, build_engine = [], fastmae.engine.build_engine
+
+    def recording(model, *args, **kwargs):
+        built.append(model)
+        return build_engine(model, *args, **kwargs)
+
+    fastmae.engine.build_engine = recording
+    return built
 
 
 def _run_isolated(*args) -> dict:
@@ -374,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         result = _run_isolated(system, args.sequences, args.seq_len, overrides, args.cuda_graphs)
         rows.append({"system": system, **result})
         print(f"{system:>10}: {result['device_ops_per_step']:5d} device ops, {result['triton_launches_per_step']:3d} "
-              f"Triton launches, {result['syncs_per_step']} syncs {result['syncs']}, host "
+              f"Triton launches, {result['syncs_per_step']} syncs {result['syncs']}, "
+              f"{result['model_passes_per_step']} model-sized passes {result['model_passes']} "
+              f"({result['model_bytes_per_parameter']} bytes a parameter), host "
               f"{result['host_ms_per_step'] or float('nan'):.1f} ms", flush=True)
     emulated = not torch.cuda.is_available()
     notes = (f"One optimizer step (the third) of {args.sequences} x {args.seq_len} tokens in one micro-batch, bf16, "
@@ -388,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         phases = row["by_phase"]
         row["forward"], row["backward"], row["optimizer"] = (phases.get(k, 0) for k in ("forward", "backward", "step"))
     columns = ["system", "device_ops_per_step", "forward", "backward", "optimizer", "triton_launches_per_step",
-               "syncs_per_step", "host_ms_per_step"]
+               "syncs_per_step", "model_passes_per_step", "model_bytes_per_parameter", "host_ms_per_step"]
     header = {"emulated_cuda_path": emulated, "cuda_graphs": args.cuda_graphs, "sequences": args.sequences,
               "seq_len": args.seq_len, "zero_stage": args.zero_stage, "deepspeed_overrides": args.deepspeed}
     path = write_results(args.name, rows, columns, "Host overhead per optimizer step", notes, header)

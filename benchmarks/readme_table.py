@@ -168,7 +168,8 @@ def host_overhead() -> str:
     """What the host issues per optimizer step: ZeRO-2 (the recipes'), ZeRO-2 replaying CUDA graphs (their CPU twin
     here) and ZeRO-1 side by side, then ZeRO-1 on ModernBERT's layers."""
     rows = ["| system | ZeRO | device ops | forward | backward | optimizer step | loss weights, sums | "
-            "Triton launches | syncs |", "|---|---|---|---|---|---|---|---|---|"]
+            "Triton launches | syncs | model-sized passes | their bytes a parameter |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     names = ("host_overhead_zero2", "host_overhead_zero2_graphs", "host_overhead", "host_overhead_modern")
     results = [read_json(RESULTS_DIR / f"{name}.json") for name in names]
     for result in results:
@@ -178,7 +179,7 @@ def host_overhead() -> str:
             rest = r["device_ops_per_step"] - r["forward"] - r["backward"] - r["optimizer"]
             rows.append(f"| {r['system']} | {setting} | {r['device_ops_per_step']:,} | {r['forward']} | "
                         f"{r['backward']} | {r['optimizer']} | {rest} | {r['triton_launches_per_step']} | "
-                        f"{r['syncs_per_step']} |")
+                        f"{r['syncs_per_step']} | {r['model_passes_per_step']} | {r['model_bytes_per_parameter']} |")
     first = results[0]
     return (f"{first['sequences']} x {first['seq_len']} tokens in one micro-batch, bf16, base depth, vocabulary "
             f"32,000, width 96 (6 heads of 16), the CUDA code path emulated on {first['device']}, "

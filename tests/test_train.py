@@ -814,6 +814,40 @@ for precision, stage in KNOWN_SYNCS:
     moved = max((a - b).abs().max().item() for a, b in zip(weights[0], weights[-1]))
     assert all(torch.equal(a, b) for a, b in zip(weights[0], weights[-1])), (precision, moved)
 
+# in a world of one, ZeRO-2 takes DeepSpeed's all-reduce path (`reduce_scatter` off: an identity there) and adds each
+# bf16 gradient into its fp32 partition in one pass, its norm in fp32 (fastmae.engine): the weights DeepSpeed's own
+# reduce-scatter path and two-pass add train, bit for bit, with fewer passes over model-sized tensors and no casts
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+fastmaes_add = DeepSpeedZeroOptimizer._add_to_grad_partition_buffer
+
+
+def deepspeeds_add(output, source):  # DeepSpeed 0.19's own
+    if output is not None:
+        output.add_(source.to(output.dtype))
+
+
+trained = []
+for ours in (True, False):
+    DeepSpeedZeroOptimizer._add_to_grad_partition_buffer = staticmethod(fastmaes_add if ours else deepspeeds_add)
+    torch.manual_seed(0)
+    model = MaskedLM(config)
+    run = RunConfig()
+    run.train.zero_stage, run.train.lr, run.train.warmup_steps = 2, 1e-2, 1
+    run.deepspeed = {} if ours else {"zero_optimization": {"reduce_scatter": True}}
+    non_finite = torch.zeros(())
+    engine, _ = build_engine(model, run, "bf16", torch.device("cpu"), non_finite)
+    assert engine.optimizer.reduce_scatter is not ours
+    sizes = [p.numel() for p in model.parameters()]
+    counter = StepCounter(model_sized=(max(sizes), sum(sizes)))
+    for i, batch in enumerate(batches):
+        with counter if i == 2 else contextlib.nullcontext():
+            train_step(engine, [batch], seed=0, non_finite=non_finite)
+    trained.append((master_weights(engine), counter.model_passes))
+DeepSpeedZeroOptimizer._add_to_grad_partition_buffer = staticmethod(fastmaes_add)
+(weights, passes), (deepspeeds_weights, deepspeeds_passes) = trained
+assert all(torch.equal(weights[name], deepspeeds_weights[name]) for name in weights)
+assert "_to_copy" not in passes and sum(passes.values()) < sum(deepspeeds_passes.values()), (passes, deepspeeds_passes)
+
 # the fp32 masters start from the module's fp32 values, not its bf16 cast (issue 57): one step at lr 1e-12 leaves
 # them where they started at every ZeRO stage (without the fix they moved by bf16 rounding, up to 2.4e-4 here)
 for stage in (1, 2, 3):
@@ -897,7 +931,9 @@ print("OK")
 
 def test_world_of_one_skips_the_all_reduce_with_identical_updates():
     """build_engine turns DeepSpeed's gradient all-reduce off in a world of one (it only copies gradients there);
-    the weights after three `train_step`s are bit-identical to a run with it on, in fp32 (ZeRO-0) and bf16 (ZeRO-1).
+    the weights after three `train_step`s are bit-identical to a run with it on, in fp32 (ZeRO-0) and bf16 (ZeRO-1);
+    bf16 ZeRO-2 there (DeepSpeed's all-reduce path, fastmae's one-pass add into the fp32 partition) trains DeepSpeed's
+    own reduce-scatter path's weights bit for bit in fewer passes over model-sized tensors.
     Steady-state steps ask for no host-device sync outside fastmae (benchmarks/host_overhead.StepCounter: host reads,
     tensors from host data, the accelerator's synchronize, which DeepSpeed's throughput timer calls), in fp32 ZeRO-0
     and bf16 ZeRO-2, clipping included; bf16 ZeRO-1's optimizer reads its gradient norm back (DeepSpeed's, known).
