@@ -271,3 +271,23 @@ def mask_batch(batch: PackedBatch, config: ModelConfig, seed: int, step: int, ra
         max_seqlen=batch.max_seqlen,
     )
     return MaskedBatch(batch=batch, counts=counts, selection=selection, config=config)
+
+
+class _SelectRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_copy_(0, index.long(), grad), None
+
+
+def select_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] for `index` naming distinct rows (a selection, such as the predicted rows): the gradient of each
+    selected row is written into zeros (`index_copy_`) where `index_select`'s backward adds it (`index_add_`, on CUDA
+    an atomic add per element: 0.22 ms of the H200's base 3ml step at e63392c, 32,768 rows of 65,536)."""
+    return _SelectRows.apply(x, index)

@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .dropout import Dropout
 from .flat import FlatParameters
 from .layers import TransformerLayer, finish_stack, fused_norm_args, layer_norm, stack_dropout_keys, stream_views
-from .masking import MaskedBatch, mask_batch, unmasked
+from .masking import MaskedBatch, mask_batch, select_rows, unmasked
 from .positions import relative_bias_by_distance
 
 
@@ -287,7 +287,7 @@ class MaskedLM(nn.Module):
             x = self._cross_decoder(x, masked)
         else:
             x = finish_stack(*self._run(self.decoder, x, masked.full), self.decoder_norm)
-            x = x.index_select(0, masked.selection.masked_index)
+            x = select_rows(x, masked.selection.masked_index)
         return self._loss(x, masked, encoder_states, compute_accuracy)
 
     def _cross_decoder(self, inserted: torch.Tensor, masked: MaskedBatch) -> torch.Tensor:
@@ -295,7 +295,7 @@ class MaskedLM(nn.Module):
         rows stay at their inserted encoder outputs and whose predicted rows hold the current states.
         Returns the [T_m, H] states of the predicted rows."""
         index = masked.selection.masked_index
-        x = inserted.index_select(0, index)
+        x = select_rows(inserted, index)
         for layer, keys in zip(self.decoder, stack_dropout_keys(self.decoder, x, self.layers_compiled)):
             context = inserted.index_copy(0, index.long(), x)
             x = finish_stack(*layer(x, masked.masked, context=context, meta_k=masked.full, dropout_keys=keys))

@@ -6,7 +6,7 @@ from fastmae.kernels.hashing import hash32_int
 
 from fastmae import PackedBatch
 from fastmae.config import ROLES, SpecialTokens
-from fastmae.masking import MaskCounts, mask_batch
+from fastmae.masking import MaskCounts, mask_batch, select_rows
 
 FASTMAE = SpecialTokens()  # the special ids of the sentencepiece tokenizers fastmae trains
 
@@ -92,3 +92,20 @@ def test_selection_is_uniform_over_positions():
     assert freq[0] == 0 and freq[-1] == 0
     # 5 of 20 maskable rows each time: 0.25 each; binomial std over 2000 trials ~ 0.01
     assert (freq[1:-1] - 0.25).abs().max() < 0.04, freq
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,picked,width,seed", [(65, 17, 8, 0), (300, 150, 33, 1), (9, 9, 4, 2)])
+def test_select_rows_matches_index_select_forward_and_backward(dtype, rows, picked, width, seed):
+    """select_rows (a selection's rows; its backward writes where index_select's adds) computes what index_select
+    computes, forward and backward, bit for bit, for an int32 or int64 index in any order."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator).to(dtype)
+    index = torch.randperm(rows, generator=generator)[:picked]
+    grad = torch.randn(picked, width, generator=generator).to(dtype)
+    for index in (index, index.int()):
+        ours, reference = (x.clone().requires_grad_() for _ in range(2))
+        out, expected = select_rows(ours, index), reference.index_select(0, index)
+        out.backward(grad), expected.backward(grad)
+        assert torch.equal(out, expected) and torch.equal(ours.grad, reference.grad)
+
