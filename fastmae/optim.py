@@ -18,7 +18,8 @@ class ClippingAdamW(torch.optim.AdamW):
     optimizers step one parameter group at a time with only that group's gradients, having computed the global norm
     (summed over ranks) first, and `fastmae.engine` points `global_norm` at it. A non-finite norm sets `found_inf`
     (the run's skip flag, a device fp32 scalar), and the fused step then changes nothing. The coefficient is
-    DeepSpeed's: max_norm / (norm + 1e-6), applied when below 1.
+    DeepSpeed's: max_norm / (norm + 1e-6), applied when below 1, by the fused step itself as it reads each gradient
+    (its `grad_scale`, the divisor (norm + 1e-6) / max_norm at least 1: no pass of its own over the gradients).
     """
 
     def __init__(self, params, *, max_norm: float, found_inf: torch.Tensor | None, **kwargs):
@@ -27,7 +28,7 @@ class ClippingAdamW(torch.optim.AdamW):
         self.found_inf = found_inf  # read by the fused kernel on every step (None: never skip)
         self.global_norm: Callable[[], torch.Tensor] | None = None
         self.last_norm: torch.Tensor | None = None  # the global norm before clipping, on the device
-        self._coefficient: torch.Tensor | None = None  # the clip coefficient of last_norm (None: no clipping)
+        self.grad_scale: torch.Tensor | None = None  # what the fused step divides the gradients by: the clip
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -38,13 +39,11 @@ class ClippingAdamW(torch.optim.AdamW):
             else:
                 norm = self.global_norm()
             if norm is not self.last_norm:  # under ZeRO each group's step sees the same norm: once per norm
-                self.last_norm, self._coefficient = norm, None
+                self.last_norm = norm
                 if self.found_inf is not None:
                     torch.maximum(self.found_inf, (norm * 0).ne(0), out=self.found_inf)  # inf, NaN: NaN
-                if self.max_norm > 0:  # torch's clip_grads_with_norm_ coefficient, without a host read
-                    self._coefficient = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
-            if self._coefficient is not None:
-                torch._foreach_mul_(grads, self._coefficient)
+                if self.max_norm > 0:  # 1 / torch's clip_grads_with_norm_ coefficient, without a host read
+                    self.grad_scale = torch.clamp((norm + 1e-6) / self.max_norm, min=1.0).float()
         return super().step(closure)
 
 
