@@ -11,8 +11,8 @@ That client connects to the server named by FASTMAE_WARM_PYTHON (a Unix socket t
 per pytest worker), hands it its standard streams, command line, working directory and environment, and the server
 forks a process that runs the command as `python` would, with those. The client stands in for that process: its
 command line is the command's (psutil's searches by run directory or `--local_rank=N` find it), a SIGTERM, SIGINT or
-SIGHUP to it reaches the process, the process's exit code or signal is its own, and when the client dies (SIGKILL to
-it or to its process group) the server kills the process at once.
+SIGHUP to it reaches the process, the process's exit code or signal is its own, when the client dies (SIGKILL to it
+or to its process group) the server kills the process at once, and when the server dies its processes die too.
 
 What stays cold (the client runs `python` itself, exec'd in its place): no server, a server that cannot be reached,
 a command line of another form, a client handed file descriptors besides its standard streams, and an environment
