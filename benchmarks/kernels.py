@@ -162,7 +162,7 @@ def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):
     of the feed-forward's rows by torch on both sides: the bandwidth a streaming kernel reaches on this device, which
     the data sheet's peak (the `% of peak BW` column) overstates; on CUDA then the same copy by a Triton kernel at
     bias + GELU's forward tiles (`tile_copy`)."""
-    from fastmae.kernels import add_layer_norm, bias_gelu, norm
+    from fastmae.kernels import add_layer_norm, bias_gelu, layer_norm, norm
 
     tilings = candidate_tilings if device.type == "cuda" else lambda shipped, candidates: ()
     gen = torch.Generator(device=device).manual_seed(0)
@@ -214,6 +214,9 @@ def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):
 
     yield ("add + LayerNorm, sum kept (pre-LN)", 10 * tokens * hidden * elt, 0, pre_ln(stock_pre_ln),
            pre_ln(lambda: ops.add_layer_norm(x, residual, weight, None, 1e-5, True)))
+    yield ("LayerNorm without a residual (the LM head's)", 4 * tokens * hidden * elt, 0,
+           post_ln(lambda: F.layer_norm(x, (hidden,), weight, bias)),
+           post_ln(lambda: layer_norm(x, weight, bias)))
     w_in, b_in, grad_inner = leaf(inner, hidden, scale=0.02), leaf(inner), torch.randn(tokens, inner, device=device,
                                                                                          dtype=dtype)
 

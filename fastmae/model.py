@@ -100,8 +100,10 @@ class LMHead(nn.Module):
         self.norm = layer_norm(config)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
-    def transform(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(F.gelu(self.dense(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The predicted rows' states before the projection: on CUDA the dense's GEMM, then bias + GELU and the
+        LayerNorm in one fused kernel each way (`ops.linear_gelu`, `ops.layer_norm`); else torch's modules."""
+        return ops.layer_norm(ops.linear_gelu(x, self.dense.weight, self.dense.bias), self.norm)
 
 
 class MaskedLMOutput(NamedTuple):
@@ -303,7 +305,7 @@ class MaskedLM(nn.Module):
 
     def _loss(self, predicted: torch.Tensor, masked: MaskedBatch, encoder_states: torch.Tensor,
               compute_accuracy: bool) -> MaskedLMOutput:
-        hidden = self.head.transform(predicted)
+        hidden = self.head(predicted)
         weight, labels = self.embeddings.tokens.weight, masked.selection.labels
         # a padded batch's count is the device's (its filler rows' labels are ignored): a recorded graph replays
         # every batch of its shape, whatever their counts

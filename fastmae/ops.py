@@ -82,6 +82,14 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     return kernels.add_layer_norm_reference(dropout(x, dropout_p), residual, weight, bias, eps, keep_sum)
 
 
+def layer_norm(x: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
+    """`norm`(x) for rows x: `kernels.layer_norm` (add_layer_norm's kernels without a residual) where `x` goes to
+    Triton in the norm's dtype, else the module itself (and under autocast, where it runs in fp32)."""
+    if x.dim() == 2 and x.dtype == norm.weight.dtype and _fused_projection(x):
+        return kernels.layer_norm(x, norm.weight, norm.bias, norm.eps)
+    return norm(x)
+
+
 def project_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, heads: int,
                 residual_grad: kernels.ResidualGrad | None = None,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -20,6 +20,7 @@ from .reference import (
     embed_rows_reference,
     geglu_reference,
     insert_rows_reference,
+    layer_norm_reference,
     linear_cross_entropy_reference,
     local_attention_reference,
     project_qkv_reference,
@@ -31,7 +32,7 @@ from .residual import ResidualGrad
 
 TRITON_OPS = {"select_masked": "mask_select", "embed_rows": "rows", "insert_rows": "rows",
               "linear_cross_entropy": "cross_entropy", "rotary_qk": "rotary",
-              "add_layer_norm": "norm", "geglu": "activation",
+              "add_layer_norm": "norm", "layer_norm": "norm", "geglu": "activation",
               "bias_gelu": "activation", "project": "projection", "project_qkv": "projection",
               "local_attention": "local_window"}  # op -> module, imported on first use
 
@@ -65,6 +66,8 @@ __all__ = [
     "hash32",
     "insert_rows",
     "insert_rows_reference",
+    "layer_norm",
+    "layer_norm_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "local_attention",

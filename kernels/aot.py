@@ -49,7 +49,8 @@ TILE_RESIDENT = ("local_window.",)
 # shapes the benchmarks run (widths of 768 to 4,096, vocabulary 32,000, 65,536 rows, strides of whole heads). Untold,
 # a compile proves no alignment: bias + GELU's tiles compiled to 2-byte loads where the GPU runs 16-byte ones, and
 # their registers (this table's figures) were another kernel's.
-DIVISIBLE_INTS = re.compile(r"(H|V|half|hidden|n_cols|n_rows|num_src_rows|rows_[qk]|programs|window|stride_\w+)")
+DIVISIBLE_INTS = re.compile(r"(H|V|half|hidden|n_cols|n_rows|n_elements|num_src_rows|rows_[qk]|programs|window"
+                            r"|stride_\w+)")
 
 
 def specializations(fn, signature: dict[str, str]) -> dict[tuple[int], list]:

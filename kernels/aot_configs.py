@@ -70,6 +70,10 @@ def _ce_configs():
                            V="i32", ignore_index="i32", smoothing="fp32", z_loss="fp32")
                 yield ("cross_entropy._ce_rows_kernel", f"{dtype} BLOCK_V={block} grad={grad}", sig,
                        dict(COMPUTE_GRAD=grad, BLOCK_V=block), cross_entropy.CE_NUM_WARPS)
+    for src, dst in (("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "bf16"), ("bf16", "fp32")):  # grad_w, grad_x
+        sig = dict(SRC=f"*{src}", DST=f"*{dst}", FACTOR="*fp32", n_elements="i32")
+        yield ("cross_entropy._scale_kernel", f"{src} -> {dst}", sig, dict(BLOCK=cross_entropy.SCALE_BLOCK),
+               cross_entropy.SCALE_WARPS)
 
 
 def _rotary_configs():
@@ -89,6 +93,9 @@ def _rotary_configs():
 # and the candidate tilings at RoBERTa's post-LN with dropout and the projection's bias (the values after each).
 NORM_FORWARD_FLAGS = (("xbias", "HAS_XBIAS"), ("bias", "HAS_BIAS"), ("sum", "STORE_SUM"), ("dropout", "HAS_DROPOUT"))
 NORM_BACKWARD_FLAGS = (("dh", "HAS_DH"), ("xbias", "HAS_XBIAS"), ("dropout", "HAS_DROPOUT"), ("sum", "FROM_SUM"))
+# The flag values `norm.layer_norm` (no residual) launches each kernel with: with or without a bias forward; the
+# backward reading x as the sum.
+NORM_WITHOUT_RESIDUAL = {"forward": ((0, 0, 0, 0), (0, 1, 0, 0)), "backward": ((0, 0, 0, 1),)}
 
 
 def _norm_configs():
@@ -113,12 +120,17 @@ def _norm_configs():
                     ("forward", "norm._add_norm_fwd_kernel", fwd, NORM_FORWARD_FLAGS, (1, 1, 0, 1)),
                     ("backward", "norm._add_norm_bwd_kernel", bwd, NORM_BACKWARD_FLAGS, (0, 1, 1, 0))):
                 for values in itertools.product((0, 1), repeat=len(flags)):
-                    for tiling in dict.fromkeys((shipped[kernel], *(tried[kernel] if values == post_ln else ()))):
-                        said = " ".join(f"{short}={value}" for (short, _), value in zip(flags, values))
-                        yield (name, f"{dtype} BLOCK_H={block}" + (f" CHUNKS={chunks}" if chunks > 1 else "")
-                               + f" {said}" + _tiles_said(tiling, shipped[kernel]), sig,
-                               {**{flag: value for (_, flag), value in zip(flags, values)}, "BLOCK_R": tiling.rows,
-                                "BLOCK_H": block, "CHUNKS": chunks}, tiling.warps)
+                    # with a residual, every flag set; without one (`norm.layer_norm`), the flags it launches with
+                    for residual in (1, 0) if values in NORM_WITHOUT_RESIDUAL[kernel] else (1,):
+                        for tiling in dict.fromkeys((shipped[kernel], *(tried[kernel] if values == post_ln and
+                                                                          residual else ()))):
+                            said = " ".join(f"{short}={value}" for (short, _), value in zip(flags, values))
+                            yield (name, f"{dtype} BLOCK_H={block}" + (f" CHUNKS={chunks}" if chunks > 1 else "")
+                                   + f" {said}" + " residual=0" * (not residual)
+                                   + _tiles_said(tiling, shipped[kernel]), sig,
+                                   {**{flag: value for (_, flag), value in zip(flags, values)},
+                                    "HAS_RESIDUAL": residual, "BLOCK_R": tiling.rows, "BLOCK_H": block,
+                                    "CHUNKS": chunks}, tiling.warps)
     for dtype in ("fp32", "bf16"):
         yield ("launch._sum_parts_kernel", dtype, dict(PARTS="*fp32", SUMS=f"*{dtype}", programs="i32", H="i32"),
                dict(BLOCK_P=launch.SUM_BLOCK_P, BLOCK_H=launch.SUM_BLOCK_H), launch.SUM_WARPS)

@@ -20,7 +20,8 @@ alone, no mask stored (the keys come from torch's generator of the device, drawn
 one op, `fastmae.ops.dropout_keys`: seeds, checkpoints and CUDA graphs reproduce them). Unfused, torch runs the
 dropout forward and backward, the add, the LayerNorm, its input gradient and its weight gradient (`GammaBetaBackward`,
 6.9 ms of a RoBERTa-base mlm step on an H100 at 128 x 512 tokens) as six passes over the rows. Reference:
-`add_layer_norm_reference` in reference.py.
+`add_layer_norm_reference` in reference.py. `layer_norm` runs the same kernels without a residual (the LM head's
+norm: torch's forward and its two backward kernels, `GammaBetaBackward` the larger).
 """
 
 from __future__ import annotations
@@ -57,10 +58,13 @@ def _summed(x, res, x_bias, kept, scale, HAS_XBIAS: tl.constexpr, HAS_DROPOUT: t
 
 @triton.jit
 def _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS: tl.constexpr,
-                 HAS_DROPOUT: tl.constexpr):
-    """fp32 h [BLOCK_R, BLOCK_H] of `rows`: `_summed` of x and the residual as loaded here."""
+                 HAS_DROPOUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """fp32 h [BLOCK_R, BLOCK_H] of `rows`: `_summed` of x and the residual as loaded here (zeros without one)."""
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    res = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+    else:
+        res = tl.zeros_like(x)
     return _summed(x, res, x_bias, kept, scale, HAS_XBIAS, HAS_DROPOUT)
 
 
@@ -75,8 +79,8 @@ def _chunk(c, rows, n_rows, H, BLOCK_H: tl.constexpr):
 @triton.jit
 def _add_norm_fwd_kernel(X, XB, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, stride_x, stride_r, eps, threshold,
                          scale, HAS_XBIAS: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_SUM: tl.constexpr,
-                         HAS_DROPOUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                         CHUNKS: tl.constexpr):
+                         HAS_DROPOUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
     """Program p: rows p * BLOCK_R on, each as CHUNKS chunks of BLOCK_H lanes (`row_chunks`), all held at once."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_rows = rows < n_rows
@@ -86,7 +90,8 @@ def _add_norm_fwd_kernel(X, XB, R, W, B, Y, H_OUT, MEAN, RSTD, KEY, n_rows, H, s
         cols, mask, offsets = _chunk(c, rows, n_rows, H, BLOCK_H)
         kept = _kept(rows, cols, H, KEY, threshold) if HAS_DROPOUT else mask
         x_bias = tl.load(XB + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :] if HAS_XBIAS else 0.0
-        h = _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS, HAS_DROPOUT)
+        h = _summed_rows(X, x_bias, R, rows, stride_x, stride_r, cols, mask, kept, scale, HAS_XBIAS, HAS_DROPOUT,
+                         HAS_RESIDUAL)
         if STORE_SUM:
             tl.store(H_OUT + offsets, h.to(H_OUT.dtype.element_ty), mask=mask)
         hs = hs + (h,)
@@ -130,13 +135,14 @@ def _tile_rows(DY, X, R, MEAN, RSTD, first, end, H, stride_x, stride_r, FROM_SUM
 @triton.jit
 def _add_norm_bwd_kernel(DY, DH, X, XB, R, W, MEAN, RSTD, KEY, DX, DR, PARTS, n_rows, tiles, programs, H,
                          stride_x, stride_r, threshold, scale, HAS_DH: tl.constexpr, HAS_XBIAS: tl.constexpr,
-                         HAS_DROPOUT: tl.constexpr, FROM_SUM: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
+                         HAS_DROPOUT: tl.constexpr, FROM_SUM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
     """Program p: `tiles` tiles of BLOCK_R rows (each as CHUNKS chunks of BLOCK_H lanes), from row p * tiles *
     BLOCK_R; its partial weight and bias gradients (and x_bias's) into row p of PARTS [2 or 3, programs, H]. The
     partials accumulate per element of the tile and are summed over its rows once, at the end: no reduction across the
     tile's rows (and its barrier) in the loop. FROM_SUM: X holds the forward's h (rounded as `_summed` rounds it),
-    read in place of x and the residual."""
+    read in place of x and the residual. Without HAS_RESIDUAL no residual's gradient is written (and X is x, which
+    is h: FROM_SUM)."""
     pid = tl.program_id(0).to(tl.int64)
     first = pid * tiles * BLOCK_R
     end = tl.minimum(first + tiles * BLOCK_R, n_rows)  # the program's rows end here
@@ -180,7 +186,8 @@ def _add_norm_bwd_kernel(DY, DH, X, XB, R, W, MEAN, RSTD, KEY, DX, DR, PARTS, n_
             dh = (wdys[c] - (hhats[c] * c1 + c2)) * rstd
             if HAS_DH:
                 dh += tl.load(DH + offsets, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DR + offsets, dh.to(DR.dtype.element_ty), mask=mask)  # its own tensor: no aliased gradients
+            if HAS_RESIDUAL:  # its own tensor: no aliased gradients
+                tl.store(DR + offsets, dh.to(DR.dtype.element_ty), mask=mask)
             if HAS_DROPOUT:
                 dh = tl.where(kepts[c], dh * scale, 0.0)
             tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
@@ -255,6 +262,8 @@ class _AddLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, x_bias, eps, keep_sum, dropout_p, key, tiling, handoff):
         rows, hidden = x.shape
+        has_residual = residual is not None
+        residual = residual if has_residual else x  # a pointer the kernels never read
         threshold, scale = dropout_threshold(dropout_p)
         y, h, stats = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden) if keep_sum else (0,), x.dtype),
                              ((2, rows), torch.float32))
@@ -265,12 +274,16 @@ class _AddLayerNorm(torch.autograd.Function):
                 x, x_bias if x_bias is not None else weight, residual, weight, bias if bias is not None else weight,
                 y, h, stats[0], stats[1], key if threshold else stats, rows, hidden, x.stride(0), residual.stride(0),
                 eps, threshold, scale, HAS_XBIAS=x_bias is not None, HAS_BIAS=bias is not None, STORE_SUM=keep_sum,
-                HAS_DROPOUT=threshold > 0, BLOCK_R=block_r, BLOCK_H=lanes, CHUNKS=chunks, num_warps=warps)
-        # the kept sum is what the backward reads (x and the residual are then free to go)
-        ctx.save_for_backward(h if keep_sum else x, x_bias if x_bias is not None else weight,
-                              h if keep_sum else residual, weight, stats, key if threshold else stats)
-        ctx.has_bias, ctx.has_x_bias = bias is not None, x_bias is not None
-        ctx.keep_sum, ctx.threshold, ctx.scale = keep_sum, threshold, scale
+                HAS_DROPOUT=threshold > 0, HAS_RESIDUAL=has_residual, BLOCK_R=block_r, BLOCK_H=lanes, CHUNKS=chunks,
+                num_warps=warps)
+        # the kept sum is what the backward reads (x and the residual are then free to go); without a residual,
+        # dropout or x_bias, x is the sum
+        from_sum = keep_sum or not has_residual
+        summed = h if keep_sum else x
+        ctx.save_for_backward(summed if from_sum else x, x_bias if x_bias is not None else weight,
+                              summed if from_sum else residual, weight, stats, key if threshold else stats)
+        ctx.has_bias, ctx.has_x_bias, ctx.has_residual = bias is not None, x_bias is not None, has_residual
+        ctx.keep_sum, ctx.from_sum, ctx.threshold, ctx.scale = keep_sum, from_sum, threshold, scale
         ctx.tiling, ctx.handoff = tiling, handoff
         return (y, h) if keep_sum else (y, None)
 
@@ -286,7 +299,8 @@ class _AddLayerNorm(torch.autograd.Function):
         # the bias's, and x_bias's where there is one, summed by one kernel into `sums`, an allocation of its own
         # (`launch.carve`: a parameter's gradient outlives the rows' gradients)
         summed = 3 if ctx.has_x_bias else 2
-        dx, dr, parts = carve(x.device, ((rows, hidden), x.dtype), ((rows, hidden), x.dtype),
+        dx, dr, parts = carve(x.device, ((rows, hidden), x.dtype),
+                              ((rows, hidden) if ctx.has_residual else (0,), x.dtype),
                               ((summed, programs, hidden), torch.float32))
         sums = torch.empty(summed, hidden, device=x.device, dtype=weight.dtype)
         has_dh = ctx.keep_sum and dh is not None
@@ -295,11 +309,12 @@ class _AddLayerNorm(torch.autograd.Function):
                                               weight, stats[0], stats[1], key, dx, dr, parts, rows, tiles, programs,
                                               hidden, x.stride(0), residual.stride(0), ctx.threshold, ctx.scale,
                                               HAS_DH=has_dh, HAS_XBIAS=ctx.has_x_bias, HAS_DROPOUT=ctx.threshold > 0,
-                                              FROM_SUM=ctx.keep_sum, BLOCK_R=block_r, BLOCK_H=lanes,
-                                              CHUNKS=chunks, num_warps=warps)
+                                              FROM_SUM=ctx.from_sum, HAS_RESIDUAL=ctx.has_residual,
+                                              BLOCK_R=block_r, BLOCK_H=lanes, CHUNKS=chunks, num_warps=warps)
         sum_parts(parts, sums)
         if ctx.handoff is not None:  # the projection reading the residual's rows adds its gradient in its GEMM
             ctx.handoff.put(dr)
+        if ctx.handoff is not None or not ctx.has_residual:
             dr = None
         return (dx, dr, sums[0], sums[1] if ctx.has_bias else None, sums[2] if ctx.has_x_bias else None,
                 None, None, None, None, None, None)
@@ -332,3 +347,15 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     handoff = residual_grad if residual_grad is not None and residual_grad.claimed else None
     return _AddLayerNorm.apply(x, residual, weight, bias, x_bias, eps, keep_sum, dropout_p, key,
                                tiling or tiles(x.shape[1]), handoff)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5,
+               tiling: dict[str, RowTiles] | None = None) -> torch.Tensor:
+    """LayerNorm(x) * weight + bias for rows x [N, H] (last dimension contiguous, the weight's dtype):
+    `add_layer_norm`'s kernels without a residual (none read, none's gradient written; the backward reads x as the
+    sum). Differentiable in x, weight, bias."""
+    if x.dim() != 2 or x.shape[1] > MAX_HIDDEN or x.stride(1) != 1 or x.dtype != weight.dtype:
+        raise ValueError(f"layer_norm: rows of at most {MAX_HIDDEN} contiguous elements in the weight's dtype "
+                         f"{weight.dtype}; got shape {tuple(x.shape)}, strides {x.stride()}, {x.dtype}")
+    return _AddLayerNorm.apply(x, None, weight, bias, None, eps, False, 0.0, None, tiling or tiles(x.shape[1]),
+                               None)[0]

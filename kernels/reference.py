@@ -182,6 +182,11 @@ def add_layer_norm_reference(x, residual, weight, bias, eps=1e-5, keep_sum=False
     return F.layer_norm(summed, summed.shape[-1:], weight, bias, eps), summed if keep_sum else None
 
 
+def layer_norm_reference(x, weight, bias, eps=1e-5):
+    """`layer_norm` in plain torch."""
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
 def geglu_reference(a):
     """`geglu` in plain torch: gelu(x) * gate for rows a = [x | gate]."""
     x, gate = a.chunk(2, dim=-1)

@@ -84,7 +84,7 @@ def test_hugging_face_computes_what_fastmae_computes(preset, overrides, model_ty
         with torch.no_grad():
             logits = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()(**padded).logits[1]
             masked = ours[int(batch.cu_seqlens[1]):][[3, 6]]
-            expected = model.head.transform(masked) @ model.embeddings.tokens.weight.T + model.head.bias
+            expected = model.head(masked) @ model.embeddings.tokens.weight.T + model.head.bias
         assert (logits[[3, 6]] - expected).abs().max() <= 1e-5
     else:  # the MAE-LM / 3ML head was trained on decoder states: not exported
         names = {"roberta": "Roberta", "esm": "Esm", "roformer": "RoFormer"}

@@ -125,7 +125,7 @@ def test_a_foreign_encoder_computes_its_hidden_states_and_predictions_at_step_0(
     with torch.no_grad():
         ours = model.encode(batch)
         outputs = hf_mlm(**padded, output_hidden_states=True)
-        logits = model.head.transform(ours) @ model.embeddings.tokens.weight.T + model.head.bias
+        logits = model.head(ours) @ model.embeddings.tokens.weight.T + model.head.bias
     for i, row in enumerate(ids):
         rows = slice(int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1]))
         assert (outputs.hidden_states[-1][i, :len(row)] - ours[rows]).abs().max() <= 1e-5

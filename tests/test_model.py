@@ -65,7 +65,7 @@ def test_mlm_equals_replacing_by_mask_and_running_the_full_encoder(variant, seed
     assert torch.equal(sel.input_tokens, replaced)
     hidden = model.encode(PackedBatch.from_packed(replaced.numpy(), batch.seqlens.numpy()))
     head = model.head
-    logits = head.transform(hidden[sel.masked_index.long()]) @ model.embeddings.tokens.weight.T + head.bias
+    logits = head(hidden[sel.masked_index.long()]) @ model.embeddings.tokens.weight.T + head.bias
     expected = F.cross_entropy(logits, batch.tokens[sel.masked_index.long()].long())
     torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
 
@@ -118,7 +118,7 @@ def test_mask_row_gradient_is_the_sum_over_removed_rows(batch):
         captured["x"] = result
 
     model.insertion.register_forward_hook(keep_output)
-    model.head.dense.register_forward_hook(lambda module, args, result: captured.setdefault("h", args[0]))
+    model.head.register_forward_hook(lambda module, args, result: captured.setdefault("h", args[0]))
     out = model(batch, seed=2)
     sel, cfg, ins = out.masked.selection, model.config, model.insertion
     removed = sel.removed_index.long()
@@ -127,7 +127,7 @@ def test_mask_row_gradient_is_the_sum_over_removed_rows(batch):
     w = model.embeddings.tokens.weight.detach().clone().requires_grad_()
     rows = F.layer_norm(w[FASTMAE.mask] + ins.positions.weight.detach()[batch.positions[removed] + 1],
                         (cfg.hidden_size,), ins.norm.weight.detach(), ins.norm.bias.detach(), cfg.layer_norm_eps)
-    logits = model.head.transform(captured["h"].detach()) @ w.T + model.head.bias
+    logits = model.head(captured["h"].detach()) @ w.T + model.head.bias
     loss = F.cross_entropy(logits, sel.labels.long())
     (grad_w,) = torch.autograd.grad([rows, loss], w, grad_outputs=[captured["x"].grad[removed], None])
     torch.testing.assert_close(model.embeddings.tokens.weight.grad[FASTMAE.mask], grad_w[FASTMAE.mask], rtol=1e-4,
@@ -144,7 +144,7 @@ def test_sequences_in_a_batch_do_not_see_each_other(preset, extra):
     first = PackedBatch.from_sequences(seqs(a, b, c))
     second = PackedBatch.from_sequences(seqs(a, c, b, b))
     head_inputs = []  # the decoder's output at the predicted rows, in row order
-    model.head.dense.register_forward_hook(lambda mod, args, result: head_inputs.append(args[0]))
+    model.head.register_forward_hook(lambda mod, args, result: head_inputs.append(args[0]))
     out1, out2 = model(first, seed=3), model(second, seed=3)
     n1 = out1.masked.counts.predicted[0]
     assert n1 > 0 and torch.equal(out1.masked.selection.masked_index[:n1], out2.masked.selection.masked_index[:n1])
@@ -188,7 +188,7 @@ def test_cross_decoder_matches_naive_computation(batch):
             context = full.index_copy(0, rows - lo, x)
             x = layer_forward(layer, x, batch.positions[rows], cfg, context, batch.positions[lo:hi])
         predicted.append(x)
-    hidden = model.head.transform(torch.cat(predicted))
+    hidden = model.head(torch.cat(predicted))
     expected = F.cross_entropy(hidden @ model.embeddings.tokens.weight.T + model.head.bias, sel.labels.long())
     torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
 

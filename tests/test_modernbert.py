@@ -64,7 +64,7 @@ def test_a_modernbert_computes_its_hidden_states_and_predictions_at_step_0(bpe_d
     model = pretrained.encoder().eval()
     with torch.no_grad():
         ours = model.encode(batch)
-        logits = model.head.transform(ours) @ model.embeddings.tokens.weight.T + model.head.bias
+        logits = model.head(ours) @ model.embeddings.tokens.weight.T + model.head.bias
     for implementation in ("eager", "sdpa"):
         hf = transformers.AutoModelForMaskedLM.from_pretrained(directory, attn_implementation=implementation).eval()
         for i, row in enumerate(ids):  # one sequence at a time: no padding in either
@@ -124,7 +124,7 @@ def test_export_writes_a_modernbert_that_transformers_loads_computing_fastmaes_s
         assert tokenizer(text).input_ids == ids
         with torch.no_grad():
             ours = model.encode(PackedBatch.from_sequences([ids], special=pretrained.config.special_tokens))
-            logits = model.head.transform(ours) @ model.embeddings.tokens.weight.T + model.head.bias
+            logits = model.head(ours) @ model.embeddings.tokens.weight.T + model.head.bias
             outputs = hf(input_ids=torch.tensor([ids]), output_hidden_states=True)
         assert (outputs.hidden_states[-1][0] - ours).abs().max() <= 1e-5
         assert (outputs.logits[0] - logits).abs().max() <= 1e-4

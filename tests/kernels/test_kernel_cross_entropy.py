@@ -106,9 +106,12 @@ class _Allocations(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.shapes = Counter()
+        self.zeroed = 0  # zero fills of tensors with more than one element
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.zeros.default, torch.ops.aten.zero_.default) and out.numel() > 1:
+            self.zeroed += 1
         # views, in-place ops and out= overloads allocate nothing
         if not func.is_view and not func._schema.name.endswith("_") and "out" not in func._overloadname:
             self.shapes.update(tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
@@ -133,9 +136,13 @@ def test_chunked_work_and_allocations(dtype, monkeypatch):
     with _Allocations() as train:
         linear_cross_entropy(x, w, b, labels).backward()
     assert train.shapes[(32, padded)] == 4 and train.shapes[(rows, padded)] == 0
-    # the padded weight and the fp32 buffer; on CPU in bf16 each chunk's product and its fp32 copy
-    per_chunk = 2 if dtype == torch.bfloat16 and KERNEL_DEVICE == "cpu" else 0
+    # the padded weight and the fp32 buffer (not zero-filled: the first chunk's product writes it); on CPU in bf16
+    # each chunk's product, added into the buffer as it is
+    per_chunk = 1 if dtype == torch.bfloat16 and KERNEL_DEVICE == "cpu" else 0
     assert train.shapes[(padded, hidden)] == 2 + 4 * per_chunk
+    assert train.zeroed == 0  # nor the bias's
+    # x's gradient: one [N, H] buffer its GEMMs write in place, no [32, H] product a chunk
+    assert train.shapes[(32, hidden)] == 0
     # backward: each scaled gradient in its own allocation, in its dtype: [N, H] twice (the forward's unscaled
     # gradient of x, and this), [V, H] and [V] once (the forward's are slices of its padded-vocabulary buffers)
     assert train.shapes[(vocab, hidden)] == 1 and train.shapes[(rows, hidden)] == 2 and train.shapes[(vocab,)] == 1

@@ -5,7 +5,7 @@ without dropout, rows of any stride."""
 import pytest
 import torch
 from conftest import KERNEL_DEVICE, candidate_tilings
-from fastmae.kernels import add_layer_norm, add_layer_norm_reference, norm
+from fastmae.kernels import add_layer_norm, add_layer_norm_reference, layer_norm, layer_norm_reference, norm
 from tolerance import assert_as_accurate
 
 DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
@@ -54,6 +54,34 @@ def test_add_layer_norm_matches_the_reference_forward_and_backward(rows, hidden,
     for name, g, p, e in zip(names, got, plain, exact):
         assert_as_accurate(f"add_layer_norm {name}", g.cpu(), p.cpu(), e.cpu(), dtype,
                            factor=2 if name in ("y", "h") else 3)
+
+
+@pytest.mark.parametrize("rows, hidden", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])  # RoBERTa's LM head; ModernBERT's
+@pytest.mark.parametrize("seed", [0, 1])
+def test_layer_norm_matches_the_reference_forward_and_backward(rows, hidden, dtype, with_bias, seed, nan_empty,
+                                                               monkeypatch):
+    """The kernels without a residual (the LM head's norm): no residual read, none's gradient written, the backward
+    reading x as the sum. Seed 1 runs the backward on two programs looping over several tiles."""
+    if seed:
+        monkeypatch.setattr(norm, "BACKWARD_PROGRAMS", 2)
+    gen = torch.Generator().manual_seed(seed + 10)
+    wide = 2 * torch.randn(rows, hidden + 5, generator=gen) + 0.5  # x as a strided view
+    weight, bias = 1 + 0.2 * torch.randn(hidden, generator=gen), 0.3 * torch.randn(hidden, generator=gen)
+    grad_y = torch.randn(rows, hidden, generator=gen)
+
+    def run(fn, run_dtype):
+        leaves = [t.to(KERNEL_DEVICE, run_dtype).requires_grad_() for t in (wide, weight, bias)]
+        y = fn(leaves[0][:, :hidden], leaves[1], leaves[2] if with_bias else None, 0.1)  # an eps that tells x from 2x
+        wanted = leaves if with_bias else leaves[:2]
+        d_inputs = torch.autograd.grad(y, wanted, grad_y.to(KERNEL_DEVICE, run_dtype))
+        return [y, d_inputs[0][:, :hidden], *d_inputs[1:]]
+
+    got, plain = run(layer_norm, dtype), run(layer_norm_reference, dtype)
+    exact = run(layer_norm_reference, torch.float64)
+    for name, g, p, e in zip(["y", "dx", "dweight", "dbias"], got, plain, exact):
+        assert_as_accurate(f"layer_norm {name}", g.cpu(), p.cpu(), e.cpu(), dtype, factor=2 if name == "y" else 3)
 
 
 NORM_TILINGS = candidate_tilings(norm.tiles(768), norm.CANDIDATES)

@@ -56,6 +56,7 @@ def test_the_table_compiles_each_kernel_as_the_jit_specializes_it():
 
     assert load_bytes("activation._bias_gelu_fwd_kernel", "bf16 BLOCK_C=1024") == {16}
     assert load_bytes("norm._add_norm_fwd_kernel", "bf16 BLOCK_H=256 CHUNKS=3 xbias=1 bias=1 sum=0 dropout=1") == {16}
+    assert load_bytes("cross_entropy._scale_kernel", "fp32 -> bf16") == {16}  # n_elements divisible by 16
     assert aot.widest_load_bytes("ld.global.L1::evict_last.v4.b32 {a, b, c, d}, [x];\nld.global.b16 y, [z];") == 16
     assert aot.widest_load_bytes("ld.global.v2.b32 {a, b}, [x];") == 8 and aot.widest_load_bytes("st.global.b16") == 0
 
