@@ -47,6 +47,15 @@ def _norm_args(norm: nn.LayerNorm | None) -> dict:
     return {} if norm is None else dict(zip(("ln_weight", "ln_bias", "eps"), fused_norm_args(norm)))
 
 
+def _fused_dropout(dropout: Dropout, like: torch.Tensor) -> dict:
+    """A row op's arguments for `dropout` hashed in its kernel (`ops.dropout_keys`: on the Triton path, a key drawn
+    from torch's generator), or {} where the module runs after the op instead (off, the references, and autocast,
+    under which the layers keep torch's dropout too)."""
+    p = dropout.p if dropout.training and not torch.is_autocast_enabled(like.device.type) else 0.0
+    key = ops.dropout_keys(like, 1, p)
+    return {} if key is None else dict(dropout_p=p, key=key)
+
+
 class Embeddings(nn.Module):
     """Token + learned position embedding, LayerNorm, dropout: the encoder's input (one fused gather)."""
 
@@ -61,8 +70,11 @@ class Embeddings(nn.Module):
                 extra_row: int | None = None):
         """ids: int32; rows: [N] int32, the entries of ids to embed (None: all); positions: [N] int32 -> [N, H].
         With `extra_row`, also that row of the token table (the insertion's `<mask>` row): (rows, row)."""
-        out = ops.embed_rows(self.tokens.weight, ids, rows=rows, extra_row=extra_row,
+        fused = _fused_dropout(self.dropout, self.tokens.weight)
+        out = ops.embed_rows(self.tokens.weight, ids, rows=rows, extra_row=extra_row, **fused,
                              **_position_args(self.positions, positions), **_norm_args(self.norm))
+        if fused:  # hashed in the kernel
+            return out
         return self.dropout(out) if extra_row is None else (self.dropout(out[0]), out[1])
 
 
@@ -86,9 +98,10 @@ class Insertion(nn.Module):
     def forward(self, visible: torch.Tensor, masked: MaskedBatch, fill: torch.Tensor) -> torch.Tensor:
         """visible: [T_v, H] rows; fill: [H], the `<mask>` row (`Embeddings` hands it out) -> [T, H]."""
         sel = masked.selection
-        x = ops.insert_rows(visible, sel.visible_index, sel.removed_index, fill,
+        fused = _fused_dropout(self.dropout, visible)
+        x = ops.insert_rows(visible, sel.visible_index, sel.removed_index, fill, **fused,
                             **_position_args(self.positions, masked.batch.positions), **_norm_args(self.norm))
-        return self.dropout(x)
+        return x if fused else self.dropout(x)
 
 
 class LMHead(nn.Module):

@@ -24,24 +24,25 @@ def _row_configs():
     for hidden_block in [2**k for k in range(6, launch.MAX_HIDDEN.bit_length())]:  # BLOCK_H 64 .. MAX_HIDDEN
         block, warps = rows.row_launch_config(hidden_block)
         for combo, (src_idx, gathered, fill, pos, norm, dst) in combos.items():
-            for dtype in ("fp32", "bf16"):
+            for dtype, dropout in itertools.product(("fp32", "bf16"), (0, 1) if norm else (0,)):  # dropout: a norm's
                 flags = dict(SRC_INDEXED=src_idx, HAS_FILL=fill, HAS_POS=pos, HAS_NORM=norm, DST_INDEXED=dst,
-                             BLOCK_H=block)
+                             HAS_DROPOUT=dropout, BLOCK_H=block)
+                said = f"{combo}{' +dropout' * dropout} {dtype} BLOCK_H={block}"
                 d = ptr[dtype]
                 fwd = dict(SRC=d, src_ids="*i32", gather_index="*i32", FILL=d, POS="*fp32", pos_ids="*i32",
                            W="*fp32", B="*fp32", OUT=d, dst_index="*i32", fill_index="*i32", MEAN="*fp32",
-                           RSTD="*fp32", SRC_ROWS="*i32", POS_ROWS="*i32", num_src_rows="i32", H="i32",
-                           stride_src="i32", stride_pos="i32", stride_out="i32", pos_offset="i32", eps="fp32")
-                yield ("rows._rows_fwd_kernel", f"{combo} {dtype} BLOCK_H={block}", fwd,
-                       {**flags, "GATHERED": gathered}, warps)
+                           RSTD="*fp32", SRC_ROWS="*i32", POS_ROWS="*i32", KEY="*i64", num_src_rows="i32", H="i32",
+                           stride_src="i32", stride_pos="i32", stride_out="i32", pos_offset="i32", eps="fp32",
+                           threshold="i32", scale="fp32")
+                yield "rows._rows_fwd_kernel", said, fwd, {**flags, "GATHERED": gathered}, warps
                 if gathered:
                     continue
                 bwd = dict(DOUT=d, dst_index="*i32", fill_index="*i32", SRC=d, SRC_ROWS="*i32", FILL=d, POS="*fp32",
                            POS_ROWS="*i32", W="*fp32", MEAN="*fp32", RSTD="*fp32", DPRE="*fp32", DW_PART="*fp32",
-                           DB_PART="*fp32", n_rows="i32", num_src_rows="i32", H="i32", stride_dout="i32",
-                           stride_src="i32", stride_pos="i32")
-                yield ("rows._rows_bwd_kernel", f"{combo} {dtype} BLOCK_H={block}", bwd,
-                       {**flags, "ROWS_PER_PROGRAM": rows.ROWS_PER_PROGRAM}, warps)
+                           DB_PART="*fp32", KEY="*i64", n_rows="i32", num_src_rows="i32", H="i32", stride_dout="i32",
+                           stride_src="i32", stride_pos="i32", threshold="i32", scale="fp32")
+                yield ("rows._rows_bwd_kernel", said, bwd, {**flags, "ROWS_PER_PROGRAM": rows.ROWS_PER_PROGRAM},
+                       warps)
 
 
 def _mask_configs():

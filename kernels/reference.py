@@ -97,19 +97,28 @@ def _layer_norm_fp32(x, weight, bias, eps):
     return F.layer_norm(x.to(dtype), x.shape[-1:], weight.to(dtype), bias.to(dtype), eps)
 
 
+def _hashed_dropout(x, p, key):
+    """x with `hashed_keep`'s dropout at probability p under `key` (x itself at p = 0)."""
+    if not p:
+        return x
+    kept, scale = hashed_keep(x.shape[0], x.shape[1], p, key)
+    return x.masked_fill(~kept, 0.0) * scale
+
+
 def embed_rows_reference(table, ids, pos_table=None, pos_ids=None, ln_weight=None, ln_bias=None, eps=1e-5, *,
-                         rows=None, pos_offset=0, extra_row=None):
+                         rows=None, pos_offset=0, extra_row=None, dropout_p=0.0, key=None):
     """`embed_rows` in plain torch."""
     x = F.embedding((ids if rows is None else ids.index_select(0, rows)).long(), table)
     if pos_table is not None:
         x = x + F.embedding(pos_ids.long() + pos_offset, pos_table)
     if ln_weight is not None:
         x = _layer_norm_fp32(x, ln_weight, ln_bias, eps)
-    return x.to(table.dtype) if extra_row is None else (x.to(table.dtype), table[extra_row])
+    x = _hashed_dropout(x.to(table.dtype), dropout_p, key)
+    return x if extra_row is None else (x, table[extra_row])
 
 
 def insert_rows_reference(visible, visible_index, removed_index, fill, pos_table=None, pos_ids=None, ln_weight=None,
-                          ln_bias=None, eps=1e-5, *, pos_offset=0):
+                          ln_bias=None, eps=1e-5, *, pos_offset=0, dropout_p=0.0, key=None):
     """`insert_rows` in plain torch."""
     total = visible.shape[0] + removed_index.shape[0]
     out = visible.new_empty(total, visible.shape[1])
@@ -119,7 +128,7 @@ def insert_rows_reference(visible, visible_index, removed_index, fill, pos_table
         out = out + F.embedding(pos_ids.long() + pos_offset, pos_table)
     if ln_weight is not None:
         out = _layer_norm_fp32(out, ln_weight, ln_bias, eps)
-    return out.to(visible.dtype)
+    return _hashed_dropout(out.to(visible.dtype), dropout_p, key)
 
 
 # ------------------------------------------------------------------------------------------- cross-entropy
@@ -175,9 +184,7 @@ def add_layer_norm_reference(x, residual, weight, bias, eps=1e-5, keep_sum=False
     (`hashed_keep`)."""
     if x_bias is not None:
         x = x + x_bias
-    if dropout_p:
-        kept, scale = hashed_keep(x.shape[0], x.shape[1], dropout_p, key)
-        x = x.masked_fill(~kept, 0.0) * scale
+    x = _hashed_dropout(x, dropout_p, key)
     summed = x + residual
     return F.layer_norm(summed, summed.shape[-1:], weight, bias, eps), summed if keep_sum else None
 

@@ -2,11 +2,13 @@
 
 One Triton kernel pair serves both (ARCHITECTURE.md section 3.2). Launch row r writes
 
-    out[dst(r)] = LayerNorm(src_row(r) + pos_table[pos_ids[dst(r)] + pos_offset])   (position add and norm optional)
+    out[dst(r)] = dropout(LayerNorm(src_row(r) + pos_table[pos_ids[dst(r)] + pos_offset]))   (each part optional)
 
 with src_row(r) = src[src_ids[g(r)]] (a table lookup: the embedding gather; g(r) = gather_index[r] or r) or src[r]
 for r < num_src_rows and the `fill` row after (the insertion), and dst(r) = r, or dst_index[r] for a source row and
-fill_index[r - num_src_rows] for a fill row (a scatter). The forward keeps the table rows it read, so the backward
+fill_index[r - num_src_rows] for a fill row (a scatter). The dropout is the layers' hashed one (kernels/norm.py),
+element (dst(r), c) of the output under a key: the backward draws the same bits, no mask stored, no dropout
+kernels either way. The forward keeps the table rows it read, so the backward
 indexes nothing; it writes d(pre-norm row) once per row, in row order, so no float atomics: the caller reduces it
 into the tables with torch's embedding backward (`_accumulate_rows`) or takes it as the gradient of `src` directly.
 """
@@ -19,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .hashing import dropout_threshold
 from .launch import MAX_HIDDEN, carve, sum_parts
+from .mask_select import uniform_bits_u32
 
 # ----------------------------------------------------------------------------------------------------- kernels
 
@@ -57,11 +61,18 @@ def _output_row(r, dst_index, fill_index, num_src_rows, DST_INDEXED: tl.constexp
 
 
 @triton.jit
+def _kept_in_row(dst, cols, H, KEY, threshold):
+    """bool [BLOCK_H]: the elements of output row `dst` the hashed dropout keeps (`hashing.hashed_keep`'s bits for
+    element (dst, c) of a [rows, H] tensor, as kernels/norm.py draws them)."""
+    return (uniform_bits_u32(dst * H + cols, KEY) >> 1) >= threshold
+
+
+@triton.jit
 def _rows_fwd_kernel(SRC, src_ids, gather_index, FILL, POS, pos_ids, W, B, OUT, dst_index, fill_index, MEAN, RSTD,
-                     SRC_ROWS, POS_ROWS, num_src_rows, H, stride_src, stride_pos, stride_out, pos_offset, eps,
-                     SRC_INDEXED: tl.constexpr, GATHERED: tl.constexpr, HAS_FILL: tl.constexpr,
+                     SRC_ROWS, POS_ROWS, KEY, num_src_rows, H, stride_src, stride_pos, stride_out, pos_offset, eps,
+                     threshold, scale, SRC_INDEXED: tl.constexpr, GATHERED: tl.constexpr, HAS_FILL: tl.constexpr,
                      HAS_POS: tl.constexpr, HAS_NORM: tl.constexpr, DST_INDEXED: tl.constexpr,
-                     BLOCK_H: tl.constexpr):
+                     HAS_DROPOUT: tl.constexpr, BLOCK_H: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     mask = cols < H
@@ -90,15 +101,18 @@ def _rows_fwd_kernel(SRC, src_ids, gather_index, FILL, POS, pos_ids, W, B, OUT, 
         tl.store(RSTD + r, rstd)
     else:
         y = x
+    if HAS_DROPOUT:  # the output rounded to its dtype, then scaled (what torch's dropout of it gives)
+        y = tl.where(_kept_in_row(dst, cols, H, KEY, threshold), y.to(OUT.dtype.element_ty).to(tl.float32) * scale,
+                     0.0)
     tl.store(OUT + dst * stride_out + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rows_bwd_kernel(DOUT, dst_index, fill_index, SRC, SRC_ROWS, FILL, POS, POS_ROWS, W, MEAN, RSTD, DPRE, DW_PART,
-                     DB_PART, n_rows, num_src_rows, H, stride_dout, stride_src, stride_pos,
+                     DB_PART, KEY, n_rows, num_src_rows, H, stride_dout, stride_src, stride_pos, threshold, scale,
                      SRC_INDEXED: tl.constexpr, HAS_FILL: tl.constexpr, HAS_POS: tl.constexpr,
-                     HAS_NORM: tl.constexpr, DST_INDEXED: tl.constexpr, BLOCK_H: tl.constexpr,
-                     ROWS_PER_PROGRAM: tl.constexpr):
+                     HAS_NORM: tl.constexpr, DST_INDEXED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                     BLOCK_H: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     mask = cols < H
@@ -111,6 +125,8 @@ def _rows_bwd_kernel(DOUT, dst_index, fill_index, SRC, SRC_ROWS, FILL, POS, POS_
         if r < n_rows:
             dst = _output_row(r, dst_index, fill_index, num_src_rows, DST_INDEXED, HAS_FILL)
             dy = tl.load(DOUT + dst * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_DROPOUT:
+                dy = tl.where(_kept_in_row(dst, cols, H, KEY, threshold), dy * scale, 0.0)
             if HAS_NORM:
                 src_row = r
                 if SRC_INDEXED:
@@ -172,7 +188,26 @@ class RowIndex(NamedTuple):
     n_rows: int
 
 
-def _launch_forward(src, fill, pos_table, ln_weight, ln_bias, eps, index: RowIndex):
+class RowDropout(NamedTuple):
+    """A row op's hashed dropout of its output: `hashing.dropout_threshold`'s (threshold, scale) and the key (an int64
+    tensor of one 32-bit value on the op's device; None where threshold is 0: no dropout)."""
+
+    threshold: int
+    scale: float
+    key: torch.Tensor | None
+
+    @classmethod
+    def of(cls, name: str, p: float, key: torch.Tensor | None, device: torch.device) -> RowDropout:
+        """The dropout at probability `p` under `key`, checked (errors name the op `name`)."""
+        if not p:
+            return cls(0, 1.0, None)
+        if key is None or key.numel() != 1 or key.dtype != torch.int64 or key.device != device:
+            raise ValueError(f"{name}: dropout_p={p} needs its key as one int64 on {device}; got "
+                             f"{None if key is None else (tuple(key.shape), key.dtype, str(key.device))}")
+        return cls(*dropout_threshold(p), key)
+
+
+def _launch_forward(src, fill, pos_table, ln_weight, ln_bias, eps, index: RowIndex, dropout: RowDropout):
     """Every output row written exactly once. Returns (out, mean, rstd, src_rows, pos_rows): the statistics and the
     table rows each launch row read (fp32, int32; empty where unused), what the backward reads."""
     hidden, device, n_rows = src.shape[1], src.device, index.n_rows
@@ -186,20 +221,21 @@ def _launch_forward(src, fill, pos_table, ln_weight, ln_bias, eps, index: RowInd
     if n_rows == 0:
         return out, mean, rstd, src_rows, pos_rows
     block, warps = row_launch_config(hidden)
-    src_ids, gather_index, fill, pos_table, pos_ids, ln_weight, ln_bias, dst_index, fill_index = _pointers(
+    src_ids, gather_index, fill, pos_table, pos_ids, ln_weight, ln_bias, dst_index, fill_index, key = _pointers(
         device, index.src_ids, index.gather_index, fill, pos_table, index.pos_ids, ln_weight, ln_bias,
-        index.dst_index, index.fill_index)
+        index.dst_index, index.fill_index, dropout.key)
     _rows_fwd_kernel[(n_rows,)](
         src, src_ids, gather_index, fill, pos_table, pos_ids, ln_weight, ln_bias, out, dst_index, fill_index, mean,
-        rstd, src_rows, pos_rows, src.shape[0], hidden, src.stride(0), pos_table.stride(0) if has_pos else 0,
-        out.stride(0), index.pos_offset, eps, SRC_INDEXED=src_indexed, GATHERED=index.gather_index is not None,
-        HAS_FILL=has_fill, HAS_POS=has_pos, HAS_NORM=has_norm,
-        DST_INDEXED=index.dst_index is not None, BLOCK_H=block, num_warps=warps,
+        rstd, src_rows, pos_rows, key, src.shape[0], hidden, src.stride(0), pos_table.stride(0) if has_pos else 0,
+        out.stride(0), index.pos_offset, eps, dropout.threshold, dropout.scale, SRC_INDEXED=src_indexed,
+        GATHERED=index.gather_index is not None, HAS_FILL=has_fill, HAS_POS=has_pos, HAS_NORM=has_norm,
+        DST_INDEXED=index.dst_index is not None, HAS_DROPOUT=dropout.threshold > 0, BLOCK_H=block, num_warps=warps,
     )
     return out, mean, rstd, src_rows, pos_rows
 
 
-def _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, index: RowIndex):
+def _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, index: RowIndex,
+                     dropout: RowDropout):
     hidden, device, n_rows = src.shape[1], src.device, index.n_rows
     dpre = torch.empty(n_rows, hidden, device=device, dtype=torch.float32)
     has_norm = ln_weight is not None
@@ -212,13 +248,15 @@ def _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows
     dout = dout.contiguous()
     block, warps = row_launch_config(hidden)
     has_fill, has_pos = fill is not None, pos_table is not None
-    dst_index, fill_index, fill, pos_table, ln_weight, dw_part, db_part = _pointers(
-        device, index.dst_index, index.fill_index, fill, pos_table, ln_weight, dw_part, db_part)
+    dst_index, fill_index, fill, pos_table, ln_weight, dw_part, db_part, key = _pointers(
+        device, index.dst_index, index.fill_index, fill, pos_table, ln_weight, dw_part, db_part, dropout.key)
     _rows_bwd_kernel[(programs,)](
         dout, dst_index, fill_index, src, src_rows, fill, pos_table, pos_rows, ln_weight, mean, rstd, dpre, dw_part,
-        db_part, n_rows, src.shape[0], hidden, dout.stride(0), src.stride(0), pos_table.stride(0) if has_pos else 0,
+        db_part, key, n_rows, src.shape[0], hidden, dout.stride(0), src.stride(0),
+        pos_table.stride(0) if has_pos else 0, dropout.threshold, dropout.scale,
         SRC_INDEXED=index.src_ids is not None, HAS_FILL=has_fill, HAS_POS=has_pos, HAS_NORM=has_norm,
-        DST_INDEXED=index.dst_index is not None, BLOCK_H=block, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, num_warps=warps,
+        DST_INDEXED=index.dst_index is not None, HAS_DROPOUT=dropout.threshold > 0, BLOCK_H=block,
+        ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, num_warps=warps,
     )
     if not has_norm:
         return dpre, None, None
@@ -248,21 +286,24 @@ def _accumulate_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
 class _RowsFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, src, fill, pos_table, ln_weight, ln_bias, eps, index: RowIndex, extra_row):
+    def forward(ctx, src, fill, pos_table, ln_weight, ln_bias, eps, index: RowIndex, extra_row, dropout: RowDropout):
         src = src.contiguous()
-        out, mean, rstd, src_rows, pos_rows = _launch_forward(src, fill, pos_table, ln_weight, ln_bias, eps, index)
+        out, mean, rstd, src_rows, pos_rows = _launch_forward(src, fill, pos_table, ln_weight, ln_bias, eps, index,
+                                                              dropout)
         ctx.save_for_backward(src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, index.dst_index,
-                              index.fill_index)  # None stays None
+                              index.fill_index, dropout.key)  # None stays None
         ctx.index = index._replace(gather_index=None, dst_index=None, fill_index=None, pos_ids=None)
+        ctx.dropout = dropout._replace(key=None)
         ctx.extra_row = extra_row
         return out if extra_row is None else (out, src[extra_row])
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout, d_extra=None):
-        src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, dst_index, fill_index = ctx.saved_tensors
+        src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, dst_index, fill_index, key = ctx.saved_tensors
         index = ctx.index._replace(dst_index=dst_index, fill_index=fill_index)
-        dpre, dw, db = _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, index)
+        dpre, dw, db = _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, index,
+                                        ctx.dropout._replace(key=key))
         d_src = None
         if index.src_ids is not None and ctx.needs_input_grad[0]:  # a table lookup: rows with the same id add up
             d_src = _accumulate_rows(src, src_rows, dpre, ctx.extra_row, d_extra)
@@ -272,7 +313,7 @@ class _RowsFunction(torch.autograd.Function):
         d_pos = None
         if pos_table is not None and ctx.needs_input_grad[2]:
             d_pos = _accumulate_rows(pos_table, pos_rows, dpre)
-        return d_src, d_fill, d_pos, dw, db, None, None, None
+        return d_src, d_fill, d_pos, dw, db, None, None, None, None
 
 
 def _check_rows(name, src, pos_table, pos_ids, ln_weight, ln_bias, n_rows):
@@ -291,9 +332,11 @@ def _check_rows(name, src, pos_table, pos_ids, ln_weight, ln_bias, n_rows):
 def embed_rows(table: torch.Tensor, ids: torch.Tensor, pos_table: torch.Tensor | None = None,
                pos_ids: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
                ln_bias: torch.Tensor | None = None, eps: float = 1e-5, *, rows: torch.Tensor | None = None,
-               pos_offset: int = 0, extra_row: int | None = None):
-    """Embedding gather (Triton): LayerNorm(table[ids[rows]] + pos_table[pos_ids + pos_offset]) for each of the N
-    rows (`rows` None: every id, in order).
+               pos_offset: int = 0, extra_row: int | None = None, dropout_p: float = 0.0,
+               key: torch.Tensor | None = None):
+    """Embedding gather (Triton): dropout(LayerNorm(table[ids[rows]] + pos_table[pos_ids + pos_offset])) for each of
+    the N rows (`rows` None: every id, in order), the dropout hashed under `key` (an int64 tensor of one 32-bit value
+    on the table's device) where dropout_p > 0.
 
     table: [V, H]; ids: int32; rows: [N] int32 or None; pos_table: [P, H] or None; pos_ids: [N] int32, each row's
     position (its row of pos_table: pos_ids + pos_offset); ln_weight, ln_bias: [H] or None (no norm). Returns [N, H]
@@ -304,23 +347,27 @@ def embed_rows(table: torch.Tensor, ids: torch.Tensor, pos_table: torch.Tensor |
     n_rows = ids.numel() if rows is None else rows.numel()
     _check_rows("embed_rows", table, pos_table, pos_ids, ln_weight, ln_bias, n_rows)
     index = RowIndex(ids.contiguous(), rows, None, None, pos_ids, pos_offset, n_rows)
-    return _RowsFunction.apply(table, None, pos_table, ln_weight, ln_bias, eps, index, extra_row)
+    dropout = RowDropout.of("embed_rows", dropout_p, key, table.device)
+    return _RowsFunction.apply(table, None, pos_table, ln_weight, ln_bias, eps, index, extra_row, dropout)
 
 
 def insert_rows(visible: torch.Tensor, visible_index: torch.Tensor, removed_index: torch.Tensor, fill: torch.Tensor,
                 pos_table: torch.Tensor | None = None, pos_ids: torch.Tensor | None = None,
                 ln_weight: torch.Tensor | None = None, ln_bias: torch.Tensor | None = None,
-                eps: float = 1e-5, *, pos_offset: int = 0) -> torch.Tensor:
+                eps: float = 1e-5, *, pos_offset: int = 0, dropout_p: float = 0.0,
+                key: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen scatter (Triton): the full [T, H] stream from T_v visible rows and one fill row.
 
     visible: [T_v, H]; visible_index: [T_v] int32, their rows in the full stream; removed_index: [T_r] int32, the
     other rows (T_v + T_r = T, disjoint); fill: [H], the row every removed slot gets (the <mask> embedding).
     Optionally add pos_table[pos_ids[row] + pos_offset] (pos_ids: [T], indexed by full-stream row) and apply
-    LayerNorm. Returns [T, H] in visible's dtype. Backward: a gather for `visible`, a sum over removed rows for
-    `fill`, row sums into pos_table, reductions for the LayerNorm parameters.
+    LayerNorm, then the hashed dropout under `key` where dropout_p > 0 (as `embed_rows`). Returns [T, H] in
+    visible's dtype. Backward: a gather for `visible`, a sum over removed rows for `fill`, row sums into pos_table,
+    reductions for the LayerNorm parameters.
     """
     total = visible.shape[0] + removed_index.shape[0]
     _check_rows("insert_rows", visible, pos_table, pos_ids, ln_weight, ln_bias, total)
     index = RowIndex(None, None, visible_index, removed_index, pos_ids, pos_offset, total)
+    dropout = RowDropout.of("insert_rows", dropout_p, key, visible.device)
     return _RowsFunction.apply(visible, fill.reshape(-1).to(visible.dtype), pos_table, ln_weight, ln_bias, eps,
-                               index, None)
+                               index, None, dropout)

@@ -76,8 +76,9 @@ def test_unknown_kernel_mode_is_an_error(monkeypatch):
 
 def test_a_stack_of_layers_draws_its_dropout_keys_at_once(monkeypatch):
     """On the Triton path a stack of layers draws the keys of its norms' hashed dropout in one op
-    (`ops.dropout_keys`), not one op a norm (one kernel each on CUDA): an mlm forward draws once whatever its depth,
-    none in eval or under autocast; activation checkpointing hands the recomputation the same keys (bit-identical
+    (`ops.dropout_keys`), not one op a norm (one kernel each on CUDA): an mlm forward draws once for the stack
+    whatever its depth, and once for the embedding's dropout (hashed in the gather's kernel), none in eval or under
+    autocast; activation checkpointing hands the recomputation the same keys (bit-identical
     gradients, and no draw in the backward)."""
     draws = []
     randint = torch.randint
@@ -93,7 +94,7 @@ def test_a_stack_of_layers_draws_its_dropout_keys_at_once(monkeypatch):
         loss = model(batch, seed=3, step=1).loss
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-        assert draws == [(0, 2**32, (4,))], (checkpointing, draws)  # 2 layers x 2 norms
+        assert draws == [(0, 2**32, (1,)), (0, 2**32, (4,))], (checkpointing, draws)  # the embedding; 2 x 2 norms
         draws.clear()
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))

@@ -114,10 +114,43 @@ def test_insert_rows(rows, hidden, with_pos, with_norm, dtype, nan_empty):
     check(insert_rows, insert_rows_reference, inputs, dtype, floats, ints, call, bit_exact=2 if movement_only else 0)
 
 
+@pytest.mark.parametrize("op", ["embed", "embed-gathered", "insert"])
+@pytest.mark.parametrize("with_pos, with_norm", [VARIANTS[0], VARIANTS[3]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_hashed_dropout_drops_what_the_references_does(op, with_pos, with_norm, dtype, nan_empty):
+    """dropout_p > 0: the output's elements kept and scaled as `hashing.hashed_keep` says for each output row (the
+    gathered rows' and the insertion's scattered rows' too), its gradient through the same bits, forward and
+    backward against the reference."""
+    rows, hidden = 37, 100
+    inputs = make_inputs(rows, hidden, dtype, 11, with_pos, with_norm, pos_offset=1)
+    key = torch.tensor([0x7F4A7C15], dtype=torch.int64, device=KERNEL_DEVICE)
+    gen = torch.Generator().manual_seed(12)
+    if op == "insert":
+        perm = torch.randperm(rows, generator=gen).to(torch.int32)
+        inputs.update(visible=torch.randn(20, hidden, generator=gen), fill=torch.randn(hidden, generator=gen),
+                      visible_index=perm[:20].sort().values, removed_index=perm[20:].sort().values)
+        floats, ints = ["visible", "fill", "pos_table", "ln_weight", "ln_bias"], ["visible_index", "removed_index",
+                                                                                  "pos_ids"]
+        call = lambda fn, t: fn(t["visible"], t["visible_index"], t["removed_index"], t["fill"],  # noqa: E731
+                                t.get("pos_table"), t.get("pos_ids"), t.get("ln_weight"), t.get("ln_bias"),
+                                pos_offset=1, dropout_p=0.3, key=key)
+        check(insert_rows, insert_rows_reference, inputs, dtype, floats, ints, call, bit_exact=0)
+        return
+    if op == "embed-gathered":
+        inputs["ids"] = torch.cat([inputs["ids"], torch.randint(0, 50, (7,), generator=gen, dtype=torch.int32)])
+        inputs["rows"] = torch.randperm(rows + 7, generator=gen)[:rows].to(torch.int32)
+    floats, ints = ["table", "pos_table", "ln_weight", "ln_bias"], ["ids", "pos_ids", "rows"]
+    call = lambda fn, t: fn(t["table"], t["ids"], t.get("pos_table"), t.get("pos_ids"), t.get("ln_weight"),  # noqa
+                            t.get("ln_bias"), rows=t.get("rows"), pos_offset=1, dropout_p=0.3, key=key)
+    check(embed_rows, embed_rows_reference, inputs, dtype, floats, ints, call, bit_exact=0)
+
+
 def test_bad_arguments_are_named():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="pos_table and pos_ids"):
         embed_rows(x, torch.zeros(2, dtype=torch.int32), pos_table=x)
+    with pytest.raises(ValueError, match="embed_rows: dropout_p=0.1 needs its key"):
+        embed_rows(x, torch.zeros(2, dtype=torch.int32), dropout_p=0.1)
     with pytest.raises(ValueError, match="pos_ids has 3 rows"):
         insert_rows(x, torch.arange(4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), x[0], x,
                     torch.zeros(3, dtype=torch.int32))
