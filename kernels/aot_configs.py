@@ -39,8 +39,9 @@ def _row_configs():
                     continue
                 bwd = dict(DOUT=d, dst_index="*i32", fill_index="*i32", SRC=d, SRC_ROWS="*i32", FILL=d, POS="*fp32",
                            POS_ROWS="*i32", W="*fp32", MEAN="*fp32", RSTD="*fp32", DPRE="*fp32", DW_PART="*fp32",
-                           DB_PART="*fp32", KEY="*i64", n_rows="i32", num_src_rows="i32", H="i32", stride_dout="i32",
-                           stride_src="i32", stride_pos="i32", threshold="i32", scale="fp32")
+                           DB_PART="*fp32", DFILL_PART="*fp32", KEY="*i64", n_rows="i32", num_src_rows="i32",
+                           H="i32", stride_dout="i32", stride_src="i32", stride_pos="i32", threshold="i32",
+                           scale="fp32")
                 yield ("rows._rows_bwd_kernel", said, bwd, {**flags, "ROWS_PER_PROGRAM": rows.ROWS_PER_PROGRAM},
                        warps)
 

@@ -109,7 +109,8 @@ def _rows_fwd_kernel(SRC, src_ids, gather_index, FILL, POS, pos_ids, W, B, OUT, 
 
 @triton.jit
 def _rows_bwd_kernel(DOUT, dst_index, fill_index, SRC, SRC_ROWS, FILL, POS, POS_ROWS, W, MEAN, RSTD, DPRE, DW_PART,
-                     DB_PART, KEY, n_rows, num_src_rows, H, stride_dout, stride_src, stride_pos, threshold, scale,
+                     DB_PART, DFILL_PART, KEY, n_rows, num_src_rows, H, stride_dout, stride_src, stride_pos, threshold,
+                     scale,
                      SRC_INDEXED: tl.constexpr, HAS_FILL: tl.constexpr, HAS_POS: tl.constexpr,
                      HAS_NORM: tl.constexpr, DST_INDEXED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                      BLOCK_H: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr):
@@ -118,6 +119,7 @@ def _rows_bwd_kernel(DOUT, dst_index, fill_index, SRC, SRC_ROWS, FILL, POS, POS_
     mask = cols < H
     dw = tl.zeros([BLOCK_H], dtype=tl.float32)
     db = tl.zeros([BLOCK_H], dtype=tl.float32)
+    dfill = tl.zeros([BLOCK_H], dtype=tl.float32)  # the fill rows' summed gradient (the fill row's)
     if HAS_NORM:
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     for i in range(ROWS_PER_PROGRAM):
@@ -146,9 +148,13 @@ def _rows_bwd_kernel(DOUT, dst_index, fill_index, SRC, SRC_ROWS, FILL, POS, POS_
             else:
                 dx = dy
             tl.store(DPRE + r * H + cols, dx, mask=mask)
+            if HAS_FILL:
+                dfill += tl.where((cols * 0 + r) >= num_src_rows, dx, 0.0)  # block-shaped: the interpreter's need
     if HAS_NORM:
         tl.store(DW_PART + pid * H + cols, dw, mask=mask)
         tl.store(DB_PART + pid * H + cols, db, mask=mask)
+    if HAS_FILL:
+        tl.store(DFILL_PART + pid * H + cols, dfill, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
@@ -238,31 +244,42 @@ def _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows
                      dropout: RowDropout):
     hidden, device, n_rows = src.shape[1], src.device, index.n_rows
     dpre = torch.empty(n_rows, hidden, device=device, dtype=torch.float32)
-    has_norm = ln_weight is not None
-    programs = triton.cdiv(n_rows, ROWS_PER_PROGRAM)
-    # the LayerNorm's per-program partial gradients, weight's and bias's in one buffer, summed by one kernel
-    parts = torch.empty(2, programs, hidden, device=device, dtype=torch.float32) if has_norm else None
-    dw_part, db_part = parts.unbind(0) if has_norm else (None, None)
+    has_norm, has_fill, has_pos = ln_weight is not None, fill is not None, pos_table is not None
     if n_rows == 0:
-        return dpre, None, None
+        return dpre, None, None, None if fill is None else torch.zeros_like(fill)
+    programs = triton.cdiv(n_rows, ROWS_PER_PROGRAM)
+    # per-program partial sums in one buffer: the LayerNorm's weight and bias gradients, then the fill row's
+    parts = torch.empty(2 * has_norm + has_fill, programs, hidden, device=device, dtype=torch.float32)
+    dw_part, db_part = parts[:2].unbind(0) if has_norm else (None, None)
+    dfill_part = parts[-1] if has_fill else None
     dout = dout.contiguous()
     block, warps = row_launch_config(hidden)
-    has_fill, has_pos = fill is not None, pos_table is not None
-    dst_index, fill_index, fill, pos_table, ln_weight, dw_part, db_part, key = _pointers(
-        device, index.dst_index, index.fill_index, fill, pos_table, ln_weight, dw_part, db_part, dropout.key)
+    dst_index, fill_index, fill_ptr, pos_table, ln_weight_ptr, dw_part, db_part, dfill_part, key = _pointers(
+        device, index.dst_index, index.fill_index, fill, pos_table, ln_weight, dw_part, db_part, dfill_part,
+        dropout.key)
     _rows_bwd_kernel[(programs,)](
-        dout, dst_index, fill_index, src, src_rows, fill, pos_table, pos_rows, ln_weight, mean, rstd, dpre, dw_part,
-        db_part, key, n_rows, src.shape[0], hidden, dout.stride(0), src.stride(0),
+        dout, dst_index, fill_index, src, src_rows, fill_ptr, pos_table, pos_rows, ln_weight_ptr, mean, rstd, dpre,
+        dw_part, db_part, dfill_part, key, n_rows, src.shape[0], hidden, dout.stride(0), src.stride(0),
         pos_table.stride(0) if has_pos else 0, dropout.threshold, dropout.scale,
         SRC_INDEXED=index.src_ids is not None, HAS_FILL=has_fill, HAS_POS=has_pos, HAS_NORM=has_norm,
         DST_INDEXED=index.dst_index is not None, HAS_DROPOUT=dropout.threshold > 0, BLOCK_H=block,
         ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, num_warps=warps,
     )
-    if not has_norm:
-        return dpre, None, None
-    sums = torch.empty(2, hidden, device=device, dtype=ln_weight.dtype)
-    sum_parts(parts, sums)
-    return dpre, sums[0], sums[1]
+    # one summing kernel for all of them where their gradients share a dtype (the model's), else one each
+    dtypes = ([ln_weight.dtype] * 2 if has_norm else []) + ([fill.dtype] if has_fill else [])
+    if not dtypes:
+        return dpre, None, None, None
+    if len(set(dtypes)) == 1:
+        sums = torch.empty(len(dtypes), hidden, device=device, dtype=dtypes[0])
+        sum_parts(parts, sums)
+    else:
+        sums = [torch.empty(2, hidden, device=device, dtype=ln_weight.dtype),
+                torch.empty(1, hidden, device=device, dtype=fill.dtype)]
+        sum_parts(parts[:2], sums[0])
+        sum_parts(parts[2:], sums[1])
+        sums = [*sums[0], *sums[1]]
+    dw, db = (sums[0], sums[1]) if has_norm else (None, None)
+    return dpre, dw, db, sums[-1] if has_fill else None
 
 
 def _accumulate_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, extra_row: int | None = None,
@@ -302,14 +319,13 @@ class _RowsFunction(torch.autograd.Function):
     def backward(ctx, dout, d_extra=None):
         src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, dst_index, fill_index, key = ctx.saved_tensors
         index = ctx.index._replace(dst_index=dst_index, fill_index=fill_index)
-        dpre, dw, db = _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, index,
-                                        ctx.dropout._replace(key=key))
+        dpre, dw, db, d_fill = _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows,
+                                                index, ctx.dropout._replace(key=key))
         d_src = None
         if index.src_ids is not None and ctx.needs_input_grad[0]:  # a table lookup: rows with the same id add up
             d_src = _accumulate_rows(src, src_rows, dpre, ctx.extra_row, d_extra)
         elif index.src_ids is None:  # row r of src made output row r: its gradient is d_pre in row order
             d_src = dpre[: src.shape[0]].to(src.dtype)
-        d_fill = dpre[src.shape[0]:].sum(0).to(fill.dtype) if fill is not None else None
         d_pos = None
         if pos_table is not None and ctx.needs_input_grad[2]:
             d_pos = _accumulate_rows(pos_table, pos_rows, dpre)
