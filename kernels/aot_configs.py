@@ -24,7 +24,7 @@ def _row_configs():
     for hidden_block in [2**k for k in range(6, launch.MAX_HIDDEN.bit_length())]:  # BLOCK_H 64 .. MAX_HIDDEN
         block, warps = rows.row_launch_config(hidden_block)
         for combo, (src_idx, gathered, fill, pos, norm, dst) in combos.items():
-            for dtype, dropout in itertools.product(("fp32", "bf16"), (0, 1) if norm else (0,)):  # dropout: a norm's
+            for dtype, dropout in itertools.product(("fp32", "bf16"), (0, 1)):  # the dropout after the op, or none
                 flags = dict(SRC_INDEXED=src_idx, HAS_FILL=fill, HAS_POS=pos, HAS_NORM=norm, DST_INDEXED=dst,
                              HAS_DROPOUT=dropout, BLOCK_H=block)
                 said = f"{combo}{' +dropout' * dropout} {dtype} BLOCK_H={block}"
