@@ -265,21 +265,20 @@ def _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows
         DST_INDEXED=index.dst_index is not None, HAS_DROPOUT=dropout.threshold > 0, BLOCK_H=block,
         ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, num_warps=warps,
     )
-    # one summing kernel for all of them where their gradients share a dtype (the model's), else one each
-    dtypes = ([ln_weight.dtype] * 2 if has_norm else []) + ([fill.dtype] if has_fill else [])
-    if not dtypes:
-        return dpre, None, None, None
-    if len(set(dtypes)) == 1:
-        sums = torch.empty(len(dtypes), hidden, device=device, dtype=dtypes[0])
-        sum_parts(parts, sums)
-    else:
-        sums = [torch.empty(2, hidden, device=device, dtype=ln_weight.dtype),
-                torch.empty(1, hidden, device=device, dtype=fill.dtype)]
-        sum_parts(parts[:2], sums[0])
-        sum_parts(parts[2:], sums[1])
-        sums = [*sums[0], *sums[1]]
-    dw, db = (sums[0], sums[1]) if has_norm else (None, None)
-    return dpre, dw, db, sums[-1] if has_fill else None
+    # the norm's parameter gradients and the fill row's each an allocation of its own (`launch.carve` says why)
+    dw = db = d_fill = None
+    if has_norm:
+        dw, db = _summed(parts[:2], ln_weight.dtype)
+    if has_fill:
+        (d_fill,) = _summed(parts[-1:], fill.dtype)
+    return dpre, dw, db, d_fill
+
+
+def _summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n, H] in `dtype`: the per-program partial sums `parts` [n, programs, H] added up (`launch.sum_parts`)."""
+    sums = torch.empty(parts.shape[0], parts.shape[2], device=parts.device, dtype=dtype)
+    sum_parts(parts, sums)
+    return sums
 
 
 def _accumulate_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, extra_row: int | None = None,
