@@ -89,7 +89,7 @@ KERNEL_KINDS = (
                              re.I)),
     ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|cublas|wgmma|splitK", re.I)),
     ("norm", re.compile(r"layer_norm|GammaBeta|rms_norm|_rows_fwd|_rows_bwd|norm", re.I)),
-    ("cross-entropy", re.compile(r"_ce_rows|cross_entropy|log_softmax|nll_loss", re.I)),
+    ("cross-entropy", re.compile(r"_ce_(rows|grad)|cross_entropy|log_softmax|nll_loss", re.I)),
     # not "lamb": elementwise kernels' names hold "{lambda(int)#1}"
     ("optimizer", re.compile(r"multi_tensor|adam|foreach|lamb(?!da)", re.I)),
     ("masking", re.compile(r"_rank_kernel|_compact_kernel", re.I)),

@@ -122,9 +122,9 @@ def issue_instructions(sass: str) -> int:
 
 def thread_elements(constexprs: dict, warps: int) -> float | None:
     """Elements of a row-wise kernel's tile (BLOCK_R x BLOCK_C, or BLOCK_R x CHUNKS x BLOCK_H; the cross-entropy's
-    block of a row's vocabulary, BLOCK_V) a thread holds, None for other kernels."""
+    block of a row's vocabulary, BLOCK_V, or of BLOCK_R rows' vocabulary) a thread holds, None for other kernels."""
     if "BLOCK_V" in constexprs:
-        return constexprs["BLOCK_V"] / (32 * warps)
+        return constexprs.get("BLOCK_R", 1) * constexprs["BLOCK_V"] / (32 * warps)
     columns = constexprs.get("BLOCK_C", constexprs.get("BLOCK_H", 0) * constexprs.get("CHUNKS", 1))
     return constexprs["BLOCK_R"] * columns / (32 * warps) if "BLOCK_R" in constexprs and columns else None
 

@@ -68,10 +68,19 @@ def _ce_configs():
             break
         for dtype in ("fp32", "bf16"):
             for grad in (0, 1):
-                sig = dict(LOGITS=f"*{dtype}", stride_logits="i32", LABELS="*i32", LOSS="*fp32",
-                           V="i32", ignore_index="i32", smoothing="fp32", z_loss="fp32")
+                sig = dict(LOGITS=f"*{dtype}", stride_logits="i32", LABELS="*i32", LOSS="*fp32", ROW_MAX="*fp32",
+                           ROW_SCALE="*fp32", V="i32", ignore_index="i32", smoothing="fp32", z_loss="fp32")
                 yield ("cross_entropy._ce_rows_kernel", f"{dtype} BLOCK_V={block} grad={grad}", sig,
                        dict(COMPUTE_GRAD=grad, BLOCK_V=block), cross_entropy.CE_NUM_WARPS)
+            if block > cross_entropy.CE_GRAD_BLOCK_V:
+                continue
+            for has_bias in (0, 1):
+                sig = dict(LOGITS=f"*{dtype}", stride_logits="i32", LABELS="*i32", ROW_MAX="*fp32",
+                           ROW_SCALE="*fp32", BIAS_PARTS="*fp32", n_rows="i32", V="i32", group_rows="i32",
+                           ignore_index="i32", smoothing="fp32")
+                yield ("cross_entropy._ce_grad_kernel", f"{dtype} BLOCK_V={block} bias={has_bias}", sig,
+                       dict(HAS_BIAS=has_bias, BLOCK_R=cross_entropy.CE_GRAD_BLOCK_R, BLOCK_V=block),
+                       cross_entropy.CE_GRAD_WARPS)
     for src, dst in (("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "bf16"), ("bf16", "fp32")):  # grad_w, grad_x
         sig = dict(SRC=f"*{src}", DST=f"*{dst}", FACTOR="*fp32", n_elements="i32")
         yield ("cross_entropy._scale_kernel", f"{src} -> {dst}", sig, dict(BLOCK=cross_entropy.SCALE_BLOCK),

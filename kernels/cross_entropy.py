@@ -1,8 +1,9 @@
 """Masked-row linear cross-entropy: the tied LM projection and the loss (ARCHITECTURE.md section 3.3).
 
 The fused version never holds the [N, V] logits at once: rows go through in chunks; for each chunk the logits are
-one matmul, a Triton kernel computes the loss with an online log-sum-exp over vocabulary blocks and overwrites the
-logits with their gradient, and two more matmuls fold that into the gradients of x, the weight and the bias
+one matmul, a Triton kernel computes each row's loss with an online log-sum-exp over vocabulary blocks, a second
+overwrites the logits with their gradient in tiles of rows and vocabulary columns, summing the bias's gradient from
+the same registers, and two more matmuls fold the logits' gradient into the gradients of x and the weight
 (Liger-Kernel's fused linear cross-entropy layout). Gradients are computed in the forward pass and scaled by the
 incoming gradient in backward, by one kernel a gradient that reads it and writes it in its parameter's dtype.
 """
@@ -14,15 +15,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .launch import LOG2_E
+from .launch import LOG2_E, carve, sum_parts
 
 # ---------------------------------------------------------------------------------------------------- kernel
 
 
 @triton.jit
-def _ce_rows_kernel(LOGITS, stride_logits, LABELS, LOSS, V, ignore_index, smoothing, z_loss,
+def _ce_rows_kernel(LOGITS, stride_logits, LABELS, LOSS, ROW_MAX, ROW_SCALE, V, ignore_index, smoothing, z_loss,
                     COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Per row: loss from an online log-sum-exp over vocabulary blocks; then the row's logits <- d loss / d logits."""
+    """Per row: the loss from an online log-sum-exp over vocabulary blocks; where COMPUTE_GRAD, the row's max and the
+    factor its exponentials take in d loss / d logits (`_ce_grad_kernel` reads them; 0 and 0 for an ignored row)."""
     row = tl.program_id(0).to(tl.int64)
     ptr = LOGITS + row * stride_logits
     label = tl.load(LABELS + row).to(tl.int64)
@@ -30,9 +32,8 @@ def _ce_rows_kernel(LOGITS, stride_logits, LABELS, LOSS, V, ignore_index, smooth
     if label == ignore_index:
         tl.store(LOSS + row, 0.0)
         if COMPUTE_GRAD:
-            for v0 in range(0, V, BLOCK_V):
-                tl.store(ptr + v0 + cols, tl.zeros([BLOCK_V], dtype=tl.float32).to(LOGITS.dtype.element_ty),
-                         mask=v0 + cols < V)
+            tl.store(ROW_MAX + row, 0.0)
+            tl.store(ROW_SCALE + row, 0.0)
     else:
         running_max = float("-inf")
         running_sum = 0.0
@@ -52,13 +53,40 @@ def _ce_rows_kernel(LOGITS, stride_logits, LABELS, LOSS, V, ignore_index, smooth
         if COMPUTE_GRAD:
             # exp(z - max) / sum, not exp(z - lse): lse's rounding (~|lse| ulps) would bias every entry of the row;
             # the division once a row (a division an element is several instructions, and these are issue-bound)
-            scale = (1.0 + 2.0 * z_loss * lse) / running_sum
-            for v0 in range(0, V, BLOCK_V):
-                mask = v0 + cols < V
-                z = tl.load(ptr + v0 + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                grad = tl.math.exp2((z - running_max) * LOG2_E) * scale - smoothing / V
-                grad = tl.where(v0 + cols == label, grad - (1.0 - smoothing), grad)
-                tl.store(ptr + v0 + cols, grad.to(LOGITS.dtype.element_ty), mask=mask)
+            tl.store(ROW_MAX + row, running_max)
+            tl.store(ROW_SCALE + row, (1.0 + 2.0 * z_loss * lse) / running_sum)
+
+
+@triton.jit
+def _ce_grad_kernel(LOGITS, stride_logits, LABELS, ROW_MAX, ROW_SCALE, BIAS_PARTS, n_rows, V, group_rows,
+                    ignore_index, smoothing, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Program (c, g): vocabulary block c of rows g * group_rows on (at most group_rows of them, n_rows in all), each
+    logit <- d loss_row / d logit (the row's exponentials times its factor, less the label's smoothed one-hot; zeros
+    for an ignored row); where HAS_BIAS, the block's sums of those gradients over the group's rows (the bias's
+    gradient) into row g of BIAS_PARTS [groups, V], accumulated per element of the tile and summed over its rows
+    once, at the end (a fixed order, no atomics)."""
+    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_vocab = cols < V
+    first = tl.program_id(1).to(tl.int64) * group_rows
+    end = tl.minimum(first + group_rows, n_rows)
+    column_sums = tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32)
+    for start in range(first, end, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        label = tl.load(LABELS + rows, mask=rows < end, other=ignore_index).to(tl.int64)
+        counted = (rows < end) & (label != ignore_index)
+        row_max = tl.load(ROW_MAX + rows, mask=counted, other=0.0)[:, None]
+        row_scale = tl.load(ROW_SCALE + rows, mask=counted, other=0.0)[:, None]
+        mask = (rows < end)[:, None] & in_vocab[None, :]
+        offsets = rows[:, None] * stride_logits + cols[None, :]
+        z = tl.load(LOGITS + offsets, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.math.exp2((z - row_max) * LOG2_E) * row_scale - smoothing / V
+        grad = tl.where(cols[None, :] == label[:, None], grad - (1.0 - smoothing), grad)
+        grad = tl.where(counted[:, None] & in_vocab[None, :], grad, 0.0)
+        tl.store(LOGITS + offsets, grad.to(LOGITS.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            column_sums += grad
+    if HAS_BIAS:
+        tl.store(BIAS_PARTS + tl.program_id(1).to(tl.int64) * V + cols, tl.sum(column_sums, axis=0), mask=in_vocab)
 
 
 @triton.jit
@@ -85,6 +113,11 @@ def scaled(src: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch
 
 CE_BLOCK_V = 4096  # vocabulary block of the online log-sum-exp
 CE_NUM_WARPS = 8  # 4096 / (8 * 32) = 16 fp32 per thread
+# The gradient kernel's tile, 4 rows x 1,024 columns over 8 warps (16 elements a thread), and the rows a program
+# sums the bias's gradient over: at 256, RoBERTa-base's 3ml (32,768 predicted rows, 50,265 pieces) leaves 128 rows of
+# fp32 partial sums (26 MB, written and read once), where torch's sum read each chunk's 206 MB of logits again.
+CE_GRAD_BLOCK_R, CE_GRAD_BLOCK_V, CE_GRAD_WARPS = 4, 1024, 8
+CE_GROUP_ROWS = 256
 
 
 CE_VOCAB_ALIGN = 64
@@ -121,34 +154,49 @@ class _LinearCrossEntropy(torch.autograd.Function):
             scale = 1.0 / (labels != ignore_index).sum().clamp(min=1).float()  # stays on the device: no sync
         else:  # the caller's host count: no device op
             scale = 1.0 / max(num_counted, 1)
-        loss_rows = torch.empty(num_rows, device=x.device, dtype=torch.float32)
+        # each row's loss and, for the gradient kernel, its max and factor: one allocation
+        stats = (num_rows if needs_grad else 0,)
+        loss_rows, row_max, row_scale = carve(x.device, ((num_rows,), torch.float32), (stats, torch.float32),
+                                              (stats, torch.float32))
         # x's gradient in the compute dtype, written by its GEMM (an fp32 copy of a 16-bit product holds nothing
-        # more); the weight's and the bias's in fp32, which the first chunk writes and the others add into (a
-        # vocabulary without rows gets zeros)
+        # more); the weight's in fp32, which the first chunk writes and the others add into, and the bias's summed
+        # from the gradient kernel's partial sums (a vocabulary without rows gets zeros)
         grad_x = torch.empty(x.shape, device=x.device, dtype=compute_dtype) if needs_grad else None
         empty = torch.zeros if num_rows == 0 else torch.empty
         grad_w = empty(w_c.shape, device=x.device, dtype=torch.float32) if needs_grad else None
-        grad_b = empty(vocab + pad, device=x.device, dtype=torch.float32) if needs_grad and bias is not None \
-            else None
         chunk = chunk_rows(num_rows, vocab + pad, w_c.element_size(), CE_CHUNK_BYTES)
+        group_rows = min(CE_GROUP_ROWS, chunk)
+        groups = [triton.cdiv(min(chunk, num_rows - start), group_rows) for start in range(0, num_rows, chunk)]
+        grad_b = bias_parts = None
+        if needs_grad and bias is not None:  # one group in all writes the sums themselves
+            grad_b = empty(vocab, device=x.device, dtype=torch.float32)
+            bias_parts = grad_b.view(1, vocab) if sum(groups) <= 1 else \
+                torch.empty(sum(groups), vocab, device=x.device, dtype=torch.float32)
         block_v = min(CE_BLOCK_V, triton.next_power_of_2(vocab))
-        for start in range(0, num_rows, chunk):
+        grad_block_v = min(CE_GRAD_BLOCK_V, triton.next_power_of_2(vocab))
+        first_group = 0
+        for start, chunk_groups in zip(range(0, num_rows, chunk), groups):
             stop = min(start + chunk, num_rows)
             x_chunk = x_c[start:stop]
             logits = F.linear(x_chunk, w_c, b_c).contiguous()  # [chunk, V + pad]: the only logits alive
             _ce_rows_kernel[(stop - start,)](
-                logits, logits.stride(0), labels[start:stop], loss_rows[start:stop], vocab, ignore_index,
-                label_smoothing, z_loss, COMPUTE_GRAD=needs_grad, BLOCK_V=block_v, num_warps=CE_NUM_WARPS)
-            if needs_grad:  # logits now hold d loss_row / d logits (unscaled)
+                logits, logits.stride(0), labels[start:stop], loss_rows[start:stop], row_max[start:stop],
+                row_scale[start:stop], vocab, ignore_index, label_smoothing, z_loss, COMPUTE_GRAD=needs_grad,
+                BLOCK_V=block_v, num_warps=CE_NUM_WARPS)
+            if needs_grad:
+                _ce_grad_kernel[(triton.cdiv(vocab, grad_block_v), chunk_groups)](
+                    logits, logits.stride(0), labels[start:stop], row_max[start:stop], row_scale[start:stop],
+                    row_max if bias_parts is None else bias_parts[first_group:], stop - start, vocab, group_rows,
+                    ignore_index, label_smoothing, HAS_BIAS=bias_parts is not None, BLOCK_R=CE_GRAD_BLOCK_R,
+                    BLOCK_V=grad_block_v, num_warps=CE_GRAD_WARPS)
+                first_group += chunk_groups
+                # logits now hold d loss_row / d logits (unscaled)
                 torch.mm(logits, w_c, out=grad_x[start:stop])
                 _add_transposed_product(grad_w, logits, x_chunk, first=start == 0)
-                if grad_b is not None and start == 0:
-                    torch.sum(logits, 0, dtype=torch.float32, out=grad_b)
-                elif grad_b is not None:
-                    grad_b += logits.sum(0, dtype=torch.float32)
+        if bias_parts is not None and bias_parts.shape[0] > 1:
+            sum_parts(bias_parts[None], grad_b[None])
         if needs_grad:
             grad_w = grad_w[:vocab]
-            grad_b = None if grad_b is None else grad_b[:vocab]
         ctx.save_for_backward(grad_x, grad_w, grad_b)
         ctx.scale = scale
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)

@@ -77,6 +77,7 @@ def test_gpu_kernels_are_sorted_by_the_work_their_names_say():
         "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
         "void (anonymous namespace)::indexing_backward_kernel<float, 4>(long const*)": "indexing",
         "_ce_rows_kernel": "cross-entropy",
+        "_ce_grad_kernel": "cross-entropy",
         "_local_bwd_kernel": "attention",
         "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void con": "attention",
         "_geglu_bwd_kernel": "pointwise",

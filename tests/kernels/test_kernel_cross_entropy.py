@@ -6,7 +6,14 @@ import pytest
 import torch
 from conftest import KERNEL_DEVICE
 from fastmae.kernels import cross_entropy, linear_cross_entropy, linear_cross_entropy_reference
-from fastmae.kernels.cross_entropy import CE_BLOCK_V, CE_CHUNK_BYTES, CE_MIN_CHUNK_ROWS, CE_VOCAB_ALIGN, chunk_rows
+from fastmae.kernels.cross_entropy import (
+    CE_BLOCK_V,
+    CE_CHUNK_BYTES,
+    CE_GROUP_ROWS,
+    CE_MIN_CHUNK_ROWS,
+    CE_VOCAB_ALIGN,
+    chunk_rows,
+)
 from tolerance import assert_as_accurate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -107,11 +114,14 @@ class _Allocations(TorchDispatchMode):
         super().__init__()
         self.shapes = Counter()
         self.zeroed = 0  # zero fills of tensors with more than one element
+        self.summed = Counter()  # the shapes torch's sums read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in (torch.ops.aten.zeros.default, torch.ops.aten.zero_.default) and out.numel() > 1:
             self.zeroed += 1
+        if func.overloadpacket is torch.ops.aten.sum:
+            self.summed[tuple(args[0].shape)] += 1
         # views, in-place ops and out= overloads allocate nothing
         if not func.is_view and not func._schema.name.endswith("_") and "out" not in func._overloadname:
             self.shapes.update(tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
@@ -122,9 +132,10 @@ class _Allocations(TorchDispatchMode):
 def test_chunked_work_and_allocations(dtype, monkeypatch):
     """Four chunks of 32 rows: one [32, V'] logits tensor each (V' = V padded to CE_VOCAB_ALIGN); the weight gradient
     adds in place into one [V', H] fp32 buffer (in bf16 on CPU through one [V', H] product per chunk and its fp32
-    copy); backward writes the scaled gradients of x, the weight and the bias in their dtypes, each into an
-    allocation of its own (the parameters' outlive x's: `launch.carve`), no [V, H] product in fp32 and then its cast;
-    under no_grad no gradient work."""
+    copy); the bias's is summed from the gradient kernel's partial sums (one [V] row a group of rows: four here), no
+    torch sum reading the logits again; backward writes the scaled gradients of x, the weight and the bias in their
+    dtypes, each into an allocation of its own (the parameters' outlive x's: `launch.carve`), no [V, H] product in
+    fp32 and then its cast; under no_grad no gradient work."""
     rows, hidden, vocab = 128, 16, 1000
     padded = vocab + -vocab % CE_VOCAB_ALIGN
     monkeypatch.setattr(cross_entropy, "CE_CHUNK_BYTES", 32 * padded * torch.tensor([], dtype=dtype).element_size())
@@ -143,9 +154,13 @@ def test_chunked_work_and_allocations(dtype, monkeypatch):
     assert train.zeroed == 0  # nor the bias's
     # x's gradient: one [N, H] buffer its GEMMs write in place, no [32, H] product a chunk
     assert train.shapes[(32, hidden)] == 0
+    # the bias's gradient: four rows of partial sums, summed into one fp32 [V] (not padded), no torch sum but the
+    # loss's over its rows
+    assert train.shapes[(4, vocab)] == 1 and set(train.summed) == {(rows,)}
     # backward: each scaled gradient in its own allocation, in its dtype: [N, H] twice (the forward's unscaled
-    # gradient of x, and this), [V, H] and [V] once (the forward's are slices of its padded-vocabulary buffers)
-    assert train.shapes[(vocab, hidden)] == 1 and train.shapes[(rows, hidden)] == 2 and train.shapes[(vocab,)] == 1
+    # gradient of x, and this), [V, H] once (the forward's is a slice of its padded-vocabulary buffer), [V] twice
+    # (the forward's fp32 sums, and this)
+    assert train.shapes[(vocab, hidden)] == 1 and train.shapes[(rows, hidden)] == 2 and train.shapes[(vocab,)] == 2
     with torch.no_grad(), _Allocations() as evaluation:
         loss = linear_cross_entropy(x, w, b, labels)
     assert evaluation.shapes[(32, padded)] == 4 and evaluation.shapes[(padded, hidden)] == 1
@@ -159,21 +174,25 @@ def test_chunked_work_and_allocations(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_many_chunks_match_the_reference(dtype, seed, monkeypatch):
+@pytest.mark.parametrize("seed, group_rows, options", [
+    pytest.param(0, CE_GROUP_ROWS, {}, id="group-a-chunk"),
+    pytest.param(1, 10, {"label_smoothing": 0.1, "z_loss": 1e-3}, id="groups-of-10-smoothing-z-loss")])
+def test_many_chunks_match_the_reference(dtype, seed, group_rows, options, monkeypatch):
     """The default budget puts small test batches in one chunk; this forces chunks of 32 rows (and a ragged last
-    one) through forward and backward."""
+    one) through forward and backward, the bias's gradient summed over one group of rows a chunk, or over groups of
+    10 (a ragged tile of the gradient kernel's rows in each, and a ragged group in each chunk)."""
     rows, hidden, vocab = 70, 48, CE_BLOCK_V + 907
     padded = vocab + -vocab % CE_VOCAB_ALIGN
     monkeypatch.setattr(cross_entropy, "CE_CHUNK_BYTES", 32 * padded * torch.tensor([], dtype=dtype).element_size())
+    monkeypatch.setattr(cross_entropy, "CE_GROUP_ROWS", group_rows)
     gen = torch.Generator().manual_seed(seed)
     x, w, b = torch.randn(rows, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen) / hidden**0.5, \
         torch.randn(vocab, generator=gen)
     labels = torch.randint(0, vocab, (rows,), generator=gen)
     labels[::3] = -100
-    got = _loss_and_grads(linear_cross_entropy, x, w, b, labels, dtype, {})
-    plain = _loss_and_grads(linear_cross_entropy_reference, x, w, b, labels, dtype, {})
-    exact = _loss_and_grads(linear_cross_entropy_reference, x, w, b, labels, torch.float64, {})
+    got = _loss_and_grads(linear_cross_entropy, x, w, b, labels, dtype, options)
+    plain = _loss_and_grads(linear_cross_entropy_reference, x, w, b, labels, dtype, options)
+    exact = _loss_and_grads(linear_cross_entropy_reference, x, w, b, labels, torch.float64, options)
     for i, (g, p, e) in enumerate(zip(got, plain, exact)):
         assert_as_accurate(["loss", "dx", "dw", "db"][i], g, p, e, dtype, factor=2 if i == 0 else 3)
 

@@ -57,6 +57,7 @@ def test_the_table_compiles_each_kernel_as_the_jit_specializes_it():
     assert load_bytes("activation._bias_gelu_fwd_kernel", "bf16 BLOCK_C=1024") == {16}
     assert load_bytes("norm._add_norm_fwd_kernel", "bf16 BLOCK_H=256 CHUNKS=3 xbias=1 bias=1 sum=0 dropout=1") == {16}
     assert load_bytes("cross_entropy._scale_kernel", "fp32 -> bf16") == {16}  # n_elements divisible by 16
+    assert load_bytes("cross_entropy._ce_grad_kernel", "bf16 BLOCK_V=1024 bias=1") == {16}  # the logits' rows
     assert aot.widest_load_bytes("ld.global.L1::evict_last.v4.b32 {a, b, c, d}, [x];\nld.global.b16 y, [z];") == 16
     assert aot.widest_load_bytes("ld.global.v2.b32 {a, b}, [x];") == 8 and aot.widest_load_bytes("st.global.b16") == 0
 
@@ -82,6 +83,7 @@ def test_the_table_counts_what_a_thread_issues_per_element():
     assert aot.issue_instructions(SASS.replace("0x20 ;", "0x70 ;")) == 7  # no backward branch: all but the NOP
     assert aot.thread_elements({"BLOCK_R": 2, "BLOCK_C": 1024}, 8) == 8
     assert aot.thread_elements({"BLOCK_M": 64}, 4) is None and aot.thread_elements({"BLOCK_V": 4096}, 8) == 16
+    assert aot.thread_elements({"BLOCK_R": 4, "BLOCK_V": 1024}, 8) == 16  # the cross-entropy's gradient tile
     per_element = {(r["kernel"], r["config"]): r["instructions_per_element"]
                    for r in json.loads(TABLE.read_text())["results"] if r["arch"] == "sm_90"}
     assert per_element["activation._bias_gelu_fwd_kernel", "bf16 BLOCK_C=1024"] <= 32
