@@ -143,8 +143,11 @@ def _norm_configs():
                                     "HAS_RESIDUAL": residual, "BLOCK_R": tiling.rows, "BLOCK_H": block,
                                     "CHUNKS": chunks}, tiling.warps)
     for dtype in ("fp32", "bf16"):
-        yield ("launch._sum_parts_kernel", dtype, dict(PARTS="*fp32", SUMS=f"*{dtype}", programs="i32", H="i32"),
-               dict(BLOCK_P=launch.SUM_BLOCK_P, BLOCK_H=launch.SUM_BLOCK_H), launch.SUM_WARPS)
+        for block_p in [2**k for k in range(launch.SUM_MAX_BLOCK_P.bit_length())]:  # rows up to MAX_HIDDEN wide
+            block_h = launch.sum_tile(block_p, launch.MAX_HIDDEN)[1]
+            yield ("launch._sum_parts_kernel", f"{dtype} BLOCK_P={block_p} BLOCK_H={block_h}",
+                   dict(PARTS="*fp32", SUMS=f"*{dtype}", programs="i32", H="i32"),
+                   dict(BLOCK_P=block_p, BLOCK_H=block_h), launch.SUM_WARPS)
 
 
 def _activation_configs():

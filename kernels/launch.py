@@ -33,13 +33,22 @@ def _sum_parts_kernel(PARTS, SUMS, programs, H, BLOCK_P: tl.constexpr, BLOCK_H: 
 
 
 
-# _sum_parts_kernel's tile and warps: 256 partial rows x 16 columns (64 bytes a row: two whole 32-byte sectors),
-# 16 elements a thread. The first GPU timing, at 32 x 64 on 4 warps with a cross-thread sum each step, had 12 programs
-# at RoBERTa-base's width loop 32 times over 1,024 partial rows: 0.07 ms a call, 1.8 ms of an mlm step on an H200; at
-# 128 x 32 (f6d59b9) 49 calls took 0.93 ms of the step, about 19 us each for 9 MB, the time of a few dependent loads:
-# 72 programs (24 column blocks, three sums) on 132 multiprocessors, each looping 8 times. Twice the programs, each
-# looping 4 times, halve the chain.
-SUM_BLOCK_P, SUM_BLOCK_H, SUM_WARPS = 256, 16, 8
+# _sum_parts_kernel's tile (`sum_tile`): all of a launch's partial rows at once where they fit SUM_MAX_BLOCK_P (a norm's
+# backward leaves at most 1,024 of them, norm.BACKWARD_PROGRAMS; a bias's one per ROWS_PER_BIAS_PROGRAM rows: 1,024 at
+# 65,536), over as many columns as make SUM_TILE elements, 32 a thread on SUM_WARPS warps (at least 8 columns: 32 bytes
+# a row, one whole sector). A program's time is a chain of rounds of loads, one a pass over its partial rows. The first
+# GPU timing, at 32 x 64 on 4 warps with a cross-thread sum each step, had 12 programs at RoBERTa-base's width loop 32
+# times over 1,024 partial rows: 0.07 ms a call, 1.8 ms of an mlm step on an H200; at 128 x 32 (f6d59b9) 49 calls took
+# 0.93 ms of the step, about 19 us each, 72 programs looping 8 times; at 256 x 16 (e63392c) 3ml's 58 calls took 0.51
+# ms, about 9 us each, looping 4 times. In one pass a thread issues every load of its sum at once (untimed).
+SUM_MAX_BLOCK_P, SUM_TILE, SUM_WARPS = 1024, 8192, 8
+
+
+def sum_tile(programs: int, hidden: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_H) of `_sum_parts_kernel` for `programs` partial rows of `hidden` columns: every row in one pass
+    where they fit SUM_MAX_BLOCK_P, over the columns that make SUM_TILE elements (at least 8, at most the row's)."""
+    block_p = min(SUM_MAX_BLOCK_P, triton.next_power_of_2(max(programs, 1)))
+    return block_p, min(triton.next_power_of_2(max(hidden, 1)), max(8, SUM_TILE // block_p))
 
 
 def sum_parts(parts: torch.Tensor, sums: torch.Tensor) -> None:
@@ -50,9 +59,9 @@ def sum_parts(parts: torch.Tensor, sums: torch.Tensor) -> None:
     if sums.shape != (count, hidden) or not sums.is_contiguous():
         raise ValueError(f"sum_parts: sums must be contiguous [{count}, {hidden}]; got {tuple(sums.shape)}")
     if hidden and count:
-        _sum_parts_kernel[(triton.cdiv(hidden, SUM_BLOCK_H), count)](parts, sums, programs, hidden,
-                                                                     BLOCK_P=SUM_BLOCK_P, BLOCK_H=SUM_BLOCK_H,
-                                                                     num_warps=SUM_WARPS)
+        block_p, block_h = sum_tile(programs, hidden)
+        _sum_parts_kernel[(triton.cdiv(hidden, block_h), count)](parts, sums, programs, hidden, BLOCK_P=block_p,
+                                                                 BLOCK_H=block_h, num_warps=SUM_WARPS)
 
 
 # Elements of a backward kernel's tile (norm.py, activation.py's bias + GELU): 4 a thread over 8 warps, where the

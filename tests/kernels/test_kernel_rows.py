@@ -159,16 +159,30 @@ def test_bad_arguments_are_named():
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_backwards_partial_sums_add_up_to_torchs(groups, dtype):
-    """launch.sum_parts (the norm's weight and bias gradients, bias + GELU's bias gradient, the embedding's LayerNorm):
-    more partial rows than one block of them (three loops of SUM_BLOCK_P), a width no column block divides, one
-    group and three (the norm's weight and bias with a projection's bias)."""
+    """launch.sum_parts (the norm's weight and bias gradients, bias + GELU's bias gradient, the embedding's LayerNorm,
+    the LM head's bias): more partial rows than one block of them (three passes of SUM_MAX_BLOCK_P), and fewer (one
+    pass of a narrower, wider tile), widths no column block divides, one group and three (the norm's weight and bias
+    with a projection's bias)."""
     from fastmae.kernels import launch
 
     gen = torch.Generator().manual_seed(groups)
-    parts = torch.randn(groups, 2 * launch.SUM_BLOCK_P + 44, launch.SUM_BLOCK_H + 38, generator=gen).to(KERNEL_DEVICE)
-    outs = torch.full((groups, parts.shape[2]), float("nan"), device=KERNEL_DEVICE, dtype=dtype)
-    launch.sum_parts(parts, outs)
-    for out, expected in zip(outs, parts.double().sum(1)):
-        assert out.dtype == dtype
-        torch.testing.assert_close(out.double().cpu(), expected.to(dtype).double().cpu(), rtol=1e-5 if
-                                   dtype == torch.float32 else 1e-2, atol=1e-4 if dtype == torch.float32 else 1e-2)
+    for programs in (2 * launch.SUM_MAX_BLOCK_P + 44, 37):
+        block_h = launch.sum_tile(programs, 10**4)[1]
+        parts = torch.randn(groups, programs, block_h + 38, generator=gen).to(KERNEL_DEVICE)
+        outs = torch.full((groups, parts.shape[2]), float("nan"), device=KERNEL_DEVICE, dtype=dtype)
+        launch.sum_parts(parts, outs)
+        for out, expected in zip(outs, parts.double().sum(1)):
+            assert out.dtype == dtype
+            torch.testing.assert_close(out.double().cpu(), expected.to(dtype).double().cpu(), rtol=1e-5 if
+                                       dtype == torch.float32 else 1e-2, atol=1e-4 if dtype == torch.float32 else 1e-2)
+
+
+def test_the_partial_sums_take_one_pass_at_base_size():
+    """Every partial row of RoBERTa-base's backward sums in one pass (a round of loads, not a chain): the norm's at most
+    1,024, a bias's one per 64 of 65,536 rows; 32 elements a thread, whole 32-byte sectors of each row."""
+    from fastmae.kernels import launch, norm
+
+    for programs in (norm.BACKWARD_PROGRAMS, 65536 // launch.ROWS_PER_BIAS_PROGRAM, 512, 128):
+        block_p, block_h = launch.sum_tile(programs, 3072)
+        assert block_p >= programs and block_h >= 8 and block_p * block_h == launch.SUM_TILE
+    assert launch.sum_tile(3, 5) == (4, 8) and launch.sum_tile(3, 768) == (4, 1024)
