@@ -68,6 +68,14 @@ def dropout_threshold(p: float) -> tuple[int, float]:
     return threshold, 2**31 / (2**31 - threshold)
 
 
+def check_dropout_key(name: str, p: float, key: torch.Tensor | None, device: torch.device) -> None:
+    """Raise ValueError naming the op `name` where dropout at probability `p` > 0 lacks its key: an int64 tensor of
+    one 32-bit value on `device` (what the Triton kernels hash under)."""
+    if p and (key is None or key.numel() != 1 or key.dtype != torch.int64 or key.device != device):
+        raise ValueError(f"{name}: dropout_p={p} needs its key as one int64 on {device}; got "
+                         f"{None if key is None else (tuple(key.shape), key.dtype, str(key.device))}")
+
+
 def hashed_keep(rows: int, hidden: int, p: float, key: torch.Tensor) -> tuple[torch.Tensor, float]:
     """(kept [rows, hidden] bool, scale): the hashed dropout of a [rows, hidden] tensor under `key` (an int64 tensor
     of one 32-bit value): element (r, c) is kept unless the top 31 bits of the hash of its counter r * hidden + c

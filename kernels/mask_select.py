@@ -36,6 +36,13 @@ def uniform_bits_u32(counters, key_ptr):
 
 
 @triton.jit
+def dropout_kept(counters, key_ptr, threshold):
+    """bool: the elements of counters r * H + c (taken mod 2^32) that the hashed dropout keeps, the top 31 bits of
+    their hash at or above `hashing.dropout_threshold`'s threshold (`hashing.hashed_keep`, the torch reference)."""
+    return (uniform_bits_u32(counters, key_ptr) >> 1) >= threshold
+
+
+@triton.jit
 def uniform_bits_tl(counters, key_ptr):
     """`uniform_bits_u32` as int64 in [0, 2^32) (global row indices in, sort keys and ids out)."""
     return uniform_bits_u32(counters, key_ptr).to(tl.int64)

@@ -30,17 +30,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .hashing import dropout_threshold
+from .hashing import check_dropout_key, dropout_threshold
 from .launch import MAX_HIDDEN, TILED_KERNELS, RowTiles, carve, sum_parts, tiled_pair
-from .mask_select import uniform_bits_u32
+from .mask_select import dropout_kept
 from .residual import ResidualGrad
 
 
 @triton.jit
 def _kept(rows, cols, H, KEY, threshold):
     """bool [BLOCK_R, BLOCK_H]: the elements the hashed dropout keeps (`hashing.hashed_keep`)."""
-    counters = rows.to(tl.uint32)[:, None] * H + cols[None, :]  # r * H + c mod 2^32, in 32-bit ops
-    return (uniform_bits_u32(counters, KEY) >> 1) >= threshold
+    return dropout_kept(rows.to(tl.uint32)[:, None] * H + cols[None, :], KEY, threshold)  # in 32-bit ops
 
 
 @triton.jit
@@ -338,9 +337,7 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     if x.shape[1] > MAX_HIDDEN or x.stride(1) != 1 or residual.stride(1) != 1:
         raise ValueError(f"add_layer_norm: rows of at most {MAX_HIDDEN} contiguous elements; got shape "
                          f"{tuple(x.shape)}, strides {x.stride()} and {residual.stride()}")
-    if dropout_p and (key is None or key.numel() != 1 or key.dtype != torch.int64 or key.device != x.device):
-        raise ValueError(f"add_layer_norm: dropout_p={dropout_p} needs its key as one int64 on {x.device}; got "
-                         f"{None if key is None else (tuple(key.shape), key.dtype, str(key.device))}")
+    check_dropout_key("add_layer_norm", dropout_p, key, x.device)
     if x_bias is not None and (x_bias.shape != weight.shape or x_bias.dtype != weight.dtype):
         raise ValueError(f"add_layer_norm: x_bias must be [H] in the weight's dtype {weight.dtype}; got "
                          f"{tuple(x_bias.shape)} {x_bias.dtype}")

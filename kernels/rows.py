@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .hashing import dropout_threshold
+from .hashing import check_dropout_key, dropout_threshold
 from .launch import MAX_HIDDEN, carve, sum_parts
-from .mask_select import uniform_bits_u32
+from .mask_select import dropout_kept
 
 # ----------------------------------------------------------------------------------------------------- kernels
 
@@ -61,13 +61,6 @@ def _output_row(r, dst_index, fill_index, num_src_rows, DST_INDEXED: tl.constexp
 
 
 @triton.jit
-def _kept_in_row(dst, cols, H, KEY, threshold):
-    """bool [BLOCK_H]: the elements of output row `dst` the hashed dropout keeps (`hashing.hashed_keep`'s bits for
-    element (dst, c) of a [rows, H] tensor, as kernels/norm.py draws them)."""
-    return (uniform_bits_u32(dst * H + cols, KEY) >> 1) >= threshold
-
-
-@triton.jit
 def _rows_fwd_kernel(SRC, src_ids, gather_index, FILL, POS, pos_ids, W, B, OUT, dst_index, fill_index, MEAN, RSTD,
                      SRC_ROWS, POS_ROWS, KEY, num_src_rows, H, stride_src, stride_pos, stride_out, pos_offset, eps,
                      threshold, scale, SRC_INDEXED: tl.constexpr, GATHERED: tl.constexpr, HAS_FILL: tl.constexpr,
@@ -102,7 +95,7 @@ def _rows_fwd_kernel(SRC, src_ids, gather_index, FILL, POS, pos_ids, W, B, OUT, 
     else:
         y = x
     if HAS_DROPOUT:  # the output rounded to its dtype, then scaled (what torch's dropout of it gives)
-        y = tl.where(_kept_in_row(dst, cols, H, KEY, threshold), y.to(OUT.dtype.element_ty).to(tl.float32) * scale,
+        y = tl.where(dropout_kept(dst * H + cols, KEY, threshold), y.to(OUT.dtype.element_ty).to(tl.float32) * scale,
                      0.0)
     tl.store(OUT + dst * stride_out + cols, y.to(OUT.dtype.element_ty), mask=mask)
 
@@ -128,7 +121,7 @@ def _rows_bwd_kernel(DOUT, dst_index, fill_index, SRC, SRC_ROWS, FILL, POS, POS_
             dst = _output_row(r, dst_index, fill_index, num_src_rows, DST_INDEXED, HAS_FILL)
             dy = tl.load(DOUT + dst * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_DROPOUT:
-                dy = tl.where(_kept_in_row(dst, cols, H, KEY, threshold), dy * scale, 0.0)
+                dy = tl.where(dropout_kept(dst * H + cols, KEY, threshold), dy * scale, 0.0)
             if HAS_NORM:
                 src_row = r
                 if SRC_INDEXED:
@@ -205,12 +198,8 @@ class RowDropout(NamedTuple):
     @classmethod
     def of(cls, name: str, p: float, key: torch.Tensor | None, device: torch.device) -> RowDropout:
         """The dropout at probability `p` under `key`, checked (errors name the op `name`)."""
-        if not p:
-            return cls(0, 1.0, None)
-        if key is None or key.numel() != 1 or key.dtype != torch.int64 or key.device != device:
-            raise ValueError(f"{name}: dropout_p={p} needs its key as one int64 on {device}; got "
-                             f"{None if key is None else (tuple(key.shape), key.dtype, str(key.device))}")
-        return cls(*dropout_threshold(p), key)
+        check_dropout_key(name, p, key, device)
+        return cls(*dropout_threshold(p), key) if p else cls(0, 1.0, None)
 
 
 def _launch_forward(src, fill, pos_table, ln_weight, ln_bias, eps, index: RowIndex, dropout: RowDropout):

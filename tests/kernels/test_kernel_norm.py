@@ -121,6 +121,8 @@ def test_add_layer_norm_names_what_it_cannot_take():
         add_layer_norm(x, x.double(), weight, None)
     with pytest.raises(ValueError, match="contiguous"):
         add_layer_norm(x[:, ::2], x[:, ::2], weight[:4], None)
+    with pytest.raises(ValueError, match="add_layer_norm: dropout_p=0.1 needs its key as one int64"):
+        add_layer_norm(x, x, weight, None, dropout_p=0.1, key=torch.zeros(2, dtype=torch.int64, device=x.device))
 
 
 @pytest.mark.parametrize("norm_position", ["post", "pre"])
