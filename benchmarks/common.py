@@ -94,7 +94,8 @@ KERNEL_KINDS = (
     ("optimizer", re.compile(r"multi_tensor|adam|foreach|lamb(?!da)", re.I)),
     ("masking", re.compile(r"_rank_kernel|_compact_kernel", re.I)),
     ("rotary", re.compile(r"rotary|rope", re.I)),
-    ("indexing", re.compile(r"index|gather|scatter|embedding", re.I)),
+    # _segment_: the embedding tables' gradients (kernels/table_grad.py)
+    ("indexing", re.compile(r"index|gather|scatter|embedding|_segment_(sums|carry)", re.I)),
     ("copy", re.compile(r"copy|memcpy|memset|cat_|CatArray|fill", re.I)),
     # _sum_parts: the fused backwards' weight- and bias-gradient partial sums (kernels/rows.py)
     ("reduction", re.compile(r"reduce|_sum_parts", re.I)),

@@ -1,11 +1,11 @@
 """fastmae.kernels: Triton kernels for packed varlen tensors, each with a plain-torch reference.
 
 Every op comes in two implementations with the same signature: `name` (Triton; CUDA, or CPU under
-TRITON_INTERPRET=1), in the module of its topic (mask_select, rows, cross_entropy, rotary, norm, activation,
-projection, local_window), and `name_reference` (plain torch: the CPU path, the oracle of the tests, the benchmark
-baseline), in reference.py. The references and the masking hash (hashing.py) import no Triton; the Triton ops are
-imported on first use, so fastmae installs and trains on CPU where Triton is not installed (macOS, CPU-only boxes).
-They know no model. This folder installs as `fastmae.kernels`: a top-level `kernels` would collide with the PyPI
+TRITON_INTERPRET=1), in the module of its topic (mask_select, rows, table_grad, cross_entropy, rotary, norm,
+activation, projection, local_window), and `name_reference` (plain torch: the CPU path, the oracle of the tests, the
+benchmark baseline), in reference.py. The references and the masking hash (hashing.py) import no Triton; the Triton
+ops are imported on first use, so fastmae installs and trains on CPU where Triton is not installed (macOS, CPU-only
+boxes). They know no model. This folder installs as `fastmae.kernels`: a top-level `kernels` would collide with the PyPI
 package of that name.
 """
 
@@ -27,6 +27,7 @@ from .reference import (
     rank_within_sequences,
     rotary_qk_reference,
     select_masked_reference,
+    table_gradient_reference,
 )
 from .residual import ResidualGrad
 
@@ -34,7 +35,7 @@ TRITON_OPS = {"select_masked": "mask_select", "embed_rows": "rows", "insert_rows
               "linear_cross_entropy": "cross_entropy", "rotary_qk": "rotary",
               "add_layer_norm": "norm", "layer_norm": "norm", "geglu": "activation",
               "bias_gelu": "activation", "project": "projection", "project_qkv": "projection",
-              "local_attention": "local_window"}  # op -> module, imported on first use
+              "local_attention": "local_window", "table_gradient": "table_grad"}  # op -> module, imported on first use
 
 
 def __getattr__(name: str):
@@ -82,5 +83,7 @@ __all__ = [
     "row_uniform_bits",
     "select_masked",
     "select_masked_reference",
+    "table_gradient",
+    "table_gradient_reference",
     "uniform_bits",
 ]

@@ -46,6 +46,26 @@ def _row_configs():
                        warps)
 
 
+def _table_grad_configs():
+    """Both table-gradient kernels at every row width, for a gradient in each table dtype, with and without the
+    extra row (the sorted ids int32, as the row ops keep them; torch's sort's order int64)."""
+    from . import launch, table_grad
+
+    for hidden_block in [2**k for k in range(6, launch.MAX_HIDDEN.bit_length())]:
+        block, warps = table_grad.launch_config(hidden_block)
+        constexprs = dict(R=table_grad.ROWS_PER_PROGRAM, BLOCK_H=block)
+        for dtype in ("fp32", "bf16", "fp16"):
+            for extra in (0, 1):
+                sums = dict(ROWS="*fp32", EXTRA=f"*{dtype}", SID="*i32", ORDER="*i64", GRAD=f"*{dtype}",
+                            HEAD="*fp32", TAIL="*fp32", n_rows="i32", n_ids="i32", H="i32", stride_rows="i32",
+                            stride_grad="i32")
+                yield ("table_grad._segment_sums_kernel", f"{dtype} BLOCK_H={block}" + " extra row" * extra, sums,
+                       {**constexprs, "HAS_EXTRA": extra}, warps)
+            carry = dict(SID="*i32", GRAD=f"*{dtype}", HEAD="*fp32", TAIL="*fp32", n_ids="i32", H="i32",
+                         stride_grad="i32")
+            yield "table_grad._segment_carry_kernel", f"{dtype} BLOCK_H={block}", carry, constexprs, warps
+
+
 def _mask_configs():
     from . import mask_select
 
@@ -256,6 +276,7 @@ def _local_window_config(kernel: str, dtype: str, head_dim: int, tiling, mask_al
 def all_configs():
     """Every (kernel, description, signature, constexprs, num_warps[, num_stages]) the launchers can use."""
     yield from _row_configs()
+    yield from _table_grad_configs()
     yield from _mask_configs()
     yield from _ce_configs()
     yield from _rotary_configs()

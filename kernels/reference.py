@@ -117,6 +117,14 @@ def embed_rows_reference(table, ids, pos_table=None, pos_ids=None, ln_weight=Non
     return x if extra_row is None else (x, table[extra_row])
 
 
+def table_gradient_reference(rows, ids, num_table_rows, dtype, extra_row=None, d_extra=None):
+    """`table_gradient`'s twin: torch's embedding backward (fp32), `d_extra` added at row `extra_row`, one cast."""
+    grad = torch.ops.aten.embedding_dense_backward(rows, ids.long(), num_table_rows, -1, False)
+    if d_extra is not None:
+        grad[extra_row] += d_extra.float()
+    return grad.to(dtype)
+
+
 def insert_rows_reference(visible, visible_index, removed_index, fill, pos_table=None, pos_ids=None, ln_weight=None,
                           ln_bias=None, eps=1e-5, *, pos_offset=0, dropout_p=0.0, key=None):
     """`insert_rows` in plain torch."""

@@ -10,7 +10,7 @@ fill_index[r - num_src_rows] for a fill row (a scatter). The dropout is the laye
 element (dst(r), c) of the output under a key: the backward draws the same bits, no mask stored, no dropout
 kernels either way. The forward keeps the table rows it read, so the backward
 indexes nothing; it writes d(pre-norm row) once per row, in row order, so no float atomics: the caller reduces it
-into the tables with torch's embedding backward (`_accumulate_rows`) or takes it as the gradient of `src` directly.
+into the tables (kernels/table_grad.py) or takes it as the gradient of `src` directly.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import table_grad
 from .hashing import check_dropout_key, dropout_threshold
 from .launch import MAX_HIDDEN, carve, sum_parts
 from .mask_select import dropout_kept
@@ -232,10 +233,13 @@ def _launch_forward(src, fill, pos_table, ln_weight, ln_bias, eps, index: RowInd
 def _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, index: RowIndex,
                      dropout: RowDropout):
     hidden, device, n_rows = src.shape[1], src.device, index.n_rows
-    dpre = torch.empty(n_rows, hidden, device=device, dtype=torch.float32)
     has_norm, has_fill, has_pos = ln_weight is not None, fill is not None, pos_table is not None
+    # the rows' gradients and the scratch the tables' gradients take from them, one allocation
+    tables = index.src_ids is not None or has_pos
+    dpre, workspace = carve(device, ((n_rows, hidden), torch.float32),
+                            (table_grad.workspace_shape(n_rows, hidden) if tables else (0,), torch.float32))
     if n_rows == 0:
-        return dpre, None, None, None if fill is None else torch.zeros_like(fill)
+        return dpre, workspace, None, None, None if fill is None else torch.zeros_like(fill)
     programs = triton.cdiv(n_rows, ROWS_PER_PROGRAM)
     # per-program partial sums in one buffer: the LayerNorm's weight and bias gradients, then the fill row's
     parts = torch.empty(2 * has_norm + has_fill, programs, hidden, device=device, dtype=torch.float32)
@@ -260,7 +264,7 @@ def _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows
         dw, db = _summed(parts[:2], ln_weight.dtype)
     if has_fill:
         (d_fill,) = _summed(parts[-1:], fill.dtype)
-    return dpre, dw, db, d_fill
+    return dpre, workspace, dw, db, d_fill
 
 
 def _summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -268,21 +272,6 @@ def _summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     sums = torch.empty(parts.shape[0], parts.shape[2], device=parts.device, dtype=dtype)
     sum_parts(parts, sums)
     return sums
-
-
-def _accumulate_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, extra_row: int | None = None,
-                     d_extra: torch.Tensor | None = None) -> torch.Tensor:
-    """Gradient of `table` [V, H] from per-row fp32 gradients `rows` [N, H] read at `ids` [N] (and `d_extra` [H],
-    the gradient of row `extra_row` handed out alone), in table's dtype: torch's embedding backward, which on CUDA
-    sorts the ids and sums each id's rows in parallel partial sums (for a small table torch may add those partials
-    with float atomics, unless torch.use_deterministic_algorithms(True)).
-    `index_put_(accumulate=True)`, deterministic, sums an id's rows one after another:
-    mlm's `<mask>` id, 15-30% of a micro-batch's rows, made it 5.7 ms of a RoBERTa-base step and 11 ms of a
-    ModernBERT-base one on an H200 (Hugging Face's embedding backward: 0.4 ms)."""
-    grad = torch.ops.aten.embedding_dense_backward(rows, ids, table.shape[0], -1, False)
-    if d_extra is not None:  # in place, before the cast: no [V, H] select_backward and add of its own
-        grad[extra_row].add_(d_extra)
-    return grad.to(table.dtype)
 
 
 # -------------------------------------------------------------------------------------------- autograd + public
@@ -307,16 +296,17 @@ class _RowsFunction(torch.autograd.Function):
     def backward(ctx, dout, d_extra=None):
         src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows, dst_index, fill_index, key = ctx.saved_tensors
         index = ctx.index._replace(dst_index=dst_index, fill_index=fill_index)
-        dpre, dw, db, d_fill = _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows, pos_rows,
-                                                index, ctx.dropout._replace(key=key))
+        dpre, workspace, dw, db, d_fill = _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd,
+                                                           src_rows, pos_rows, index, ctx.dropout._replace(key=key))
         d_src = None
         if index.src_ids is not None and ctx.needs_input_grad[0]:  # a table lookup: rows with the same id add up
-            d_src = _accumulate_rows(src, src_rows, dpre, ctx.extra_row, d_extra)
+            d_src = table_grad.table_gradient(dpre, src_rows, src.shape[0], src.dtype, ctx.extra_row, d_extra,
+                                              workspace)
         elif index.src_ids is None:  # row r of src made output row r: its gradient is d_pre in row order
             d_src = dpre[: src.shape[0]].to(src.dtype)
         d_pos = None
         if pos_table is not None and ctx.needs_input_grad[2]:
-            d_pos = _accumulate_rows(pos_table, pos_rows, dpre)
+            d_pos = table_grad.table_gradient(dpre, pos_rows, pos_table.shape[0], pos_table.dtype, workspace=workspace)
         return d_src, d_fill, d_pos, dw, db, None, None, None, None
 
 

@@ -72,15 +72,18 @@ PHASES = (
         # the layers' fused kernels (rotary of q and k; the projection's bias + dropout + residual add + LayerNorm;
         # GeGLU; bias + GELU; the QKV projection's gathering backward; the local-attention kernel on shortened and
         # full streams; every candidate tiling) and the row ops (the embedding gather, of the visible ids too, and
-        # its <mask> row; the insertion: in bf16 only, their compilations' cost) and the cross-entropy's rows (bf16
-        # only) compiled for this GPU, against their references forward and backward
+        # its <mask> row; the insertion: in bf16 only, their compilations' cost), the tables' gradients from them
+        # (runs of ids across programs) and the cross-entropy's rows (bf16 only) compiled for this GPU, against
+        # their references forward and backward
         Step("fused_kernel_tests", _pytest("-m", "not large", "-k",
-                                           f"not ({ROW_OP_TESTS} or test_kernel_cross_entropy) or bfloat16",
+                                           f"not ({ROW_OP_TESTS} or test_kernel_cross_entropy or "
+                                           "test_kernel_table_grad) or bfloat16",
                                            "tests/kernels/test_kernel_rotary.py", "tests/kernels/test_kernel_norm.py",
                                            "tests/kernels/test_kernel_activation.py",
                                            "tests/kernels/test_kernel_projection.py",
                                            "tests/kernels/test_kernel_local_attention.py",
                                            "tests/kernels/test_kernel_rows.py",
+                                           "tests/kernels/test_kernel_table_grad.py",
                                            "tests/kernels/test_kernel_cross_entropy.py")),
         Step("graph_tests", _pytest("tests/test_graphs.py", "-k", "captured")),
         Step("sync_tests", _pytest("tests/test_train.py", "-k", "steady_state")),

@@ -82,6 +82,8 @@ def test_gpu_kernels_are_sorted_by_the_work_their_names_say():
         "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void con": "attention",
         "_geglu_bwd_kernel": "pointwise",
         "_sum_parts_kernel": "reduction",
+        "_segment_sums_kernel": "indexing",
+        "_segment_carry_kernel": "indexing",
         "some_kernel_of_another_kind": "other",
     }
     assert {name: common.kernel_kind(name) for name in names} == names

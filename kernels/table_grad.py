@@ -1,0 +1,160 @@
+"""The gradient of an embedding table from per-row gradients: rows that read the same table row add up.
+
+An embedding lookup's backward on CUDA in torch (`embedding_dense_backward`) sorts the ids, then runs about a dozen
+kernels of its own: unique ids, segments cut into partial segments of a few rows, a scan, the partial sums, their
+scatter, and an fp32 [V, H] table zeroed and then cast. At RoBERTa-base's step on an H200 that was about 0.5 ms and
+25 kernels (the sort 13 of them) for the token table of 3ml's 32,768 encoder rows (e63392c's trace), and 0.09-0.13
+ms and 22 kernels for each position table.
+
+Here (ARCHITECTURE.md section 3.2) the ids are sorted by torch (stable, so equal ids keep their rows' order), the
+table's gradient is zeroed in its own dtype, and two kernels sum each id's rows in that order:
+
+    `_segment_sums_kernel`  program j takes sorted rows [j R, (j + 1) R) and walks them in order, summing each run of
+                            equal ids in fp32: a run that starts and ends inside the program is written to its table
+                            row; the piece of a run that began before the program goes to HEAD[j], that of a run
+                            that began inside it and goes on past its end to TAIL[j]
+    `_segment_carry_kernel` the program whose TAIL holds a run's start adds the HEADs of the programs the run goes
+                            on into, in order, and writes the run's table row
+
+Each table row is written by one program, in a fixed order: no atomics, deterministic. A run as long as mlm's
+`<mask>` id (15-30% of the rows) is summed by many programs in parallel, R rows each, and added up by one (torch's
+`index_put_(accumulate=True)`, deterministic too, adds an id's rows one after another: that id made it 5.7 ms of a
+RoBERTa-base step on an H200).
+The optional `extra_row` (the insertion's `<mask>` row, read by the forward beside the lookup) sorts in as one more
+row, the last of its run, whose gradient is `d_extra`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import MAX_HIDDEN
+
+ROWS_PER_PROGRAM = 32
+"""Sorted rows a `_segment_sums_kernel` program walks: at RoBERTa-base's step 1,024 (3ml, 32,768 encoder rows) to
+2,048 programs (mlm), each a chain of row loads one after another."""
+
+
+@triton.jit
+def _run_bounds(SID, j, n_ids, R: tl.constexpr):
+    """Program j's sorted rows [a, b), its first and last ids, and whether the run of its first id began before a
+    (HEAD) and that of its last id goes on past b (TAIL)."""
+    a = j * R
+    b = tl.minimum(a + R, n_ids)
+    first = tl.load(SID + a)
+    last = tl.load(SID + b - 1)
+    head = (j > 0) & (tl.load(SID + a - 1, mask=j > 0, other=0) == first)
+    tail = (b < n_ids) & (tl.load(SID + b, mask=b < n_ids, other=0) == last)
+    return a, b, first, last, head, tail
+
+
+@triton.jit
+def _segment_sums_kernel(ROWS, EXTRA, SID, ORDER, GRAD, HEAD, TAIL, n_rows, n_ids, H, stride_rows, stride_grad,
+                         HAS_EXTRA: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    a, b, first, last, head, tail = _run_bounds(SID, j, n_ids, R)
+    cur = first
+    in_first = tl.full([], 1, tl.int32)  # whether the run being summed is the program's first
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    row = tl.load(ORDER + a)  # loaded a step ahead: a row's load waits on no load of its index
+    for i in range(R):
+        s = a + i
+        if s < b:
+            ahead = tl.load(ORDER + s + 1, mask=s + 1 < b, other=0)
+            x = tl.load(ROWS + row * stride_rows + cols, mask=mask & ((cols * 0 + row) < n_rows), other=0.0)
+            if HAS_EXTRA:  # the sorted-in extra row is row n_rows
+                x += tl.load(EXTRA + cols, mask=mask & ((cols * 0 + row) == n_rows), other=0.0).to(tl.float32)
+            sid = tl.load(SID + s)
+            if sid != cur:  # cur's run ended at s: its sum is whole unless it is the program's first and began before
+                if (in_first == 1) & head:
+                    tl.store(HEAD + j * H + cols, acc, mask=mask)
+                else:
+                    tl.store(GRAD + cur.to(tl.int64) * stride_grad + cols, acc.to(GRAD.dtype.element_ty), mask=mask)
+                acc = x
+                cur = sid
+                in_first = tl.full([], 0, tl.int32)
+            else:
+                acc += x
+            row = ahead
+    if (in_first == 1) & head:  # one run over the whole program, begun before it
+        tl.store(HEAD + j * H + cols, acc, mask=mask)
+    elif tail:
+        tl.store(TAIL + j * H + cols, acc, mask=mask)
+    else:
+        tl.store(GRAD + cur.to(tl.int64) * stride_grad + cols, acc.to(GRAD.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _segment_carry_kernel(SID, GRAD, HEAD, TAIL, n_ids, H, stride_grad, R: tl.constexpr, BLOCK_H: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    a, b, first, last, head, tail = _run_bounds(SID, j, n_ids, R)
+    if tail & ((first != last) | (head == 0)):  # the run of `last` began in this program and goes on
+        acc = tl.load(TAIL + j * H + cols, mask=mask, other=0.0)
+        k = j + 1
+        going = tl.full([], 1, tl.int32)
+        while going == 1:  # program k's HEAD is its piece of the run; the run goes on past k if k's rows all are it
+            acc += tl.load(HEAD + k * H + cols, mask=mask, other=0.0)
+            end = tl.minimum((k + 1) * R, n_ids)
+            going = ((end < n_ids) & (tl.load(SID + end - 1) == last)
+                     & (tl.load(SID + end, mask=end < n_ids, other=0) == last)).to(tl.int32)
+            k += 1
+        tl.store(GRAD + last.to(tl.int64) * stride_grad + cols, acc.to(GRAD.dtype.element_ty), mask=mask)
+
+
+def launch_config(hidden: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) of both kernels for rows of `hidden` elements: a row a step, ~8 elements a thread."""
+    block = triton.next_power_of_2(hidden)
+    return block, max(1, min(8, block // 256))
+
+
+def workspace_shape(n_rows: int, hidden: int, rows_per_program: int = ROWS_PER_PROGRAM) -> tuple[int, int, int]:
+    """The fp32 scratch `table_gradient` takes for `n_rows` rows of `hidden` (and an extra row): HEAD and TAIL, a row
+    each per program. One workspace serves a backward's calls one after another (kernels on one stream)."""
+    return 2, triton.cdiv(n_rows + 1, rows_per_program), hidden
+
+
+def table_gradient(rows: torch.Tensor, ids: torch.Tensor, num_table_rows: int, dtype: torch.dtype,
+                   extra_row: int | None = None, d_extra: torch.Tensor | None = None,
+                   workspace: torch.Tensor | None = None, rows_per_program: int = ROWS_PER_PROGRAM) -> torch.Tensor:
+    """[num_table_rows, H] in `dtype`: row v the sum (in fp32, cast once) of the rows of `rows` [N, H] fp32 whose
+    `ids` [N] (int32 or int64) are v, plus `d_extra` [H] at row `extra_row` where given; rows no id names are zero.
+    Deterministic: each id's rows are added in their order, then the extra row. `workspace`: an fp32 tensor of
+    `workspace_shape` (its rows per program alike), carved beside the caller's buffers, else allocated here."""
+    if rows.dim() != 2 or rows.dtype != torch.float32 or ids.shape != rows.shape[:1]:
+        raise ValueError(f"table_gradient: expected fp32 rows [N, H] and ids [N]; got rows {tuple(rows.shape)} "
+                         f"{rows.dtype}, ids {tuple(ids.shape)}")
+    if (extra_row is None) != (d_extra is None):
+        raise ValueError("table_gradient: extra_row and d_extra go together")
+    hidden = rows.shape[1]
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"table_gradient: hidden size {hidden} exceeds the supported {MAX_HIDDEN}")
+    grad = torch.zeros(num_table_rows, hidden, device=rows.device, dtype=dtype)
+    keys = ids if extra_row is None else torch.nn.functional.pad(ids, (0, 1), value=extra_row)
+    n_ids = keys.numel()
+    if n_ids == 0 or hidden == 0:
+        return grad
+    sorted_ids, order = torch.sort(keys, stable=True)
+    programs = triton.cdiv(n_ids, rows_per_program)
+    if workspace is None:
+        workspace = torch.empty(workspace_shape(rows.shape[0], hidden, rows_per_program), device=rows.device,
+                                dtype=torch.float32)
+    elif workspace.shape != workspace_shape(rows.shape[0], hidden, rows_per_program) or not workspace.is_contiguous():
+        raise ValueError(f"table_gradient: workspace of shape {tuple(workspace.shape)}, expected a contiguous "
+                         f"{workspace_shape(rows.shape[0], hidden, rows_per_program)}")
+    rows = rows.contiguous()
+    extra = grad if d_extra is None else d_extra.contiguous()  # unread without the extra row
+    block, warps = launch_config(hidden)
+    head, tail = workspace.unbind(0)
+    _segment_sums_kernel[(programs,)](rows, extra, sorted_ids, order, grad, head, tail, rows.shape[0], n_ids, hidden,
+                                      rows.stride(0), grad.stride(0), HAS_EXTRA=d_extra is not None,
+                                      R=rows_per_program, BLOCK_H=block, num_warps=warps)
+    if programs > 1:
+        _segment_carry_kernel[(programs,)](sorted_ids, grad, head, tail, n_ids, hidden, grad.stride(0),
+                                           R=rows_per_program, BLOCK_H=block, num_warps=warps)
+    return grad
