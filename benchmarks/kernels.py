@@ -39,6 +39,7 @@ from fastmae.kernels import (
     mask_key,
     select_masked,
     select_masked_reference,
+    table_gradient,
 )
 from fastmae.kernels.activation import _tile
 from fastmae.kernels.launch import column_block
@@ -155,10 +156,11 @@ def tile_copy(source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):
+def layer_cases(tokens: int, hidden: int, vocab: int, device, dtype, dropout: float = 0.1):
     """(name, bytes moved by the ideal fused kernel, FLOPs, stock torch fn, fastmae.ops fn) for each of a layer's fused
     ops, forward + backward, at RoBERTa's (bias + GELU, post-LN with dropout) and ModernBERT's (GeGLU, pre-LN without
-    bias) shapes for `hidden`; on CUDA also the post-LN norm and bias + GELU at each candidate tiling. First a copy
+    bias) shapes for `hidden`, and the token table's gradient from the embedding's rows; on CUDA also the post-LN
+    norm and bias + GELU at each candidate tiling. First a copy
     of the feed-forward's rows by torch on both sides: the bandwidth a streaming kernel reaches on this device, which
     the data sheet's peak (the `% of peak BW` column) overstates; on CUDA then the same copy by a Triton kernel at
     bias + GELU's forward tiles (`tile_copy`)."""
@@ -256,6 +258,14 @@ def layer_cases(tokens: int, hidden: int, device, dtype, dropout: float = 0.1):
     yield ("QKV projection + rotary (no bias)", 0, 18 * tokens * hidden * hidden,
            lambda: torch.autograd.backward(stock_qkv_rotary(), grads_qkv),
            lambda: torch.autograd.backward(ops.project_qkv(x, w_qkv, None, heads, rotary=(cos, sin)), grads_qkv))
+    # the token table's gradient from the rows' fp32 gradients the embedding kernel's backward writes, an mlm
+    # micro-batch's ids: 12% of them `<mask>` (15% predicted, 80% of those replaced), one long run
+    ids = torch.randint(5, vocab, (tokens,), generator=gen, device=device, dtype=torch.int32)
+    ids[torch.rand(tokens, generator=gen, device=device) < 0.12] = SpecialTokens().mask
+    rows = torch.randn(tokens, hidden, generator=gen, device=device)
+    yield ("embedding table's gradient (12% of the rows one id)", tokens * hidden * 4 + vocab * hidden * elt, 0,
+           lambda: torch.ops.aten.embedding_dense_backward(rows, ids, vocab, -1, False).to(dtype),
+           lambda: table_gradient(rows, ids, vocab, dtype))
 
 
 def main():
@@ -277,7 +287,7 @@ def main():
     if args.ops in ("all", "data"):
         chosen.append(cases(tokens, args.hidden, args.vocab, device, dtype))
     if args.ops in ("all", "layers"):
-        chosen.append(layer_cases(tokens, args.hidden, device, dtype))
+        chosen.append(layer_cases(tokens, args.hidden, args.vocab, device, dtype))
     timed = {}  # each torch reference's (seconds, MiB, GPU seconds): the candidate tilings share theirs
     for name, nbytes, flops, reference, kernel in itertools.chain(*chosen):
         if reference not in timed:
@@ -299,7 +309,7 @@ def main():
     columns = list(rows[0])
     note = (f"{tokens} tokens (sequences of 512, 50% masked), hidden {args.hidden}, vocab {args.vocab}, {dtype}; "
             "the layer ops against stock torch (F.dropout at 0.1, F.layer_norm, F.linear + F.gelu, chunk + F.gelu, "
-            "F.linear + unbind + rotate-half), "
+            "F.linear + unbind + rotate-half, torch's embedding backward), "
             "intermediate width 4 x hidden (GeGLU 1.5 x hidden). "
             + ("Triton kernels and torch side by side; ms = wall time per call, GPU ms = the sum of its "
                "kernels' durations (profiler), from which GB/s and FLOP/s are computed (peaks: data sheet)."

@@ -53,6 +53,7 @@ def _table_grad_configs():
 
     for hidden_block in [2**k for k in range(6, launch.MAX_HIDDEN.bit_length())]:
         block, warps = table_grad.launch_config(hidden_block)
+        block_k, carry_warps = table_grad.carry_config(hidden_block)
         constexprs = dict(R=table_grad.ROWS_PER_PROGRAM, BLOCK_H=block)
         for dtype in ("fp32", "bf16", "fp16"):
             for extra in (0, 1):
@@ -61,9 +62,10 @@ def _table_grad_configs():
                             stride_grad="i32")
                 yield ("table_grad._segment_sums_kernel", f"{dtype} BLOCK_H={block}" + " extra row" * extra, sums,
                        {**constexprs, "HAS_EXTRA": extra}, warps)
-            carry = dict(SID="*i32", GRAD=f"*{dtype}", HEAD="*fp32", TAIL="*fp32", n_ids="i32", H="i32",
-                         stride_grad="i32")
-            yield "table_grad._segment_carry_kernel", f"{dtype} BLOCK_H={block}", carry, constexprs, warps
+            carry = dict(SID="*i32", GRAD=f"*{dtype}", HEAD="*fp32", TAIL="*fp32", n_ids="i32", n_programs="i32",
+                         H="i32", stride_grad="i32")
+            yield ("table_grad._segment_carry_kernel", f"{dtype} BLOCK_H={block}", carry,
+                   {**constexprs, "BLOCK_K": block_k}, carry_warps)
 
 
 def _mask_configs():

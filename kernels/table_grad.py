@@ -14,7 +14,8 @@ table's gradient is zeroed in its own dtype, and two kernels sum each id's rows 
                             row; the piece of a run that began before the program goes to HEAD[j], that of a run
                             that began inside it and goes on past its end to TAIL[j]
     `_segment_carry_kernel` the program whose TAIL holds a run's start adds the HEADs of the programs the run goes
-                            on into, in order, and writes the run's table row
+                            on into, BLOCK_K of them a step (their loads in flight together; each tile row summed
+                            in order, the rows at the end), and writes the run's table row
 
 Each table row is written by one program, in a fixed order: no atomics, deterministic. A run as long as mlm's
 `<mask>` id (15-30% of the rows) is summed by many programs in parallel, R rows each, and added up by one (torch's
@@ -89,28 +90,42 @@ def _segment_sums_kernel(ROWS, EXTRA, SID, ORDER, GRAD, HEAD, TAIL, n_rows, n_id
 
 
 @triton.jit
-def _segment_carry_kernel(SID, GRAD, HEAD, TAIL, n_ids, H, stride_grad, R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _segment_carry_kernel(SID, GRAD, HEAD, TAIL, n_ids, n_programs, H, stride_grad, R: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
     a, b, first, last, head, tail = _run_bounds(SID, j, n_ids, R)
     if tail & ((first != last) | (head == 0)):  # the run of `last` began in this program and goes on
-        acc = tl.load(TAIL + j * H + cols, mask=mask, other=0.0)
+        # the HEADs of the programs after j whose first row is still the run (the ids are sorted), BLOCK_K programs a
+        # step, their loads all in flight at once: mlm's `<mask>` run spans hundreds of programs
+        total = tl.zeros([BLOCK_K, BLOCK_H], dtype=tl.float32)
         k = j + 1
         going = tl.full([], 1, tl.int32)
-        while going == 1:  # program k's HEAD is its piece of the run; the run goes on past k if k's rows all are it
-            acc += tl.load(HEAD + k * H + cols, mask=mask, other=0.0)
-            end = tl.minimum((k + 1) * R, n_ids)
-            going = ((end < n_ids) & (tl.load(SID + end - 1) == last)
-                     & (tl.load(SID + end, mask=end < n_ids, other=0) == last)).to(tl.int32)
-            k += 1
+        while going == 1:
+            ks = k + tl.arange(0, BLOCK_K)
+            in_run = (ks < n_programs) & (tl.load(SID + ks * R, mask=ks < n_programs, other=0) == last)
+            total += tl.load(HEAD + ks[:, None] * H + cols[None, :], mask=in_run[:, None] & mask[None, :],
+                             other=0.0)
+            k += BLOCK_K
+            going = ((k < n_programs) & (tl.load(SID + k * R, mask=k < n_programs, other=0) == last)).to(tl.int32)
+        acc = tl.load(TAIL + j * H + cols, mask=mask, other=0.0) + tl.sum(total, axis=0)
         tl.store(GRAD + last.to(tl.int64) * stride_grad + cols, acc.to(GRAD.dtype.element_ty), mask=mask)
 
 
 def launch_config(hidden: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps) of both kernels for rows of `hidden` elements: a row a step, ~8 elements a thread."""
+    """(BLOCK_H, num_warps) of `_segment_sums_kernel` for rows of `hidden` elements: a row a step, ~8 elements a
+    thread."""
     block = triton.next_power_of_2(hidden)
     return block, max(1, min(8, block // 256))
+
+
+def carry_config(hidden: int) -> tuple[int, int]:
+    """(BLOCK_K, num_warps) of `_segment_carry_kernel` for rows of `hidden` elements: tiles of BLOCK_K HEAD rows, 32
+    elements a thread (8 rows on 8 warps at 1,024: hundreds of programs' pieces in a few dozen steps)."""
+    block = triton.next_power_of_2(hidden)
+    warps = max(1, min(8, block // 128))
+    return max(1, min(16, 32 * 32 * warps // block)), warps
 
 
 def workspace_shape(n_rows: int, hidden: int, rows_per_program: int = ROWS_PER_PROGRAM) -> tuple[int, int, int]:
@@ -155,6 +170,8 @@ def table_gradient(rows: torch.Tensor, ids: torch.Tensor, num_table_rows: int, d
                                       rows.stride(0), grad.stride(0), HAS_EXTRA=d_extra is not None,
                                       R=rows_per_program, BLOCK_H=block, num_warps=warps)
     if programs > 1:
-        _segment_carry_kernel[(programs,)](sorted_ids, grad, head, tail, n_ids, hidden, grad.stride(0),
-                                           R=rows_per_program, BLOCK_H=block, num_warps=warps)
+        block_k, carry_warps = carry_config(hidden)
+        _segment_carry_kernel[(programs,)](sorted_ids, grad, head, tail, n_ids, programs, hidden, grad.stride(0),
+                                           R=rows_per_program, BLOCK_K=block_k, BLOCK_H=block,
+                                           num_warps=carry_warps)
     return grad

@@ -9,10 +9,11 @@ from tolerance import assert_as_accurate
 
 # (rows, hidden, table rows, rows a program): runs inside one program, runs crossing two and many programs (a table
 # of one or two rows: every row one run, as mlm's `<mask>` id is a long one), fewer rows than a program takes, rows a
-# whole number of programs, and the shipped program size
+# whole number of programs, the shipped program size, and runs over several of the carry kernel's steps
 CASES = [pytest.param(1, 8, 5, 4, id="N1"), pytest.param(37, 100, 50, 4, id="N37-V50-R4"),
          pytest.param(64, 37, 2, 8, id="N64-V2-R8"), pytest.param(45, 16, 1, 4, id="N45-V1-R4"),
-         pytest.param(3, 16, 7, 32, id="N3-R32"), pytest.param(200, 64, 9, 32, id="N200-V9-R32")]
+         pytest.param(3, 16, 7, 32, id="N3-R32"), pytest.param(200, 64, 9, 32, id="N200-V9-R32"),
+         pytest.param(150, 100, 2, 2, id="N150-V2-R2")]  # a run over more programs than the carry's step takes
 
 
 def _inputs(rows, hidden, table_rows, seed):
