@@ -38,7 +38,7 @@ def _row_configs():
                 if gathered:
                     continue
                 bwd = dict(DOUT=d, dst_index="*i32", fill_index="*i32", SRC=d, SRC_ROWS="*i32", FILL=d, POS="*fp32",
-                           POS_ROWS="*i32", W="*fp32", MEAN="*fp32", RSTD="*fp32", DPRE="*fp32", DW_PART="*fp32",
+                           POS_ROWS="*i32", W="*fp32", MEAN="*fp32", RSTD="*fp32", DPRE=d, DW_PART="*fp32",
                            DB_PART="*fp32", DFILL_PART="*fp32", KEY="*i64", n_rows="i32", num_src_rows="i32",
                            H="i32", stride_dout="i32", stride_src="i32", stride_pos="i32", threshold="i32",
                            scale="fp32")
@@ -47,8 +47,9 @@ def _row_configs():
 
 
 def _table_grad_configs():
-    """Both table-gradient kernels at every row width, for a gradient in each table dtype, with and without the
-    extra row (the sorted ids int32, as the row ops keep them; torch's sort's order int64)."""
+    """Both table-gradient kernels at every row width, for a gradient in each table dtype from rows in that dtype
+    (the row ops' backward writes them in the source's) and in fp32, with and without the extra row (the sorted ids
+    int32, as the row ops keep them; torch's sort's order int64)."""
     from . import launch, table_grad
 
     for hidden_block in [2**k for k in range(6, launch.MAX_HIDDEN.bit_length())]:
@@ -56,12 +57,12 @@ def _table_grad_configs():
         block_k, carry_warps = table_grad.carry_config(hidden_block)
         constexprs = dict(R=table_grad.ROWS_PER_PROGRAM, BLOCK_H=block)
         for dtype in ("fp32", "bf16", "fp16"):
-            for extra in (0, 1):
-                sums = dict(ROWS="*fp32", EXTRA=f"*{dtype}", SID="*i32", ORDER="*i64", GRAD=f"*{dtype}",
+            for rows, extra in itertools.product(dict.fromkeys((dtype, "fp32")), (0, 1)):
+                sums = dict(ROWS=f"*{rows}", EXTRA=f"*{dtype}", SID="*i32", ORDER="*i64", GRAD=f"*{dtype}",
                             HEAD="*fp32", TAIL="*fp32", n_rows="i32", n_ids="i32", H="i32", stride_rows="i32",
                             stride_grad="i32")
-                yield ("table_grad._segment_sums_kernel", f"{dtype} BLOCK_H={block}" + " extra row" * extra, sums,
-                       {**constexprs, "HAS_EXTRA": extra}, warps)
+                said = f"{dtype} from {rows} rows BLOCK_H={block}" + " extra row" * extra
+                yield "table_grad._segment_sums_kernel", said, sums, {**constexprs, "HAS_EXTRA": extra}, warps
             carry = dict(SID="*i32", GRAD=f"*{dtype}", HEAD="*fp32", TAIL="*fp32", n_ids="i32", n_programs="i32",
                          H="i32", stride_grad="i32")
             yield ("table_grad._segment_carry_kernel", f"{dtype} BLOCK_H={block}", carry,

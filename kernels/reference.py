@@ -118,8 +118,8 @@ def embed_rows_reference(table, ids, pos_table=None, pos_ids=None, ln_weight=Non
 
 
 def table_gradient_reference(rows, ids, num_table_rows, dtype, extra_row=None, d_extra=None):
-    """`table_gradient`'s twin: torch's embedding backward (fp32), `d_extra` added at row `extra_row`, one cast."""
-    grad = torch.ops.aten.embedding_dense_backward(rows, ids.long(), num_table_rows, -1, False)
+    """`table_gradient`'s twin: torch's embedding backward in fp32, `d_extra` added at row `extra_row`, one cast."""
+    grad = torch.ops.aten.embedding_dense_backward(rows.float(), ids.long(), num_table_rows, -1, False)
     if d_extra is not None:
         grad[extra_row] += d_extra.float()
     return grad.to(dtype)

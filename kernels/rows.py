@@ -9,8 +9,9 @@ for r < num_src_rows and the `fill` row after (the insertion), and dst(r) = r, o
 fill_index[r - num_src_rows] for a fill row (a scatter). The dropout is the layers' hashed one (kernels/norm.py),
 element (dst(r), c) of the output under a key: the backward draws the same bits, no mask stored, no dropout
 kernels either way. The forward keeps the table rows it read, so the backward
-indexes nothing; it writes d(pre-norm row) once per row, in row order, so no float atomics: the caller reduces it
-into the tables (kernels/table_grad.py) or takes it as the gradient of `src` directly.
+indexes nothing; it writes d(pre-norm row) once per row, in row order and in the source's dtype (what a stock
+model's gradient there is), so no float atomics: the caller reduces it into the tables in fp32 (kernels/table_grad.py)
+or takes it as the gradient of `src` as it is.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def _rows_bwd_kernel(DOUT, dst_index, fill_index, SRC, SRC_ROWS, FILL, POS, POS_
                 db += dy
             else:
                 dx = dy
-            tl.store(DPRE + r * H + cols, dx, mask=mask)
+            tl.store(DPRE + r * H + cols, dx.to(DPRE.dtype.element_ty), mask=mask)
             if HAS_FILL:
                 dfill += tl.where((cols * 0 + r) >= num_src_rows, dx, 0.0)  # block-shaped: the interpreter's need
     if HAS_NORM:
@@ -236,7 +237,7 @@ def _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows
     has_norm, has_fill, has_pos = ln_weight is not None, fill is not None, pos_table is not None
     # the rows' gradients and the scratch the tables' gradients take from them, one allocation
     tables = index.src_ids is not None or has_pos
-    dpre, workspace = carve(device, ((n_rows, hidden), torch.float32),
+    dpre, workspace = carve(device, ((n_rows, hidden), src.dtype),
                             (table_grad.workspace_shape(n_rows, hidden) if tables else (0,), torch.float32))
     if n_rows == 0:
         return dpre, workspace, None, None, None if fill is None else torch.zeros_like(fill)
@@ -303,7 +304,7 @@ class _RowsFunction(torch.autograd.Function):
             d_src = table_grad.table_gradient(dpre, src_rows, src.shape[0], src.dtype, ctx.extra_row, d_extra,
                                               workspace)
         elif index.src_ids is None:  # row r of src made output row r: its gradient is d_pre in row order
-            d_src = dpre[: src.shape[0]].to(src.dtype)
+            d_src = dpre[: src.shape[0]]
         d_pos = None
         if pos_table is not None and ctx.needs_input_grad[2]:
             d_pos = table_grad.table_gradient(dpre, pos_rows, pos_table.shape[0], pos_table.dtype, workspace=workspace)

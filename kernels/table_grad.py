@@ -66,7 +66,8 @@ def _segment_sums_kernel(ROWS, EXTRA, SID, ORDER, GRAD, HEAD, TAIL, n_rows, n_id
         s = a + i
         if s < b:
             ahead = tl.load(ORDER + s + 1, mask=s + 1 < b, other=0)
-            x = tl.load(ROWS + row * stride_rows + cols, mask=mask & ((cols * 0 + row) < n_rows), other=0.0)
+            x = tl.load(ROWS + row * stride_rows + cols, mask=mask & ((cols * 0 + row) < n_rows),
+                        other=0.0).to(tl.float32)
             if HAS_EXTRA:  # the sorted-in extra row is row n_rows
                 x += tl.load(EXTRA + cols, mask=mask & ((cols * 0 + row) == n_rows), other=0.0).to(tl.float32)
             sid = tl.load(SID + s)
@@ -137,12 +138,12 @@ def workspace_shape(n_rows: int, hidden: int, rows_per_program: int = ROWS_PER_P
 def table_gradient(rows: torch.Tensor, ids: torch.Tensor, num_table_rows: int, dtype: torch.dtype,
                    extra_row: int | None = None, d_extra: torch.Tensor | None = None,
                    workspace: torch.Tensor | None = None, rows_per_program: int = ROWS_PER_PROGRAM) -> torch.Tensor:
-    """[num_table_rows, H] in `dtype`: row v the sum (in fp32, cast once) of the rows of `rows` [N, H] fp32 whose
-    `ids` [N] (int32 or int64) are v, plus `d_extra` [H] at row `extra_row` where given; rows no id names are zero.
-    Deterministic: each id's rows are added in their order, then the extra row. `workspace`: an fp32 tensor of
-    `workspace_shape` (its rows per program alike), carved beside the caller's buffers, else allocated here."""
-    if rows.dim() != 2 or rows.dtype != torch.float32 or ids.shape != rows.shape[:1]:
-        raise ValueError(f"table_gradient: expected fp32 rows [N, H] and ids [N]; got rows {tuple(rows.shape)} "
+    """[num_table_rows, H] in `dtype`: row v the sum (in fp32, cast once) of the rows of `rows` [N, H] (a float
+    dtype) whose `ids` [N] (int32 or int64) are v, plus `d_extra` [H] at row `extra_row` where given; rows no id
+    names are zero. Deterministic: each id's rows are added in their order, then the extra row. `workspace`: an fp32
+    tensor of `workspace_shape` (its rows per program alike), carved beside the caller's buffers, else allocated."""
+    if rows.dim() != 2 or not rows.is_floating_point() or ids.shape != rows.shape[:1]:
+        raise ValueError(f"table_gradient: expected float rows [N, H] and ids [N]; got rows {tuple(rows.shape)} "
                          f"{rows.dtype}, ids {tuple(ids.shape)}")
     if (extra_row is None) != (d_extra is None):
         raise ValueError("table_gradient: extra_row and d_extra go together")
