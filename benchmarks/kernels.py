@@ -258,14 +258,19 @@ def layer_cases(tokens: int, hidden: int, vocab: int, device, dtype, dropout: fl
     yield ("QKV projection + rotary (no bias)", 0, 18 * tokens * hidden * hidden,
            lambda: torch.autograd.backward(stock_qkv_rotary(), grads_qkv),
            lambda: torch.autograd.backward(ops.project_qkv(x, w_qkv, None, heads, rotary=(cos, sin)), grads_qkv))
-    # the token table's gradient from the rows' fp32 gradients the embedding kernel's backward writes, an mlm
-    # micro-batch's ids: 12% of them `<mask>` (15% predicted, 80% of those replaced), one long run
+    # the embedding tables' gradients from the rows' gradients (in the training dtype, as the row ops' backward
+    # writes them and a stock model's embedding receives them): the token table from an mlm micro-batch's ids, 12% of
+    # them `<mask>` (15% predicted, 80% of those replaced: one long run), and RoBERTa's learned position table (514
+    # rows) from sequences of 512
     ids = torch.randint(5, vocab, (tokens,), generator=gen, device=device, dtype=torch.int32)
     ids[torch.rand(tokens, generator=gen, device=device) < 0.12] = SpecialTokens().mask
-    rows = torch.randn(tokens, hidden, generator=gen, device=device)
-    yield ("embedding table's gradient (12% of the rows one id)", tokens * hidden * 4 + vocab * hidden * elt, 0,
-           lambda: torch.ops.aten.embedding_dense_backward(rows, ids, vocab, -1, False).to(dtype),
-           lambda: table_gradient(rows, ids, vocab, dtype))
+    rows = torch.randn(tokens, hidden, generator=gen, device=device, dtype=dtype)
+    for said, table_ids, table_rows in (("token table's gradient (12% of the rows one id)", ids, vocab),
+                                        ("position table's gradient (sequences of 512)",
+                                         torch.arange(tokens, device=device) % 512 + 2, 514)):
+        yield (said, tokens * hidden * elt + table_rows * hidden * elt, 0,
+               lambda ids=table_ids, n=table_rows: torch.ops.aten.embedding_dense_backward(rows, ids, n, -1, False),
+               lambda ids=table_ids, n=table_rows: table_gradient(rows, ids, n, dtype))
 
 
 def main():
