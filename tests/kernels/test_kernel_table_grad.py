@@ -13,7 +13,8 @@ from tolerance import assert_as_accurate
 CASES = [pytest.param(1, 8, 5, 4, id="N1"), pytest.param(37, 100, 50, 4, id="N37-V50-R4"),
          pytest.param(64, 37, 2, 8, id="N64-V2-R8"), pytest.param(45, 16, 1, 4, id="N45-V1-R4"),
          pytest.param(3, 16, 7, 32, id="N3-R32"), pytest.param(200, 64, 9, 32, id="N200-V9-R32"),
-         pytest.param(150, 100, 2, 2, id="N150-V2-R2")]  # a run over more programs than the carry's step takes
+         pytest.param(150, 100, 2, 2, id="N150-V2-R2"),  # a run over more programs than the carry's step takes
+         pytest.param(65536, 768, 50265, 32, id="N65536-H768-V50265", marks=pytest.mark.large)]  # an mlm step's
 
 
 def _inputs(rows, hidden, table_rows, seed):
