@@ -22,7 +22,7 @@ def _row_configs():
         "insert (no decoder)": (0, 0, 1, 0, 0, 1),
     }
     for hidden_block in [2**k for k in range(6, launch.MAX_HIDDEN.bit_length())]:  # BLOCK_H 64 .. MAX_HIDDEN
-        block, warps = rows.row_launch_config(hidden_block)
+        block, warps = launch.row_launch_config(hidden_block)
         for combo, (src_idx, gathered, fill, pos, norm, dst) in combos.items():
             for dtype, dropout in itertools.product(("fp32", "bf16"), (0, 1)):  # the dropout after the op, or none
                 flags = dict(SRC_INDEXED=src_idx, HAS_FILL=fill, HAS_POS=pos, HAS_NORM=norm, DST_INDEXED=dst,
@@ -53,7 +53,7 @@ def _table_grad_configs():
     from . import launch, table_grad
 
     for hidden_block in [2**k for k in range(6, launch.MAX_HIDDEN.bit_length())]:
-        block, warps = table_grad.launch_config(hidden_block)
+        block, warps = launch.row_launch_config(hidden_block)
         block_k, carry_warps = table_grad.carry_config(hidden_block)
         constexprs = dict(R=table_grad.ROWS_PER_PROGRAM, BLOCK_H=block)
         for dtype in ("fp32", "bf16", "fp16"):

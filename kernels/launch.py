@@ -32,7 +32,6 @@ def _sum_parts_kernel(PARTS, SUMS, programs, H, BLOCK_P: tl.constexpr, BLOCK_H: 
     tl.store(SUMS + part * H + cols, tl.sum(total, axis=0).to(SUMS.dtype.element_ty), mask=cols < H)
 
 
-
 # _sum_parts_kernel's tile (`sum_tile`): all of a launch's partial rows at once where they fit SUM_MAX_BLOCK_P (a norm's
 # backward leaves at most 1,024 of them, norm.BACKWARD_PROGRAMS; a bias's one per ROWS_PER_BIAS_PROGRAM rows: 1,024 at
 # 65,536), over as many columns as make SUM_TILE elements, 32 a thread on SUM_WARPS warps (at least 8 columns: 32 bytes
@@ -79,6 +78,13 @@ BACKWARD_TILE = 1024
 COLUMNS_PER_PROGRAM = 1024
 ROWS_PER_BIAS_PROGRAM = 64
 MIN_DIVIDING_BLOCK = 64  # the narrowest column block taken because it divides the row (`column_block`)
+
+
+def row_launch_config(hidden: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) for rows of `hidden` elements, a row a program (or a step of its loop), ~8 elements per
+    thread (rows.py's row ops, table_grad.py's segment sums)."""
+    block = triton.next_power_of_2(hidden)
+    return block, max(1, min(16, block // 256))
 
 
 def column_block(columns: int) -> int:

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import table_grad
 from .hashing import check_dropout_key, dropout_threshold
-from .launch import MAX_HIDDEN, carve, sum_parts
+from .launch import MAX_HIDDEN, carve, row_launch_config, sum_parts
 from .mask_select import dropout_kept
 
 # ----------------------------------------------------------------------------------------------------- kernels
@@ -153,12 +153,6 @@ def _rows_bwd_kernel(DOUT, dst_index, fill_index, SRC, SRC_ROWS, FILL, POS, POS_
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
-
-
-def row_launch_config(hidden: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps) for rows of `hidden` elements: one row per program, ~8 elements per thread."""
-    block = triton.next_power_of_2(hidden)
-    return block, max(1, min(16, block // 256))
 
 
 ROWS_PER_PROGRAM = 16  # backward: rows per program, so LayerNorm weight-gradient partials stay few

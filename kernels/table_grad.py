@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import MAX_HIDDEN
+from .launch import MAX_HIDDEN, row_launch_config
 
 ROWS_PER_PROGRAM = 32
 """Sorted rows a `_segment_sums_kernel` program walks: at RoBERTa-base's step 1,024 (3ml, 32,768 encoder rows) to
@@ -114,13 +114,6 @@ def _segment_carry_kernel(SID, GRAD, HEAD, TAIL, n_ids, n_programs, H, stride_gr
         tl.store(GRAD + last.to(tl.int64) * stride_grad + cols, acc.to(GRAD.dtype.element_ty), mask=mask)
 
 
-def launch_config(hidden: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps) of `_segment_sums_kernel` for rows of `hidden` elements: a row a step, ~8 elements a
-    thread."""
-    block = triton.next_power_of_2(hidden)
-    return block, max(1, min(8, block // 256))
-
-
 def carry_config(hidden: int) -> tuple[int, int]:
     """(BLOCK_K, num_warps) of `_segment_carry_kernel` for rows of `hidden` elements: tiles of BLOCK_K HEAD rows, 32
     elements a thread (8 rows on 8 warps at 1,024: hundreds of programs' pieces in a few dozen steps)."""
@@ -165,7 +158,7 @@ def table_gradient(rows: torch.Tensor, ids: torch.Tensor, num_table_rows: int, d
                          f"{workspace_shape(rows.shape[0], hidden, rows_per_program)}")
     rows = rows.contiguous()
     extra = grad if d_extra is None else d_extra.contiguous()  # unread without the extra row
-    block, warps = launch_config(hidden)
+    block, warps = row_launch_config(hidden)
     head, tail = workspace.unbind(0)
     _segment_sums_kernel[(programs,)](rows, extra, sorted_ids, order, grad, head, tail, rows.shape[0], n_ids, hidden,
                                       rows.stride(0), grad.stride(0), HAS_EXTRA=d_extra is not None,
