@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from deepspeed.runtime.zero import stage3, stage_1_and_2
+from deepspeed.runtime.zero import stage3
 from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 
 from .atomic import atomic_stream
@@ -25,6 +25,7 @@ from .graphs import StepGraphs, plan_graphs
 from .model import MaskedLM
 from .optim import ClippingAdamW, decay_groups, param_groups
 from .schedule import Schedule
+from .zero_patches import ZeroOptimizer  # patches DeepSpeed's ZeRO optimizers (fewer device ops, same values)
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -35,31 +36,7 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def _mask_non_finite(norm: torch.Tensor, device=None, val: float = -1.0) -> None:
-    """DeepSpeed's `mask_nan_or_inf_with_val_inplace` (its ZeRO-1/2 gradient norm marks a non-finite norm with -1)
-    without first making the -1 a device tensor from host data: on CUDA that is a copy the host waits for, every
-    optimizer step (counted by benchmarks/host_overhead.py)."""
-    norm.masked_fill_(~torch.isfinite(norm), val)
-
-
-stage_1_and_2.mask_nan_or_inf_with_val_inplace = _mask_non_finite  # the same values, no sync
-stage3.mask_nan_or_inf_with_val_inplace = _mask_non_finite
-
-
-def _add_to_grad_partition(output: torch.Tensor | None, source: torch.Tensor) -> None:
-    """DeepSpeed's `_add_to_grad_partition_buffer` (ZeRO-1/2 add each reduced bf16 gradient into its fp32 partition)
-    in one pass: `add_` widens the bf16 operand as it reads it, where DeepSpeed's first writes it out as an fp32 copy
-    (two whole-model passes a step, one of them at fp32 width, more). The same sums, bit for bit."""
-    if output is not None:
-        output.add_(source)
-
-
-stage_1_and_2.DeepSpeedZeroOptimizer._add_to_grad_partition_buffer = staticmethod(_add_to_grad_partition)
-# ZeRO-1/2's gradient norm (fastmae clips by it) in fp32, as torch's clip_grad_norm_ and Megatron take it: DeepSpeed's
-# fp64 norm first writes every fp32 gradient out as fp64, a whole-model pass at twice its width, then reads that (the
-# H200's base 3ml trace at e63392c: 0.54 ms for the cast and 0.23 ms for the norm, of a 75 ms step)
-stage_1_and_2.get_norm_dtype = lambda: torch.float32
-ZERO_OPTIMIZERS = (stage_1_and_2.DeepSpeedZeroOptimizer, stage3.DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer)
+ZERO_OPTIMIZERS = (ZeroOptimizer, stage3.DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer)
 
 
 def deepspeed_config(config: RunConfig, precision: str) -> dict:
@@ -74,8 +51,9 @@ def deepspeed_config(config: RunConfig, precision: str) -> dict:
         raise FastmaeError(f"train.precision={precision} with train.zero_stage=0: DeepSpeed then accumulates "
                            "gradients in the half-precision dtype; use train.zero_stage >= 1 (or precision fp32)")
     # Clipping is fastmae's (optim.ClippingAdamW, on the device): DeepSpeed's reads the norm back to decide. Under
-    # ZeRO its optimizer still computes the global norm (on the device, `_mask_non_finite`), which fastmae's clips by
-    # (`build_engine`); in bf16 its overflow check (a host read) is off, fastmae's skip flag covers a non-finite norm.
+    # ZeRO its optimizer still computes the global norm (on the device, fastmae/zero_patches.py), which fastmae's
+    # clips by (`build_engine`); in bf16 its overflow check (a host read) is off, fastmae's skip flag covers a
+    # non-finite norm.
     # fp16's loss scaler needs DeepSpeed's overflow check.
     derived = {
         "train_micro_batch_size_per_gpu": 1,

@@ -815,10 +815,15 @@ for precision, stage in KNOWN_SYNCS:
     assert all(torch.equal(a, b) for a, b in zip(weights[0], weights[-1])), (precision, moved)
 
 # in a world of one, ZeRO-2 takes DeepSpeed's all-reduce path (`reduce_scatter` off: an identity there) and adds each
-# bf16 gradient into its fp32 partition in one pass, its norm in fp32 (fastmae.engine): the weights DeepSpeed's own
-# reduce-scatter path and two-pass add train, bit for bit, with fewer passes over model-sized tensors and no casts
+# bf16 gradient into its fp32 partition in one pass, its norms in fp32 and its global norm in fewer ops
+# (fastmae/zero_patches.py): with a clip that binds, the weights and the norm DeepSpeed's own reduce-scatter path, add
+# and global norm give, bit for bit, with fewer passes over model-sized tensors and no casts
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+import fastmae.zero_patches
+from fastmae.masking import mask_batch
 fastmaes_add = DeepSpeedZeroOptimizer._add_to_grad_partition_buffer
+fastmaes_norm = DeepSpeedZeroOptimizer.scaled_global_norm
+deepspeeds_norm = fastmae.zero_patches.DEEPSPEEDS_SCALED_GLOBAL_NORM
 
 
 def deepspeeds_add(output, source):  # DeepSpeed 0.19's own
@@ -826,27 +831,54 @@ def deepspeeds_add(output, source):  # DeepSpeed 0.19's own
         output.add_(source.to(output.dtype))
 
 
-trained = []
-for ours in (True, False):
+def zero2_bf16_engine(ours, clip=0.05):
     DeepSpeedZeroOptimizer._add_to_grad_partition_buffer = staticmethod(fastmaes_add if ours else deepspeeds_add)
+    DeepSpeedZeroOptimizer.scaled_global_norm = fastmaes_norm if ours else deepspeeds_norm
     torch.manual_seed(0)
     model = MaskedLM(config)
     run = RunConfig()
-    run.train.zero_stage, run.train.lr, run.train.warmup_steps = 2, 1e-2, 1
+    run.train.zero_stage, run.train.lr, run.train.warmup_steps, run.train.clip = 2, 1e-2, 1, clip
     run.deepspeed = {} if ours else {"zero_optimization": {"reduce_scatter": True}}
     non_finite = torch.zeros(())
     engine, _ = build_engine(model, run, "bf16", torch.device("cpu"), non_finite)
     assert engine.optimizer.reduce_scatter is not ours
+    return model, engine, non_finite
+
+
+trained = []
+for ours in (True, False):
+    model, engine, non_finite = zero2_bf16_engine(ours)
     sizes = [p.numel() for p in model.parameters()]
     counter = StepCounter(model_sized=(max(sizes), sum(sizes)))
+    norms = []
     for i, batch in enumerate(batches):
         with counter if i == 2 else contextlib.nullcontext():
             train_step(engine, [batch], seed=0, non_finite=non_finite)
-    trained.append((master_weights(engine), counter.model_passes))
+        norms.append(gradient_norm(engine))
+    trained.append((master_weights(engine), counter.model_passes, torch.stack(norms)))
 DeepSpeedZeroOptimizer._add_to_grad_partition_buffer = staticmethod(fastmaes_add)
-(weights, passes), (deepspeeds_weights, deepspeeds_passes) = trained
+DeepSpeedZeroOptimizer.scaled_global_norm = fastmaes_norm
+(weights, passes, norms), (deepspeeds_weights, deepspeeds_passes, deepspeeds_norms) = trained
 assert all(torch.equal(weights[name], deepspeeds_weights[name]) for name in weights)
+assert torch.equal(norms, deepspeeds_norms) and norms.min() > 0.05, (norms, deepspeeds_norms)  # the clip binds
 assert "_to_copy" not in passes and sum(passes.values()) < sum(deepspeeds_passes.values()), (passes, deepspeeds_passes)
+
+# the global norm on one partition's gradients: DeepSpeed's value bit for bit in 7 device ops where DeepSpeed's takes
+# 36; a NaN or an inf in a gradient makes both inf
+model, engine, non_finite = zero2_bf16_engine(True)
+engine.backward(engine(mask_batch(batches[0], config, 0, 0)).loss)  # the partitions filled, the step not taken
+optimizer = engine.optimizer
+gradient = next(iter(optimizer.averaged_gradients[0])).view(-1)
+for bad in (None, float("nan"), float("inf")):
+    if bad is not None:
+        gradient[3] = bad
+    counters = StepCounter(), StepCounter()
+    with counters[0]:
+        ours = fastmaes_norm(optimizer)
+    with counters[1]:
+        deepspeeds = deepspeeds_norm(optimizer)
+    assert torch.equal(ours, deepspeeds) and (bad is None) == bool(ours.isfinite()), (bad, ours, deepspeeds)
+    assert [sum(c.ops.values()) for c in counters] == [7, 36], (counters[0].ops, counters[1].ops)
 
 # the fp32 masters start from the module's fp32 values, not its bf16 cast (issue 57): one step at lr 1e-12 leaves
 # them where they started at every ZeRO stage (without the fix they moved by bf16 rounding, up to 2.4e-4 here)
@@ -932,8 +964,9 @@ print("OK")
 def test_world_of_one_skips_the_all_reduce_with_identical_updates():
     """build_engine turns DeepSpeed's gradient all-reduce off in a world of one (it only copies gradients there);
     the weights after three `train_step`s are bit-identical to a run with it on, in fp32 (ZeRO-0) and bf16 (ZeRO-1);
-    bf16 ZeRO-2 there (DeepSpeed's all-reduce path, fastmae's one-pass add into the fp32 partition) trains DeepSpeed's
-    own reduce-scatter path's weights bit for bit in fewer passes over model-sized tensors.
+    bf16 ZeRO-2 there (DeepSpeed's all-reduce path, fastmae's one-pass add into the fp32 partition and its global norm)
+    trains DeepSpeed's own reduce-scatter path's weights with its norms bit for bit, in fewer passes over model-sized
+    tensors, the global norm in 7 device ops where DeepSpeed's takes 36 (a NaN or inf gradient: inf in both).
     Steady-state steps ask for no host-device sync outside fastmae (benchmarks/host_overhead.StepCounter: host reads,
     tensors from host data, the accelerator's synchronize, which DeepSpeed's throughput timer calls), in fp32 ZeRO-0
     and bf16 ZeRO-2, clipping included; bf16 ZeRO-1's optimizer reads its gradient norm back (DeepSpeed's, known).

@@ -1,0 +1,84 @@
+"""DeepSpeed's ZeRO optimizers as fastmae runs them: the same values in fewer device ops and passes over the model.
+
+Importing this module patches DeepSpeed (fastmae/engine.py imports it before any engine is built). Each patch keeps
+DeepSpeed's results, bit for bit where tests/test_train.py compares them with DeepSpeed's own code:
+- the non-finite check of a gradient norm without a tensor made from host data (a sync on CUDA);
+- each reduced bf16 gradient added into its fp32 partition in one pass;
+- the gradient norm in fp32 (as torch's clip_grad_norm_ and Megatron take it), where DeepSpeed's fp64 norm first
+  writes every fp32 gradient out at twice its width;
+- the global norm of ZeRO-1/2 (`scaled_global_norm`) in about a quarter of the device ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.constants import PIPE_REPLICATED
+from deepspeed.runtime.utils import is_model_parallel_parameter
+from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+ZeroOptimizer = stage_1_and_2.DeepSpeedZeroOptimizer
+
+
+def _mask_non_finite(norm: torch.Tensor, device=None, val: float = -1.0) -> None:
+    """DeepSpeed's `mask_nan_or_inf_with_val_inplace` (its ZeRO-1/2 gradient norm marks a non-finite norm with -1)
+    without first making the -1 a device tensor from host data: on CUDA that is a copy the host waits for, every
+    optimizer step (counted by benchmarks/host_overhead.py)."""
+    norm.masked_fill_(~torch.isfinite(norm), val)
+
+
+def _add_to_grad_partition(output: torch.Tensor | None, source: torch.Tensor) -> None:
+    """DeepSpeed's `_add_to_grad_partition_buffer` (ZeRO-1/2 add each reduced bf16 gradient into its fp32 partition)
+    in one pass: `add_` widens the bf16 operand as it reads it, where DeepSpeed's first writes it out as an fp32 copy
+    (two whole-model passes a step, one of them at fp32 width, more). The same sums, bit for bit."""
+    if output is not None:
+        output.add_(source)
+
+
+DEEPSPEEDS_SCALED_GLOBAL_NORM = ZeroOptimizer.scaled_global_norm
+
+
+def _scaled_global_norm(self: ZeroOptimizer, norm_type: int = 2) -> torch.Tensor:
+    """DeepSpeed's ZeRO-1/2 global gradient norm (`scaled_global_norm`), the same value bit for bit, in 7 device ops
+    for fastmae's two flat parameters in a world of one where DeepSpeed's took 36.
+
+    DeepSpeed takes each group's norm as sqrt(sum of its partition's squared parameter norms, summed over ranks),
+    checks it for inf and NaN (six ops, an all-reduce each), then the norm of the groups' norms with another check
+    (twelve ops). Here the groups go through each op together, the sums over ranks are one all-reduce (none in a
+    world of one, where it is an identity) and the one check is at the end: a group's inf or NaN makes the global
+    norm inf, as DeepSpeed's -1 marker does. Offloaded optimizers, MoE layers and Muon's updates take DeepSpeed's.
+    """
+    groups = range(len(self.bit16_groups))
+    if (norm_type != 2 or self.cpu_offload or self.has_moe_layers
+            or any(self._muon_update_lacks_loss_scale(i) for i in groups)):
+        return DEEPSPEEDS_SCALED_GLOBAL_NORM(self, norm_type)
+    norms = [_partition_norms(self, i) for i in groups]
+    if all(len(group) == 1 for group in norms):  # a sum of one square is the square: one pow for every group
+        squares = torch.stack([group[0] for group in norms]).pow(2)
+    else:
+        squares = torch.stack([torch.stack(group).pow(2).sum() if group
+                               else torch.zeros((), device=self.device) for group in norms])
+    if dist.get_world_size(group=self.dp_process_group) > 1:
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+    self._model_parallel_all_reduce(tensor=squares, op=dist.ReduceOp.SUM)
+    total = torch.linalg.vector_norm(squares.pow(1. / norm_type), ord=norm_type)
+    return total.nan_to_num_(nan=float("inf"), posinf=float("inf"))
+
+
+def _partition_norms(self: ZeroOptimizer, group: int) -> list[torch.Tensor]:
+    """The fp32 norms of this rank's gradient partition of parameter group `group`, the parameters DeepSpeed's
+    `get_grad_norm_direct` counts (its alignment padding, pipeline replicas and other model-parallel ranks' copies
+    left out)."""
+    gradients = (g for g in self.averaged_gradients[group] if not getattr(g, "_zero_padding", False))
+    return [torch.linalg.vector_norm(g.detach().float())
+            for g, p in zip(gradients, self.params_in_partition[group])
+            if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
+            and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
+
+
+stage_1_and_2.mask_nan_or_inf_with_val_inplace = _mask_non_finite  # the same values, no sync
+stage3.mask_nan_or_inf_with_val_inplace = _mask_non_finite
+ZeroOptimizer._add_to_grad_partition_buffer = staticmethod(_add_to_grad_partition)
+# the H200's base 3ml trace at e63392c: 0.54 ms for the fp64 cast and 0.23 ms for the norm, of a 75 ms step
+stage_1_and_2.get_norm_dtype = lambda: torch.float32
+ZeroOptimizer.scaled_global_norm = _scaled_global_norm
