@@ -6,16 +6,21 @@ DeepSpeed's results, bit for bit where tests/test_train.py compares them with De
 - each reduced bf16 gradient added into its fp32 partition in one pass;
 - the gradient norm in fp32 (as torch's clip_grad_norm_ and Megatron take it), where DeepSpeed's fp64 norm first
   writes every fp32 gradient out at twice its width;
-- the global norm of ZeRO-1/2 (`scaled_global_norm`) in about a quarter of the device ops.
+- the global norm of ZeRO-1/2 (`scaled_global_norm`) in about a quarter of the device ops;
+- in a world of one, the fp32 gradient partition not zero-filled at every step: the first gradient of each slice is
+  copied in where DeepSpeed adds it to zeros (a whole-model write and read at fp32 width less a step).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.constants import PIPE_REPLICATED
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero import stage3, stage_1_and_2
+from torch.overrides import TorchFunctionMode
 
 ZeroOptimizer = stage_1_and_2.DeepSpeedZeroOptimizer
 
@@ -30,9 +35,18 @@ def _mask_non_finite(norm: torch.Tensor, device=None, val: float = -1.0) -> None
 def _add_to_grad_partition(output: torch.Tensor | None, source: torch.Tensor) -> None:
     """DeepSpeed's `_add_to_grad_partition_buffer` (ZeRO-1/2 add each reduced bf16 gradient into its fp32 partition)
     in one pass: `add_` widens the bf16 operand as it reads it, where DeepSpeed's first writes it out as an fp32 copy
-    (two whole-model passes a step, one of them at fp32 width, more). The same sums, bit for bit."""
-    if output is not None:
-        output.add_(source)
+    (two whole-model passes a step, one of them at fp32 width, more); into a slice that no gradient has reached this
+    step (`_build_grad_partition`), a copy. The same sums, bit for bit."""
+    if output is None:
+        return
+    unwritten = getattr(output._base, "unwritten", None)
+    numel = unwritten.pop(output.storage_offset(), None) if unwritten else None
+    if numel == output.numel():
+        output.copy_(source)
+        return
+    if numel is not None:  # a write of part of an unwritten slice: the slice zeroed first, as DeepSpeed made it
+        output._base.narrow(0, output.storage_offset(), numel).zero_()
+    output.add_(source)
 
 
 DEEPSPEEDS_SCALED_GLOBAL_NORM = ZeroOptimizer.scaled_global_norm
@@ -76,9 +90,72 @@ def _partition_norms(self: ZeroOptimizer, group: int) -> list[torch.Tensor]:
             and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
 
 
+DEEPSPEEDS_BUILD_GRAD_PARTITION = ZeroOptimizer._build_compact_grad_partition_buffer
+DEEPSPEEDS_EPILOGUE = ZeroOptimizer.independent_gradient_partition_epilogue
+DEEPSPEEDS_STEP = ZeroOptimizer.step
+
+
+class _EmptyForZeros(TorchFunctionMode):
+    """torch.zeros made torch.empty: DeepSpeed's fp32 gradient partition, which its first write will fill."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return (torch.empty if func is torch.zeros else func)(*args, **(kwargs or {}))
+
+
+def _build_grad_partition(self: ZeroOptimizer, group: int):
+    """DeepSpeed's fp32 gradient partition of parameter group `group` (`_build_compact_grad_partition_buffer`, made
+    at every optimizer step's first gradient), not zero-filled where one rank holds all of it and reduces by
+    all-reduce (a world of one, fastmae's engine): each parameter's slice, listed in `unwritten`, is then copied into
+    by its first gradient where DeepSpeed adds it to zeros (`_add_to_grad_partition`), and a slice no gradient
+    reached is zeroed before the step reads it (`_zero_unwritten`). The alignment padding is zeroed at once."""
+    if (self.cpu_offload or self.reduce_scatter
+            or dist.get_world_size(group=self.real_dp_process_group[group]) > 1):
+        return DEEPSPEEDS_BUILD_GRAD_PARTITION(self, group)
+    with _EmptyForZeros():
+        built = DEEPSPEEDS_BUILD_GRAD_PARTITION(self, group)
+    for buffer in built:
+        if getattr(buffer, "_zero_padding", False):
+            buffer.zero_()
+    built.flat_partition.unwritten = {offset: math.prod(shape) for offset, shape, padding in built._view_specs
+                                      if not padding}
+    return built
+
+
+def _zero_unwritten(self: ZeroOptimizer) -> None:
+    """Zero the slices of the fp32 gradient partitions that no gradient reached this step (`_build_grad_partition`):
+    the parameters without a gradient, as DeepSpeed's zero-filled partition leaves them."""
+    for built in self.averaged_gradients.values():
+        unwritten = getattr(getattr(built, "flat_partition", None), "unwritten", None)
+        for offset, numel in (unwritten or {}).items():
+            built.flat_partition.narrow(0, offset, numel).zero_()
+        if unwritten:
+            unwritten.clear()
+
+
+def _epilogue(self: ZeroOptimizer) -> None:
+    """DeepSpeed's end of a backward, then, at the end of a step's last one, `_zero_unwritten`."""
+    DEEPSPEEDS_EPILOGUE(self)
+    if self.is_gradient_accumulation_boundary():
+        _zero_unwritten(self)
+
+
+def _step(self: ZeroOptimizer, *args, **kwargs):
+    """DeepSpeed's optimizer step, the fp32 gradient partitions complete (`_zero_unwritten`) however the step's
+    gradients were finalized."""
+    _zero_unwritten(self)
+    return DEEPSPEEDS_STEP(self, *args, **kwargs)
+
+
+OPTIMIZER_PATCHES = {  # DeepSpeedZeroOptimizer's attribute: (fastmae's, DeepSpeed's own)
+    name: (ours, vars(ZeroOptimizer)[name]) for name, ours in (
+        ("_add_to_grad_partition_buffer", staticmethod(_add_to_grad_partition)),
+        ("scaled_global_norm", _scaled_global_norm),
+        ("_build_compact_grad_partition_buffer", _build_grad_partition),
+        ("independent_gradient_partition_epilogue", _epilogue),
+        ("step", _step))}
+for _name, (_ours, _) in OPTIMIZER_PATCHES.items():
+    setattr(ZeroOptimizer, _name, _ours)
 stage_1_and_2.mask_nan_or_inf_with_val_inplace = _mask_non_finite  # the same values, no sync
 stage3.mask_nan_or_inf_with_val_inplace = _mask_non_finite
-ZeroOptimizer._add_to_grad_partition_buffer = staticmethod(_add_to_grad_partition)
 # the H200's base 3ml trace at e63392c: 0.54 ms for the fp64 cast and 0.23 ms for the norm, of a 75 ms step
 stage_1_and_2.get_norm_dtype = lambda: torch.float32
-ZeroOptimizer.scaled_global_norm = _scaled_global_norm

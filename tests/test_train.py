@@ -814,59 +814,83 @@ for precision, stage in KNOWN_SYNCS:
     moved = max((a - b).abs().max().item() for a, b in zip(weights[0], weights[-1]))
     assert all(torch.equal(a, b) for a, b in zip(weights[0], weights[-1])), (precision, moved)
 
-# in a world of one, ZeRO-2 takes DeepSpeed's all-reduce path (`reduce_scatter` off: an identity there) and adds each
-# bf16 gradient into its fp32 partition in one pass, its norms in fp32 and its global norm in fewer ops
-# (fastmae/zero_patches.py): with a clip that binds, the weights and the norm DeepSpeed's own reduce-scatter path, add
-# and global norm give, bit for bit, with fewer passes over model-sized tensors and no casts
+# in a world of one, ZeRO-2 takes DeepSpeed's all-reduce path (`reduce_scatter` off: an identity there), copies each
+# slice's first bf16 gradient into its fp32 partition (not zero-filled: here filled with NaN, as reused memory may be)
+# and adds the next in one pass, takes its norms in fp32 and its global norm in fewer ops (fastmae/zero_patches.py):
+# with a clip that binds, flat parameters or not, one micro-batch a step or two, the weights and the norms DeepSpeed's
+# own code gives (its reduce-scatter path, partition, add and global norm), bit for bit, with fewer passes over
+# model-sized tensors, no casts and no zero fill
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 import fastmae.zero_patches
 from fastmae.masking import mask_batch
-fastmaes_add = DeepSpeedZeroOptimizer._add_to_grad_partition_buffer
-fastmaes_norm = DeepSpeedZeroOptimizer.scaled_global_norm
-deepspeeds_norm = fastmae.zero_patches.DEEPSPEEDS_SCALED_GLOBAL_NORM
+PATCHES = fastmae.zero_patches.OPTIMIZER_PATCHES
+fastmaes_norm, deepspeeds_norm = PATCHES["scaled_global_norm"]
 
 
-def deepspeeds_add(output, source):  # DeepSpeed 0.19's own
-    if output is not None:
-        output.add_(source.to(output.dtype))
+def nan_filled_partition(self, group):  # what torch.empty may hand out: every slice of the partition NaN
+    built = PATCHES["_build_compact_grad_partition_buffer"][0](self, group)
+    for offset, numel in getattr(built.flat_partition, "unwritten", {}).items():
+        built.flat_partition.narrow(0, offset, numel).fill_(float("nan"))
+    return built
 
 
-def zero2_bf16_engine(ours, clip=0.05):
-    DeepSpeedZeroOptimizer._add_to_grad_partition_buffer = staticmethod(fastmaes_add if ours else deepspeeds_add)
-    DeepSpeedZeroOptimizer.scaled_global_norm = fastmaes_norm if ours else deepspeeds_norm
+@contextlib.contextmanager
+def zero2_bf16_engine(ours, grad_accum=1, flat=True):
+    for name, (fastmaes, deepspeeds) in PATCHES.items():
+        setattr(DeepSpeedZeroOptimizer, name, fastmaes if ours else deepspeeds)
+    if ours:
+        DeepSpeedZeroOptimizer._build_compact_grad_partition_buffer = nan_filled_partition
     torch.manual_seed(0)
     model = MaskedLM(config)
     run = RunConfig()
-    run.train.zero_stage, run.train.lr, run.train.warmup_steps, run.train.clip = 2, 1e-2, 1, clip
+    run.train.zero_stage, run.train.lr, run.train.warmup_steps, run.train.clip = 2, 1e-2, 1, 0.05
+    run.train.grad_accum, run.train.flat_parameters = grad_accum, flat
     run.deepspeed = {} if ours else {"zero_optimization": {"reduce_scatter": True}}
     non_finite = torch.zeros(())
     engine, _ = build_engine(model, run, "bf16", torch.device("cpu"), non_finite)
     assert engine.optimizer.reduce_scatter is not ours
-    return model, engine, non_finite
+    try:
+        yield model, engine, non_finite
+    finally:
+        for name, (fastmaes, _) in PATCHES.items():
+            setattr(DeepSpeedZeroOptimizer, name, fastmaes)
 
 
-trained = []
+for grad_accum, flat in ((1, True), (2, False)):
+    trained = []
+    for ours in (True, False):
+        with zero2_bf16_engine(ours, grad_accum, flat) as (model, engine, non_finite):
+            sizes = [p.numel() for p in model.parameters()]
+            counter = StepCounter(model_sized=(sum(sizes) // 2, sum(sizes)))  # the decay group's partition
+            norms = []
+            for i in range(3):
+                with counter if i == 2 else contextlib.nullcontext():
+                    train_step(engine, [batches[(i + j) % 3] for j in range(grad_accum)], seed=0,
+                               non_finite=non_finite)
+                norms.append(gradient_norm(engine))
+            trained.append((master_weights(engine), counter.model_passes, torch.stack(norms)))
+    (weights, passes, norms), (deepspeeds_weights, deepspeeds_passes, deepspeeds_norms) = trained
+    assert all(torch.equal(weights[name], deepspeeds_weights[name]) for name in weights), (grad_accum, flat)
+    assert torch.equal(norms, deepspeeds_norms) and norms.min() > 0.05, (norms, deepspeeds_norms)  # the clip binds
+    assert "_to_copy" not in passes and "zeros" in deepspeeds_passes and "zeros" not in passes, (passes,
+                                                                                                 deepspeeds_passes)
+    # one micro-batch a step: the flat gradient copied into its partition, no zero fill or add of any kind
+    assert grad_accum > 1 or not {"zero_", "add_"} & set(passes), passes
+
+# a parameter that no gradient reached this step: its slice of the fp32 partition zero, as DeepSpeed's zero fill left
+# it, before anything reads it (the step's first micro-batch's backward has one parameter's gradient only)
+partitions = []
 for ours in (True, False):
-    model, engine, non_finite = zero2_bf16_engine(ours)
-    sizes = [p.numel() for p in model.parameters()]
-    counter = StepCounter(model_sized=(max(sizes), sum(sizes)))
-    norms = []
-    for i, batch in enumerate(batches):
-        with counter if i == 2 else contextlib.nullcontext():
-            train_step(engine, [batch], seed=0, non_finite=non_finite)
-        norms.append(gradient_norm(engine))
-    trained.append((master_weights(engine), counter.model_passes, torch.stack(norms)))
-DeepSpeedZeroOptimizer._add_to_grad_partition_buffer = staticmethod(fastmaes_add)
-DeepSpeedZeroOptimizer.scaled_global_norm = fastmaes_norm
-(weights, passes, norms), (deepspeeds_weights, deepspeeds_passes, deepspeeds_norms) = trained
-assert all(torch.equal(weights[name], deepspeeds_weights[name]) for name in weights)
-assert torch.equal(norms, deepspeeds_norms) and norms.min() > 0.05, (norms, deepspeeds_norms)  # the clip binds
-assert "_to_copy" not in passes and sum(passes.values()) < sum(deepspeeds_passes.values()), (passes, deepspeeds_passes)
+    with zero2_bf16_engine(ours, flat=False) as (model, engine, non_finite):
+        first = next(model.parameters())
+        engine.backward(first.float().square().sum())
+        partitions.append(torch.cat([built.flat_partition for built in engine.optimizer.averaged_gradients.values()]))
+assert torch.equal(partitions[0], partitions[1]) and 0 < partitions[1].count_nonzero() <= first.numel()
 
 # the global norm on one partition's gradients: DeepSpeed's value bit for bit in 7 device ops where DeepSpeed's takes
 # 36; a NaN or an inf in a gradient makes both inf
-model, engine, non_finite = zero2_bf16_engine(True)
-engine.backward(engine(mask_batch(batches[0], config, 0, 0)).loss)  # the partitions filled, the step not taken
+with zero2_bf16_engine(True) as (model, engine, non_finite):  # the partitions filled, the step not taken
+    engine.backward(engine(mask_batch(batches[0], config, 0, 0)).loss)
 optimizer = engine.optimizer
 gradient = next(iter(optimizer.averaged_gradients[0])).view(-1)
 for bad in (None, float("nan"), float("inf")):
@@ -964,9 +988,11 @@ print("OK")
 def test_world_of_one_skips_the_all_reduce_with_identical_updates():
     """build_engine turns DeepSpeed's gradient all-reduce off in a world of one (it only copies gradients there);
     the weights after three `train_step`s are bit-identical to a run with it on, in fp32 (ZeRO-0) and bf16 (ZeRO-1);
-    bf16 ZeRO-2 there (DeepSpeed's all-reduce path, fastmae's one-pass add into the fp32 partition and its global norm)
-    trains DeepSpeed's own reduce-scatter path's weights with its norms bit for bit, in fewer passes over model-sized
-    tensors, the global norm in 7 device ops where DeepSpeed's takes 36 (a NaN or inf gradient: inf in both).
+    bf16 ZeRO-2 there (DeepSpeed's all-reduce path, fastmae's fp32 partition without a zero fill, its first gradient
+    copied in and the next added in one pass, and its global norm) trains DeepSpeed's own reduce-scatter path's
+    weights with its norms bit for bit, flat parameters or not, one or two micro-batches a step, in fewer passes over
+    model-sized tensors; a parameter without a gradient has a zero slice, as in DeepSpeed's; the global norm takes 7
+    device ops where DeepSpeed's takes 36 (a NaN or inf gradient: inf in both).
     Steady-state steps ask for no host-device sync outside fastmae (benchmarks/host_overhead.StepCounter: host reads,
     tensors from host data, the accelerator's synchronize, which DeepSpeed's throughput timer calls), in fp32 ZeRO-0
     and bf16 ZeRO-2, clipping included; bf16 ZeRO-1's optimizer reads its gradient norm back (DeepSpeed's, known).
