@@ -8,7 +8,9 @@ DeepSpeed's results, bit for bit where tests/test_train.py compares them with De
   writes every fp32 gradient out at twice its width;
 - the global norm of ZeRO-1/2 (`scaled_global_norm`) in about a quarter of the device ops;
 - in a world of one, the fp32 gradient partition not zero-filled at every step: the first gradient of each slice is
-  copied in where DeepSpeed adds it to zeros (a whole-model write and read at fp32 width less a step).
+  copied in where DeepSpeed adds it to zeros (a whole-model write and read at fp32 width less a step);
+- bf16 ZeRO-1's step (`BF16_Optimizer`) without its host read of the gradient norm where fastmae's optimizer clips
+  and skips a non-finite step on the device: no sync left in any ZeRO stage's step.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.constants import PIPE_REPLICATED
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero import stage3, stage_1_and_2
@@ -146,6 +149,37 @@ def _step(self: ZeroOptimizer, *args, **kwargs):
     return DEEPSPEEDS_STEP(self, *args, **kwargs)
 
 
+DEEPSPEEDS_BF16_STEP = BF16_Optimizer.step
+
+
+@torch.no_grad()
+def _bf16_step(self: BF16_Optimizer, closure=None) -> None:
+    """DeepSpeed's bf16 ZeRO-1 step (`BF16_Optimizer.step`) without its host read, where fastmae's optimizer clips by
+    the norm and skips a non-finite step on the device (optim.ClippingAdamW with a skip flag; DeepSpeed's clipping
+    off): DeepSpeed reads the norm back every step to skip on the host (two syncs: the -1 its check writes for a
+    non-finite norm is a tensor made from host data, then the read). The norm is DeepSpeed's op for op, bit for bit;
+    a non-finite one is inf, as ZeRO-2's, which sets the skip flag. Model or expert parallelism, Muon, DeepSpeed's own
+    clipping and an optimizer that cannot skip take DeepSpeed's step."""
+    if (closure is not None or self.clip_grad > 0 or self.mpu is not None or self.has_moe_layers or self._uses_muon
+            or getattr(self.optimizer, "found_inf", None) is None):
+        return DEEPSPEEDS_BF16_STEP(self, closure)
+    self.overflow = False
+    grads, _ = self.get_grads_for_norm()
+    norms = torch.stack([g.detach().float().norm(float(self.norm_type)) for g in grads])
+    total = norms.pow(float(self.norm_type)).sum().pow(1. / self.norm_type)
+    self._global_grad_norm = total.nan_to_num_(nan=float("inf"), posinf=float("inf"))
+    for param_partition, grad_partition in zip(self.fp32_groups_flat_partition,
+                                               self.fp32_groups_gradient_flat_partition):
+        param_partition.grad = grad_partition.to(param_partition.dtype)  # no copy where the dtype is the same
+    self.optimizer.step()
+    if self.grad_acc_dtype is not torch.float32:
+        for param_partition in self.fp32_groups_flat_partition:
+            param_partition.grad = None
+    self._lazy_init_hp_params_optimizer_state()
+    self.update_lp_params()
+    self.clear_hp_grads()
+
+
 OPTIMIZER_PATCHES = {  # DeepSpeedZeroOptimizer's attribute: (fastmae's, DeepSpeed's own)
     name: (ours, vars(ZeroOptimizer)[name]) for name, ours in (
         ("_add_to_grad_partition_buffer", staticmethod(_add_to_grad_partition)),
@@ -155,6 +189,7 @@ OPTIMIZER_PATCHES = {  # DeepSpeedZeroOptimizer's attribute: (fastmae's, DeepSpe
         ("step", _step))}
 for _name, (_ours, _) in OPTIMIZER_PATCHES.items():
     setattr(ZeroOptimizer, _name, _ours)
+BF16_Optimizer.step = _bf16_step
 stage_1_and_2.mask_nan_or_inf_with_val_inplace = _mask_non_finite  # the same values, no sync
 stage3.mask_nan_or_inf_with_val_inplace = _mask_non_finite
 # the H200's base 3ml trace at e63392c: 0.54 ms for the fp64 cast and 0.23 ms for the norm, of a 75 ms step

@@ -723,7 +723,7 @@ def test_the_steady_state_step_never_waits_for_the_gpu(dataset, tmp_path, object
     """FASTMAE_SYNC_DEBUG=1 turns torch.cuda.set_sync_debug_mode("error") on around every steady-state step (past
     warm-up, not logged), DeepSpeed's optimizer step and the next micro-batches' one-copy transfers included: any
     .item(), .tolist() or blocking copy raises. ZeRO-2, whose norm DeepSpeed computes on the device (fastmae clips by
-    it; no overflow check); bf16 ZeRO-1's optimizer reads its norm back."""
+    it; no overflow check)."""
     proc = single_process(overrides(dataset, tmp_path / objective, steps=8, **{
         "model.preset": objective, "model.decoder_layers": 0 if objective == "mlm" else 1, "train.precision": "bf16",
         "train.zero_stage": 2, "train.grad_accum": 2, "eval.every": 0, "checkpoint.every": 100, "log.every": 4}),
@@ -783,10 +783,9 @@ from fastmae.config import RunConfig
 from fastmae.step import train_step
 
 # host-device syncs asked for by DeepSpeed or torch in the steady-state steps (host reads, tensors from host data,
-# the accelerator's synchronize): none, but the norm DeepSpeed's bf16 ZeRO-1 optimizer always checks (it makes a
-# tensor from host data and reads the answer back)
-KNOWN_SYNCS = {("fp32", 0): {}, ("bf16", 2): {},
-               ("bf16", 1): {"host-to-device copy at runtime/utils.py:887": 2, "host read at runtime/utils.py:233": 2}}
+# the accelerator's synchronize): none, at every stage (bf16 ZeRO-1's norm check, DeepSpeed's two a step, is left to
+# fastmae's skip flag on the device: fastmae/zero_patches.py)
+KNOWN_SYNCS = {("fp32", 0): {}, ("bf16", 2): {}, ("bf16", 1): {}}
 config = ModelConfig.preset("3ml", vocab_size=50, hidden_size=32, num_heads=2, encoder_layers=2, max_seq_len=32)
 batches = [dataclasses.replace(PackedBatch.from_sequences(
     torch.randint(5, 50, (3, 20), generator=torch.Generator().manual_seed(i)).tolist()), index=i) for i in range(3)]
@@ -886,6 +885,40 @@ for ours in (True, False):
         engine.backward(first.float().square().sum())
         partitions.append(torch.cat([built.flat_partition for built in engine.optimizer.averaged_gradients.values()]))
 assert torch.equal(partitions[0], partitions[1]) and 0 < partitions[1].count_nonzero() <= first.numel()
+
+# bf16 ZeRO-1 (DeepSpeed's BF16_Optimizer) steps without its host read: with a clip that binds, the weights and norms
+# of DeepSpeed's own step, bit for bit; a NaN gradient makes the norm inf, which sets the skip flag on the device, and
+# the weights stay where they were, as DeepSpeed's skip on the host leaves them
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+bf16_steps = {True: BF16_Optimizer.step, False: fastmae.zero_patches.DEEPSPEEDS_BF16_STEP}
+stepped = []
+for ours in (True, False):
+    BF16_Optimizer.step = bf16_steps[ours]
+    try:
+        torch.manual_seed(0)
+        model = MaskedLM(config)
+        run = RunConfig()
+        run.train.zero_stage, run.train.lr, run.train.warmup_steps, run.train.clip = 1, 1e-2, 1, 0.05
+        non_finite = torch.zeros(())
+        engine, _ = build_engine(model, run, "bf16", torch.device("cpu"), non_finite)
+        assert isinstance(engine.optimizer, BF16_Optimizer)
+        norms = []
+        for batch in batches:
+            train_step(engine, [batch], seed=0, non_finite=non_finite)
+            norms.append(float(gradient_norm(engine)))
+        weights = master_weights(engine)
+        engine.backward(engine(mask_batch(batches[0], config, 0, 3)).loss)
+        engine.optimizer.fp32_groups_gradient_flat_partition[0][0] = float("nan")
+        engine.step()
+        after_nan = master_weights(engine)
+        assert all(torch.equal(after_nan[name], weights[name]) for name in weights), ours
+        stepped.append((weights, norms, float(gradient_norm(engine)), float(non_finite)))
+    finally:
+        BF16_Optimizer.step = bf16_steps[True]
+(weights, norms, nan_norm, skipped), (deepspeeds_weights, deepspeeds_norms, deepspeeds_nan_norm, _) = stepped
+assert all(torch.equal(weights[name], deepspeeds_weights[name]) for name in weights)
+assert norms == deepspeeds_norms and min(norms) > 0.05, (norms, deepspeeds_norms)  # the clip binds
+assert nan_norm == deepspeeds_nan_norm == float("inf") and skipped == 1.0, (nan_norm, deepspeeds_nan_norm, skipped)
 
 # the global norm on one partition's gradients: DeepSpeed's value bit for bit in 7 device ops where DeepSpeed's takes
 # 36; a NaN or an inf in a gradient makes both inf
@@ -995,7 +1028,8 @@ def test_world_of_one_skips_the_all_reduce_with_identical_updates():
     device ops where DeepSpeed's takes 36 (a NaN or inf gradient: inf in both).
     Steady-state steps ask for no host-device sync outside fastmae (benchmarks/host_overhead.StepCounter: host reads,
     tensors from host data, the accelerator's synchronize, which DeepSpeed's throughput timer calls), in fp32 ZeRO-0
-    and bf16 ZeRO-2, clipping included; bf16 ZeRO-1's optimizer reads its gradient norm back (DeepSpeed's, known).
+    and bf16 ZeRO-1 and -2, clipping included (bf16 ZeRO-1's step trains DeepSpeed's own step's weights and norms
+    bit for bit without its host read; a NaN gradient: the norm inf, the skip flag set, the weights unchanged).
     Clipping is by the global norm in every ZeRO stage: fp32 ZeRO-1/2/3 train what ZeRO-0 trains with a clip that
     binds, and the master weights come back under the module names from flat parameters. CUDA graphs' CPU twin trains
     the same weights as the eager model (bf16 ZeRO-2, two micro-batches per step). bf16's fp32 masters start from
