@@ -789,16 +789,31 @@ KNOWN_SYNCS = {("fp32", 0): {}, ("bf16", 2): {}, ("bf16", 1): {}}
 config = ModelConfig.preset("3ml", vocab_size=50, hidden_size=32, num_heads=2, encoder_layers=2, max_seq_len=32)
 batches = [dataclasses.replace(PackedBatch.from_sequences(
     torch.randint(5, 50, (3, 20), generator=torch.Generator().manual_seed(i)).tolist()), index=i) for i in range(3)]
+
+
+def engine_of(precision, model=None, deepspeed=None, **train):
+    # (model, engine, skip flag): `model` (by default a MaskedLM of `config` from seed 0) under build_engine's
+    # DeepSpeed engine, the run config's defaults with lr 1e-2, one warm-up step and the `train` fields given
+    if model is None:
+        torch.manual_seed(0)
+        model = MaskedLM(config)
+    run = RunConfig()
+    run.train.lr, run.train.warmup_steps = 1e-2, 1
+    for key, value in train.items():
+        setattr(run.train, key, value)
+    run.deepspeed = deepspeed or {}
+    non_finite = torch.zeros(())
+    engine, _ = build_engine(model, run, precision, torch.device("cpu"), non_finite)
+    return model, engine, non_finite
+
+
 for precision, stage in KNOWN_SYNCS:
     weights = []
     for allreduce in (True, False) if stage < 2 else (True,):
         torch.manual_seed(0)
         model = MaskedLM(config)
-        run = RunConfig()
-        run.train.zero_stage, run.train.lr, run.train.warmup_steps = stage, 1e-2, 1
         initial = [p.detach().float().clone() for p in model.parameters()]
-        non_finite = torch.zeros(())
-        engine, _ = build_engine(model, run, precision, torch.device("cpu"), non_finite)
+        model, engine, non_finite = engine_of(precision, model, zero_stage=stage)
         if stage < 2:
             assert engine.enable_backward_allreduce is False, (precision, stage)  # nothing to average in a world of one
             engine.enable_backward_allreduce = allreduce
@@ -839,14 +854,8 @@ def zero2_bf16_engine(ours, grad_accum=1, flat=True):
         setattr(DeepSpeedZeroOptimizer, name, fastmaes if ours else deepspeeds)
     if ours:
         DeepSpeedZeroOptimizer._build_compact_grad_partition_buffer = nan_filled_partition
-    torch.manual_seed(0)
-    model = MaskedLM(config)
-    run = RunConfig()
-    run.train.zero_stage, run.train.lr, run.train.warmup_steps, run.train.clip = 2, 1e-2, 1, 0.05
-    run.train.grad_accum, run.train.flat_parameters = grad_accum, flat
-    run.deepspeed = {} if ours else {"zero_optimization": {"reduce_scatter": True}}
-    non_finite = torch.zeros(())
-    engine, _ = build_engine(model, run, "bf16", torch.device("cpu"), non_finite)
+    model, engine, non_finite = engine_of("bf16", None, {} if ours else {"zero_optimization": {"reduce_scatter": True}},
+                                          zero_stage=2, clip=0.05, grad_accum=grad_accum, flat_parameters=flat)
     assert engine.optimizer.reduce_scatter is not ours
     try:
         yield model, engine, non_finite
@@ -895,12 +904,7 @@ stepped = []
 for ours in (True, False):
     BF16_Optimizer.step = bf16_steps[ours]
     try:
-        torch.manual_seed(0)
-        model = MaskedLM(config)
-        run = RunConfig()
-        run.train.zero_stage, run.train.lr, run.train.warmup_steps, run.train.clip = 1, 1e-2, 1, 0.05
-        non_finite = torch.zeros(())
-        engine, _ = build_engine(model, run, "bf16", torch.device("cpu"), non_finite)
+        model, engine, non_finite = engine_of("bf16", zero_stage=1, clip=0.05)
         assert isinstance(engine.optimizer, BF16_Optimizer)
         norms = []
         for batch in batches:
@@ -943,10 +947,7 @@ for stage in (1, 2, 3):
     torch.manual_seed(0)
     model = MaskedLM(config)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    run = RunConfig()
-    run.train.zero_stage, run.train.lr, run.train.warmup_steps = stage, 1e-12, 1
-    non_finite = torch.zeros(())
-    engine, _ = build_engine(model, run, "bf16", torch.device("cpu"), non_finite)
+    model, engine, non_finite = engine_of("bf16", model, zero_stage=stage, lr=1e-12)
     train_step(engine, [batches[0]], seed=0, non_finite=non_finite)
     masters = master_weights(engine)
     assert engine._copy_recovery_script is fastmae.engine.copy_recovery_scripts  # fastmae's write, not copyfile
@@ -957,12 +958,7 @@ for stage in (1, 2, 3):
 # groups one at a time): with a clip that binds, fp32 ZeRO-1, -2 (flat parameters) and -3 train what ZeRO-0 trains
 trained = []
 for stage in (0, 1, 2, 3):
-    torch.manual_seed(0)
-    model = MaskedLM(config)
-    run = RunConfig()
-    run.train.zero_stage, run.train.lr, run.train.warmup_steps, run.train.clip = stage, 1e-2, 1, 0.05
-    non_finite = torch.zeros(())
-    engine, _ = build_engine(model, run, "fp32", torch.device("cpu"), non_finite)
+    model, engine, non_finite = engine_of("fp32", zero_stage=stage, clip=0.05)
     for batch in batches:
         train_step(engine, [batch], seed=0, non_finite=non_finite)
     trained.append((master_weights(engine), gradient_norm(engine)))
@@ -983,12 +979,7 @@ from fastmae.pipeline import masked_ahead
 from fastmae.padding import ShapeLadder
 trained = []
 for graphs, shapes in ((False, None), (True, None), (True, ShapeLadder(config, 64))):
-    torch.manual_seed(0)
-    model = MaskedLM(config)
-    run = RunConfig()
-    run.train.zero_stage, run.train.lr, run.train.warmup_steps, run.train.grad_accum = 2, 1e-2, 1, 2
-    non_finite = torch.zeros(())
-    engine, _ = build_engine(model, run, "bf16", torch.device("cpu"), non_finite)
+    model, engine, non_finite = engine_of("bf16", zero_stage=2, grad_accum=2)
     if graphs:
         recorded = StepGraphs(model, capture=False)
     masked = list(masked_ahead(iter(batches + [dataclasses.replace(batches[0], index=3)]), config, seed=0,
