@@ -10,7 +10,8 @@ DeepSpeed's results, bit for bit where tests/test_train.py compares them with De
 - in a world of one, the fp32 gradient partition not zero-filled at every step: the first gradient of each slice is
   copied in where DeepSpeed adds it to zeros (a whole-model write and read at fp32 width less a step);
 - bf16 ZeRO-1's step (`BF16_Optimizer`) without its host read of the gradient norm where fastmae's optimizer clips
-  and skips a non-finite step on the device: no sync left in any ZeRO stage's step.
+  and skips a non-finite step on the device: no sync left in any ZeRO stage's step; and its add of each bf16
+  gradient into the fp32 one in one pass, as ZeRO-2's.
 """
 
 from __future__ import annotations
@@ -150,6 +151,22 @@ def _step(self: ZeroOptimizer, *args, **kwargs):
 
 
 DEEPSPEEDS_BF16_STEP = BF16_Optimizer.step
+DEEPSPEEDS_UPDATE_HP_GRAD = BF16_Optimizer._update_hp_grad
+
+
+def _update_hp_grad(self: BF16_Optimizer, lp: torch.Tensor, group_idx: int, param_idx: int,
+                    clear_lp_grads: bool) -> None:
+    """DeepSpeed's bf16 ZeRO-1 add of a parameter's bf16 gradient into its fp32 one (`_update_hp_grad`) in one pass:
+    `add_` widens the bf16 operand as it reads it, where DeepSpeed first writes it out as an fp32 copy. The same
+    sums, bit for bit. Expert-parallel folding takes DeepSpeed's."""
+    if lp.grad is None or self.autoep_folding_tp_group is not None:
+        return DEEPSPEEDS_UPDATE_HP_GRAD(self, lp, group_idx, param_idx, clear_lp_grads)
+    hp_grad = self.fp32_groups_gradients[group_idx][param_idx]
+    hp_grad.add_(lp.grad.view(hp_grad.shape))
+    lp._hp_grad = hp_grad
+    self.fp32_groups_has_gradients[group_idx][param_idx] = True
+    if clear_lp_grads:
+        lp.grad.zero_()
 
 
 @torch.no_grad()
@@ -190,6 +207,7 @@ OPTIMIZER_PATCHES = {  # DeepSpeedZeroOptimizer's attribute: (fastmae's, DeepSpe
 for _name, (_ours, _) in OPTIMIZER_PATCHES.items():
     setattr(ZeroOptimizer, _name, _ours)
 BF16_Optimizer.step = _bf16_step
+BF16_Optimizer._update_hp_grad = _update_hp_grad
 stage_1_and_2.mask_nan_or_inf_with_val_inplace = _mask_non_finite  # the same values, no sync
 stage3.mask_nan_or_inf_with_val_inplace = _mask_non_finite
 # the H200's base 3ml trace at e63392c: 0.54 ms for the fp64 cast and 0.23 ms for the norm, of a 75 ms step

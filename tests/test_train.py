@@ -895,21 +895,27 @@ for ours in (True, False):
         partitions.append(torch.cat([built.flat_partition for built in engine.optimizer.averaged_gradients.values()]))
 assert torch.equal(partitions[0], partitions[1]) and 0 < partitions[1].count_nonzero() <= first.numel()
 
-# bf16 ZeRO-1 (DeepSpeed's BF16_Optimizer) steps without its host read: with a clip that binds, the weights and norms
-# of DeepSpeed's own step, bit for bit; a NaN gradient makes the norm inf, which sets the skip flag on the device, and
-# the weights stay where they were, as DeepSpeed's skip on the host leaves them
+# bf16 ZeRO-1 (DeepSpeed's BF16_Optimizer) steps without its host read and adds each bf16 gradient into the fp32 one
+# in one pass: with a clip that binds, the weights and norms of DeepSpeed's own step and add, bit for bit, with no
+# cast pass; a NaN gradient makes the norm inf, which sets the skip flag on the device, and the weights stay where
+# they were, as DeepSpeed's skip on the host leaves them
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-bf16_steps = {True: BF16_Optimizer.step, False: fastmae.zero_patches.DEEPSPEEDS_BF16_STEP}
+bf16_methods = {True: (BF16_Optimizer.step, BF16_Optimizer._update_hp_grad),
+                False: (fastmae.zero_patches.DEEPSPEEDS_BF16_STEP, fastmae.zero_patches.DEEPSPEEDS_UPDATE_HP_GRAD)}
 stepped = []
 for ours in (True, False):
-    BF16_Optimizer.step = bf16_steps[ours]
+    BF16_Optimizer.step, BF16_Optimizer._update_hp_grad = bf16_methods[ours]
     try:
         model, engine, non_finite = engine_of("bf16", zero_stage=1, clip=0.05)
         assert isinstance(engine.optimizer, BF16_Optimizer)
+        sizes = [p.numel() for p in model.parameters()]
+        counter = StepCounter(model_sized=(sum(sizes) // 2, sum(sizes)))
         norms = []
-        for batch in batches:
-            train_step(engine, [batch], seed=0, non_finite=non_finite)
+        for i, batch in enumerate(batches):
+            with counter if i == 2 else contextlib.nullcontext():
+                train_step(engine, [batch], seed=0, non_finite=non_finite)
             norms.append(float(gradient_norm(engine)))
+        assert ("_to_copy" in counter.model_passes) is not ours, counter.model_passes
         weights = master_weights(engine)
         engine.backward(engine(mask_batch(batches[0], config, 0, 3)).loss)
         engine.optimizer.fp32_groups_gradient_flat_partition[0][0] = float("nan")
@@ -918,7 +924,7 @@ for ours in (True, False):
         assert all(torch.equal(after_nan[name], weights[name]) for name in weights), ours
         stepped.append((weights, norms, float(gradient_norm(engine)), float(non_finite)))
     finally:
-        BF16_Optimizer.step = bf16_steps[True]
+        BF16_Optimizer.step, BF16_Optimizer._update_hp_grad = bf16_methods[True]
 (weights, norms, nan_norm, skipped), (deepspeeds_weights, deepspeeds_norms, deepspeeds_nan_norm, _) = stepped
 assert all(torch.equal(weights[name], deepspeeds_weights[name]) for name in weights)
 assert norms == deepspeeds_norms and min(norms) > 0.05, (norms, deepspeeds_norms)  # the clip binds
