@@ -10,8 +10,8 @@ DeepSpeed's results, bit for bit where tests/test_train.py compares them with De
 - in a world of one, the fp32 gradient partition not zero-filled at every step: the first gradient of each slice is
   copied in where DeepSpeed adds it to zeros (a whole-model write and read at fp32 width less a step);
 - bf16 ZeRO-1's step (`BF16_Optimizer`) without its host read of the gradient norm where fastmae's optimizer clips
-  and skips a non-finite step on the device: no sync left in any ZeRO stage's step; and its add of each bf16
-  gradient into the fp32 one in one pass, as ZeRO-2's.
+  and skips a non-finite step on the device (no sync left at stages 0-2; ZeRO-3's norm still reads back), and its
+  add of each bf16 gradient into the fp32 one in one pass, as ZeRO-2's.
 """
 
 from __future__ import annotations

@@ -783,7 +783,7 @@ from fastmae.config import RunConfig
 from fastmae.step import train_step
 
 # host-device syncs asked for by DeepSpeed or torch in the steady-state steps (host reads, tensors from host data,
-# the accelerator's synchronize): none, at every stage (bf16 ZeRO-1's norm check, DeepSpeed's two a step, is left to
+# the accelerator's synchronize): none at these stages (bf16 ZeRO-1's norm check, DeepSpeed's two a step, is left to
 # fastmae's skip flag on the device: fastmae/zero_patches.py)
 KNOWN_SYNCS = {("fp32", 0): {}, ("bf16", 2): {}, ("bf16", 1): {}}
 config = ModelConfig.preset("3ml", vocab_size=50, hidden_size=32, num_heads=2, encoder_layers=2, max_seq_len=32)
