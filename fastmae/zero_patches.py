@@ -10,8 +10,9 @@ DeepSpeed's results, bit for bit where tests/test_train.py compares them with De
 - in a world of one, the fp32 gradient partition not zero-filled at every step: the first gradient of each slice is
   copied in where DeepSpeed adds it to zeros (a whole-model write and read at fp32 width less a step);
 - bf16 ZeRO-1's step (`BF16_Optimizer`) without its host read of the gradient norm where fastmae's optimizer clips
-  and skips a non-finite step on the device (no sync left at stages 0-2; ZeRO-3's norm still reads back), and its
-  add of each bf16 gradient into the fp32 one in one pass, as ZeRO-2's.
+  and skips a non-finite step on the device, and its add of each bf16 gradient into the fp32 one in one pass;
+- bf16 ZeRO-3's step likewise without its host read and without the -1 it makes from host data for each group's
+  non-finite norm: no sync left in any ZeRO stage's step.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.comm import pg_utils
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.constants import PIPE_REPLICATED
 from deepspeed.runtime.utils import is_model_parallel_parameter
@@ -197,6 +199,55 @@ def _bf16_step(self: BF16_Optimizer, closure=None) -> None:
     self.clear_hp_grads()
 
 
+Stage3Optimizer = stage3.DeepSpeedZeroOptimizer_Stage3
+DEEPSPEEDS_STAGE3_NORM = Stage3Optimizer.get_grad_norm_direct
+DEEPSPEEDS_STAGE3_STEP = Stage3Optimizer.step
+
+
+def _stage3_norm(self: Stage3Optimizer, gradients, params, norm_type=2) -> torch.Tensor:
+    """DeepSpeed's ZeRO-3 norm of a group's gradient partition (`get_grad_norm_direct`), op for op, bit for bit,
+    without the syncs: its -1 for a non-finite norm written on the device (`_mask_non_finite`) where DeepSpeed first
+    makes it from host data, and the sum of a partition without gradients a device zero where DeepSpeed copies a host
+    one. In DeepSpeed's norm dtype (stage 3's is fp64). The max norm takes DeepSpeed's."""
+    if float(norm_type) == float("inf"):
+        return DEEPSPEEDS_STAGE3_NORM(self, gradients, params, norm_type)
+    self._assert_same_partition_group(params)
+    process_group = self._get_param_partition_group(params[0])
+    norm_type = float(norm_type)
+    counts_every_rank = self._grad_norm_counts_every_rank(params, process_group)
+    device, dtype = stage3.get_accelerator().device_name(), stage3.get_norm_dtype()
+    norms = [g.to(device, non_blocking=True).to(dtype).norm(norm_type)
+             for g, p in zip(gradients, params)
+             if counts_every_rank or is_model_parallel_parameter(p) or self.model_parallel_rank == 0]
+    total = torch.sum(torch.pow(torch.stack(norms), norm_type)) if norms else torch.zeros((), device=device,
+                                                                                           dtype=dtype)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=process_group)
+    if not counts_every_rank:
+        self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+    expert_group = self._autoep_expert_parallel_group(params)
+    if pg_utils.is_parallel(expert_group):
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=expert_group)
+    total = total**(1. / norm_type)
+    _mask_non_finite(total)
+    return total
+
+
+def _stage3_step(self: Stage3Optimizer, closure=None):
+    """DeepSpeed's ZeRO-3 step without its host read of the combined norm where fastmae's optimizer clips by it and
+    skips a non-finite step on the device (bf16, DeepSpeed's clipping off, no offload, an optimizer with a skip
+    flag): a non-finite group norm makes the combined norm inf (DeepSpeed's `combine_grad_norm_groups`), which sets
+    the skip flag. Any other setting takes DeepSpeed's step as it is."""
+    if (self.dtype != torch.bfloat16 or self.clip_grad > 0 or self.offload_optimizer
+            or getattr(self.optimizer, "found_inf", None) is None):
+        return DEEPSPEEDS_STAGE3_STEP(self, closure)
+    reads_norm = stage3.is_invalid_grad_norm
+    stage3.is_invalid_grad_norm = lambda norm: False  # the only caller in the step: its skip on the host
+    try:
+        return DEEPSPEEDS_STAGE3_STEP(self, closure)
+    finally:
+        stage3.is_invalid_grad_norm = reads_norm
+
+
 OPTIMIZER_PATCHES = {  # DeepSpeedZeroOptimizer's attribute: (fastmae's, DeepSpeed's own)
     name: (ours, vars(ZeroOptimizer)[name]) for name, ours in (
         ("_add_to_grad_partition_buffer", staticmethod(_add_to_grad_partition)),
@@ -208,6 +259,8 @@ for _name, (_ours, _) in OPTIMIZER_PATCHES.items():
     setattr(ZeroOptimizer, _name, _ours)
 BF16_Optimizer.step = _bf16_step
 BF16_Optimizer._update_hp_grad = _update_hp_grad
+Stage3Optimizer.get_grad_norm_direct = _stage3_norm
+Stage3Optimizer.step = _stage3_step
 stage_1_and_2.mask_nan_or_inf_with_val_inplace = _mask_non_finite  # the same values, no sync
 stage3.mask_nan_or_inf_with_val_inplace = _mask_non_finite
 # the H200's base 3ml trace at e63392c: 0.54 ms for the fp64 cast and 0.23 ms for the norm, of a 75 ms step

@@ -783,7 +783,7 @@ from fastmae.config import RunConfig
 from fastmae.step import train_step
 
 # host-device syncs asked for by DeepSpeed or torch in the steady-state steps (host reads, tensors from host data,
-# the accelerator's synchronize): none at these stages (bf16 ZeRO-1's norm check, DeepSpeed's two a step, is left to
+# the accelerator's synchronize): none (bf16 ZeRO-1's norm check, DeepSpeed's two a step, is left to
 # fastmae's skip flag on the device: fastmae/zero_patches.py)
 KNOWN_SYNCS = {("fp32", 0): {}, ("bf16", 2): {}, ("bf16", 1): {}}
 config = ModelConfig.preset("3ml", vocab_size=50, hidden_size=32, num_heads=2, encoder_layers=2, max_seq_len=32)
@@ -895,40 +895,55 @@ for ours in (True, False):
         partitions.append(torch.cat([built.flat_partition for built in engine.optimizer.averaged_gradients.values()]))
 assert torch.equal(partitions[0], partitions[1]) and 0 < partitions[1].count_nonzero() <= first.numel()
 
-# bf16 ZeRO-1 (DeepSpeed's BF16_Optimizer) steps without its host read and adds each bf16 gradient into the fp32 one
-# in one pass: with a clip that binds, the weights and norms of DeepSpeed's own step and add, bit for bit, with no
-# cast pass; a NaN gradient makes the norm inf, which sets the skip flag on the device, and the weights stay where
-# they were, as DeepSpeed's skip on the host leaves them
+# bf16 ZeRO-1 (DeepSpeed's BF16_Optimizer) and ZeRO-3 step without their host reads (no sync in a steady step where
+# DeepSpeed's have two and three), and ZeRO-1 adds each bf16 gradient into the fp32 one in one pass: with a clip that
+# binds, the weights and norms of DeepSpeed's own steps, add and ZeRO-3 norm, bit for bit, with no cast pass at
+# ZeRO-1; a NaN gradient makes the norm inf, which sets the skip flag on the device, and the weights stay where they
+# were, as DeepSpeed's skip on the host leaves them
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-bf16_methods = {True: (BF16_Optimizer.step, BF16_Optimizer._update_hp_grad),
-                False: (fastmae.zero_patches.DEEPSPEEDS_BF16_STEP, fastmae.zero_patches.DEEPSPEEDS_UPDATE_HP_GRAD)}
-stepped = []
-for ours in (True, False):
-    BF16_Optimizer.step, BF16_Optimizer._update_hp_grad = bf16_methods[ours]
-    try:
-        model, engine, non_finite = engine_of("bf16", zero_stage=1, clip=0.05)
-        assert isinstance(engine.optimizer, BF16_Optimizer)
-        sizes = [p.numel() for p in model.parameters()]
-        counter = StepCounter(model_sized=(sum(sizes) // 2, sum(sizes)))
-        norms = []
-        for i, batch in enumerate(batches):
-            with counter if i == 2 else contextlib.nullcontext():
-                train_step(engine, [batch], seed=0, non_finite=non_finite)
-            norms.append(float(gradient_norm(engine)))
-        assert ("_to_copy" in counter.model_passes) is not ours, counter.model_passes
-        weights = master_weights(engine)
-        engine.backward(engine(mask_batch(batches[0], config, 0, 3)).loss)
-        engine.optimizer.fp32_groups_gradient_flat_partition[0][0] = float("nan")
-        engine.step()
-        after_nan = master_weights(engine)
-        assert all(torch.equal(after_nan[name], weights[name]) for name in weights), ours
-        stepped.append((weights, norms, float(gradient_norm(engine)), float(non_finite)))
-    finally:
-        BF16_Optimizer.step, BF16_Optimizer._update_hp_grad = bf16_methods[True]
-(weights, norms, nan_norm, skipped), (deepspeeds_weights, deepspeeds_norms, deepspeeds_nan_norm, _) = stepped
-assert all(torch.equal(weights[name], deepspeeds_weights[name]) for name in weights)
-assert norms == deepspeeds_norms and min(norms) > 0.05, (norms, deepspeeds_norms)  # the clip binds
-assert nan_norm == deepspeeds_nan_norm == float("inf") and skipped == 1.0, (nan_norm, deepspeeds_nan_norm, skipped)
+from fastmae.zero_patches import Stage3Optimizer
+patched = {1: [(BF16_Optimizer, "step", fastmae.zero_patches.DEEPSPEEDS_BF16_STEP),
+               (BF16_Optimizer, "_update_hp_grad", fastmae.zero_patches.DEEPSPEEDS_UPDATE_HP_GRAD)],
+           3: [(Stage3Optimizer, "step", fastmae.zero_patches.DEEPSPEEDS_STAGE3_STEP),
+               (Stage3Optimizer, "get_grad_norm_direct", fastmae.zero_patches.DEEPSPEEDS_STAGE3_NORM)]}
+for stage, methods in patched.items():
+    fastmaes = [getattr(owner, name) for owner, name, _ in methods]
+    stepped = []
+    for ours in (True, False):
+        for owner, name, deepspeeds in methods if not ours else ():
+            setattr(owner, name, deepspeeds)
+        try:
+            model, engine, non_finite = engine_of("bf16", zero_stage=stage, clip=0.05)
+            sizes = [p.numel() for p in model.parameters()]
+            counter = StepCounter(model_sized=(sum(sizes) // 2, sum(sizes)))
+            norms = []
+            for i, batch in enumerate(batches):
+                with counter if i == 2 else contextlib.nullcontext():
+                    train_step(engine, [batch], seed=0, non_finite=non_finite)
+                norms.append(float(gradient_norm(engine)))
+            assert stage == 3 or ("_to_copy" in counter.model_passes) is not ours, counter.model_passes
+            # the third step (ZeRO-3's parameter trace settled by then): DeepSpeed's norm checks its only syncs (the
+            # counter files a sync fastmae's code asks for under its own host reads)
+            ours_syncs = [where for where in counter.host_reads if "zero_patches" in where]
+            assert sum(counter.syncs.values()) == (0 if ours else {1: 2, 3: 3}[stage]) and not ours_syncs, (
+                stage, ours, counter.syncs, ours_syncs)
+            weights = master_weights(engine)
+            engine.backward(engine(mask_batch(batches[0], config, 0, 3)).loss)
+            gradients = (engine.optimizer.fp32_groups_gradient_flat_partition[0] if stage == 1
+                         else engine.optimizer.averaged_gradients[0][0].view(-1))
+            gradients[0] = float("nan")
+            engine.step()
+            after_nan = master_weights(engine)
+            assert all(torch.equal(after_nan[name], weights[name]) for name in weights), (stage, ours)
+            stepped.append((weights, norms, float(gradient_norm(engine)), float(non_finite)))
+        finally:
+            for (owner, name, _), fastmaes_method in zip(methods, fastmaes):
+                setattr(owner, name, fastmaes_method)
+    (weights, norms, nan_norm, skipped), (deepspeeds_weights, deepspeeds_norms, deepspeeds_nan_norm, _) = stepped
+    assert all(torch.equal(weights[name], deepspeeds_weights[name]) for name in weights), stage
+    assert norms == deepspeeds_norms and min(norms) > 0.05, (stage, norms, deepspeeds_norms)  # the clip binds
+    assert nan_norm == deepspeeds_nan_norm == float("inf") and skipped == 1.0, (stage, nan_norm, deepspeeds_nan_norm,
+                                                                               skipped)
 
 # the global norm on one partition's gradients: DeepSpeed's value bit for bit in 7 device ops where DeepSpeed's takes
 # 36; a NaN or an inf in a gradient makes both inf
