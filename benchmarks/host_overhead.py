@@ -58,7 +58,9 @@ ALLOCATIONS = ("empty", "empty_like", "empty_strided", "new_empty")  # memory ha
 
 class StepCounter(TorchDispatchMode):
     """Counts what the host asks of the device while active: ops (views excluded), syncs and fastmae's own host reads
-    apart (`host_reads`, the module doc says why), Triton launches (`kernel`). With `model_sized` (the numel of the
+    apart (`host_reads`, the module doc says why: a sync asked for from fastmae's code lands there), Triton launches
+    (`kernel`). A host read or a tensor from host data made while a TorchFunctionMode is active goes unseen (its ops
+    are counted). With `model_sized` (the numel of the
     model's largest parameter, of all its parameters), also the ops over a tensor that size (DeepSpeed's gradient
     hooks and optimizer step over the flat gradients and weights: `model_passes`) and the bytes of the distinct
     tensors each of them reads or writes (`model_bytes`): what the GPU's memory moves a step outside the model."""
