@@ -837,12 +837,26 @@ for precision, stage in KNOWN_SYNCS:
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 import fastmae.zero_patches
 from fastmae.masking import mask_batch
-PATCHES = fastmae.zero_patches.OPTIMIZER_PATCHES
-fastmaes_norm, deepspeeds_norm = PATCHES["scaled_global_norm"]
+PATCHES = fastmae.zero_patches.PATCHES
+fastmaes_norm, deepspeeds_norm = PATCHES[DeepSpeedZeroOptimizer, "scaled_global_norm"]
+
+
+@contextlib.contextmanager
+def deepspeeds_own(owner, own=True):
+    # inside: `owner`'s methods that fastmae patches as DeepSpeed wrote them (own), else fastmae's
+    for (patched, name), (fastmaes, deepspeeds) in PATCHES.items():
+        if patched is owner:
+            setattr(owner, name, deepspeeds if own else fastmaes)
+    try:
+        yield
+    finally:
+        for (patched, name), (fastmaes, _) in PATCHES.items():
+            if patched is owner:
+                setattr(owner, name, fastmaes)
 
 
 def nan_filled_partition(self, group):  # what torch.empty may hand out: every slice of the partition NaN
-    built = PATCHES["_build_compact_grad_partition_buffer"][0](self, group)
+    built = PATCHES[DeepSpeedZeroOptimizer, "_build_compact_grad_partition_buffer"][0](self, group)
     for offset, numel in getattr(built.flat_partition, "unwritten", {}).items():
         built.flat_partition.narrow(0, offset, numel).fill_(float("nan"))
     return built
@@ -850,18 +864,14 @@ def nan_filled_partition(self, group):  # what torch.empty may hand out: every s
 
 @contextlib.contextmanager
 def zero2_bf16_engine(ours, grad_accum=1, flat=True):
-    for name, (fastmaes, deepspeeds) in PATCHES.items():
-        setattr(DeepSpeedZeroOptimizer, name, fastmaes if ours else deepspeeds)
-    if ours:
-        DeepSpeedZeroOptimizer._build_compact_grad_partition_buffer = nan_filled_partition
-    model, engine, non_finite = engine_of("bf16", None, {} if ours else {"zero_optimization": {"reduce_scatter": True}},
-                                          zero_stage=2, clip=0.05, grad_accum=grad_accum, flat_parameters=flat)
-    assert engine.optimizer.reduce_scatter is not ours
-    try:
+    with deepspeeds_own(DeepSpeedZeroOptimizer, own=not ours):
+        if ours:
+            DeepSpeedZeroOptimizer._build_compact_grad_partition_buffer = nan_filled_partition
+        model, engine, non_finite = engine_of("bf16", None, {} if ours else {"zero_optimization": {"reduce_scatter":
+                                                                                                    True}},
+                                              zero_stage=2, clip=0.05, grad_accum=grad_accum, flat_parameters=flat)
+        assert engine.optimizer.reduce_scatter is not ours
         yield model, engine, non_finite
-    finally:
-        for name, (fastmaes, _) in PATCHES.items():
-            setattr(DeepSpeedZeroOptimizer, name, fastmaes)
 
 
 for grad_accum, flat in ((1, True), (2, False)):
@@ -902,17 +912,10 @@ assert torch.equal(partitions[0], partitions[1]) and 0 < partitions[1].count_non
 # were, as DeepSpeed's skip on the host leaves them
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from fastmae.zero_patches import Stage3Optimizer
-patched = {1: [(BF16_Optimizer, "step", fastmae.zero_patches.DEEPSPEEDS_BF16_STEP),
-               (BF16_Optimizer, "_update_hp_grad", fastmae.zero_patches.DEEPSPEEDS_UPDATE_HP_GRAD)],
-           3: [(Stage3Optimizer, "step", fastmae.zero_patches.DEEPSPEEDS_STAGE3_STEP),
-               (Stage3Optimizer, "get_grad_norm_direct", fastmae.zero_patches.DEEPSPEEDS_STAGE3_NORM)]}
-for stage, methods in patched.items():
-    fastmaes = [getattr(owner, name) for owner, name, _ in methods]
+for stage, owner in ((1, BF16_Optimizer), (3, Stage3Optimizer)):
     stepped = []
     for ours in (True, False):
-        for owner, name, deepspeeds in methods if not ours else ():
-            setattr(owner, name, deepspeeds)
-        try:
+        with deepspeeds_own(owner, own=not ours):
             model, engine, non_finite = engine_of("bf16", zero_stage=stage, clip=0.05)
             sizes = [p.numel() for p in model.parameters()]
             counter = StepCounter(model_sized=(sum(sizes) // 2, sum(sizes)))
@@ -936,9 +939,6 @@ for stage, methods in patched.items():
             after_nan = master_weights(engine)
             assert all(torch.equal(after_nan[name], weights[name]) for name in weights), (stage, ours)
             stepped.append((weights, norms, float(gradient_norm(engine)), float(non_finite)))
-        finally:
-            for (owner, name, _), fastmaes_method in zip(methods, fastmaes):
-                setattr(owner, name, fastmaes_method)
     (weights, norms, nan_norm, skipped), (deepspeeds_weights, deepspeeds_norms, deepspeeds_nan_norm, _) = stepped
     assert all(torch.equal(weights[name], deepspeeds_weights[name]) for name in weights), stage
     assert norms == deepspeeds_norms and min(norms) > 0.05, (stage, norms, deepspeeds_norms)  # the clip binds
