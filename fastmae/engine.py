@@ -37,6 +37,9 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 
 ZERO_OPTIMIZERS = (ZeroOptimizer, stage3.DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer)
+SKIPPED_BUCKET_SIZE = 1
+"""ZeRO-1/2's gradient bucket (`reduce_bucket_size`, elements) where it would only stage copies (`build_engine`):
+every gradient larger reaches the all-reduce and the fp32 partition without it."""
 
 
 def deepspeed_config(config: RunConfig, precision: str) -> dict:
@@ -125,6 +128,11 @@ def build_engine(model: torch.nn.Module, config: RunConfig, precision: str, devi
         # in a world of one, ZeRO-1/2's reduce-scatter path divides the gradient bucket by 1, gathers it into another
         # buffer and copies it back: three whole-model passes that its all-reduce path (an identity there) skips
         ds_config = deep_merge({"zero_optimization": {"reduce_scatter": False}}, ds_config)  # a config's own wins
+        if getattr(model, "flat", None) is not None and not ds_config["zero_optimization"]["reduce_scatter"]:
+            # there the gradient bucket only stages a copy of each gradient before the all-reduce: a flat parameter
+            # larger than the bucket is reduced where autograd left its gradient (DeepSpeed's path for a parameter
+            # that does not fit), a whole-model copy less a step, and the bucket's memory (5e8 elements) not taken
+            ds_config = deep_merge({"zero_optimization": {"reduce_bucket_size": SKIPPED_BUCKET_SIZE}}, ds_config)
     if load_universal:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     if train.compile:
