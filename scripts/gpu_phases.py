@@ -114,6 +114,9 @@ PHASES = (
         # (headline's are 8 with smoke's); last, so that a phase cut by its minutes loses this before the layer
         # kernels' table
         Step("gemm_probe", (PY, "scripts/gemm_probe.py")),
+        # cuDNN's and FlashAttention-2's attention, forward and backward, at 3ml's encoder stream (128 x 257 rows: one
+        # past a multiple of their tiles), at 128 x 256 and 128 x 320: what the 257th row costs (a table in the log)
+        Step("attention_lengths", (PY, "scripts/flash_probe.py", "--lengths", "257,256,320")),
     ), timed=True),
     Phase("modernbert", 4, "fastmae on ModernBERT's layers against transformers' ModernBertForMaskedLM at base size", (
         Step("throughput_modernbert", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
