@@ -8,7 +8,10 @@ state and under a CUDA graph, and what they cost against padded SDPA (cuDNN) at 
 
 `--lengths` times rectangular streams only (the GPU check's headline phase keeps the table in its log): 3ml's encoder
 stream at base is 128 x 257 rows (the 255 removed of 510 maskable tokens leave 255 and the two special tokens), one
-row past a multiple of the kernels' 64- and 128-row tiles, so its attention may cost what 128 x 320 would.
+row past a multiple of the kernels' 64- and 128-row tiles, so its attention may cost what 128 x 320 would. For the
+first length it also computes the last row apart (`split_forward`: cuDNN on the others, that row's pairs merged in by
+their log-sum-exps; exact) against cuDNN over all rows, and times both: whether cuDNN's backward takes the merged
+outputs (torch's context-parallel ring attention calls it so) and what the pairs by hand cost in torch ops.
 """
 
 from __future__ import annotations
@@ -185,6 +188,81 @@ def speed(lengths, label):
     return "done"
 
 
+CUDNN_FWD = torch.ops.aten._scaled_dot_product_cudnn_attention
+CUDNN_BWD = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
+
+
+def split_forward(q, k, v, dropout_p):
+    """Attention over [B, H, S, D] views with the last row apart: cuDNN on the first M = S - 1 rows (its log-sum-exp
+    returned), the last key merged into those rows' outputs by their log-sum-exps, the last query over every key by
+    hand (the extra pairs without dropout: exact at dropout 0). (out [B, H, S, D], lse [B, H, S], saved)."""
+    m, scale = q.shape[2] - 1, 1 / math.sqrt(q.shape[-1])
+    qm, km, vm, qx, kx, vx = q[:, :, :m], k[:, :, :m], v[:, :, :m], q[:, :, m:], k[:, :, m:], v[:, :, m:]
+    out_m, lse_m, cum_q, cum_k, _, _, seed, offset, _ = CUDNN_FWD(qm, km, vm, None, True, dropout_p, False, False,
+                                                                  scale=scale)
+    lse_shape, lse_m = lse_m.shape, lse_m.reshape(out_m.shape[:3]).float()
+    s_e = (qm @ kx.transpose(-1, -2)).squeeze(-1).float() * scale
+    lse_t = torch.logaddexp(lse_m, s_e)
+    p_e = torch.exp(s_e - lse_t)
+    out_main = out_m.float() * torch.exp(lse_m - lse_t)[..., None] + p_e[..., None] * vx.float()
+    s_x = (qx @ k.transpose(-1, -2)).float() * scale
+    lse_x = torch.logsumexp(s_x, -1)
+    p_x = torch.exp(s_x - lse_x[..., None])
+    out = torch.cat([out_main.to(q.dtype), p_x.to(q.dtype) @ v], 2)
+    return out, (lse_t, lse_shape, p_e, p_x, seed, offset, cum_q, cum_k)
+
+
+def split_backward(grad, q, k, v, out, saved, dropout_p):
+    """dq, dk, dv of `split_forward`: cuDNN's backward of the first M rows given the merged outputs and log-sum-exps
+    (as torch's context-parallel ring attention calls it), the last key's and the last query's pairs by hand."""
+    lse_t, lse_shape, p_e, p_x, seed, offset, cum_q, cum_k = saved
+    m, scale = q.shape[2] - 1, 1 / math.sqrt(q.shape[-1])
+    qm, km, vm, qx, kx, vx = q[:, :, :m], k[:, :, :m], v[:, :, :m], q[:, :, m:], k[:, :, m:], v[:, :, m:]
+    grad_m, grad_x = grad[:, :, :m], grad[:, :, m:]
+    dq_m, dk_m, dv_m = CUDNN_BWD(grad_m, qm, km, vm, out[:, :, :m], lse_t.reshape(lse_shape).contiguous(), seed,
+                                 offset, None, cum_q, cum_k, m, m, dropout_p, False, scale=scale)
+    row_dot = (grad.float() * out.float()).sum(-1)
+    ds_e = p_e * ((grad_m @ vx.transpose(-1, -2)).squeeze(-1).float() - row_dot[:, :, :m])
+    ds_x = p_x * ((grad_x @ v.transpose(-1, -2)).float() - row_dot[:, :, m:, None])
+    dq = torch.cat([dq_m.float() + ds_e[..., None] * kx.float() * scale, (ds_x.to(q.dtype) @ k).float() * scale], 2)
+    dk = torch.cat([dk_m.float(), (ds_e[..., None] * qm.float()).sum(2, keepdim=True) * scale], 2)
+    dv = torch.cat([dv_m.float(), (p_e[..., None] * grad_m.float()).sum(2, keepdim=True)], 2)
+    dk += ds_x.transpose(-1, -2) * qx.float() * scale
+    dv += p_x.transpose(-1, -2) * grad_x.float()
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+
+
+def split_probe(length):
+    """The last row apart (`split_forward`) against cuDNN's SDPA over all `length` rows of 128 sequences: the errors at
+    dropout 0 (fp32 oracle), then forward + backward ms at dropout 0.1, and cuDNN's own on the first length - 1 rows."""
+    q, k, v, cu, _ = stream([length] * 128)
+    q, k, v = (t.view(128, length, HEADS, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
+    grad = torch.randn_like(q)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    oracle = F.scaled_dot_product_attention(*leaves)
+    oracle.backward(grad.float())
+    out, saved = split_forward(q, k, v, 0.0)
+    errors = {f"{name}_max_err": (mine.float() - ref).abs().max().item() for name, mine, ref in zip(
+        ("out", "dq", "dk", "dv"), (out, *split_backward(grad, q, k, v, out, saved, 0.0)),
+        (oracle.detach(), *(leaf.grad for leaf in leaves)))}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    m = length - 1
+
+    def cudnn_all():
+        return torch.autograd.grad(F.scaled_dot_product_attention(*leaves, dropout_p=0.1), leaves, grad)
+
+    def split_all():
+        out, saved = split_forward(q, k, v, 0.1)
+        return split_backward(grad, q, k, v, out, saved, 0.1)
+
+    def cudnn_main():
+        res = CUDNN_FWD(q[:, :, :m], k[:, :, :m], v[:, :, :m], None, True, 0.1, False, False)
+        return CUDNN_BWD(grad[:, :, :m], q[:, :, :m], k[:, :, :m], v[:, :, :m], res[0], res[1], res[6], res[7], None,
+                         res[2], res[3], m, m, 0.1, False)
+    return {**errors, "sdpa_fwd_bwd_ms": timed(cudnn_all), "split_fwd_bwd_ms": timed(split_all),
+            "cudnn_first_rows_fwd_bwd_ms": timed(cudnn_main)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="results file (default flash_probe.json; none with --lengths)")
@@ -194,6 +272,7 @@ def main() -> int:
     if args.lengths:
         for length in (int(n) for n in args.lengths.split(",")):
             check(f"speed_{length}", lambda length=length: speed([length] * 128, f"128x{length}"))
+        check(f"split_{args.lengths.split(',')[0]}", lambda: split_probe(int(args.lengths.split(",")[0])))
         if args.json:
             with open(args.json, "w") as file:
                 json.dump(RESULTS, file, indent=1)

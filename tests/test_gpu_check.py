@@ -16,6 +16,7 @@ from itertools import islice
 from pathlib import Path
 
 import pytest
+import torch
 import warm_python
 
 from fastmae.config import load_run_config
@@ -144,6 +145,39 @@ def test_the_gemm_probe_runs_each_gemm_of_a_layer_on_cpu():
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("nothing profiled") == 12 and "weight grad: (768, 3072)" in done.stdout
+
+
+def test_the_split_attention_probe_computes_attention_exactly(monkeypatch):
+    """scripts/flash_probe.py's last row apart (headline's `attention_lengths` step): with cuDNN's two ops stood in by
+    their formulas (the backward recomputing the probabilities from the log-sum-exp and outputs it is given, as
+    FlashAttention's does), the outputs and gradients are softmax attention's, to the fp32 the probe computes the
+    pairs by hand in, at lengths 9 and 65; the probe's maths is right before a lease times it."""
+    spec = importlib.util.spec_from_file_location("flash_probe", ROOT / "scripts" / "flash_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+
+    def forward(q, k, v, bias, want_lse, dropout_p, causal, debug, scale):
+        lse = torch.logsumexp(q @ k.transpose(-1, -2) * scale, -1, keepdim=True)  # cuDNN keeps the last dimension
+        none = torch.empty(0)
+        return torch.exp(q @ k.transpose(-1, -2) * scale - lse) @ v, lse, none, none, 0, 0, none, none, none
+
+    def backward(grad, q, k, v, out, lse, seed, offset, bias, cum_q, cum_k, max_q, max_k, dropout_p, causal, scale):
+        probs = torch.exp(q @ k.transpose(-1, -2) * scale - lse)
+        d_scores = probs * (grad @ v.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True))
+        return d_scores @ k * scale, d_scores.transpose(-1, -2) @ q * scale, probs.transpose(-1, -2) @ grad
+
+    monkeypatch.setattr(probe, "CUDNN_FWD", forward)
+    monkeypatch.setattr(probe, "CUDNN_BWD", backward)
+    gen = torch.Generator().manual_seed(0)
+    for length in (9, 65):
+        q, k, v, grad = (torch.randn(2, 3, length, 16, dtype=torch.float64, generator=gen) for _ in range(4))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        oracle = torch.softmax(leaves[0] @ leaves[1].transpose(-1, -2) / 4, -1) @ leaves[2]
+        oracle.backward(grad)
+        out, saved = probe.split_forward(q, k, v, 0.0)
+        for mine, ref in zip((out, *probe.split_backward(grad, q, k, v, out, saved, 0.0)),
+                             (oracle, *(leaf.grad for leaf in leaves))):
+            torch.testing.assert_close(mine, ref.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_arguments_are_refused():
