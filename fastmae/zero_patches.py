@@ -10,7 +10,8 @@ DeepSpeed's results, bit for bit where tests/test_train.py compares them with De
 - in a world of one, the fp32 gradient partition not zero-filled at every step: the first gradient of each slice is
   copied in where DeepSpeed adds it to zeros (a whole-model write and read at fp32 width less a step);
 - bf16 ZeRO-1's step (`BF16_Optimizer`) without its host read of the gradient norm where fastmae's optimizer clips
-  and skips a non-finite step on the device, and its add of each bf16 gradient into the fp32 one in one pass;
+  and skips a non-finite step on the device, its add of each bf16 gradient into the fp32 one in one pass, and its
+  fp32 gradients not zero-filled twice a step: each parameter's first gradient copied in, the rest as in ZeRO-2;
 - bf16 ZeRO-3's step likewise without its host read and without the -1 it makes from host data for each group's
   non-finite norm: no sync left in any ZeRO stage's step.
 """
@@ -159,21 +160,55 @@ def _step(self: ZeroOptimizer, *args, **kwargs):
 
 DEEPSPEEDS_BF16_STEP = BF16_Optimizer.step
 DEEPSPEEDS_UPDATE_HP_GRAD = BF16_Optimizer._update_hp_grad
+DEEPSPEEDS_CLEAR_HP_GRADS = BF16_Optimizer.clear_hp_grads
+DEEPSPEEDS_GRADS_FOR_REDUCTION = BF16_Optimizer.get_grads_for_reduction
 
 
 def _update_hp_grad(self: BF16_Optimizer, lp: torch.Tensor, group_idx: int, param_idx: int,
                     clear_lp_grads: bool) -> None:
     """DeepSpeed's bf16 ZeRO-1 add of a parameter's bf16 gradient into its fp32 one (`_update_hp_grad`) in one pass:
-    `add_` widens the bf16 operand as it reads it, where DeepSpeed first writes it out as an fp32 copy. The same
+    `add_` widens the bf16 operand as it reads it, where DeepSpeed first writes it out as an fp32 copy; a parameter's
+    first gradient of a step copied in, where DeepSpeed adds it to the zeros it filled (`_clear_hp_grads`). The same
     sums, bit for bit. Expert-parallel folding takes DeepSpeed's."""
     if lp.grad is None or self.autoep_folding_tp_group is not None:
         return DEEPSPEEDS_UPDATE_HP_GRAD(self, lp, group_idx, param_idx, clear_lp_grads)
     hp_grad = self.fp32_groups_gradients[group_idx][param_idx]
-    hp_grad.add_(lp.grad.view(hp_grad.shape))
+    if self.fp32_groups_has_gradients[group_idx][param_idx]:
+        hp_grad.add_(lp.grad.view(hp_grad.shape))
+    else:
+        hp_grad.copy_(lp.grad.view(hp_grad.shape))
     lp._hp_grad = hp_grad
     self.fp32_groups_has_gradients[group_idx][param_idx] = True
     if clear_lp_grads:
         lp.grad.zero_()
+
+
+def _clear_hp_grads(self: BF16_Optimizer) -> None:
+    """DeepSpeed's clear of bf16 ZeRO-1's fp32 gradients (`clear_hp_grads`) without its zero fills (each a whole-model
+    write at fp32 width, twice a step: at the end of the step and in the engine's zero_grad after it): every parameter
+    marked as without a gradient, so that its first is copied in (`_update_hp_grad`), and a slice that no gradient
+    reached zeroed before the gradients are read (`_zero_unwritten_hp`: the all-reduce, the norm, the step). The
+    buffers start zero, their alignment padding is never written. Expert-parallel folding takes DeepSpeed's."""
+    if self.autoep_folding_tp_group is not None:
+        return DEEPSPEEDS_CLEAR_HP_GRADS(self)
+    for i, group in enumerate(self.fp32_groups_gradients):
+        self.fp32_groups_has_gradients[i] = [False] * len(group)
+
+
+def _zero_unwritten_hp(self: BF16_Optimizer) -> None:
+    """Zero the fp32 gradients of the parameters that no gradient reached this step (`_clear_hp_grads`), as
+    DeepSpeed's zero fill left them."""
+    for gradients, written in zip(self.fp32_groups_gradients, self.fp32_groups_has_gradients):
+        for gradient, has_gradient in zip(gradients, written):
+            if not has_gradient:
+                gradient.zero_()
+
+
+def _grads_for_reduction(self: BF16_Optimizer):
+    """DeepSpeed's fp32 gradients for the engine's all-reduce (`get_grads_for_reduction`), complete
+    (`_zero_unwritten_hp`)."""
+    _zero_unwritten_hp(self)
+    return DEEPSPEEDS_GRADS_FOR_REDUCTION(self)
 
 
 @torch.no_grad()
@@ -184,6 +219,7 @@ def _bf16_step(self: BF16_Optimizer, closure=None) -> None:
     non-finite norm is a tensor made from host data, then the read). The norm is DeepSpeed's op for op, bit for bit;
     a non-finite one is inf, as ZeRO-2's, which sets the skip flag. Model or expert parallelism, Muon, DeepSpeed's own
     clipping and an optimizer that cannot skip take DeepSpeed's step."""
+    _zero_unwritten_hp(self)
     if (closure is not None or self.clip_grad > 0 or self.mpu is not None or self.has_moe_layers or self._uses_muon
             or getattr(self.optimizer, "found_inf", None) is None):
         return DEEPSPEEDS_BF16_STEP(self, closure)
@@ -262,6 +298,8 @@ PATCHES = {  # (DeepSpeed's optimizer class, method): (fastmae's, DeepSpeed's ow
         (ZeroOptimizer, "step", _step),
         (BF16_Optimizer, "step", _bf16_step),
         (BF16_Optimizer, "_update_hp_grad", _update_hp_grad),
+        (BF16_Optimizer, "clear_hp_grads", _clear_hp_grads),
+        (BF16_Optimizer, "get_grads_for_reduction", _grads_for_reduction),
         (Stage3Optimizer, "get_grad_norm_direct", _stage3_norm),
         (Stage3Optimizer, "step", _stage3_step))}
 for (_owner, _name), (_ours, _) in PATCHES.items():
