@@ -181,11 +181,15 @@ def host_overhead() -> str:
                         f"{r['backward']} | {r['optimizer']} | {rest} | {r['triton_launches_per_step']} | "
                         f"{r['syncs_per_step']} | {r['model_passes_per_step']} | {r['model_bytes_per_parameter']} |")
     first = results[0]
+    # a file regenerated alone (its stage's code changed) says its own commit
+    later = "".join(f"; `{name}.md` at git {result['git_sha']}" for name, result in zip(names, results)
+                    if result["git_sha"] != first["git_sha"])
     return (f"{first['sequences']} x {first['seq_len']} tokens in one micro-batch, bf16, base depth, vocabulary "
             f"32,000, width 96 (6 heads of 16), the CUDA code path emulated on {first['device']}, "
             f"{measured_when(first)} "
             "(`benchmarks/results/"
-            + "`, `".join(f"{name}.md" for name in names) + "`). The CUDA-graph rows are modelled, not measured: the "
+            + "`, `".join(f"{name}.md" for name in names) + f"`{later}). The CUDA-graph rows are modelled, not "
+            "measured: the "
             "CPU twin counts each replay as one launch, as a captured graph would be; no GPU has counted them "
             "yet:\n\n" + "\n".join(rows) + "\n")
 
