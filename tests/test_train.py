@@ -874,7 +874,7 @@ def zero2_bf16_engine(ours, grad_accum=1, flat=True):
         yield model, engine, non_finite
 
 
-for grad_accum, flat in ((1, True), (2, False)):
+for grad_accum, flat in ((1, True), (2, True), (2, False)):
     trained = []
     for ours in (True, False):
         with zero2_bf16_engine(ours, grad_accum, flat) as (model, engine, non_finite):
@@ -892,11 +892,11 @@ for grad_accum, flat in ((1, True), (2, False)):
     assert torch.equal(norms, deepspeeds_norms) and norms.min() > 0.05, (norms, deepspeeds_norms)  # the clip binds
     assert "_to_copy" not in passes and "zeros" in deepspeeds_passes and "zeros" not in passes, (passes,
                                                                                                  deepspeeds_passes)
-    # one micro-batch a step: the flat gradient copied into its partition, no zero fill or add of any kind; and
-    # reduced where autograd left it, not first copied into DeepSpeed's bucket (engine.SKIPPED_BUCKET_SIZE): two
-    # copies, into the fp32 partition and back into the bf16 weights, where DeepSpeed's path makes three
+    # one micro-batch a step: the flat gradient copied into its partition, no zero fill or add of any kind; flat
+    # gradients reduced where autograd left them, not first copied into DeepSpeed's bucket (engine.SKIPPED_BUCKET_SIZE):
+    # two copies, into the fp32 partition and back into the bf16 weights, where DeepSpeed's path makes more
     assert grad_accum > 1 or not {"zero_", "add_"} & set(passes), passes
-    assert not flat or passes["copy_"] == deepspeeds_passes["copy_"] - 1 == 2, (passes, deepspeeds_passes)
+    assert not flat or passes["copy_"] == 2 < deepspeeds_passes["copy_"], (passes, deepspeeds_passes)
 
 # a parameter that no gradient reached this step: its slice of the fp32 partition zero, as DeepSpeed's zero fill left
 # it, before anything reads it (the step's first micro-batch's backward has one parameter's gradient only)
