@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .kernels.pending import PENDING_ATTRIBUTE, PendingSums
+
 
 class FlatParameters:
     """The parameters of `owner` named in `groups` (group name -> parameter names), held as one flat parameter per
@@ -50,11 +52,18 @@ class FlatParameters:
 
     def bind(self) -> None:
         """Point every module's parameter attribute at its view of the flat parameter as it is now (after a dtype
-        change, a ZeRO repartition, an optimizer step that replaced the storage)."""
+        change, a ZeRO repartition, an optimizer step that replaced the storage). Where the views take gradients, the
+        fused kernels' backwards may defer the partial sums of theirs to the concatenation of them
+        (kernels/pending.py, flushed by a hook on it)."""
         for group, slots in self._slots.items():
-            views = self.parameter(group).split([shape.numel() for _, _, shape in slots])
-            for (holders, _, shape), view in zip(slots, views):
-                view = view.view(shape)
+            pieces = self.parameter(group).split([shape.numel() for _, _, shape in slots])
+            views = [piece.view(shape) for (_, _, shape), piece in zip(slots, pieces)]
+            if pieces and pieces[0].grad_fn is not None:
+                pending = PendingSums(views)
+                pieces[0].grad_fn.register_prehook(pending.flush)
+                for view in views:
+                    setattr(view, PENDING_ATTRIBUTE, pending)
+            for (holders, _, _), view in zip(slots, views):
                 for module, attribute in holders:
                     setattr(module, attribute, view)
 

@@ -27,12 +27,13 @@ from .launch import (
     ROWS_PER_BIAS_PROGRAM,
     TILED_KERNELS,
     RowTiles,
-    carve,
+    carve_sums,
     column_block,
     sum_parts,
     tile_launch,
     tiled_pair,
 )
+from .pending import defer_sums
 
 # erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z / 2), for z >= 0, P's coefficients from the lowest power: Numerical
 # Recipes' erfcc (Press et al., section 6.2), fractional error below 1.2e-7 everywhere. Exact GELU as libdevice's erf
@@ -204,7 +205,7 @@ class _BiasGELU(torch.autograd.Function):
             _bias_gelu_fwd_kernel[_grid(rows, columns, block_r, block_c)](a, bias, y, rows, columns, BLOCK_R=block_r,
                                                                            BLOCK_C=block_c, num_warps=warps)
         ctx.save_for_backward(a, bias)
-        ctx.tiling = tiling
+        ctx.tiling, ctx.deferral = tiling, defer_sums(bias)
         return y
 
     @staticmethod
@@ -215,13 +216,13 @@ class _BiasGELU(torch.autograd.Function):
         block_r, warps, prefetch = ctx.tiling["backward"]
         tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
         programs = triton.cdiv(rows, tiles * block_r)
-        da, parts = carve(a.device, ((rows, columns), a.dtype), ((1, programs, columns), torch.float32))
-        dbias = torch.empty(1, columns, device=a.device, dtype=bias.dtype)  # its own: it outlives da (`carve`)
+        (da,), dbias, parts = carve_sums(a.device, (((rows, columns), a.dtype),), ((1, columns), bias.dtype),
+                                         ((1, programs, columns), torch.float32), ctx.deferral)
         if rows and columns:
             _bias_gelu_bwd_kernel[(programs, triton.cdiv(columns, block_c))](
                 dy.contiguous(), a, bias, da, parts, rows, columns, tiles, PREFETCH=prefetch, BLOCK_R=block_r,
                 BLOCK_C=block_c, num_warps=warps)
-        sum_parts(parts, dbias)  # the partials in a fixed order: deterministic
+        sum_parts(parts, dbias, ctx.deferral)  # the partials in a fixed order: deterministic
         return da, dbias[0], None
 
 

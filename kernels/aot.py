@@ -50,7 +50,7 @@ TILE_RESIDENT = ("local_window.",)
 # a compile proves no alignment: bias + GELU's tiles compiled to 2-byte loads where the GPU runs 16-byte ones, and
 # their registers (this table's figures) were another kernel's.
 DIVISIBLE_INTS = re.compile(r"(H|V|half|hidden|n_cols|n_rows|n_elements|num_src_rows|rows_[qk]|programs|window"
-                            r"|stride_\w+)")
+                            r"|stride_\w+)\d?")  # a digit: one of a kernel's several entries (launch._sum_parts_kernel)
 
 
 def specializations(fn, signature: dict[str, str]) -> dict[tuple[int], list]:

@@ -168,8 +168,9 @@ def _norm_configs():
     for dtype in ("fp32", "bf16"):
         for block_p in [2**k for k in range(launch.SUM_MAX_BLOCK_P.bit_length())]:  # rows up to MAX_HIDDEN wide
             block_h = launch.sum_tile(block_p, launch.MAX_HIDDEN)[1]
-            yield ("launch._sum_parts_kernel", f"{dtype} BLOCK_P={block_p} BLOCK_H={block_h}",
-                   dict(PARTS="*fp32", SUMS=f"*{dtype}", programs="i32", H="i32"),
+            entries = {f"{arg}{entry}": kind for entry in range(launch.SUM_ENTRIES) for arg, kind in (
+                ("PARTS", "*fp32"), ("SUMS", f"*{dtype}"), ("count", "i32"), ("programs", "i32"), ("H", "i32"))}
+            yield ("launch._sum_parts_kernel", f"{dtype} BLOCK_P={block_p} BLOCK_H={block_h}", entries,
                    dict(BLOCK_P=block_p, BLOCK_H=block_h), launch.SUM_WARPS)
 
 

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pending import SUM_ENTRIES, Deferral
+
 MAX_HIDDEN = 8192  # the largest row the launch configurations cover (kernels/aot.py checks each one)
 # exp(v) = exp2(v log2 e): `tl.math.exp2` is one approximate instruction on a GPU, where `tl.exp` adds range checks
 # (the row-wise kernels are bound by the instructions they issue)
@@ -18,18 +20,37 @@ LOG2_E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _sum_parts_kernel(PARTS, SUMS, programs, H, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Program (c, n): columns block c of SUMS[n] [H] in its dtype, the partial sums PARTS[n] [programs, H] fp32 a
-    backward's programs wrote, added in a fixed order; each thread adds its own elements across the blocks of partial
-    rows and the rows are summed once at the end (no cross-thread sum inside the loop)."""
+def _sum_columns(PARTS, SUMS, count, programs, H, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Columns block program_id(0) of SUMS[n] [H], n = program_id(1) < count, in SUMS's dtype: the partial sums
+    PARTS[n] [programs, H] fp32 a backward's programs wrote, added in a fixed order; each thread adds its own elements
+    across the blocks of partial rows and the rows are summed once at the end (no cross-thread sum inside the loop)."""
     cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     part = tl.program_id(1).to(tl.int64)
+    width = tl.where(part < count, H, 0)  # a row past the entry's: no columns
     total = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
     for start in range(0, programs, BLOCK_P):
         rows = start + tl.arange(0, BLOCK_P)
-        mask = (rows[:, None] < programs) & (cols[None, :] < H)
+        mask = (rows[:, None] < programs) & (cols[None, :] < width)
         total += tl.load(PARTS + (part * programs + rows[:, None]) * H + cols[None, :], mask=mask, other=0.0)
-    tl.store(SUMS + part * H + cols, tl.sum(total, axis=0).to(SUMS.dtype.element_ty), mask=cols < H)
+    tl.store(SUMS + part * H + cols, tl.sum(total, axis=0).to(SUMS.dtype.element_ty), mask=cols < width)
+
+
+@triton.jit
+def _sum_parts_kernel(PARTS0, SUMS0, count0, programs0, H0, PARTS1, SUMS1, count1, programs1, H1,
+                      PARTS2, SUMS2, count2, programs2, H2, PARTS3, SUMS3, count3, programs3, H3,
+                      BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (c, n, e): `_sum_columns` of entry e, up to SUM_ENTRIES a launch: SUMS_e [count_e, H_e] from the
+    partial sums PARTS_e [count_e, programs_e, H_e] (programs past an entry's rows or columns store nothing). Each
+    entry a call of its own: its integers keep the JIT's specializations (a width divisible by 16: wide loads)."""
+    entry = tl.program_id(2)
+    if entry == 0:
+        _sum_columns(PARTS0, SUMS0, count0, programs0, H0, BLOCK_P, BLOCK_H)
+    elif entry == 1:
+        _sum_columns(PARTS1, SUMS1, count1, programs1, H1, BLOCK_P, BLOCK_H)
+    elif entry == 2:
+        _sum_columns(PARTS2, SUMS2, count2, programs2, H2, BLOCK_P, BLOCK_H)
+    else:
+        _sum_columns(PARTS3, SUMS3, count3, programs3, H3, BLOCK_P, BLOCK_H)
 
 
 # _sum_parts_kernel's tile (`sum_tile`): all of a launch's partial rows at once where they fit SUM_MAX_BLOCK_P (a norm's
@@ -39,7 +60,9 @@ def _sum_parts_kernel(PARTS, SUMS, programs, H, BLOCK_P: tl.constexpr, BLOCK_H: 
 # GPU timing, at 32 x 64 on 4 warps with a cross-thread sum each step, had 12 programs at RoBERTa-base's width loop 32
 # times over 1,024 partial rows: 0.07 ms a call, 1.8 ms of an mlm step on an H200; at 128 x 32 (f6d59b9) 49 calls took
 # 0.93 ms of the step, about 19 us each, 72 programs looping 8 times; at 256 x 16 (e63392c) 3ml's 58 calls took 0.51
-# ms, about 9 us each, looping 4 times. In one pass a thread issues every load of its sum at once (untimed).
+# ms, about 9 us each, looping 4 times, most of it a launch's own latency (about 2 us of it moving the data): hence
+# a launch sums up to SUM_ENTRIES buffers (pending.PendingSums). In one pass a thread issues every load of its sum at
+# once (untimed).
 SUM_MAX_BLOCK_P, SUM_TILE, SUM_WARPS = 1024, 8192, 8
 
 
@@ -50,17 +73,48 @@ def sum_tile(programs: int, hidden: int) -> tuple[int, int]:
     return block_p, min(triton.next_power_of_2(max(hidden, 1)), max(8, SUM_TILE // block_p))
 
 
-def sum_parts(parts: torch.Tensor, sums: torch.Tensor) -> None:
+def launch_sums(entries: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """`sums` [n, H] = `parts` [n, programs, H] summed over their rows for each (parts, sums) of `entries`: a launch
+    of `_sum_parts_kernel` for up to SUM_ENTRIES of one sums dtype and one tile (`sum_tile`), so that each sum is the
+    one a launch of its own makes, bit for bit (a tile's shape decides the order of its additions)."""
+    groups: dict[tuple, list] = {}
+    for parts, sums in entries:
+        groups.setdefault((sums.dtype, sum_tile(*parts.shape[1:])), []).append((parts, sums))
+    for (_, (block_p, block_h)), group in groups.items():
+        for first in range(0, len(group), SUM_ENTRIES):
+            chunk = group[first:first + SUM_ENTRIES]
+            count, hidden = max(parts.shape[0] for parts, _ in chunk), max(parts.shape[2] for parts, _ in chunk)
+            slots = chunk + chunk[:1] * (SUM_ENTRIES - len(chunk))  # past the grid's last entry: never read
+            _sum_parts_kernel[(triton.cdiv(hidden, block_h), count, len(chunk))](
+                *(arg for parts, sums in slots for arg in (parts, sums, *parts.shape)), BLOCK_P=block_p,
+                BLOCK_H=block_h, num_warps=SUM_WARPS)
+
+
+def carve_sums(device: torch.device, rows: tuple[tuple[tuple[int, ...], torch.dtype], ...],
+               sums: tuple[tuple[int, ...], torch.dtype], parts: tuple[tuple[int, ...], torch.dtype],
+               deferral: Deferral | None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A backward's buffers by (shape, dtype): its rows' gradients `rows` in one allocation (`carve`), the parameters'
+    gradients `sums` in another (they outlive the rows'), and the partial sums `parts` beside the rows' gradients
+    where `sum_parts` adds them at once, beside the sums where a Deferral keeps them for a later launch."""
+    if deferral is None:
+        *grads, partial = carve(device, *rows, parts)
+        return grads, torch.empty(sums[0], device=device, dtype=sums[1]), partial
+    summed, partial = carve(device, sums, parts)
+    return carve(device, *rows), summed, partial
+
+
+def sum_parts(parts: torch.Tensor, sums: torch.Tensor, deferral: Deferral | None = None) -> None:
     """sums [n, H] (contiguous, any float dtype) = parts [n, programs, H] fp32, as a backward's programs wrote them,
     summed over their rows: one kernel for all n (a norm's weight and bias gradients, a projection's bias), a fixed
-    order (deterministic), the cast to the dtype of `sums` in it."""
+    order (deterministic), the cast to the dtype of `sums` in it; with a Deferral (`pending.defer_sums`) in a later
+    launch with others, before anything reads `sums` (parts must then live as long as sums: `carve` them together)."""
     count, programs, hidden = parts.shape
     if sums.shape != (count, hidden) or not sums.is_contiguous():
         raise ValueError(f"sum_parts: sums must be contiguous [{count}, {hidden}]; got {tuple(sums.shape)}")
-    if hidden and count:
-        block_p, block_h = sum_tile(programs, hidden)
-        _sum_parts_kernel[(triton.cdiv(hidden, block_h), count)](parts, sums, programs, hidden, BLOCK_P=block_p,
-                                                                 BLOCK_H=block_h, num_warps=SUM_WARPS)
+    if not (hidden and count) or (deferral is not None and deferral.pending.add(parts, sums, deferral.keys,
+                                                                                launch_sums)):
+        return
+    launch_sums([(parts, sums)])
 
 
 # Elements of a backward kernel's tile (norm.py, activation.py's bias + GELU): 4 a thread over 8 warps, where the

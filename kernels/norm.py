@@ -31,8 +31,9 @@ import triton
 import triton.language as tl
 
 from .hashing import check_dropout_key, dropout_threshold
-from .launch import MAX_HIDDEN, TILED_KERNELS, RowTiles, carve, sum_parts, tiled_pair
+from .launch import MAX_HIDDEN, TILED_KERNELS, RowTiles, carve, carve_sums, sum_parts, tiled_pair
 from .mask_select import dropout_kept
+from .pending import defer_sums
 from .residual import ResidualGrad
 
 
@@ -284,6 +285,7 @@ class _AddLayerNorm(torch.autograd.Function):
         ctx.has_bias, ctx.has_x_bias, ctx.has_residual = bias is not None, x_bias is not None, has_residual
         ctx.keep_sum, ctx.from_sum, ctx.threshold, ctx.scale = keep_sum, from_sum, threshold, scale
         ctx.tiling, ctx.handoff = tiling, handoff
+        ctx.deferral = defer_sums(weight, bias, *((x_bias,) if x_bias is not None else ()))  # the sums' rows
         return (y, h) if keep_sum else (y, None)
 
     @staticmethod
@@ -295,13 +297,11 @@ class _AddLayerNorm(torch.autograd.Function):
         tiles = backward_tiles(rows, block_r)
         programs = triton.cdiv(rows, tiles * block_r)
         # dx and dr two tensors (no aliased gradients); every program writes its row of partial sums: the weight's,
-        # the bias's, and x_bias's where there is one, summed by one kernel into `sums`, an allocation of its own
-        # (`launch.carve`: a parameter's gradient outlives the rows' gradients)
+        # the bias's, and x_bias's where there is one, summed by one kernel into `sums` (`launch.carve_sums`)
         summed = 3 if ctx.has_x_bias else 2
-        dx, dr, parts = carve(x.device, ((rows, hidden), x.dtype),
-                              ((rows, hidden) if ctx.has_residual else (0,), x.dtype),
-                              ((summed, programs, hidden), torch.float32))
-        sums = torch.empty(summed, hidden, device=x.device, dtype=weight.dtype)
+        (dx, dr), sums, parts = carve_sums(
+            x.device, (((rows, hidden), x.dtype), ((rows, hidden) if ctx.has_residual else (0,), x.dtype)),
+            ((summed, hidden), weight.dtype), ((summed, programs, hidden), torch.float32), ctx.deferral)
         has_dh = ctx.keep_sum and dh is not None
         if rows:
             _add_norm_bwd_kernel[(programs,)](dy.contiguous(), dh.contiguous() if has_dh else dy, x, x_bias, residual,
@@ -310,7 +310,7 @@ class _AddLayerNorm(torch.autograd.Function):
                                               HAS_DH=has_dh, HAS_XBIAS=ctx.has_x_bias, HAS_DROPOUT=ctx.threshold > 0,
                                               FROM_SUM=ctx.from_sum, HAS_RESIDUAL=ctx.has_residual,
                                               BLOCK_R=block_r, BLOCK_H=lanes, CHUNKS=chunks, num_warps=warps)
-        sum_parts(parts, sums)
+        sum_parts(parts, sums, ctx.deferral)
         if ctx.handoff is not None:  # the projection reading the residual's rows adds its gradient in its GEMM
             ctx.handoff.put(dr)
         if ctx.handoff is not None or not ctx.has_residual:

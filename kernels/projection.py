@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import BACKWARD_TILE, ROWS_PER_BIAS_PROGRAM, carve, column_block, sum_parts, tile_launch
+from .launch import BACKWARD_TILE, ROWS_PER_BIAS_PROGRAM, carve_sums, column_block, sum_parts, tile_launch
+from .pending import defer_sums
 from .residual import ResidualGrad
 from .rotary import rotate
 
@@ -129,6 +130,7 @@ class _ProjectQKV(torch.autograd.Function):
             q, k = rotate(q, k, cos, sin, cos, sin, 1.0)
         ctx.save_for_backward(x, weight, cos, sin)
         ctx.heads, ctx.residual_grad, ctx.has_bias = heads, residual_grad, bias is not None
+        ctx.deferral = defer_sums(bias) if bias is not None else None
         return q, k, v
 
     @staticmethod
@@ -141,9 +143,9 @@ class _ProjectQKV(torch.autograd.Function):
         tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
         programs = triton.cdiv(rows, tiles * block_r)
         bias_rows = programs if ctx.has_bias else 0
-        g, parts = carve(x.device, ((rows, 3 * hidden), x.dtype), ((1, bias_rows, 3 * hidden), torch.float32))
-        # the bias's gradient an allocation of its own: it outlives g (`carve`)
-        dbias = torch.empty(1, 3 * hidden if ctx.has_bias else 0, device=x.device, dtype=weight.dtype)
+        (g,), dbias, parts = carve_sums(x.device, (((rows, 3 * hidden), x.dtype),),
+                                        ((1, 3 * hidden if ctx.has_bias else 0), weight.dtype),
+                                        ((1, bias_rows, 3 * hidden), torch.float32), ctx.deferral)
         if rows:
             tables = (cos, sin) if cos is not None else (parts, parts)  # unread without ROTARY
             _qkv_grad_kernel[(programs, triton.cdiv(hidden, block_c), 3)](
@@ -151,7 +153,7 @@ class _ProjectQKV(torch.autograd.Function):
                 HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_C=block_c, HAS_BIAS=ctx.has_bias, ROTARY=cos is not None,
                 num_warps=warps)
         if ctx.has_bias:
-            sum_parts(parts, dbias)
+            sum_parts(parts, dbias, ctx.deferral)
         dx = _input_grad(g, weight, ctx.residual_grad) if ctx.needs_input_grad[0] else None
         dweight = g.t() @ x if ctx.needs_input_grad[1] else None
         return dx, dweight, dbias[0] if ctx.has_bias else None, None, None, None, None

@@ -6,7 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import KERNEL_DEVICE, tiny_batch, tiny_model
+from fastmae.kernels import launch, pending
 from simple_training import LoopConfig, demo_documents, train_on_documents
+
+from fastmae import kernels
+from fastmae.flat import FlatParameters
+from fastmae.optim import decay_groups
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from host_overhead import StepCounter  # noqa: E402
@@ -35,6 +40,71 @@ def test_a_parameters_gradient_keeps_no_rows_alive(preset, extra, monkeypatch):
         held = shared[0].untyped_storage().nbytes()
         own = sum(-(-g.numel() * g.element_size() // 256) * 256 for g in shared)  # carve aligns to 256 bytes
         assert held <= own, ([tuple(g.shape) for g in shared], held, own)
+
+
+class CountedLaunches:
+    """A Triton kernel whose launches' grids are kept: `launch._sum_parts_kernel`'s third index counts its entries."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("preset, extra", [VARIANTS[0], VARIANTS[4]])
+def test_flat_parameters_sum_their_partial_sums_together(preset, extra, monkeypatch):
+    """Under flat parameters the fused backwards defer their parameters' partial sums (kernels/pending.py): a launch
+    adds up to SUM_ENTRIES of them, the last ones when the views' gradients are concatenated; the gradients those
+    summed one at a time give, bit for bit, in fewer launches."""
+    monkeypatch.setenv("FASTMAE_KERNELS", "triton")
+    kernel = launch._sum_parts_kernel
+    runs = []
+    for defer in (True, False):
+        if not defer:  # every deferral declined: each sum at once, as without flat parameters
+            monkeypatch.setattr(pending.PendingSums, "add", lambda self, *entry: False)
+        counted = CountedLaunches(kernel)
+        monkeypatch.setattr(launch, "_sum_parts_kernel", counted)
+        model = tiny_model(preset, **extra).to(KERNEL_DEVICE)
+        model.flat = FlatParameters(model, decay_groups(model))
+        model(tiny_batch(4, seed=4).to(KERNEL_DEVICE), seed=3, step=1).loss.backward()
+        runs.append(({name: p.grad for name, p in model.named_parameters()}, [grid[2] for grid in counted.grids]))
+    (grads, entries), (one_at_a_time, entries_one_at_a_time) = runs
+    assert grads.keys() == one_at_a_time.keys() and all(torch.equal(grads[n], one_at_a_time[n]) for n in grads)
+    # a launch takes the sums of one tile (`launch.sum_tile`): at these few rows a norm's partial rows and a bias's
+    # differ in number, at the throughput benchmark's a layer's four are 1,024 rows each, one launch
+    assert set(entries_one_at_a_time) == {1} and max(entries) > 1, entries
+    assert sum(entries) == sum(entries_one_at_a_time) and len(entries) < len(entries_one_at_a_time), entries
+
+
+def test_a_parameter_read_twice_has_its_sums_made_at_once(monkeypatch):
+    """A flat parameter's view that a forward reads twice has its gradients added by autograd before the views' are
+    concatenated: its partial sums are summed at once, not deferred (kernels/pending.py), and the gradient is the
+    one the parameter gets unflattened."""
+    monkeypatch.setenv("FASTMAE_KERNELS", "triton")
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(16)
+
+        def forward(self, x):
+            once = kernels.add_layer_norm(x, x, self.norm.weight, self.norm.bias)[0]
+            return kernels.add_layer_norm(once, x, self.norm.weight, self.norm.bias)[0].square().sum()
+
+    x = torch.randn(40, 16, generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
+    grads = []
+    for flat in (True, False):
+        torch.manual_seed(0)
+        module = Twice().to(KERNEL_DEVICE)
+        with torch.no_grad():
+            module.norm.weight.uniform_(0.5, 1.5)
+        if flat:
+            module.flat = FlatParameters(module, {"norm": ["norm.weight", "norm.bias"]})
+        module(x).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in module.parameters()]))
+    assert torch.equal(grads[0], grads[1])
 
 
 def loss_and_grads(preset, extra, mode, monkeypatch):
