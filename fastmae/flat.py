@@ -7,9 +7,11 @@ parameters is more ops than the model's own forward and backward together. Held 
 two tensors, as FSDP does it.
 
 The modules keep reading `self.weight`: their parameters become plain tensor attributes, views into the flat
-parameter that `bind()` makes afresh at the start of every forward (one split: views only, no copy). Autograd sums the
-views' gradients into the flat parameter's gradient with one concatenation in the backward, so the flat gradient is
-ready only when the whole backward is done: ZeRO's reduction cannot overlap the backward (`train.flat_parameters`).
+parameter that `bind()` makes afresh at the start of every forward (views only, no copy). The views' gradients become
+the flat parameter's at the end of the backward (`_Views`): the fused ops write the large ones (weights' GEMMs,
+embedding tables, the tied LM head) in place, into their pieces of one buffer, and the rest are copied in
+(kernels/pending.py), where autograd's split would concatenate copies of them all. The flat gradient is ready only
+when the whole backward is done: ZeRO's reduction cannot overlap the backward (`train.flat_parameters`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .kernels.pending import PENDING_ATTRIBUTE, PendingSums
+from .kernels.pending import GradientSlots, PendingSums
+
+
+class _Views(torch.autograd.Function):
+    """A flat parameter's views of `shapes`; backward: the deferred partial sums made, then the flat gradient
+    gathered (kernels/pending.py)."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, shapes: list[torch.Size], sums: PendingSums, slots: GradientSlots):
+        ctx.set_materialize_grads(False)
+        ctx.sums, ctx.slots = sums, slots
+        return tuple(piece.view(shape) for piece, shape in zip(flat.split([s.numel() for s in shapes]), shapes))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        ctx.sums.flush(grads)
+        return ctx.slots.gather(grads), None, None, None
 
 
 class FlatParameters:
@@ -53,16 +72,17 @@ class FlatParameters:
     def bind(self) -> None:
         """Point every module's parameter attribute at its view of the flat parameter as it is now (after a dtype
         change, a ZeRO repartition, an optimizer step that replaced the storage). Where the views take gradients, the
-        fused kernels' backwards may defer the partial sums of theirs to the concatenation of them
-        (kernels/pending.py, flushed by a hook on it)."""
+        fused kernels' backwards may defer the partial sums of theirs and write theirs in place, into the flat
+        gradient (kernels/pending.py)."""
         for group, slots in self._slots.items():
-            pieces = self.parameter(group).split([shape.numel() for _, _, shape in slots])
-            views = [piece.view(shape) for (_, _, shape), piece in zip(slots, pieces)]
-            if pieces and pieces[0].grad_fn is not None:
-                pending = PendingSums(views)
-                pieces[0].grad_fn.register_prehook(pending.flush)
-                for view in views:
-                    setattr(view, PENDING_ATTRIBUTE, pending)
+            flat, shapes = self.parameter(group), [shape for _, _, shape in slots]
+            if flat.requires_grad and torch.is_grad_enabled() and shapes:
+                sums, gradient = PendingSums(), GradientSlots(shapes, flat.dtype, flat.device)
+                views = _Views.apply(flat, shapes, sums, gradient)
+                sums.attach(views)
+                gradient.attach(views)
+            else:
+                views = [piece.view(shape) for piece, shape in zip(flat.split([s.numel() for s in shapes]), shapes)]
             for (holders, _, _), view in zip(slots, views):
                 for module, attribute in holders:
                     setattr(module, attribute, view)

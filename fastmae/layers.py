@@ -81,7 +81,7 @@ class TransformerLayer(nn.Module):
     def _ffn_hidden(self, x: torch.Tensor, residual_grad: ResidualGrad | None = None) -> torch.Tensor:
         """The feed-forward's activation, before its output projection."""
         if self.gated:  # GeGLU: gelu(input) * gate (`ops.geglu`: one Triton kernel each way on CUDA)
-            return ops.geglu(self.ffn_in(x))
+            return ops.geglu(ops.linear(x, self.ffn_in))
         return ops.linear_gelu(x, self.ffn_in.weight, self.ffn_in.bias, residual_grad)  # one kernel on CUDA
 
     DROPOUT_KEYS = 2
@@ -107,7 +107,7 @@ class TransformerLayer(nn.Module):
             attended = self._attention(normed, meta, ctx, meta_k, bias)
             normed, x = _add_norm(attended, x, self.ffn_norm, self.attn_out, self.dropout, keep_sum=True,
                                   dropout_key=keys[0])
-            return x, self.dropout(self.ffn_out(self._ffn_hidden(normed)))
+            return x, self.dropout(ops.linear(self._ffn_hidden(normed), self.ffn_out))
         # post-LN: each sublayer's input is also its norm's residual; the projection that reads it takes the
         # residual's gradient into its input-gradient GEMM on CUDA (kernels/residual.py), autograd adds no two
         handoff = ResidualGrad()

@@ -73,7 +73,9 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     if projection is not None:
         p_weight, p_bias = projection
         x_bias = p_bias if triton else None
-        x = F.linear(x, p_weight, None if triton else p_bias)
+        # the Triton path's projection without its bias (the norm's kernel adds it): fastmae's, whose weight
+        # gradient goes in place into a flat gradient (kernels/pending.py)
+        x = kernels.project(x, p_weight) if triton else F.linear(x, p_weight, p_bias)
     if triton:
         if dropout_p and key is None:
             key = dropout_keys(x, 1, dropout_p)
@@ -104,6 +106,15 @@ def project_qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return kernels.project_qkv(x, weight, bias, heads, residual_grad, rotary)
     q, k, v = kernels.project_qkv_reference(x, weight, bias, heads)
     return (q, k, v) if rotary is None else (*rotary_qk(q, k, *rotary, *rotary), v)
+
+
+def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """`layer`(x): where `x` goes to Triton and the layer has no bias, fastmae's projection (`kernels.project`, whose
+    weight gradient goes in place into a flat gradient, kernels/pending.py); else the module (torch's linear, its
+    bias added in the GEMM)."""
+    if layer.bias is None and _fused_projection(x):
+        return kernels.project(x, layer.weight)
+    return layer(x)
 
 
 def _fused_projection(x: torch.Tensor) -> bool:

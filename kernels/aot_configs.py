@@ -48,8 +48,9 @@ def _row_configs():
 
 def _table_grad_configs():
     """Both table-gradient kernels at every row width, for a gradient in each table dtype from rows in that dtype
-    (the row ops' backward writes them in the source's) and in fp32, with and without the extra row (the sorted ids
-    int32, as the row ops keep them; torch's sort's order int64)."""
+    (the row ops' backward writes them in the source's) and in fp32, with and without the extra row, written or
+    added into a given gradient (ACCUMULATE: the token table's under flat parameters, the tied head's handed to it)
+    (the sorted ids int32, as the row ops keep them; torch's sort's order int64)."""
     from . import launch, table_grad
 
     for hidden_block in [2**k for k in range(6, launch.MAX_HIDDEN.bit_length())]:
@@ -57,16 +58,19 @@ def _table_grad_configs():
         block_k, carry_warps = table_grad.carry_config(hidden_block)
         constexprs = dict(R=table_grad.ROWS_PER_PROGRAM, BLOCK_H=block)
         for dtype in ("fp32", "bf16", "fp16"):
-            for rows, extra in itertools.product(dict.fromkeys((dtype, "fp32")), (0, 1)):
-                sums = dict(ROWS=f"*{rows}", EXTRA=f"*{dtype}", SID="*i32", ORDER="*i64", GRAD=f"*{dtype}",
-                            HEAD="*fp32", TAIL="*fp32", n_rows="i32", n_ids="i32", H="i32", stride_rows="i32",
-                            stride_grad="i32")
-                said = f"{dtype} from {rows} rows BLOCK_H={block}" + " extra row" * extra
-                yield "table_grad._segment_sums_kernel", said, sums, {**constexprs, "HAS_EXTRA": extra}, warps
-            carry = dict(SID="*i32", GRAD=f"*{dtype}", HEAD="*fp32", TAIL="*fp32", n_ids="i32", n_programs="i32",
-                         H="i32", stride_grad="i32")
-            yield ("table_grad._segment_carry_kernel", f"{dtype} BLOCK_H={block}", carry,
-                   {**constexprs, "BLOCK_K": block_k}, carry_warps)
+            for accumulate in (0, 1):
+                added = " added" * accumulate
+                for rows, extra in itertools.product(dict.fromkeys((dtype, "fp32")), (0, 1)):
+                    sums = dict(ROWS=f"*{rows}", EXTRA=f"*{dtype}", SID="*i32", ORDER="*i64", GRAD=f"*{dtype}",
+                                HEAD="*fp32", TAIL="*fp32", n_rows="i32", n_ids="i32", H="i32", stride_rows="i32",
+                                stride_grad="i32")
+                    said = f"{dtype} from {rows} rows BLOCK_H={block}" + " extra row" * extra + added
+                    yield ("table_grad._segment_sums_kernel", said, sums,
+                           {**constexprs, "HAS_EXTRA": extra, "ACCUMULATE": accumulate}, warps)
+                carry = dict(SID="*i32", GRAD=f"*{dtype}", HEAD="*fp32", TAIL="*fp32", n_ids="i32",
+                             n_programs="i32", H="i32", stride_grad="i32")
+                yield ("table_grad._segment_carry_kernel", f"{dtype} BLOCK_H={block}" + added, carry,
+                       {**constexprs, "BLOCK_K": block_k, "ACCUMULATE": accumulate}, carry_warps)
 
 
 def _mask_configs():

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .launch import LOG2_E, carve, sum_parts
+from .pending import claim_slot, table_handoff
 
 # ---------------------------------------------------------------------------------------------------- kernel
 
@@ -102,9 +103,12 @@ def _scale_kernel(SRC, DST, FACTOR, n_elements, BLOCK: tl.constexpr):
 SCALE_BLOCK, SCALE_WARPS = 4096, 8  # 16 elements a thread
 
 
-def scaled(src: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """src (contiguous) times the fp32 one-element `factor`, computed in fp32, in a new tensor of `dtype`."""
-    out = torch.empty(src.shape, device=src.device, dtype=dtype)
+def scaled(src: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """src (contiguous) times the fp32 one-element `factor`, computed in fp32, in `out` (contiguous, src's shape) or
+    a new tensor of `dtype`."""
+    if out is None:
+        out = torch.empty(src.shape, device=src.device, dtype=dtype)
     if src.numel():
         _scale_kernel[(triton.cdiv(src.numel(), SCALE_BLOCK),)](src, out, factor, src.numel(), BLOCK=SCALE_BLOCK,
                                                                  num_warps=SCALE_WARPS)
@@ -198,6 +202,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if needs_grad:
             grad_w = grad_w[:vocab]
         ctx.save_for_backward(grad_x, grad_w, grad_b)
+        # the weight's gradient goes into its place in a flat gradient, or to the embedding lookup it is tied to,
+        # whose backward adds the table's into it (kernels/pending.py)
+        ctx.slot, ctx.table = claim_slot(weight), table_handoff(weight)
         ctx.scale = scale
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss_rows.sum() * scale
@@ -209,8 +216,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         factor = (grad_loss.float() * ctx.scale).reshape(1)  # 1 / rows x the incoming gradient, applied in fp32
         # each product in fp32, written in the gradient's dtype by the same kernel (no fp32 product, then a cast),
         # each into an allocation of its own: the parameters' gradients outlive the rows' (`launch.carve`)
-        dx, dw, db = (None if g is None else scaled(g, factor, dtype)
-                      for g, dtype in zip((grad_x, grad_w, grad_b), ctx.dtypes))
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        dx = None if grad_x is None else scaled(grad_x, factor, x_dtype)
+        db = None if grad_b is None else scaled(grad_b, factor, b_dtype)
+        dw = None
+        if grad_w is not None:
+            dw = scaled(grad_w, factor, w_dtype, None if ctx.slot is None else ctx.slot.take(w_dtype))
+            if ctx.table is not None and ctx.table.hand(dw):
+                dw = None  # the embedding lookup's backward returns it, with the table's gradient added
         return dx, dw, db, None, None, None, None, None, None
 
 

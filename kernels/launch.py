@@ -185,7 +185,7 @@ def carve(device: torch.device, *specs: tuple[tuple[int, ...], torch.dtype]) -> 
     """Tensors of the given (shape, dtype) as views of one allocation, each 256-byte aligned: one op for the host to
     issue however many buffers a kernel writes (benchmarks/host_overhead.py counts each allocation). The allocation
     lives while any of them does: never carve a tensor that outlives the others, as a parameter's gradient does
-    (autograd holds it to the end of the backward, where flat parameters concatenate their views' gradients), which
+    (autograd holds it to the end of the backward, where flat parameters gather their views' gradients), which
     would keep a backward's rows' gradients alive with it."""
     offsets, size = [], 0
     for shape, dtype in specs:

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .launch import BACKWARD_TILE, ROWS_PER_BIAS_PROGRAM, carve_sums, column_block, sum_parts, tile_launch
-from .pending import defer_sums
+from .pending import SlotClaim, claim_slot, defer_sums
 from .residual import ResidualGrad
 from .rotary import rotate
 
@@ -94,6 +94,13 @@ def _input_grad(g: torch.Tensor, weight: torch.Tensor, residual_grad: ResidualGr
     return g @ weight if handed is None else handed.addmm_(g, weight)
 
 
+def _weight_grad(g: torch.Tensor, x: torch.Tensor, slot: SlotClaim | None) -> torch.Tensor:
+    """The projection's weight gradient g^T x, written into its place in the flat gradient where it has one
+    (kernels/pending.py)."""
+    out = slot.take(torch.promote_types(g.dtype, x.dtype)) if slot is not None else None
+    return g.t() @ x if out is None else torch.mm(g.t(), x, out=out)
+
+
 def _claimed(residual_grad: ResidualGrad | None) -> ResidualGrad | None:
     if residual_grad is not None:
         residual_grad.claim()
@@ -104,14 +111,14 @@ class _Project(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, residual_grad):
         ctx.save_for_backward(x, weight)
-        ctx.residual_grad = residual_grad
+        ctx.residual_grad, ctx.slot = residual_grad, claim_slot(weight)
         return x @ weight.t()
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         dx = _input_grad(g, weight, ctx.residual_grad) if ctx.needs_input_grad[0] else None
-        return dx, g.t() @ x if ctx.needs_input_grad[1] else None, None
+        return dx, _weight_grad(g, x, ctx.slot) if ctx.needs_input_grad[1] else None, None
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, residual_grad: ResidualGrad | None = None) -> torch.Tensor:
@@ -131,6 +138,7 @@ class _ProjectQKV(torch.autograd.Function):
         ctx.save_for_backward(x, weight, cos, sin)
         ctx.heads, ctx.residual_grad, ctx.has_bias = heads, residual_grad, bias is not None
         ctx.deferral = defer_sums(bias) if bias is not None else None
+        ctx.slot = claim_slot(weight)
         return q, k, v
 
     @staticmethod
@@ -155,7 +163,7 @@ class _ProjectQKV(torch.autograd.Function):
         if ctx.has_bias:
             sum_parts(parts, dbias, ctx.deferral)
         dx = _input_grad(g, weight, ctx.residual_grad) if ctx.needs_input_grad[0] else None
-        dweight = g.t() @ x if ctx.needs_input_grad[1] else None
+        dweight = _weight_grad(g, x, ctx.slot) if ctx.needs_input_grad[1] else None
         return dx, dweight, dbias[0] if ctx.has_bias else None, None, None, None, None
 
 

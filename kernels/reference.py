@@ -117,12 +117,17 @@ def embed_rows_reference(table, ids, pos_table=None, pos_ids=None, ln_weight=Non
     return x if extra_row is None else (x, table[extra_row])
 
 
-def table_gradient_reference(rows, ids, num_table_rows, dtype, extra_row=None, d_extra=None):
-    """`table_gradient`'s twin: torch's embedding backward in fp32, `d_extra` added at row `extra_row`, one cast."""
+def table_gradient_reference(rows, ids, num_table_rows, dtype, extra_row=None, d_extra=None, *, out=None,
+                             accumulate=False):
+    """`table_gradient`'s twin: torch's embedding backward in fp32, `d_extra` added at row `extra_row`, one cast;
+    written into `out` or, with `accumulate`, added to it (as autograd adds two gradients) where given."""
     grad = torch.ops.aten.embedding_dense_backward(rows.float(), ids.long(), num_table_rows, -1, False)
     if d_extra is not None:
         grad[extra_row] += d_extra.float()
-    return grad.to(dtype)
+    grad = grad.to(dtype)
+    if out is None:
+        return grad
+    return out.copy_(out + grad if accumulate else grad)
 
 
 def insert_rows_reference(visible, visible_index, removed_index, fill, pos_table=None, pos_ids=None, ln_weight=None,

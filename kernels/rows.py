@@ -26,6 +26,7 @@ from . import table_grad
 from .hashing import check_dropout_key, dropout_threshold
 from .launch import MAX_HIDDEN, carve, row_launch_config, sum_parts
 from .mask_select import dropout_kept
+from .pending import claim_slot, expect_table
 
 # ----------------------------------------------------------------------------------------------------- kernels
 
@@ -276,6 +277,10 @@ class _RowsFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, src, fill, pos_table, ln_weight, ln_bias, eps, index: RowIndex, extra_row, dropout: RowDropout):
+        # the tables' gradients go into their places in a flat gradient; the token table's adds into what a later
+        # reader of it (the tied LM head) hands its backward (kernels/pending.py)
+        lookup = index.src_ids is not None and src.requires_grad
+        ctx.table, ctx.pos_slot = expect_table(src) if lookup else None, claim_slot(pos_table)
         src = src.contiguous()
         out, mean, rstd, src_rows, pos_rows = _launch_forward(src, fill, pos_table, ln_weight, ln_bias, eps, index,
                                                               dropout)
@@ -295,13 +300,16 @@ class _RowsFunction(torch.autograd.Function):
                                                            src_rows, pos_rows, index, ctx.dropout._replace(key=key))
         d_src = None
         if index.src_ids is not None and ctx.needs_input_grad[0]:  # a table lookup: rows with the same id add up
+            handed = None if ctx.table is None else ctx.table.take_handed()
+            out = handed if handed is not None or ctx.table is None else ctx.table.take(src.dtype)
             d_src = table_grad.table_gradient(dpre, src_rows, src.shape[0], src.dtype, ctx.extra_row, d_extra,
-                                              workspace)
+                                              workspace, out=out, accumulate=handed is not None)
         elif index.src_ids is None:  # row r of src made output row r: its gradient is d_pre in row order
             d_src = dpre[: src.shape[0]]
         d_pos = None
         if pos_table is not None and ctx.needs_input_grad[2]:
-            d_pos = table_grad.table_gradient(dpre, pos_rows, pos_table.shape[0], pos_table.dtype, workspace=workspace)
+            d_pos = table_grad.table_gradient(dpre, pos_rows, pos_table.shape[0], pos_table.dtype, workspace=workspace,
+                                              out=None if ctx.pos_slot is None else ctx.pos_slot.take(pos_table.dtype))
         return d_src, d_fill, d_pos, dw, db, None, None, None, None
 
 

@@ -7,7 +7,8 @@ scatter, and an fp32 [V, H] table zeroed and then cast. At RoBERTa-base's step o
 ms and 22 kernels for each position table.
 
 Here (ARCHITECTURE.md section 3.2) the ids are sorted by torch (stable, so equal ids keep their rows' order), the
-table's gradient is zeroed in its own dtype, and two kernels sum each id's rows in that order:
+table's gradient is zeroed in its own dtype (or is a given one the sums are added into, ACCUMULATE: the tied LM
+head's, kernels/pending.py), and two kernels sum each id's rows in that order:
 
     `_segment_sums_kernel`  program j takes sorted rows [j R, (j + 1) R) and walks them in order, summing each run of
                             equal ids in fp32: a run that starts and ends inside the program is written to its table
@@ -52,8 +53,20 @@ def _run_bounds(SID, j, n_ids, R: tl.constexpr):
 
 
 @triton.jit
+def _write_row(ptrs, acc, mask, ACCUMULATE: tl.constexpr):
+    """A table row's sum `acc` (fp32) stored in the table's dtype or, with ACCUMULATE, added to the row there as
+    autograd adds two gradients: each in the table's dtype, their sum in fp32, rounded once."""
+    dtype = ptrs.dtype.element_ty
+    value = acc.to(dtype)
+    if ACCUMULATE:
+        value = (tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + value.to(tl.float32)).to(dtype)
+    tl.store(ptrs, value, mask=mask)
+
+
+@triton.jit
 def _segment_sums_kernel(ROWS, EXTRA, SID, ORDER, GRAD, HEAD, TAIL, n_rows, n_ids, H, stride_rows, stride_grad,
-                         HAS_EXTRA: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
+                         HAS_EXTRA: tl.constexpr, ACCUMULATE: tl.constexpr, R: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -75,7 +88,7 @@ def _segment_sums_kernel(ROWS, EXTRA, SID, ORDER, GRAD, HEAD, TAIL, n_rows, n_id
                 if (in_first == 1) & head:
                     tl.store(HEAD + j * H + cols, acc, mask=mask)
                 else:
-                    tl.store(GRAD + cur.to(tl.int64) * stride_grad + cols, acc.to(GRAD.dtype.element_ty), mask=mask)
+                    _write_row(GRAD + cur.to(tl.int64) * stride_grad + cols, acc, mask, ACCUMULATE)
                 acc = x
                 cur = sid
                 in_first = tl.full([], 0, tl.int32)
@@ -87,12 +100,12 @@ def _segment_sums_kernel(ROWS, EXTRA, SID, ORDER, GRAD, HEAD, TAIL, n_rows, n_id
     elif tail:
         tl.store(TAIL + j * H + cols, acc, mask=mask)
     else:
-        tl.store(GRAD + cur.to(tl.int64) * stride_grad + cols, acc.to(GRAD.dtype.element_ty), mask=mask)
+        _write_row(GRAD + cur.to(tl.int64) * stride_grad + cols, acc, mask, ACCUMULATE)
 
 
 @triton.jit
-def _segment_carry_kernel(SID, GRAD, HEAD, TAIL, n_ids, n_programs, H, stride_grad, R: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _segment_carry_kernel(SID, GRAD, HEAD, TAIL, n_ids, n_programs, H, stride_grad, ACCUMULATE: tl.constexpr,
+                          R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -111,7 +124,7 @@ def _segment_carry_kernel(SID, GRAD, HEAD, TAIL, n_ids, n_programs, H, stride_gr
             k += BLOCK_K
             going = ((k < n_programs) & (tl.load(SID + k * R, mask=k < n_programs, other=0) == last)).to(tl.int32)
         acc = tl.load(TAIL + j * H + cols, mask=mask, other=0.0) + tl.sum(total, axis=0)
-        tl.store(GRAD + last.to(tl.int64) * stride_grad + cols, acc.to(GRAD.dtype.element_ty), mask=mask)
+        _write_row(GRAD + last.to(tl.int64) * stride_grad + cols, acc, mask, ACCUMULATE)
 
 
 def carry_config(hidden: int) -> tuple[int, int]:
@@ -130,11 +143,14 @@ def workspace_shape(n_rows: int, hidden: int, rows_per_program: int = ROWS_PER_P
 
 def table_gradient(rows: torch.Tensor, ids: torch.Tensor, num_table_rows: int, dtype: torch.dtype,
                    extra_row: int | None = None, d_extra: torch.Tensor | None = None,
-                   workspace: torch.Tensor | None = None, rows_per_program: int = ROWS_PER_PROGRAM) -> torch.Tensor:
+                   workspace: torch.Tensor | None = None, rows_per_program: int = ROWS_PER_PROGRAM,
+                   out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """[num_table_rows, H] in `dtype`: row v the sum (in fp32, cast once) of the rows of `rows` [N, H] (a float
     dtype) whose `ids` [N] (int32 or int64) are v, plus `d_extra` [H] at row `extra_row` where given; rows no id
     names are zero. Deterministic: each id's rows are added in their order, then the extra row. `workspace`: an fp32
-    tensor of `workspace_shape` (its rows per program alike), carved beside the caller's buffers, else allocated."""
+    tensor of `workspace_shape` (its rows per program alike), carved beside the caller's buffers, else allocated.
+    `out`: a contiguous [num_table_rows, H] tensor of `dtype` written (zero-filled first) and returned, or with
+    `accumulate` added to as autograd adds a second gradient to a first (`_write_row`), its rows no id names kept."""
     if rows.dim() != 2 or not rows.is_floating_point() or ids.shape != rows.shape[:1]:
         raise ValueError(f"table_gradient: expected float rows [N, H] and ids [N]; got rows {tuple(rows.shape)} "
                          f"{rows.dtype}, ids {tuple(ids.shape)}")
@@ -143,7 +159,15 @@ def table_gradient(rows: torch.Tensor, ids: torch.Tensor, num_table_rows: int, d
     hidden = rows.shape[1]
     if hidden > MAX_HIDDEN:
         raise ValueError(f"table_gradient: hidden size {hidden} exceeds the supported {MAX_HIDDEN}")
-    grad = torch.zeros(num_table_rows, hidden, device=rows.device, dtype=dtype)
+    if out is None:
+        if accumulate:
+            raise ValueError("table_gradient: accumulate needs the gradient to add to (out)")
+        grad = torch.zeros(num_table_rows, hidden, device=rows.device, dtype=dtype)
+    elif out.shape != (num_table_rows, hidden) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"table_gradient: out must be a contiguous [{num_table_rows}, {hidden}] {dtype}; got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    else:
+        grad = out if accumulate else out.zero_()
     keys = ids if extra_row is None else torch.nn.functional.pad(ids, (0, 1), value=extra_row)
     n_ids = keys.numel()
     if n_ids == 0 or hidden == 0:
@@ -162,10 +186,10 @@ def table_gradient(rows: torch.Tensor, ids: torch.Tensor, num_table_rows: int, d
     head, tail = workspace.unbind(0)
     _segment_sums_kernel[(programs,)](rows, extra, sorted_ids, order, grad, head, tail, rows.shape[0], n_ids, hidden,
                                       rows.stride(0), grad.stride(0), HAS_EXTRA=d_extra is not None,
-                                      R=rows_per_program, BLOCK_H=block, num_warps=warps)
+                                      ACCUMULATE=accumulate, R=rows_per_program, BLOCK_H=block, num_warps=warps)
     if programs > 1:
         block_k, carry_warps = carry_config(hidden)
         _segment_carry_kernel[(programs,)](sorted_ids, grad, head, tail, n_ids, programs, hidden, grad.stride(0),
-                                           R=rows_per_program, BLOCK_K=block_k, BLOCK_H=block,
-                                           num_warps=carry_warps)
+                                           ACCUMULATE=accumulate, R=rows_per_program, BLOCK_K=block_k,
+                                           BLOCK_H=block, num_warps=carry_warps)
     return grad

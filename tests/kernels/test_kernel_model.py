@@ -1,5 +1,6 @@
 """The model with its Triton kernels equals the model with the torch references: losses, gradients, training."""
 
+import collections
 import sys
 from pathlib import Path
 
@@ -8,13 +9,14 @@ import torch
 from conftest import KERNEL_DEVICE, tiny_batch, tiny_model
 from fastmae.kernels import launch, pending
 from simple_training import LoopConfig, demo_documents, train_on_documents
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastmae import kernels
 from fastmae.flat import FlatParameters
 from fastmae.optim import decay_groups
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from host_overhead import StepCounter  # noqa: E402
+from host_overhead import StepCounter, _is_metadata  # noqa: E402
 
 VARIANTS = [
     pytest.param("mlm", {}, id="mlm"),
@@ -76,6 +78,98 @@ def test_flat_parameters_sum_their_partial_sums_together(preset, extra, monkeypa
     # differ in number, at the throughput benchmark's a layer's four are 1,024 rows each, one launch
     assert set(entries_one_at_a_time) == {1} and max(entries) > 1, entries
     assert sum(entries) == sum(entries_one_at_a_time) and len(entries) < len(entries_one_at_a_time), entries
+
+
+@pytest.mark.parametrize("preset, extra", [pytest.param("3ml", {}, id="3ml")])  # post-LN, the `<mask>` row
+def test_flat_gradients_are_written_in_place(preset, extra, monkeypatch):
+    """Under flat parameters the weights' gradient GEMMs, the embedding tables' kernels and the tied LM head write
+    their gradients into the flat gradient, the head's handed to the token table's kernels, which add into it
+    (kernels/pending.py): the gradients the model without flat parameters gets, bit for bit, without a pass over a
+    tensor the token table's size in the backward, where that model zero-fills the table's gradient and adds the
+    head's to it (and autograd's split would concatenate copies of the weights' gradients; the no-decay group's,
+    norms and biases summed by the sums kernel, still is)."""
+    monkeypatch.setenv("FASTMAE_KERNELS", "triton")
+    grads, passes = [], []
+    for flat in (True, False):
+        model = tiny_model(preset, **extra).to(KERNEL_DEVICE)
+        if flat:
+            model.flat = FlatParameters(model, decay_groups(model))
+        sizes = {model.embeddings.tokens.weight.numel()} | ({model.flat_decay.numel()} if flat else set())
+        out = model(tiny_batch(4, seed=4).to(KERNEL_DEVICE), seed=3, step=1)
+        with TouchingSizes(sizes) as touching:
+            out.loss.backward()
+        named = {name: p.grad for name, p in model.named_parameters()}
+        grads.append(model.flat.unflatten(named) if flat else named)
+        passes.append(touching.ops)
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[1].items():
+        assert torch.equal(grads[0][name], grad), name
+    assert passes[0] == {} and passes[1], passes
+
+
+class Readers(torch.nn.Module):
+    """A token table the LM head is tied to, a weight two projections read, a piece of a flat parameter that is not
+    16-byte aligned (after `odd`) and one no gradient reaches."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.odd = torch.nn.Parameter(torch.randn(3, generator=gen))
+        self.shifted = torch.nn.Parameter(torch.randn(8, 8, generator=gen))
+        self.pad = torch.nn.Parameter(torch.randn(1, generator=gen))  # the pieces after it aligned again
+        self.table = torch.nn.Parameter(torch.randn(11, 8, generator=gen))
+        self.twice = torch.nn.Parameter(torch.randn(8, 8, generator=gen))
+        self.unread = torch.nn.Parameter(torch.randn(5, generator=gen))
+
+    def forward(self, ids, labels, lookup_counts):
+        rows = kernels.embed_rows(self.table, ids)
+        x = kernels.project(kernels.project(rows if lookup_counts else rows.detach(), self.twice), self.twice)
+        x = kernels.project(x, self.shifted) * self.odd.sum() * self.pad
+        return kernels.linear_cross_entropy(x, self.table, None, labels)
+
+
+@pytest.mark.parametrize("lookup_counts", [True, False], ids=["lookup-read", "lookup-unread"])
+def test_a_flat_gradients_pieces_go_to_their_first_writer_and_the_rest_is_copied_in(lookup_counts, monkeypatch):
+    """A view's piece of the flat gradient goes to the first backward that asks for it (a weight two projections
+    read gets autograd's sum of the two copied in), none to a piece not 16-byte aligned, zeros to a view no gradient
+    reached; the tied head's gradient handed to the token table's backward, or, where the loss does not read the
+    lookup, added in at the end (kernels/pending.py): the gradients without flat parameters, bit for bit."""
+    monkeypatch.setenv("FASTMAE_KERNELS", "triton")
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 11, (6,), generator=gen), torch.randint(0, 11, (6,), generator=gen)
+    grads = []
+    for flat in (True, False):
+        module = Readers().to(KERNEL_DEVICE)
+        if flat:
+            module.flat = FlatParameters(module, {"all": [name for name, _ in Readers().named_parameters()]})
+        module(ids.to(KERNEL_DEVICE), labels.to(KERNEL_DEVICE), lookup_counts).backward()
+        named = {name: p.grad for name, p in module.named_parameters()}
+        grads.append(module.flat.unflatten(named) if flat else named)
+    assert grads[1]["unread"] is None and not grads[0]["unread"].any()
+    sizes = [torch.Size(shape) for shape in ((3,), (8, 8), (1,), (2, 2))]  # Readers' first pieces
+    slots = pending.GradientSlots(sizes, torch.float32, torch.device("cpu"))
+    assert slots.slot(1, torch.float32) is None and slots.slot(3, torch.bfloat16) is None  # unaligned; a dtype
+    assert slots.slot(3, torch.float32) is not None and slots.slot(3, torch.float32) is None  # once
+    for name, grad in grads[1].items():
+        assert name == "unread" or torch.equal(grads[0][name], grad), name
+
+
+class TouchingSizes(TorchDispatchMode):
+    """Counts the ops that read or write a tensor of one of `sizes` elements (a token table, a flat parameter):
+    allocations, views and other metadata aside (the interpreter's own `set_`s among them)."""
+
+    def __init__(self, sizes: set[int]):
+        super().__init__()
+        self.sizes, self.ops = sizes, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs, out))
+        name = func.overloadpacket.__name__
+        if not (_is_metadata(func) or name in ("empty", "empty_strided", "new_empty", "set_")) and any(
+                isinstance(t, torch.Tensor) and t.numel() in self.sizes for t in leaves):
+            self.ops[name] += 1
+        return out
 
 
 def test_a_parameter_read_twice_has_its_sums_made_at_once(monkeypatch):

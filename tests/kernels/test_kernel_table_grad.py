@@ -64,3 +64,35 @@ def test_no_rows_give_zeros_and_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"workspace of shape \(2, 1, 8\), expected a contiguous \(2, 2, 8\)"):
         table_gradient(rows, ids, 3, torch.float32, workspace=torch.empty(2, 1, 8, device=KERNEL_DEVICE),
                        rows_per_program=4)
+
+
+def _kernel_rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 `x` cast to `dtype` as the kernels cast: to nearest on a GPU (torch's cast, autograd's add), toward zero
+    under Triton's interpreter, whose bf16 casts truncate."""
+    if dtype != torch.bfloat16 or x.is_cuda:
+        return x.to(dtype)
+    return (x.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows, hidden, table_rows, per_program", [CASES[1], CASES[5], CASES[6]])
+def test_a_table_gradient_adds_into_a_given_one_as_autograd_would(rows, hidden, table_rows, per_program, dtype):
+    """With `out` and `accumulate`, the table's gradient added into `out` (the tied LM head's gradient, handed over:
+    kernels/pending.py): autograd's sum of the two, bit for bit, rows no id names kept; with `out` alone, written
+    into it, whatever it held: the table a new one gets."""
+    grads, ids, d_extra = _inputs(rows, hidden, table_rows, rows + hidden)
+    base = torch.randn(table_rows, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+    args = (grads.to(dtype).to(KERNEL_DEVICE), ids.to(KERNEL_DEVICE), table_rows, dtype, int(ids[0]),
+            d_extra.to(dtype).to(KERNEL_DEVICE))
+    alone = table_gradient(*args, rows_per_program=per_program)
+    base = base.to(KERNEL_DEVICE)
+    added = table_gradient(*args, rows_per_program=per_program, out=base.clone(), accumulate=True)
+    assert torch.equal(added, _kernel_rounded(base.float() + alone.float(), dtype))
+    written = table_gradient(*args, rows_per_program=per_program, out=torch.full_like(base, float("nan")))
+    assert torch.equal(written, alone)
+    reference = table_gradient_reference(*args, out=base.clone(), accumulate=True)
+    assert torch.equal(reference, base + table_gradient_reference(*args))
+    with pytest.raises(ValueError, match="accumulate needs the gradient to add to"):
+        table_gradient(*args, accumulate=True)
+    with pytest.raises(ValueError, match=rf"out must be a contiguous \[{table_rows}, {hidden}\]"):
+        table_gradient(*args, out=base.t())
