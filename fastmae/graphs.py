@@ -15,10 +15,13 @@ stays eager.
         anything else:          the model's own forward (evaluation, accuracy on logged steps, a plain PackedBatch)
 
 Without CUDA the recordings are the CPU twin: the same static buffers, signatures and autograd path, with the recorded
-forward and backward run eagerly instead of replayed, so everything up to the capture is tested on any machine.
-The gradients are handed on as copies: a replay writes its gradients into the same memory every time, and autograd
-would otherwise make that memory a parameter's `.grad` (it takes a fresh tensor as it is), which the next micro-batch's
-replay would overwrite.
+forward and backward run eagerly instead of replayed (each backward's gradients copied into the first one's, as a
+replay writes them into the same memory), so everything up to the capture is tested on any machine.
+A replay writes its gradients into the same memory every time. They are handed on as they are, fresh aliases of that
+memory, which autograd makes a parameter's `.grad` where it has none: DeepSpeed's ZeRO-1/2 hooks copy a gradient into
+their own partition as it arrives and point `.grad` there, so no copy of the whole model's gradients is made a
+micro-batch. A parameter whose `.grad` still is that memory when the next backward replays (plain autograd
+accumulating micro-batches, an optimizer that reads `.grad` at its step) gets a copy of it first (`_detached`).
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ class Recording:
         self.buffer = torch.empty(byte_offsets(tensors)[1], dtype=torch.uint8, device=masked.device)
         self.views = unpack_bytes(self.buffer, tensors, byte_offsets(tensors)[0])
         self.graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph] | None = None
+        self.capture, self.grads = capture, None
         self.param_pointers = [p.data_ptr() for p in self.params]
         self.grad_output = torch.ones((), dtype=torch.float32, device=masked.device)  # the loss is an fp32 scalar
         self.load(masked)  # real indices before any run: the warm-up and the capture gather with them
@@ -147,7 +151,13 @@ class Recording:
             self.output = self.forward(self.template.viewing(self.buffer), dict(zip(self.names, self.leaves)))
 
     def _run_backward(self) -> None:
-        self.grads = torch.autograd.grad(self.output.loss, self.leaves, self.grad_output, allow_unused=True)
+        grads = torch.autograd.grad(self.output.loss, self.leaves, self.grad_output, allow_unused=True)
+        if self.capture or self.grads is None:
+            self.grads = grads
+            return
+        for static, grad in zip(self.grads, grads):  # the CPU twin: a replay's gradients land in the same memory
+            if static is not None:
+                static.copy_(grad)
 
     def _capture(self) -> None:
         """Warm up on a side stream, then capture the forward and the backward into one memory pool (replayed in
@@ -184,6 +194,9 @@ class Recording:
             self.graphs[0].replay()
 
     def replay_backward(self) -> None:
+        """The backward for `grad_output`, its gradients in `grads`; a parameter whose `.grad` is still the last
+        backward's memory gets a copy of it first (`_detached`)."""
+        _detached(self.params, self.grads)
         if self.graphs is None:
             self._run_backward()
         else:
@@ -214,7 +227,21 @@ class _Replayed(torch.autograd.Function):
         recording = ctx.recording
         recording.grad_output.copy_(grad_loss)
         recording.replay_backward()
-        return (None, *(None if grad is None else grad.clone() for grad in recording.grads))
+        # fresh aliases: autograd takes a gradient as a parameter's `.grad` only where nothing else holds it
+        return (None, *(None if grad is None else grad.detach() for grad in recording.grads))
+
+
+def _detached(params: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...] | None) -> None:
+    """Give each of `params` whose `.grad` is (a view of) the memory of its gradient in `grads` a copy of it: the
+    next backward replay overwrites that memory."""
+    for param, grad in zip(params, grads or ()):
+        held = param.grad
+        if grad is not None and held is not None and _same_memory(held, grad):
+            param.grad = held.clone()
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 STALE_FORWARDS = 16

@@ -1010,16 +1010,19 @@ for stage, (weights, norm) in enumerate(trained[1:], 1):
     for name, tensor in reference.items():
         torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=1e-6, msg=f"ZeRO-{stage} {name}")
 
-# CUDA graphs' CPU twin (fastmae.graphs: static buffers, the replayed autograd path, gradients handed on as copies)
-# trains what the eager model trains through DeepSpeed's bf16 ZeRO-2, two micro-batches per step, bit for bit; with
-# the micro-batches padded to a fixed shape (fastmae/padding.py, as doc packing's are) the step counts the same
-# tokens, FLOPs and predicted rows, and its losses (the second step's after an update) agree to bf16's rounding
+# CUDA graphs' CPU twin (fastmae.graphs: static buffers, the replayed autograd path, gradients handed on in the
+# recording's memory, which each backward writes again) trains what the eager model trains through DeepSpeed's bf16
+# ZeRO-2 (which copies each gradient into its partition as it arrives) and ZeRO-1 (whose parameters keep theirs to
+# the step: a copy is made before the next replay), two micro-batches per step, bit for bit; with the micro-batches
+# padded to a fixed shape (fastmae/padding.py, as doc packing's are) the step counts the same tokens, FLOPs and
+# predicted rows, and its losses (the second step's after an update) agree to bf16's rounding
 from fastmae.graphs import StepGraphs
 from fastmae.pipeline import masked_ahead
 from fastmae.padding import ShapeLadder
 trained = []
-for graphs, shapes in ((False, None), (True, None), (True, ShapeLadder(config, 64))):
-    model, engine, non_finite = engine_of("bf16", zero_stage=2, grad_accum=2)
+for stage, graphs, shapes in ((2, False, None), (2, True, None), (2, True, ShapeLadder(config, 64)), (1, False, None),
+                              (1, True, None)):
+    model, engine, non_finite = engine_of("bf16", zero_stage=stage, grad_accum=2)
     if graphs:
         recorded = StepGraphs(model, capture=False)
     masked = list(masked_ahead(iter(batches + [dataclasses.replace(batches[0], index=3)]), config, seed=0,
@@ -1029,9 +1032,10 @@ for graphs, shapes in ((False, None), (True, None), (True, ShapeLadder(config, 6
     trained.append(([s.sums[0] for s in stats], master_weights(engine), [(s.tokens, s.flops, float(s.sums[1]))
                                                                            for s in stats]))
     assert not graphs or (recorded.eager_batches, recorded.replayed_batches) == (1, 3)
-assert trained[0][0] == trained[1][0], [trained[0][0], trained[1][0]]
-for name, tensor in trained[0][1].items():
-    assert torch.equal(trained[1][1][name], tensor), name
+for eager, replayed in ((0, 1), (3, 4)):
+    assert trained[eager][0] == trained[replayed][0], [trained[eager][0], trained[replayed][0]]
+    for name, tensor in trained[eager][1].items():
+        assert torch.equal(trained[replayed][1][name], tensor), name
 # (the weights themselves are compared at the model level, in fp32: tests/test_padding.py; here Adam would turn bf16
 # rounding of gradient entries near zero into whole steps of either sign)
 assert trained[2][2] == trained[0][2], (trained[2][2], trained[0][2])
