@@ -96,8 +96,8 @@ def _input_grad(g: torch.Tensor, weight: torch.Tensor, residual_grad: ResidualGr
 
 def _weight_grad(g: torch.Tensor, x: torch.Tensor, slot: SlotClaim | None) -> torch.Tensor:
     """The projection's weight gradient g^T x, written into its place in the flat gradient where it has one
-    (kernels/pending.py)."""
-    out = slot.take(torch.promote_types(g.dtype, x.dtype)) if slot is not None else None
+    (kernels/pending.py; g and x of its dtype)."""
+    out = slot.take(g.dtype) if slot is not None and g.dtype == x.dtype else None
     return g.t() @ x if out is None else torch.mm(g.t(), x, out=out)
 
 
