@@ -117,8 +117,8 @@ class GradientSlots:
     """The flat gradient of one forward's views of a flat parameter, built in place: a view's slot is its piece of
     one buffer, allocated at the first request, each slot handed out once (a second reader of a view makes its own,
     which autograd adds to the first into a new tensor); `gather` makes the buffer the flat gradient, copying in the
-    gradients that arrive elsewhere. A table handoff (`expect_table`, `handoff`) passes a later reader's gradient of a
-    view to the table op that read it first, whose backward runs last."""
+    gradients that arrive elsewhere. A table handoff (`expect_table`, `table_handoff`) passes a later reader's
+    gradient of a view to the table op that read it first, whose backward runs last."""
 
     ATTRIBUTE = SLOTS_ATTRIBUTE
     attach = PendingSums.attach
