@@ -22,6 +22,11 @@ from torch import nn
 from .kernels.pending import GradientSlots, PendingSums
 
 
+def _pieces(flat: torch.Tensor, shapes: list[torch.Size]) -> tuple[torch.Tensor, ...]:
+    """`flat` split into consecutive views of `shapes` (no copy)."""
+    return tuple(piece.view(shape) for piece, shape in zip(flat.split([s.numel() for s in shapes]), shapes))
+
+
 class _Views(torch.autograd.Function):
     """A flat parameter's views of `shapes`; backward: the deferred partial sums made, then the flat gradient
     gathered (kernels/pending.py)."""
@@ -30,7 +35,7 @@ class _Views(torch.autograd.Function):
     def forward(ctx, flat: torch.Tensor, shapes: list[torch.Size], sums: PendingSums, slots: GradientSlots):
         ctx.set_materialize_grads(False)
         ctx.sums, ctx.slots = sums, slots
-        return tuple(piece.view(shape) for piece, shape in zip(flat.split([s.numel() for s in shapes]), shapes))
+        return _pieces(flat, shapes)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -82,7 +87,7 @@ class FlatParameters:
                 sums.attach(views)
                 gradient.attach(views)
             else:
-                views = [piece.view(shape) for piece, shape in zip(flat.split([s.numel() for s in shapes]), shapes)]
+                views = _pieces(flat, shapes)
             for (holders, _, _), view in zip(slots, views):
                 for module, attribute in holders:
                     setattr(module, attribute, view)
