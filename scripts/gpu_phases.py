@@ -13,7 +13,8 @@ PY = "{python}"  # stands for the interpreter running gpu_check.py
 CARRIED = {"setuptools": "setuptools", "wheel": "wheel", "deepspeed": "deepspeed", "hjson": "hjson",
            "pydantic": "pydantic", "pydantic_core": "pydantic-core", "annotated_types": "annotated-types",
            "typing_inspection": "typing-inspection", "zstandard": "zstandard", "einops": "einops",
-           "msgpack": "msgpack", "cpuinfo": "py-cpuinfo", "ninja": "ninja"}
+           "msgpack": "msgpack", "cpuinfo": "py-cpuinfo", "ninja": "ninja", "xdist": "pytest-xdist",
+           "execnet": "execnet"}
 IMAGE = {"torch": "torch", "triton": "triton", "numpy": "numpy", "tqdm": "tqdm", "yaml": "pyyaml",
          "sentencepiece": "sentencepiece", "safetensors": "safetensors", "psutil": "psutil",
          "matplotlib": "matplotlib", "pytest": "pytest", "transformers": "transformers", "packaging": "packaging"}
@@ -58,12 +59,17 @@ class Phase:
 ROW_OP_TESTS = "(test_embed_rows or test_insert_rows or test_the_extra_rows_gradient_joins_the_tables)"
 
 
+# pytest's workers on a lent machine's 16 cores: the fused kernels' tests are mostly Triton's compilations, one
+# process's CPU work (207 s of 375 at 7dd4d54's smoke on one worker); each worker has a CUDA context of its own
+WORKERS = ("-n", "8", "--dist", "loadgroup")
+
+
 def _pytest(*args: str) -> tuple[str, ...]:
     return (PY, "-m", "pytest", "-q", *args)
 
 
 PHASES = (
-    Phase("smoke", 5, "torch's FlashAttention-2 kernels compute the windowed oracle; captured graphs compute what "
+    Phase("smoke", 4, "torch's FlashAttention-2 kernels compute the windowed oracle; captured graphs compute what "
                       "eager computes; no host-device sync in a steady step", (
         # the torch_flash backend's CUDA kernels against the oracle (global, windows; lengths no block divides),
         # dropout redrawn from the rng state and in a recorded graph
@@ -75,7 +81,7 @@ PHASES = (
         # its <mask> row; the insertion: in bf16 only, their compilations' cost), the tables' gradients from them
         # (runs of ids across programs) and the cross-entropy's rows (bf16 only) compiled for this GPU, against
         # their references forward and backward
-        Step("fused_kernel_tests", _pytest("-m", "not large", "-k",
+        Step("fused_kernel_tests", _pytest(*WORKERS, "-m", "not large", "-k",
                                            f"not ({ROW_OP_TESTS} or test_kernel_cross_entropy or "
                                            "test_kernel_table_grad) or bfloat16",
                                            "tests/kernels/test_kernel_rotary.py", "tests/kernels/test_kernel_norm.py",
@@ -85,7 +91,7 @@ PHASES = (
                                            "tests/kernels/test_kernel_rows.py",
                                            "tests/kernels/test_kernel_table_grad.py",
                                            "tests/kernels/test_kernel_cross_entropy.py")),
-        Step("graph_tests", _pytest("tests/test_graphs.py", "-k", "captured")),
+        Step("graph_tests", _pytest(*WORKERS, "tests/test_graphs.py", "-k", "captured")),
         Step("sync_tests", _pytest("tests/test_train.py", "-k", "steady_state")),
         # one 3ml base step replayed from its recording under set_sync_debug_mode("error"): step 3 of 4 (the second
         # sight records; the last step is logged), at the recipe's 65,536 tokens per micro-batch
@@ -95,8 +101,8 @@ PHASES = (
                                     "log.dir=runs/gpu-check/sync-3ml-base"),
              keeps=("runs/gpu-check/sync-3ml-base/metrics.jsonl", "runs/gpu-check/sync-3ml-base/run_info.json"),
              env=(("FASTMAE_SYNC_DEBUG", "1"),)),
-    ), timed=True),
-    Phase("headline", 3, "3ml and mlm against Hugging Face RoBERTa at base size: tokens/s, MFU, GPU busy", (
+    )),
+    Phase("headline", 4, "3ml and mlm against Hugging Face RoBERTa at base size: tokens/s, MFU, GPU busy", (
         # and one replayed 3ml step as a Chrome trace, host and GPU: where the GPU waits, between what (its GPU busy
         # was 0.93 at f6d59b9, mlm's 0.97); it comes back in place of the plot (the json holds the plot's figures),
         # so that smoke and headline still come back from one call
@@ -117,7 +123,7 @@ PHASES = (
         # cuDNN's and FlashAttention-2's attention, forward and backward, at 3ml's encoder stream (128 x 257 rows: one
         # past a multiple of their tiles), at 128 x 256 and 128 x 320: what the 257th row costs (a table in the log)
         Step("attention_lengths", (PY, "scripts/flash_probe.py", "--lengths", "257,256,320")),
-    ), timed=True),
+    )),
     Phase("modernbert", 4, "fastmae on ModernBERT's layers against transformers' ModernBertForMaskedLM at base size", (
         Step("throughput_modernbert", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
                                        "--systems", "hf-modernbert,modern-mlm,modern-3ml,modern-mae-lm",

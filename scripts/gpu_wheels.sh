@@ -18,7 +18,7 @@ quietly() {  # pip's notes go to a log, shown only when the step fails
 # binary wheels for the image's interpreter, with their own dependencies (pydantic pins its pydantic-core)
 quietly python -m pip download --only-binary=:all: --python-version "$version" --implementation cp --abi "$abi" \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-  hjson pydantic zstandard einops msgpack py-cpuinfo ninja setuptools wheel
+  hjson pydantic zstandard einops msgpack py-cpuinfo ninja setuptools wheel pytest-xdist execnet
 deepspeed=$(python -c 'from importlib.metadata import version; print(version("deepspeed"))')
 DS_BUILD_OPS=0 quietly python -m pip wheel --no-deps -w .whl "deepspeed==$deepspeed"
 du -sh .whl

@@ -39,8 +39,9 @@ def script(*args, env_extra=None):
                           timeout=60, env=env)
 
 
-# those that ran whole on a lent machine as they stand (2026-11-27, an H200)
-TIMED_PHASES = ("smoke", "headline", "modernbert", "study")
+# those that ran whole on a lent machine as they stand (an H200); smoke's tests on pytest's workers and headline's
+# attention_lengths (cut by the call's limit at 7dd4d54) have not yet
+TIMED_PHASES = ("modernbert", "study")
 
 
 def test_the_plan_puts_what_decides_first_and_every_phase_fits_a_command():
