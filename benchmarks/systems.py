@@ -11,7 +11,7 @@ import torch
 
 from fastmae.config import ROLES, ModelConfig, SpecialTokens
 from fastmae.flops import training_flops
-from fastmae.hardware import DTYPES
+from fastmae.hardware import DTYPES, use_cublas_workspace
 
 FASTMAE = SpecialTokens()  # the special ids of the sentencepiece tokenizers fastmae trains
 
@@ -49,6 +49,8 @@ where they do."""
 DOC_MICRO_BATCHES = 4
 EAGER = "eager"
 """The variant that runs every micro-batch eagerly (train.cuda_graphs=never) where the others replay CUDA graphs."""
+NO_WORKSPACE = "no cuBLAS workspace"
+"""The variant that gives cuBLAS no workspace (train.cublas_workspace=none): one kernel a GEMM."""
 GRAPHS_TWIN = "cuda graphs twin"
 """The variant that runs CUDA graphs' CPU twin (fastmae.graphs) where the device has no CUDA (host_overhead.py)."""
 
@@ -204,15 +206,18 @@ def fastmae_step(config: ModelConfig, tokens: torch.Tensor | list, device: torch
     from fastmae.pipeline import masked_ahead
     from fastmae.step import train_step
 
-    model = MaskedLM(config)
-    if variant == "compiled":
-        model.compile_layers()
-    elif variant not in (REAL_DATA, DOC_DATA, EAGER, GRAPHS_TWIN):
-        model.set_attention_backend(variant)
     run = default_run() if run is None else run
     run = dataclasses.replace(run, model=config)  # what plans its CUDA graphs is the system's model, not the default
     if variant == EAGER:
         run = dataclasses.replace(run, train=dataclasses.replace(run.train, cuda_graphs="never"))
+    if variant == NO_WORKSPACE:
+        run = dataclasses.replace(run, train=dataclasses.replace(run.train, cublas_workspace="none"))
+    use_cublas_workspace(run.train.cublas_workspace, device)  # as the trainer does, before the first GEMM
+    model = MaskedLM(config)
+    if variant == "compiled":
+        model.compile_layers()
+    elif variant not in (REAL_DATA, DOC_DATA, EAGER, GRAPHS_TWIN, NO_WORKSPACE):
+        model.set_attention_backend(variant)
     batches = [PackedBatch.from_sequences(tokens.tolist())] if isinstance(tokens, torch.Tensor) else tokens
     if variant == DOC_DATA:
         run = dataclasses.replace(run, train=dataclasses.replace(run.train, grad_accum=len(batches)), data=(
@@ -245,7 +250,7 @@ def attention_backend(system: str, config: ModelConfig, device: torch.device, pr
 
     if system in HF_SYSTEMS:
         return "hf sdpa"
-    backend = None if variant in (None, "compiled", REAL_DATA, DOC_DATA, EAGER) else variant
+    backend = None if variant in (None, "compiled", REAL_DATA, DOC_DATA, EAGER, NO_WORKSPACE) else variant
     dtype = DTYPES[precision]
     names = resolve_backend(backend, device, config.attention_dropout, dtype, biased=config.relative_attention_bias,
                             rectangular=variant != DOC_DATA)

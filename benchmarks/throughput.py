@@ -16,7 +16,8 @@ count of what each system computes: Hugging Face runs its LM head on every row, 
 --backends (CUDA), `mlm` also runs with each attention backend present; with --compile every fastmae system also runs
 with its layers compiled (train.compile). On CUDA fastmae's steps replay CUDA graphs of the forward and backward
 (train.cuda_graphs=auto, fastmae/graphs.py; the `cuda_graphs` column counts the replayed micro-batches); --eager adds
-each fastmae system without them. --real-data adds 3ml on the embedded corpus, packed `full` and packed `doc` (its
+each fastmae system without them, --no-cublas-workspace each with no cuBLAS workspace (train.cublas_workspace=none).
+--real-data adds 3ml on the embedded corpus, packed `full` and packed `doc` (its
 micro-batches padded to fixed shapes where graphs replay; tokens and FLOPs count its own sequences).
 The `modern-*` systems are fastmae's objectives on ModernBERT's layers (GeGLU of 1.5 x the width, no biases, pre-LN,
 a global layer every 3rd, the others over windows of 128 positions; mlm at ModernBERT's 30% masking) and
@@ -46,6 +47,7 @@ from systems import (
     EAGER,
     HF_SYSTEMS,
     MODERN_SYSTEMS,
+    NO_WORKSPACE,
     REAL_DATA,
     SEQ_LEN,
     SIZES,
@@ -179,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                         "is also written as a Chrome trace, host and GPU: results/NAME_SYSTEM_trace.json.gz")
     parser.add_argument("--eager", action="store_true",
                         help="CUDA: also each fastmae system without CUDA graphs (train.cuda_graphs=never)")
+    parser.add_argument("--no-cublas-workspace", action="store_true",
+                        help="CUDA: also each fastmae system with no cuBLAS workspace (train.cublas_workspace=none: "
+                             "one kernel a GEMM, no memset nor split-K reduction)")
     parser.add_argument("--zero-stage", type=int, choices=(1, 2), default=ZERO_STAGE,
                         help="DeepSpeed ZeRO stage of every system's bf16 engine (default: the recipes')")
     parser.add_argument("--real-data", action="store_true",
@@ -217,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         runs += [(system, "compiled") for system in systems if system not in HF_SYSTEMS]
     if args.eager and device.type == "cuda":
         runs += [(system, EAGER) for system in systems if system not in HF_SYSTEMS]
+    if args.no_cublas_workspace and device.type == "cuda":
+        runs += [(system, NO_WORKSPACE) for system in systems if system not in HF_SYSTEMS]
     if args.real_data:
         runs += [("3ml", REAL_DATA), ("3ml", DOC_DATA)]
     rows = []

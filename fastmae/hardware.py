@@ -144,6 +144,24 @@ def _time_product(product, a: torch.Tensor, b: torch.Tensor) -> float:
     return time.perf_counter() - begin
 
 
+CUBLAS_NO_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
+"""The environment of `train.cublas_workspace=none`: cuBLAS and cuBLASLt without a workspace, read once, at the
+process's first GEMM on CUDA."""
+
+
+def use_cublas_workspace(setting: str, device: torch.device) -> str | None:
+    """Apply train.cublas_workspace before the process's first GEMM: `none` sets CUBLAS_NO_WORKSPACE in this process's
+    environment (every GEMM one kernel: no memset before it, no split-K reduction after; what it costs, docs/
+    benchmarks.md), `default` leaves torch's. Returns the log line on CUDA, else None."""
+    if setting == "none":
+        os.environ.update(CUBLAS_NO_WORKSPACE)
+    if device.type != "cuda":
+        return None
+    if setting == "none":
+        return "cuBLAS workspace: none (" + ", ".join(f"{k}={v}" for k, v in CUBLAS_NO_WORKSPACE.items()) + ")"
+    return "cuBLAS workspace: torch's default (train.cublas_workspace=none: one kernel a GEMM)"
+
+
 def device_name(device: torch.device) -> str:
     """What the device is, in words: the GPU's name, or the CPU's model and vector capability."""
     if device.type == "cuda":

@@ -46,7 +46,7 @@ from .evaluation import Evaluator, HeldOutSet
 from .faults import FaultHooks
 from .flops import plan_budget
 from .graphs import plan_graphs
-from .hardware import DTYPES, cpu_cores, device_name
+from .hardware import DTYPES, cpu_cores, device_name, use_cublas_workspace
 from .layers import local_attention_note
 from .metrics import LogWindow, MetricsWriter, eval_table, peak_memory_mib, read_metrics
 from .model import MaskedLM
@@ -187,6 +187,8 @@ class Trainer:
         self.run_dir = Path(config.log.dir)
         self.device = device = rank_device()
         torch.manual_seed(config.train.seed + self.rank)  # dropout differs per rank; restored on resume
+        if (line := use_cublas_workspace(config.train.cublas_workspace, device)) is not None:
+            log_line(line)
         if device.type == "cpu":
             torch.set_flush_denormal(True)  # CPU matmuls slow down ~40x on denormals from confident softmaxes
             if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a CPU split its cores instead of oversubscribing

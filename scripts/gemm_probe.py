@@ -5,7 +5,8 @@ and its GPU microseconds, under each of VARIANTS, each in a process of its own (
 when torch makes its handle): torch's default BLAS; cuBLASLt preferred (`torch.backends.cuda.preferred_blas_library`;
 at e63392c: no split-K reductions, the memsets kept, 1% slower); and no workspace for cuBLAS and cuBLASLt, whose
 kernels then can neither split K nor schedule tiles through it (what the memsets zero, if they are that). Prints a
-table a variant (the GPU check keeps it in the phase's log).
+table a variant (the GPU check's `overhead` phase keeps it in its log; at 7dd4d54, in `headline`'s: no workspace
+made every GEMM one kernel, 0.8% slower in sum).
 
     python scripts/gemm_probe.py [--rows 65536]      # on CUDA; on CPU the GEMMs run and nothing is profiled
 """
@@ -24,10 +25,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from common import gpu_kernel_table  # noqa: E402
 
+from fastmae.hardware import CUBLAS_NO_WORKSPACE  # noqa: E402
+
 HIDDEN, FFN = 768, 3072
-# variant -> (the environment its process adds, the BLAS library torch prefers in it)
-VARIANTS = {"default": ({}, None), "cublaslt": ({}, "cublaslt"),
-            "no workspace": ({"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}, None)}
+# variant -> (the environment its process adds, the BLAS library torch prefers in it); no workspace as the trainer's
+# train.cublas_workspace=none
+VARIANTS = {"default": ({}, None), "cublaslt": ({}, "cublaslt"), "no workspace": (CUBLAS_NO_WORKSPACE, None)}
 
 
 def layer_gemms(rows: int, device: str, dtype: torch.dtype) -> dict:

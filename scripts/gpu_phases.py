@@ -107,19 +107,14 @@ PHASES = (
         # was 0.93 at f6d59b9, mlm's 0.97); it comes back in place of the plot (the json holds the plot's figures),
         # so that smoke and headline still come back from one call
         Step("throughput_headline", (PY, "benchmarks/throughput.py", "--size", "base", "--sequences", "128",
-                                     "--systems", "hf-roberta,mlm,3ml", "--eager", "--trace", "3ml", "--name",
-                                     "throughput_headline"),
+                                     "--systems", "hf-roberta,mlm,3ml", "--eager", "--no-cublas-workspace",
+                                     "--trace", "3ml", "--name", "throughput_headline"),
              keeps=(*(f"benchmarks/results/throughput_headline.{ext}" for ext in ("json", "md")),
                     "benchmarks/results/throughput_headline_3ml_trace.json.gz")),
         # each fused layer kernel against the stock torch ops it replaces, at the headline's 65,536 rows
         Step("layer_kernels", (PY, "benchmarks/kernels.py", "--ops", "layers", "--tokens", "65536", "--name",
                                "kernels_layers"),
              keeps=("benchmarks/results/kernels_layers.json", "benchmarks/results/kernels_layers.md")),
-        # what cuBLAS launches for each GEMM of a base layer (the memsets and split-K reductions of a step), with
-        # torch's default BLAS, with cuBLASLt and with no workspace: a table in its log, no file of its own
-        # (headline's are 8 with smoke's); last, so that a phase cut by its minutes loses this before the layer
-        # kernels' table
-        Step("gemm_probe", (PY, "scripts/gemm_probe.py")),
         # cuDNN's and FlashAttention-2's attention, forward and backward, at 3ml's encoder stream (128 x 257 rows: one
         # past a multiple of their tiles), at 128 x 256 and 128 x 320: what the 257th row costs (a table in the log)
         Step("attention_lengths", (PY, "scripts/flash_probe.py", "--lengths", "257,256,320")),
@@ -156,7 +151,7 @@ PHASES = (
         Step("attention_benchmark", (PY, "benchmarks/attention.py"),
              keeps=("benchmarks/results/attention.json", "benchmarks/results/attention.md")),
     )),
-    Phase("overhead", 5, "device ops, launches and syncs per step, eager and replayed; bf16 fine-tuning", (
+    Phase("overhead", 6, "device ops, launches and syncs per step, eager and replayed; bf16 fine-tuning", (
         Step("host_overhead_benchmark", (PY, "benchmarks/host_overhead.py"),
              keeps=("benchmarks/results/host_overhead.json", "benchmarks/results/host_overhead.md")),
         Step("host_overhead_graphs_benchmark", (PY, "benchmarks/host_overhead.py", "--zero-stage", "2",
@@ -164,6 +159,10 @@ PHASES = (
              keeps=("benchmarks/results/host_overhead_zero2_graphs.json",
                     "benchmarks/results/host_overhead_zero2_graphs.md")),
         Step("finetune_tests", _pytest("tests/test_finetune.py", "-k", "bf16")),
+        # what cuBLAS launches for each GEMM of a base layer (the memsets and split-K reductions of a step), with
+        # torch's default BLAS, with cuBLASLt and with no workspace: a table in its log, no file of its own (in
+        # headline up to 7dd4d54, whose throughput rows now time the step without a workspace)
+        Step("gemm_probe", (PY, "scripts/gemm_probe.py")),
     )),
     Phase("large_kernels", 7, "the kernels at realistic shapes (up to 14 GB each)", (
         Step("kernel_tests_large", _pytest("-m", "large", "tests/kernels")),

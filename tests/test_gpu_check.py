@@ -133,6 +133,7 @@ def test_every_phase_names_real_files_and_valid_runs():
     headline, _ = dry_run("headline")
     throughput = headline["throughput_headline"]
     assert throughput[throughput.index("--systems") + 1] == "hf-roberta,mlm,3ml" and "--eager" in throughput
+    assert "--no-cublas-workspace" in throughput  # the step without cuBLAS's memsets and split-K, side by side
     assert "--compile" not in throughput  # compiled rows take minutes each: not in a headline phase
     assert int(throughput[throughput.index("--sequences") + 1]) * 512 == load_run_config(
         str(ROOT / "configs/3ml-base.yaml"), ["model.vocab_size=32000"]).data.tokens_per_micro_batch
@@ -140,7 +141,7 @@ def test_every_phase_names_real_files_and_valid_runs():
 
 
 def test_the_gemm_probe_runs_each_gemm_of_a_layer_on_cpu():
-    """scripts/gemm_probe.py (headline's probe of what cuBLAS launches a GEMM) runs its twelve GEMMs on CPU, where it
+    """scripts/gemm_probe.py (overhead's probe of what cuBLAS launches a GEMM) runs its twelve GEMMs on CPU, where it
     profiles nothing: the shapes it gives cuBLAS on a lent GPU are valid before the lease."""
     done = subprocess.run([sys.executable, "scripts/gemm_probe.py", "--rows", "64"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)

@@ -87,6 +87,23 @@ def test_gradients_accumulate_in_fp32():
         deepspeed_config(load_run_config(None, ["train.zero_stage=0"]), "bf16")
 
 
+def test_no_cublas_workspace_is_set_in_the_environment_before_the_first_gemm(monkeypatch):
+    """train.cublas_workspace=none puts cuBLAS's and cuBLASLt's no-workspace settings in the process's environment
+    (read at its first GEMM on CUDA), `default` leaves a user's own; the log line only where there is CUDA; a value
+    neither is refused naming the field."""
+    for name in hardware.CUBLAS_NO_WORKSPACE:
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert hardware.use_cublas_workspace("default", torch.device("cuda")).startswith("cuBLAS workspace: torch's")
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and "CUBLASLT_WORKSPACE_SIZE" not in os.environ
+    assert hardware.use_cublas_workspace("none", CPU) is None
+    assert {name: os.environ[name] for name in hardware.CUBLAS_NO_WORKSPACE} == {
+        "CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
+    assert "CUBLAS_WORKSPACE_CONFIG=:0:0" in hardware.use_cublas_workspace("none", torch.device("cuda"))
+    with pytest.raises(FastmaeError, match="train.cublas_workspace='some'"):
+        load_run_config(None, ["train.cublas_workspace=some"])
+
+
 def test_malloc_tunables_are_added_once_and_keep_the_users():
     from fastmae.malloc import MALLOC_TUNABLES, malloc_env
 

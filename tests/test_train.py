@@ -723,13 +723,15 @@ def test_the_steady_state_step_never_waits_for_the_gpu(dataset, tmp_path, object
     """FASTMAE_SYNC_DEBUG=1 turns torch.cuda.set_sync_debug_mode("error") on around every steady-state step (past
     warm-up, not logged), DeepSpeed's optimizer step and the next micro-batches' one-copy transfers included: any
     .item(), .tolist() or blocking copy raises. ZeRO-2, whose norm DeepSpeed computes on the device (fastmae clips by
-    it; no overflow check)."""
+    it; no overflow check). 3ml's run gives cuBLAS no workspace (train.cublas_workspace=none), as the log says."""
+    workspace = "none" if objective == "3ml" else "default"
     proc = single_process(overrides(dataset, tmp_path / objective, steps=8, **{
         "model.preset": objective, "model.decoder_layers": 0 if objective == "mlm" else 1, "train.precision": "bf16",
-        "train.zero_stage": 2, "train.grad_accum": 2, "eval.every": 0, "checkpoint.every": 100, "log.every": 4}),
-        env_extra={"FASTMAE_SYNC_DEBUG": "1"})
+        "train.zero_stage": 2, "train.grad_accum": 2, "eval.every": 0, "checkpoint.every": 100, "log.every": 4,
+        "train.cublas_workspace": workspace}), env_extra={"FASTMAE_SYNC_DEBUG": "1"})
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
+    assert f"cuBLAS workspace: {workspace if workspace == 'none' else 'torch'}" in stderr, stderr[-3000:]
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(dataset, tmp_path):
@@ -1049,6 +1051,12 @@ step, _ = systems.fastmae_step(config, torch.randint(5, 50, (2, 32)), torch.devi
 step()
 step()
 assert len(calls) == 2, calls
+# its rows without a cuBLAS workspace: the trainer's setting (train.cublas_workspace=none), before the first GEMM
+import os
+assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
+step, _ = systems.fastmae_step(config, torch.randint(5, 50, (2, 32)), torch.device("cpu"), "fp32", systems.NO_WORKSPACE)
+step()
+assert len(calls) == 3 and os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0", calls
 print("OK")
 """ + SCRIPT_END
 

@@ -120,6 +120,10 @@ class TrainConfig:
     run allows (CUDA, ZeRO 0-2, no activation checkpointing, no train.compile; the log says which), `always` (an error
     where it cannot), `never`. Only micro-batches of a recorded shape replay; others run eagerly. Under `doc` packing
     micro-batches are then padded to a few fixed shapes (fastmae/padding.py; with a varlen attention kernel)."""
+    cublas_workspace: str = "default"
+    """CUDA: `default` (torch's cuBLAS workspace: most GEMMs issue a memset, weight gradients a split-K reduction) or
+    `none` (no workspace: one kernel a GEMM; fastmae.hardware.use_cublas_workspace). Set in the environment before the
+    first GEMM, so the whole process runs with it."""
     seed: int = 0
     init_from: str = ""
     """Continued pretraining: start from the weights of this fastmae run, checkpoint or export directory, or of a
@@ -161,6 +165,8 @@ class TrainConfig:
             bad("init_decoder", "must be 'new' or 'top'")
         if self.cuda_graphs not in ("auto", "always", "never"):
             bad("cuda_graphs", "must be 'auto', 'always' or 'never'")
+        if self.cublas_workspace not in ("default", "none"):
+            bad("cublas_workspace", "must be 'default' or 'none'")
         if self.zero_stage not in (0, 1, 2, 3):
             bad("zero_stage", "must be 0, 1, 2 or 3")
         if self.lr <= 0:
