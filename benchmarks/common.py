@@ -185,13 +185,26 @@ def gpu_idle(events, repeats: int, depth: int = 3, top: int = 6) -> dict[str, fl
     return {chain: round(us / 1e3 / repeats, 3) for chain, us in waits.most_common(top)}
 
 
+def host_self_time(events, repeats: int, top: int = 8) -> dict[str, float]:
+    """Where the host's time goes, ms per call: each host event's own time (its span less its children's: an autograd
+    node's Python, a launch call's cost) summed by name, the `top` largest, and "(all host ops)", their sum. Under the
+    profiler, whose recording slows every op alike: a step whose GPU waits on its host (gpu_busy well below 1) says
+    here which ops hold it."""
+    spent: Counter = Counter()
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CPU:
+            spent[event.name] += event.self_cpu_time_total
+    table = {name: round(us / 1e3 / repeats, 3) for name, us in spent.most_common(top)}
+    return {**table, "(all host ops)": round(sum(spent.values()) / 1e3 / repeats, 3)}
+
+
 def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> dict:
     """Per call of fn: {"busy_s": GPU kernel seconds, "kernels": kernels the profiler saw, "kinds": {kind: [ms,
-    kernels]}, "launchers": {kernel: {host ops: per call}} of the `top` most launched, "idle": `gpu_idle`, "table":
-    {kernel: [ms, launches]} of every kernel, busiest first}; prints the `top` busiest kernels under `label`, the time
-    by kind (kernel_kind), the most launched kernels (what the count is made of) with the host ops that launched them
-    (`kernel_launchers`), and where the GPU waited. The count tells whether the profile saw the kernels of CUDA graph
-    replays or only their launches."""
+    kernels]}, "launchers": {kernel: {host ops: per call}} of the `top` most launched, "idle": `gpu_idle`, "host":
+    `host_self_time`, "table": {kernel: [ms, launches] of every kernel, busiest first}}; prints the `top` busiest
+    kernels under `label`, the time by kind (kernel_kind), the most launched kernels (what the count is made of) with
+    the host ops that launched them (`kernel_launchers`), where the GPU waited and where the host's time went. The
+    count tells whether the profile saw the kernels of CUDA graph replays or only their launches."""
     events, timeline = _kernel_events(fn, repeats, host_ops=True)
     launchers = kernel_launchers(timeline)
     kernels = sorted(((e.device_time_total / 1e6 / repeats, e.key) for e in events), reverse=True)
@@ -226,8 +239,12 @@ def gpu_kernel_profile(fn, label: str, repeats: int = 3, top: int = 8) -> dict:
           "launched the kernel it waited for:", flush=True)
     for ops, ms in idle.items():
         print(f"  {ms:8.3f} ms  {ops}", flush=True)
+    host = host_self_time(timeline, repeats, top)
+    print(f"{label}: host time per call under the profiler, each op's own (without its children's):", flush=True)
+    for name, ms in host.items():
+        print(f"  {ms:8.3f} ms  {name[:150]}", flush=True)
     return {"busy_s": busy, "kernels": count, "kinds": kinds, "launchers": launched_by, "idle": idle,
-            "table": _table(events, repeats)}
+            "host": host, "table": _table(events, repeats)}
 
 
 def stamp() -> dict:

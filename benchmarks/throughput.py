@@ -114,6 +114,7 @@ def measure_system(system: str, size: str, sequences: int, precision: str, warmu
         profile = gpu_kernel_profile(step, system if variant is None else f"{system} [{variant}]", top=25)
         result.update(gpu_kernels_per_step=profile["kernels"], gpu_kernel_kinds=profile["kinds"],
                       gpu_kernel_launchers=profile["launchers"], gpu_idle_ms=profile["idle"],
+                      host_op_ms=profile["host"],
                       gpu_kernel_table=profile["table"],
                       gpu_busy=profile["busy_s"] / seconds)
     else:

@@ -121,6 +121,29 @@ def test_the_gpus_idle_time_is_charged_to_what_it_waited_for():
         "aten::_fused_adamw_ < Optimizer.step": 0.025, "aten::mm": 0.12, "(no host op linked)": 0.1}
 
 
+def test_the_hosts_time_is_told_by_each_ops_own_time():
+    """host_self_time: each host event's own time (without its children's) summed by name, ms per call, the `top`
+    largest, and their sum over every name; the GPU's kernels are not host time. A real CPU profile's events carry
+    what it reads."""
+    from types import SimpleNamespace
+
+    import common
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(8, 8).mm(torch.ones(8, 8))
+    assert "aten::mm" in common.host_self_time(list(prof.events()), repeats=1, top=50)
+
+    def event(name, own_us, total_us, device=DeviceType.CPU):
+        return SimpleNamespace(name=name, self_cpu_time_total=own_us, cpu_time_total=total_us, device_type=device)
+
+    events = [event("_ProjectBackward", 300, 900), event("aten::mm", 400, 500), event("aten::mm", 200, 200),
+              event("cudaLaunchKernel", 100, 100), event("nvjet_kernel", 700, 700, DeviceType.CUDA)]
+    assert common.host_self_time(events, repeats=2, top=2) == {"aten::mm": 0.3, "_ProjectBackward": 0.15,
+                                                              "(all host ops)": 0.5}
+
+
 def test_each_kernel_is_told_with_the_host_ops_that_launched_it():
     """kernel_launchers reads a real profile's host events (names and enclosing ops as torch.profiler links them; a
     CPU profile has no kernels, so each event here is given the kernels a CUDA one would hold): the launching op
