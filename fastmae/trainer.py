@@ -98,9 +98,11 @@ def model_engine(config: RunConfig, precision: str, device: torch.device, non_fi
     train, rank, world = config.train, dist.get_rank(), dist.get_world_size()
     torch.manual_seed(train.seed)  # identical initial weights on every rank
     model = MaskedLM(config.model)
-    local = local_attention_note(config.model, device, DTYPES[precision])
-    if local:
-        log_line(local)
+    # cuBLAS's workspace is set before the process's first GEMM: the model moves to the device below
+    for line in (local_attention_note(config.model, device, DTYPES[precision]),
+                 use_cublas_workspace(train.cublas_workspace, device)):
+        if line:
+            log_line(line)
     if source is not None and checkpoint_dir is None:
         new = initialise(model, source, train.init_decoder)
         log_line(f"initialised from {source.describe()}; "
@@ -187,8 +189,6 @@ class Trainer:
         self.run_dir = Path(config.log.dir)
         self.device = device = rank_device()
         torch.manual_seed(config.train.seed + self.rank)  # dropout differs per rank; restored on resume
-        if (line := use_cublas_workspace(config.train.cublas_workspace, device)) is not None:
-            log_line(line)
         if device.type == "cpu":
             torch.set_flush_denormal(True)  # CPU matmuls slow down ~40x on denormals from confident softmaxes
             if "OMP_NUM_THREADS" not in os.environ:  # ranks sharing a CPU split its cores instead of oversubscribing

@@ -91,8 +91,9 @@ def test_no_cublas_workspace_is_set_in_the_environment_before_the_first_gemm(mon
     """train.cublas_workspace=none puts cuBLAS's and cuBLASLt's no-workspace settings in the process's environment
     (read at its first GEMM on CUDA), `default` leaves a user's own; the log line only where there is CUDA; a value
     neither is refused naming the field."""
-    for name in hardware.CUBLAS_NO_WORKSPACE:
-        monkeypatch.delenv(name, raising=False)  # restored after the test
+    for name in hardware.CUBLAS_NO_WORKSPACE:  # recorded first, so that the settings made here are undone after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     assert hardware.use_cublas_workspace("default", torch.device("cuda")).startswith("cuBLAS workspace: torch's")
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and "CUBLASLT_WORKSPACE_SIZE" not in os.environ
