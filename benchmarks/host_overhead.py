@@ -24,9 +24,13 @@ allocate (views and metadata excluded); syncs are the host reads of a device val
 tensors made from host data (`torch.tensor(...)` on the device: a blocking host-to-device copy) and explicit
 synchronize calls of the accelerator, asked for by anything but fastmae (its reads of the masks' host counts look the
 same on CPU and are reported apart as `fastmae_host_reads`; on CUDA, FASTMAE_SYNC_DEBUG=1 proves them host-side). On
-CPU the op count also takes in the few ops on those host counts. `host_ms_per_step` is the median time until the
-step's call returns: on a GPU at full size, on CPU at 2 x 32 tokens (compute nearly nothing): the host's cost of
-issuing the step on this machine. Writes benchmarks/results/NAME.{json,md} (--name, default host_overhead).
+CPU the op count also takes in the few ops on those host counts. `python_calls_per_step` (CUDA path emulated,
+eager steps; the fourth step, outside the TorchDispatchMode): the Python function calls the step makes on the host
+(sys.setprofile), neither the counting's own nor an emulated kernel's insides: a width- and machine-free proxy of
+the host's Python work, which on a GPU runs between the ops a step issues (eager; a replayed graph runs none of it).
+`host_ms_per_step` is the median time until the step's call returns: on a GPU at full size, on CPU at 2 x 32 tokens
+(compute nearly nothing): the host's cost of issuing the step on this machine. Writes
+benchmarks/results/NAME.{json,md} (--name, default host_overhead).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ NARROW = dict(hidden_size=96, num_heads=6, intermediate_size=384)  # heads of 16
 REPO = Path(__file__).resolve().parent.parent
 SYNC_OPS = {"_local_scalar_dense": "host read", "lift_fresh": "host-to-device copy"}
 ALLOCATIONS = ("empty", "empty_like", "empty_strided", "new_empty")  # memory handed out, none written
+COUNTING_FILES = {__file__, sys.modules["cuda_emulation"].__file__}  # the counting's own Python, not the step's
 
 
 class StepCounter(TorchDispatchMode):
@@ -130,6 +135,44 @@ class StepCounter(TorchDispatchMode):
             self.by_phase[self.phase] += 1
         else:
             self.launches[name] += 1
+        self.muted += 1
+        try:
+            yield
+        finally:
+            self.muted -= 1
+
+
+class PythonCalls:
+    """Counts the Python calls the host makes while active (`calls`, sys.setprofile), not the counting's own
+    (COUNTING_FILES) nor an emulated kernel's insides (`kernel`, as StepCounter's): a step apart from StepCounter's,
+    whose dispatch of every op runs Python of torch's own."""
+
+    def __init__(self):
+        self.calls = 0
+        self.muted = 0
+        self.counting = 0  # > 0 inside the counting's own Python
+
+    def _profile(self, frame, event: str, arg) -> None:
+        # a generator's resume is a call and its yield a return: each pairs up
+        if event == "call":
+            if frame.f_code.co_filename in COUNTING_FILES:
+                self.counting += 1
+            elif not (self.counting or self.muted):
+                self.calls += 1
+        elif event == "return" and frame.f_code.co_filename in COUNTING_FILES:
+            self.counting -= 1
+
+    def __enter__(self):
+        self.counting = 1  # in this call, whose return the hook sees and whose call it did not
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+
+    @contextlib.contextmanager
+    def kernel(self, name: str, aten: bool = False):
+        """An emulated kernel: its insides muted."""
         self.muted += 1
         try:
             yield
@@ -228,11 +271,18 @@ def measure_system(system: str, sequences: int, seq_len: int, overrides: list[st
     ACTIVE = counter
     with counter:
         step()
+    python_calls = None  # on CUDA the backward's Python runs on autograd's device thread; replays run none of it
+    if not (torch.cuda.is_available() or graphs):
+        ACTIVE = PythonCalls()
+        with ACTIVE:
+            step()
+        python_calls = ACTIVE.calls
     ACTIVE = None
     if torch.cuda.is_available():
         timing = 1e3 * median_time(step, 3, 5, host_only=True)
     return {"device_ops_per_step": sum(counter.ops.values()),
             "triton_launches_per_step": sum(counter.launches.values()),
+            "python_calls_per_step": python_calls,
             "syncs_per_step": sum(counter.syncs.values()), "host_ms_per_step": timing,
             "model_passes_per_step": sum(counter.model_passes.values()),
             "model_bytes_per_parameter": round(counter.model_bytes / sum(sizes), 1),
@@ -284,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         result = _run_isolated(system, args.sequences, args.seq_len, overrides, args.cuda_graphs)
         rows.append({"system": system, **result})
         print(f"{system:>10}: {result['device_ops_per_step']:5d} device ops, {result['triton_launches_per_step']:3d} "
-              f"Triton launches, {result['syncs_per_step']} syncs {result['syncs']}, "
+              f"Triton launches, {result['python_calls_per_step']} Python calls, {result['syncs_per_step']} syncs "
+              f"{result['syncs']}, "
               f"{result['model_passes_per_step']} model-sized passes {result['model_passes']} "
               f"({result['model_bytes_per_parameter']} bytes a parameter), host "
               f"{result['host_ms_per_step'] or float('nan'):.1f} ms", flush=True)
@@ -300,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         phases = row["by_phase"]
         row["forward"], row["backward"], row["optimizer"] = (phases.get(k, 0) for k in ("forward", "backward", "step"))
     columns = ["system", "device_ops_per_step", "forward", "backward", "optimizer", "triton_launches_per_step",
-               "syncs_per_step", "model_passes_per_step", "model_bytes_per_parameter", "host_ms_per_step"]
+               "python_calls_per_step", "syncs_per_step", "model_passes_per_step", "model_bytes_per_parameter",
+               "host_ms_per_step"]
     header = {"emulated_cuda_path": emulated, "cuda_graphs": args.cuda_graphs, "sequences": args.sequences,
               "seq_len": args.seq_len, "zero_stage": args.zero_stage, "deepspeed_overrides": args.deepspeed}
     path = write_results(args.name, rows, columns, "Host overhead per optimizer step", notes, header)

@@ -164,12 +164,17 @@ def chaos() -> str:
             "(`benchmarks/results/chaos.md`, every trial in `chaos.json`):\n\n" + "\n".join(rows) + "\n")
 
 
+def _count(value) -> str:
+    """A count with thousands separators, or "-" where none was taken."""
+    return "-" if value is None else f"{value:,}"
+
+
 def host_overhead() -> str:
     """What the host issues per optimizer step: ZeRO-2 (the recipes'), ZeRO-2 replaying CUDA graphs (their CPU twin
     here) and ZeRO-1 side by side, then ZeRO-1 on ModernBERT's layers."""
     rows = ["| system | ZeRO | device ops | forward | backward | optimizer step | loss weights, sums | "
-            "Triton launches | syncs | model-sized passes | their bytes a parameter |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "Triton launches | Python calls | syncs | model-sized passes | their bytes a parameter |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     names = ("host_overhead_zero2", "host_overhead_zero2_graphs", "host_overhead", "host_overhead_modern")
     results = [read_json(RESULTS_DIR / f"{name}.json") for name in names]
     for result in results:
@@ -179,7 +184,8 @@ def host_overhead() -> str:
             rest = r["device_ops_per_step"] - r["forward"] - r["backward"] - r["optimizer"]
             rows.append(f"| {r['system']} | {setting} | {r['device_ops_per_step']:,} | {r['forward']} | "
                         f"{r['backward']} | {r['optimizer']} | {rest} | {r['triton_launches_per_step']} | "
-                        f"{r['syncs_per_step']} | {r['model_passes_per_step']} | {r['model_bytes_per_parameter']} |")
+                        f"{_count(r.get('python_calls_per_step'))} | {r['syncs_per_step']} | "
+                        f"{r['model_passes_per_step']} | {r['model_bytes_per_parameter']} |")
     first = results[0]
     # a file regenerated alone (its stage's code changed) says its own commit
     later = "".join(f"; `{name}.md` at git {result['git_sha']}" for name, result in zip(names, results)
@@ -191,7 +197,7 @@ def host_overhead() -> str:
             + "`, `".join(f"{name}.md" for name in names) + f"`{later}). The CUDA-graph rows are modelled, not "
             "measured: the "
             "CPU twin counts each replay as one launch, as a captured graph would be; no GPU has counted them "
-            "yet:\n\n" + "\n".join(rows) + "\n")
+            "yet (nor their Python calls: a replay runs none of the step's Python):\n\n" + "\n".join(rows) + "\n")
 
 
 def doc_padding() -> str:

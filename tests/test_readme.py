@@ -144,6 +144,41 @@ def test_the_hosts_time_is_told_by_each_ops_own_time():
                                                               "(all host ops)": 0.5}
 
 
+def test_the_host_overheads_python_calls_are_the_steps_not_the_countings():
+    """host_overhead.PythonCalls: each Python call the step makes, not an emulated kernel's insides (muted); torch ops
+    called from Python add none (outside StepCounter's dispatch mode, whose own Python would)."""
+    from host_overhead import PythonCalls
+
+    def leaf():
+        return 1
+
+    def empty_kernel(counter):
+        with counter.kernel("triton k"):
+            pass
+
+    def busy_kernel(counter):
+        with counter.kernel("triton k"):
+            leaf(), leaf()
+
+    def two_calls(counter):
+        leaf(), leaf()
+
+    def torch_ops(counter):
+        torch.ones(4).add_(1).sum()
+
+    def nothing(counter):
+        pass
+
+    def calls(part) -> int:
+        with PythonCalls() as counter:
+            part(counter)
+        return counter.calls
+
+    base = calls(nothing)
+    assert base >= 1 and calls(two_calls) == base + 2 and calls(torch_ops) == base
+    assert calls(busy_kernel) == calls(empty_kernel)
+
+
 def test_each_kernel_is_told_with_the_host_ops_that_launched_it():
     """kernel_launchers reads a real profile's host events (names and enclosing ops as torch.profiler links them; a
     CPU profile has no kernels, so each event here is given the kernels a CUDA one would hold): the launching op
