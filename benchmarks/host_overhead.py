@@ -26,7 +26,7 @@ synchronize calls of the accelerator, asked for by anything but fastmae (its rea
 same on CPU and are reported apart as `fastmae_host_reads`; on CUDA, FASTMAE_SYNC_DEBUG=1 proves them host-side). On
 CPU the op count also takes in the few ops on those host counts. `python_calls_per_step` (CUDA path emulated,
 eager steps; the fourth step, outside the TorchDispatchMode): the Python function calls the step makes on the host
-(sys.setprofile), neither the counting's own nor an emulated kernel's insides: a width- and machine-free proxy of
+(sys.setprofile), an emulated kernel's insides not counted: a width- and machine-free proxy of
 the host's Python work, which on a GPU runs between the ops a step issues (eager; a replayed graph runs none of it).
 `host_ms_per_step` is the median time until the step's call returns: on a GPU at full size, on CPU at 2 x 32 tokens
 (compute nearly nothing): the host's cost of issuing the step on this machine. Writes
@@ -58,7 +58,6 @@ NARROW = dict(hidden_size=96, num_heads=6, intermediate_size=384)  # heads of 16
 REPO = Path(__file__).resolve().parent.parent
 SYNC_OPS = {"_local_scalar_dense": "host read", "lift_fresh": "host-to-device copy"}
 ALLOCATIONS = ("empty", "empty_like", "empty_strided", "new_empty")  # memory handed out, none written
-COUNTING_FILES = {__file__, sys.modules["cuda_emulation"].__file__}  # the counting's own Python, not the step's
 
 
 class StepCounter(TorchDispatchMode):
@@ -143,27 +142,19 @@ class StepCounter(TorchDispatchMode):
 
 
 class PythonCalls:
-    """Counts the Python calls the host makes while active (`calls`, sys.setprofile), not the counting's own
-    (COUNTING_FILES) nor an emulated kernel's insides (`kernel`, as StepCounter's): a step apart from StepCounter's,
-    whose dispatch of every op runs Python of torch's own."""
+    """Counts the Python calls the host makes while active (`calls`, sys.setprofile), an emulated kernel's insides
+    muted (`kernel`, as StepCounter's; the emulation's wrapper of a launch is counted, standing in for a real launch's
+    own Python): a step apart from StepCounter's, whose dispatch of every op runs Python of torch's own."""
 
     def __init__(self):
         self.calls = 0
         self.muted = 0
-        self.counting = 0  # > 0 inside the counting's own Python
 
     def _profile(self, frame, event: str, arg) -> None:
-        # a generator's resume is a call and its yield a return: each pairs up
-        if event == "call":
-            if frame.f_code.co_filename in COUNTING_FILES:
-                self.counting += 1
-            elif not (self.counting or self.muted):
-                self.calls += 1
-        elif event == "return" and frame.f_code.co_filename in COUNTING_FILES:
-            self.counting -= 1
+        if event == "call" and not self.muted:  # a generator's resume counts as a call
+            self.calls += 1
 
     def __enter__(self):
-        self.counting = 1  # in this call, whose return the hook sees and whose call it did not
         sys.setprofile(self._profile)
         return self
 
