@@ -155,11 +155,12 @@ class PythonCalls:
             self.calls += 1
 
     def __enter__(self):
+        self._previous = sys.getprofile()
         sys.setprofile(self._profile)
         return self
 
     def __exit__(self, *exc):
-        sys.setprofile(None)
+        sys.setprofile(self._previous)
 
     @contextlib.contextmanager
     def kernel(self, name: str, aten: bool = False):
