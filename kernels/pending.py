@@ -6,7 +6,7 @@ makes both for each forward's views and calls them, in this order, where the vie
   parameters' gradients, which `launch.sum_parts` adds up in a fixed order). An op's forward asks `defer_sums` for
   its parameters and its backward hands the Deferral to `sum_parts`, which hands over its launcher with each entry.
 - GradientSlots: the flat gradient itself, allocated at the first backward that asks for a view's piece of it
-  (`gradient_slot`): a weight's gradient GEMM, an embedding table's gradient and the tied LM head's write theirs in
+  (`claim_slot`): a weight's gradient GEMM, an embedding table's gradient and the tied LM head's write theirs in
   place, so the flat gradient is not a concatenation of copies (a whole-model copy a backward); the others' (the
   small sums of norms and biases, a view read twice) are copied in. A table's gradient may also start from another
   reader's gradient of the same view (`table_handoff`: the LM head's, of the token embeddings it is tied to), which
