@@ -24,7 +24,7 @@ from .kernels.pending import GradientSlots, PendingSums
 
 def _pieces(flat: torch.Tensor, shapes: list[torch.Size]) -> tuple[torch.Tensor, ...]:
     """`flat` split into consecutive views of `shapes` (no copy)."""
-    return tuple(piece.view(shape) for piece, shape in zip(flat.split([s.numel() for s in shapes]), shapes))
+    return tuple([piece.view(shape) for piece, shape in zip(flat.split([s.numel() for s in shapes]), shapes)])
 
 
 class _Views(torch.autograd.Function):
@@ -89,8 +89,8 @@ class FlatParameters:
             else:
                 views = _pieces(flat, shapes)
             for (holders, _, _), view in zip(slots, views):
-                for module, attribute in holders:
-                    setattr(module, attribute, view)
+                for module, attribute in holders:  # a plain attribute since __init__: nn.Module.__setattr__'s checks
+                    module.__dict__[attribute] = view  # for a parameter, buffer or submodule (six Python calls) skipped
 
     def parameter(self, group: str) -> nn.Parameter:
         """The flat parameter of `group`."""

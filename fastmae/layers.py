@@ -126,7 +126,8 @@ def finish_stack(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module | 
     return x + delta if norm is None else _add_norm(delta, x, norm)[0]
 
 
-def stack_dropout_keys(layers: nn.ModuleList, x: torch.Tensor, compiled: bool) -> list[torch.Tensor | None]:
+def stack_dropout_keys(layers: list[nn.Module] | nn.ModuleList, x: torch.Tensor,
+                       compiled: bool) -> list[torch.Tensor | None]:
     """Each of `layers`' keys of fused dropout (TransformerLayer.DROPOUT_KEYS) on rows like `x`, drawn for the whole
     stack in one op (`ops.dropout_keys`); Nones where no layer hashes its dropout (eval, torch's references, layers
     `compiled`, whose dropout is inductor's, and autocast, under which `_add_norm` keeps torch's add and norm)."""
@@ -157,7 +158,7 @@ def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, projecti
     return norm(summed), summed
 
 
-def stream_views(cfg: ModelConfig, layers: nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
+def stream_views(cfg: ModelConfig, layers: list[nn.Module] | nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
                  bias_by_distance: torch.Tensor | None) -> dict[str, tuple[VarlenMeta, StreamBias | None]]:
     """(layout, bias) of the stream for each kind of layer in `layers`, built once per stream: global layers get
     `meta` and the relative position bias if any; local layers the window of `local_window` original positions as

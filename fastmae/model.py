@@ -218,7 +218,7 @@ class MaskedLM(nn.Module):
             raise ValueError(f"batch has a sequence of {batch.max_seqlen} tokens; model max_seq_len is "
                              f"{self.config.max_seq_len}")
 
-    def _run(self, layers: nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
+    def _run(self, layers: list[nn.Module] | nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
              states: list[torch.Tensor] | None = None, bias_by_distance: torch.Tensor | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run `layers` in order on rows laid out by `meta` (recomputed in backward under activation checkpointing);
@@ -264,11 +264,11 @@ class MaskedLM(nn.Module):
                                                          self.config.relative_attention_max_distance)
         delta = None
         if k > 0:
-            x, delta = self._run(self.encoder[:k], x, masked.visible, states, bias_by_distance)
+            x, delta = self._run(list(self.encoder)[:k], x, masked.visible, states, bias_by_distance)
             if k < n_enc:
                 x, delta = self.insertion(finish_stack(x, delta), masked, fill), None
         if k < n_enc:
-            x, delta = self._run(self.encoder[k:], x, masked.full, states, bias_by_distance)
+            x, delta = self._run(list(self.encoder)[k:], x, masked.full, states, bias_by_distance)
         x = finish_stack(x, delta, self.encoder_norm)
         if states is not None and self.encoder_norm is not None:
             states[-1] = x

@@ -28,6 +28,7 @@ from .launch import (
     TILED_KERNELS,
     RowTiles,
     carve_sums,
+    cdiv,
     column_block,
     sum_parts,
     tile_launch,
@@ -166,7 +167,7 @@ BIAS_GELU_CANDIDATES = {
 
 
 def _grid(rows: int, columns: int, block_r: int, block_c: int) -> tuple[int, int]:
-    return triton.cdiv(rows, block_r), triton.cdiv(columns, block_c)
+    return cdiv(rows, block_r), cdiv(columns, block_c)
 
 
 class _GeGLU(torch.autograd.Function):
@@ -215,11 +216,11 @@ class _BiasGELU(torch.autograd.Function):
         block_c = column_block(columns)
         block_r, warps, prefetch = ctx.tiling["backward"]
         tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
-        programs = triton.cdiv(rows, tiles * block_r)
+        programs = cdiv(rows, tiles * block_r)
         (da,), dbias, parts = carve_sums(a.device, (((rows, columns), a.dtype),), ((1, columns), bias.dtype),
                                          ((1, programs, columns), torch.float32), ctx.deferral)
         if rows and columns:
-            _bias_gelu_bwd_kernel[(programs, triton.cdiv(columns, block_c))](
+            _bias_gelu_bwd_kernel[(programs, cdiv(columns, block_c))](
                 dy.contiguous(), a, bias, da, parts, rows, columns, tiles, PREFETCH=prefetch, BLOCK_R=block_r,
                 BLOCK_C=block_c, num_warps=warps)
         sum_parts(parts, dbias, ctx.deferral)  # the partials in a fixed order: deterministic

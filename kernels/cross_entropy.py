@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .launch import LOG2_E, carve, sum_parts
+from .launch import LOG2_E, carve, cdiv, next_power_of_2, sum_parts
 from .pending import claim_slot, table_handoff
 
 # ---------------------------------------------------------------------------------------------------- kernel
@@ -110,7 +110,7 @@ def scaled(src: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, out: tor
     if out is None:
         out = torch.empty(src.shape, device=src.device, dtype=dtype)
     if src.numel():
-        _scale_kernel[(triton.cdiv(src.numel(), SCALE_BLOCK),)](src, out, factor, src.numel(), BLOCK=SCALE_BLOCK,
+        _scale_kernel[(cdiv(src.numel(), SCALE_BLOCK),)](src, out, factor, src.numel(), BLOCK=SCALE_BLOCK,
                                                                  num_warps=SCALE_WARPS)
     return out
 
@@ -138,7 +138,7 @@ def chunk_rows(num_rows: int, vocab: int, element_bytes: int, budget: int) -> in
     """Rows per chunk: the largest power of two whose [rows, vocab] logits fit `budget` bytes, at least
     CE_MIN_CHUNK_ROWS and at most num_rows rounded up to a power of two."""
     fit = max(1, budget // (vocab * element_bytes))
-    return max(CE_MIN_CHUNK_ROWS, min(1 << (fit.bit_length() - 1), triton.next_power_of_2(max(num_rows, 1))))
+    return max(CE_MIN_CHUNK_ROWS, min(1 << (fit.bit_length() - 1), next_power_of_2(max(num_rows, 1))))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -170,14 +170,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = empty(w_c.shape, device=x.device, dtype=torch.float32) if needs_grad else None
         chunk = chunk_rows(num_rows, vocab + pad, w_c.element_size(), CE_CHUNK_BYTES)
         group_rows = min(CE_GROUP_ROWS, chunk)
-        groups = [triton.cdiv(min(chunk, num_rows - start), group_rows) for start in range(0, num_rows, chunk)]
+        groups = [cdiv(min(chunk, num_rows - start), group_rows) for start in range(0, num_rows, chunk)]
         grad_b = bias_parts = None
         if needs_grad and bias is not None:  # one group in all writes the sums themselves
             grad_b = empty(vocab, device=x.device, dtype=torch.float32)
             bias_parts = grad_b.view(1, vocab) if sum(groups) <= 1 else \
                 torch.empty(sum(groups), vocab, device=x.device, dtype=torch.float32)
-        block_v = min(CE_BLOCK_V, triton.next_power_of_2(vocab))
-        grad_block_v = min(CE_GRAD_BLOCK_V, triton.next_power_of_2(vocab))
+        block_v = min(CE_BLOCK_V, next_power_of_2(vocab))
+        grad_block_v = min(CE_GRAD_BLOCK_V, next_power_of_2(vocab))
         first_group = 0
         for start, chunk_groups in zip(range(0, num_rows, chunk), groups):
             stop = min(start + chunk, num_rows)
@@ -188,7 +188,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 row_scale[start:stop], vocab, ignore_index, label_smoothing, z_loss, COMPUTE_GRAD=needs_grad,
                 BLOCK_V=block_v, num_warps=CE_NUM_WARPS)
             if needs_grad:
-                _ce_grad_kernel[(triton.cdiv(vocab, grad_block_v), chunk_groups)](
+                _ce_grad_kernel[(cdiv(vocab, grad_block_v), chunk_groups)](
                     logits, logits.stride(0), labels[start:stop], row_max[start:stop], row_scale[start:stop],
                     row_max if bias_parts is None else bias_parts[first_group:], stop - start, vocab, group_rows,
                     ignore_index, label_smoothing, HAS_BIAS=bias_parts is not None, BLOCK_R=CE_GRAD_BLOCK_R,

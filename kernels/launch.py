@@ -5,6 +5,7 @@ per-program partial sums a backward writes (weight and bias gradients) in a fixe
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -17,6 +18,20 @@ MAX_HIDDEN = 8192  # the largest row the launch configurations cover (kernels/ao
 # exp(v) = exp2(v log2 e): `tl.math.exp2` is one approximate instruction on a GPU, where `tl.exp` adds range checks
 # (the row-wise kernels are bound by the instructions they issue)
 LOG2_E = tl.constexpr(1.4426950408889634)
+
+
+# A launch's grid and tiles from host ints: triton.cdiv and triton.next_power_of_2 are constexpr functions (Triton >=
+# 3.5), whose every call from the host runs five or six Python calls (their wrapper's unwrapping of each argument);
+# an eager step computes some 500 of them. These compute the same ints in one, and the launch configurations below
+# (pure functions of ints) are cached: an eager step asks for them at every launch.
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, as triton.cdiv."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n for an int n >= 0 (0 for 0), as triton.next_power_of_2."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 @triton.jit
@@ -66,11 +81,12 @@ def _sum_parts_kernel(PARTS0, SUMS0, count0, programs0, H0, PARTS1, SUMS1, count
 SUM_MAX_BLOCK_P, SUM_TILE, SUM_WARPS = 1024, 8192, 8
 
 
+@functools.cache
 def sum_tile(programs: int, hidden: int) -> tuple[int, int]:
     """(BLOCK_P, BLOCK_H) of `_sum_parts_kernel` for `programs` partial rows of `hidden` columns: every row in one pass
     where they fit SUM_MAX_BLOCK_P, over the columns that make SUM_TILE elements (at least 8, at most the row's)."""
-    block_p = min(SUM_MAX_BLOCK_P, triton.next_power_of_2(max(programs, 1)))
-    return block_p, min(triton.next_power_of_2(max(hidden, 1)), max(8, SUM_TILE // block_p))
+    block_p = min(SUM_MAX_BLOCK_P, next_power_of_2(max(programs, 1)))
+    return block_p, min(next_power_of_2(max(hidden, 1)), max(8, SUM_TILE // block_p))
 
 
 def launch_sums(entries: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -83,11 +99,12 @@ def launch_sums(entries: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for (_, (block_p, block_h)), group in groups.items():
         for first in range(0, len(group), SUM_ENTRIES):
             chunk = group[first:first + SUM_ENTRIES]
-            count, hidden = max(parts.shape[0] for parts, _ in chunk), max(parts.shape[2] for parts, _ in chunk)
-            slots = chunk + chunk[:1] * (SUM_ENTRIES - len(chunk))  # past the grid's last entry: never read
-            _sum_parts_kernel[(triton.cdiv(hidden, block_h), count, len(chunk))](
-                *(arg for parts, sums in slots for arg in (parts, sums, *parts.shape)), BLOCK_P=block_p,
-                BLOCK_H=block_h, num_warps=SUM_WARPS)
+            args, count, hidden = [], 0, 0  # in a plain loop: a generator's every item is a Python call of its own
+            for parts, sums in chunk + chunk[:1] * (SUM_ENTRIES - len(chunk)):  # past the grid's last: never read
+                args += (parts, sums, *parts.shape)
+                count, hidden = max(count, parts.shape[0]), max(hidden, parts.shape[2])
+            _sum_parts_kernel[(cdiv(hidden, block_h), count, len(chunk))](*args, BLOCK_P=block_p, BLOCK_H=block_h,
+                                                                          num_warps=SUM_WARPS)
 
 
 def carve_sums(device: torch.device, rows: tuple[tuple[tuple[int, ...], torch.dtype], ...],
@@ -134,20 +151,22 @@ ROWS_PER_BIAS_PROGRAM = 64
 MIN_DIVIDING_BLOCK = 64  # the narrowest column block taken because it divides the row (`column_block`)
 
 
+@functools.cache
 def row_launch_config(hidden: int) -> tuple[int, int]:
     """(BLOCK_H, num_warps) for rows of `hidden` elements, a row a program (or a step of its loop), ~8 elements per
     thread (rows.py's row ops, table_grad.py's segment sums)."""
-    block = triton.next_power_of_2(hidden)
+    block = next_power_of_2(hidden)
     return block, max(1, min(16, block // 256))
 
 
+@functools.cache
 def column_block(columns: int) -> int:
     """BLOCK_C, the columns a program of a column-blocked kernel takes, for rows of `columns`: at most
     COLUMNS_PER_PROGRAM, a power of two that divides the row where one of at least MIN_DIVIDING_BLOCK does, else the
     next power of two, its tail masked. These kernels are bound by the instructions they issue, masked lanes included:
     ModernBERT-base's GeGLU rows of 1,152 now take nine blocks of 128 where two of 1,024 left 44% of the lanes idle,
     RoBERTa-base's QKV gradient rows of 768 three blocks of 256 where one of 1,024 left a quarter."""
-    block = min(triton.next_power_of_2(columns), COLUMNS_PER_PROGRAM)
+    block = min(next_power_of_2(columns), COLUMNS_PER_PROGRAM)
     dividing = min(columns & -columns, COLUMNS_PER_PROGRAM)  # the largest power of two dividing `columns`
     return dividing if columns % block and dividing >= MIN_DIVIDING_BLOCK else block
 
@@ -164,6 +183,7 @@ class RowTiles(NamedTuple):
     prefetch: bool = False
 
 
+@functools.cache
 def tile_launch(block: int, elements: int = 2048) -> RowTiles:
     """The RowTiles of a row-tiled kernel over rows of `block` elements: a tile of about `elements` elements (at most
     64 rows) over 8 warps, at least 4 and at most 16 (the widest rows hold more a thread). Fewer, larger programs than

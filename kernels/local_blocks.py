@@ -10,6 +10,8 @@ import os
 import triton
 import triton.language as tl
 
+from .launch import next_power_of_2
+
 FAR = tl.constexpr(1 << 30)  # a position outside the window of every real row (the rows past a sequence's end)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -102,7 +104,7 @@ def _block_positions(POS, first, end, BLOCK: tl.constexpr):
 def scan_rows(held: int, window: int, block: int) -> int:
     """SCAN of a kernel whose programs hold `held` rows and loop over blocks of `block`, for a window of `window`
     positions: a power of two above the rows `_reached_rows` reads (at most held + 2 window + 2 block - 2)."""
-    return triton.next_power_of_2(held + 2 * window + 2 * block)
+    return next_power_of_2(held + 2 * window + 2 * block)
 
 
 @triton.jit

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LOG2_E
+from .launch import LOG2_E, cdiv
 from .local_blocks import (
     INTERPRETED,
     _block_positions,
@@ -274,7 +274,7 @@ class _LocalAttention(torch.autograd.Function):
         sequences = cu_seqlens.shape[0] - 1
         if rows:
             forward = tiling["forward"]
-            _local_fwd_kernel[(triton.cdiv(max_seqlen, forward.outer), sequences, heads)](
+            _local_fwd_kernel[(cdiv(max_seqlen, forward.outer), sequences, heads)](
                 q, k, v, out, lse, cu_seqlens, positions, scale * LOG2_E.value, window, heads, *_strides(q, k, v, out),
                 HEAD_DIM=head_dim, BLOCK_M=forward.outer, BLOCK_N=forward.inner, WIDEN=_widened(q),
                 SCAN=scan_rows(forward.outer, window, forward.inner), MASK_ALL=mask_all, num_warps=forward.warps,
@@ -292,7 +292,7 @@ class _LocalAttention(torch.autograd.Function):
         if rows:
             dq_sum = torch.empty(rows, heads, head_dim, device=q.device, dtype=torch.float32)  # the kernel's alone
             backward = ctx.tiling["backward"]
-            _local_bwd_kernel[(triton.cdiv(ctx.max_seqlen, backward.span), cu_seqlens.shape[0] - 1, heads)](
+            _local_bwd_kernel[(cdiv(ctx.max_seqlen, backward.span), cu_seqlens.shape[0] - 1, heads)](
                 q, k, v, dout, out, lse, dq_sum, dq, dk, dv, cu_seqlens, positions, ctx.scale * LOG2_E.value,
                 ctx.scale, ctx.window, heads, *_strides(q, k, v, dout), HEAD_DIM=head_dim, BLOCK_M=backward.inner,
                 BLOCK_N=backward.outer, SPAN=backward.span, WIDEN=_widened(q),

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv
 from .reference import MaskSelection
 
 # --------------------------------------------------------------------------------------------- Triton kernels
@@ -151,7 +152,7 @@ def select_masked(tokens: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch
     if num_rows == 0:
         return out
     maskable_u8 = maskable.to(torch.uint8)
-    _rank_kernel[(batch, triton.cdiv(max_seqlen, RANK_BLOCK))](
+    _rank_kernel[(batch, cdiv(max_seqlen, RANK_BLOCK))](
         cu_seqlens, maskable_u8, rank, keys[0:], BLOCK_I=RANK_BLOCK, BLOCK_J=RANK_BLOCK, num_warps=RANK_NUM_WARPS)
     _compact_kernel[(batch,)](
         tokens, cu_seqlens, rank, num_removed, num_random, num_predicted, _exclusive_cumsum(num_predicted),

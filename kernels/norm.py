@@ -26,12 +26,14 @@ norm: torch's forward and its two backward kernels, `GammaBetaBackward` the larg
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .hashing import check_dropout_key, dropout_threshold
-from .launch import MAX_HIDDEN, TILED_KERNELS, RowTiles, carve, carve_sums, sum_parts, tiled_pair
+from .launch import MAX_HIDDEN, TILED_KERNELS, RowTiles, carve, carve_sums, cdiv, next_power_of_2, sum_parts, tiled_pair
 from .mask_select import dropout_kept
 from .pending import defer_sums
 from .residual import ResidualGrad
@@ -215,6 +217,7 @@ KERNELS = TILED_KERNELS
 MIN_CHUNK_LANES = 64
 
 
+@functools.cache
 def row_chunks(hidden: int) -> tuple[int, int]:
     """(chunks, lanes): the kernels take a row of `hidden` elements as `chunks` blocks of `lanes` (a power of two)
     each: three where hidden is 3 x 2^k, at least MIN_CHUNK_LANES lanes a block, else one block of the next power of
@@ -224,7 +227,7 @@ def row_chunks(hidden: int) -> tuple[int, int]:
     at seven; 1,792 runs in 2,048 lanes."""
     if hidden % 3 == 0 and (hidden // 3) & (hidden // 3 - 1) == 0 and hidden // 3 >= MIN_CHUNK_LANES:
         return 3, hidden // 3
-    return 1, triton.next_power_of_2(hidden)
+    return 1, next_power_of_2(hidden)
 
 
 def tiles(hidden: int) -> dict[str, RowTiles]:
@@ -255,7 +258,7 @@ CANDIDATES = {
 def backward_tiles(rows: int, block_r: int) -> int:
     """Tiles of block_r rows each backward program takes: enough that at most BACKWARD_PROGRAMS programs cover
     `rows`."""
-    return max(1, triton.cdiv(triton.cdiv(rows, block_r), BACKWARD_PROGRAMS))
+    return max(1, cdiv(cdiv(rows, block_r), BACKWARD_PROGRAMS))
 
 
 class _AddLayerNorm(torch.autograd.Function):
@@ -270,7 +273,7 @@ class _AddLayerNorm(torch.autograd.Function):
         chunks, lanes = row_chunks(hidden)
         block_r, warps, _ = tiling["forward"]
         if rows:
-            _add_norm_fwd_kernel[(triton.cdiv(rows, block_r),)](
+            _add_norm_fwd_kernel[(cdiv(rows, block_r),)](
                 x, x_bias if x_bias is not None else weight, residual, weight, bias if bias is not None else weight,
                 y, h, stats[0], stats[1], key if threshold else stats, rows, hidden, x.stride(0), residual.stride(0),
                 eps, threshold, scale, HAS_XBIAS=x_bias is not None, HAS_BIAS=bias is not None, STORE_SUM=keep_sum,
@@ -295,7 +298,7 @@ class _AddLayerNorm(torch.autograd.Function):
         chunks, lanes = row_chunks(hidden)
         block_r, warps, _ = ctx.tiling["backward"]
         tiles = backward_tiles(rows, block_r)
-        programs = triton.cdiv(rows, tiles * block_r)
+        programs = cdiv(rows, tiles * block_r)
         # dx and dr two tensors (no aliased gradients); every program writes its row of partial sums: the weight's,
         # the bias's, and x_bias's where there is one, summed by one kernel into `sums` (`launch.carve_sums`)
         summed = 3 if ctx.has_x_bias else 2

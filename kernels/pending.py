@@ -60,17 +60,19 @@ class PendingSums:
 
     def claim(self, params: tuple[torch.Tensor | None, ...]) -> Deferral:
         """At a fused op's forward: its parameters' keys, each read counted."""
-        keys = tuple(None if p is None else id(p) for p in params)
-        for key in filter(None, keys):
-            self.reads[key] = self.reads.get(key, 0) + 1
+        keys = tuple([None if p is None else id(p) for p in params])  # a list: one Python call, not one an item
+        for key in keys:
+            if key is not None:
+                self.reads[key] = self.reads.get(key, 0) + 1
         return Deferral(self, keys)
 
     def add(self, parts: torch.Tensor, sums: torch.Tensor, keys: tuple[int | None, ...],
             launch: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]) -> bool:
         """At a backward: defer `sums` = `parts` summed (True) to a later call of `launch` (`launch.launch_sums`) with
         others, or decline (False: a parameter read twice)."""
-        if any(key is not None and self.reads[key] > 1 for key in keys):
-            return False
+        for key in keys:
+            if key is not None and self.reads[key] > 1:
+                return False
         self.entries.append((parts, sums, keys))
         self.launch = launch
         if len(self.entries) == SUM_ENTRIES:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import BACKWARD_TILE, ROWS_PER_BIAS_PROGRAM, carve_sums, column_block, sum_parts, tile_launch
+from .launch import BACKWARD_TILE, ROWS_PER_BIAS_PROGRAM, carve_sums, cdiv, column_block, sum_parts, tile_launch
 from .pending import SlotClaim, claim_slot, defer_sums
 from .residual import ResidualGrad
 from .rotary import rotate
@@ -149,15 +149,15 @@ class _ProjectQKV(torch.autograd.Function):
         grads = [_rows_of_heads(d if d is not None else x.new_zeros(rows, heads, head_dim)) for d in (dq, dk, dv)]
         block_r, block_c, warps = launch(hidden)
         tiles = max(1, ROWS_PER_BIAS_PROGRAM // block_r)
-        programs = triton.cdiv(rows, tiles * block_r)
+        programs = cdiv(rows, tiles * block_r)
         bias_rows = programs if ctx.has_bias else 0
         (g,), dbias, parts = carve_sums(x.device, (((rows, 3 * hidden), x.dtype),),
                                         ((1, 3 * hidden if ctx.has_bias else 0), weight.dtype),
                                         ((1, bias_rows, 3 * hidden), torch.float32), ctx.deferral)
         if rows:
             tables = (cos, sin) if cos is not None else (parts, parts)  # unread without ROTARY
-            _qkv_grad_kernel[(programs, triton.cdiv(hidden, block_c), 3)](
-                *grads, g, parts, *tables, rows, hidden, tiles, *(s for d in grads for s in d.stride()[:2]),
+            _qkv_grad_kernel[(programs, cdiv(hidden, block_c), 3)](
+                *grads, g, parts, *tables, rows, hidden, tiles, *[s for d in grads for s in d.stride()[:2]],
                 HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_C=block_c, HAS_BIAS=ctx.has_bias, ROTARY=cos is not None,
                 num_warps=warps)
         if ctx.has_bias:

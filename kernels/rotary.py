@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import carve, tile_launch
+from .launch import carve, cdiv, next_power_of_2, tile_launch
 
 
 @triton.jit
@@ -54,10 +54,10 @@ def rotate(q, k, cos_q, sin_q, cos_k, sin_k, sign: float) -> tuple[torch.Tensor,
     tables = [t.float().contiguous() for t in (cos_q, sin_q, cos_k, sin_k)]
     q_out, k_out = carve(q.device, (q.shape, q.dtype), (k.shape, k.dtype))  # contiguous, one allocation
     rows = max(q.shape[0], k.shape[0])
-    block = triton.next_power_of_2(heads * head_dim // 2)
+    block = next_power_of_2(heads * head_dim // 2)
     block_r, warps, _ = tile_launch(block)
     if rows:
-        _rotary_kernel[(triton.cdiv(rows, block_r),)](q, k, q_out, k_out, *tables, q.shape[0], k.shape[0],
+        _rotary_kernel[(cdiv(rows, block_r),)](q, k, q_out, k_out, *tables, q.shape[0], k.shape[0],
                                                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads,
                                                       head_dim // 2, sign, BLOCK_R=block_r, BLOCK=block,
                                                       num_warps=warps)

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import table_grad
 from .hashing import check_dropout_key, dropout_threshold
-from .launch import MAX_HIDDEN, carve, row_launch_config, sum_parts
+from .launch import MAX_HIDDEN, carve, cdiv, row_launch_config, sum_parts
 from .mask_select import dropout_kept
 from .pending import claim_slot, expect_table
 
@@ -236,7 +236,7 @@ def _launch_backward(dout, src, fill, pos_table, ln_weight, mean, rstd, src_rows
                             (table_grad.workspace_shape(n_rows, hidden) if tables else (0,), torch.float32))
     if n_rows == 0:
         return dpre, workspace, None, None, None if fill is None else torch.zeros_like(fill)
-    programs = triton.cdiv(n_rows, ROWS_PER_PROGRAM)
+    programs = cdiv(n_rows, ROWS_PER_PROGRAM)
     # per-program partial sums in one buffer: the LayerNorm's weight and bias gradients, then the fill row's
     parts = torch.empty(2 * has_norm + has_fill, programs, hidden, device=device, dtype=torch.float32)
     dw_part, db_part = parts[:2].unbind(0) if has_norm else (None, None)

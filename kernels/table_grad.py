@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import MAX_HIDDEN, row_launch_config
+from .launch import MAX_HIDDEN, cdiv, next_power_of_2, row_launch_config
 
 ROWS_PER_PROGRAM = 32
 """Sorted rows a `_segment_sums_kernel` program walks: at RoBERTa-base's step 1,024 (3ml, 32,768 encoder rows) to
@@ -130,7 +130,7 @@ def _segment_carry_kernel(SID, GRAD, HEAD, TAIL, n_ids, n_programs, H, stride_gr
 def carry_config(hidden: int) -> tuple[int, int]:
     """(BLOCK_K, num_warps) of `_segment_carry_kernel` for rows of `hidden` elements: tiles of BLOCK_K HEAD rows, 32
     elements a thread (8 rows on 8 warps at 1,024: hundreds of programs' pieces in a few dozen steps)."""
-    block = triton.next_power_of_2(hidden)
+    block = next_power_of_2(hidden)
     warps = max(1, min(8, block // 128))
     return max(1, min(16, 32 * 32 * warps // block)), warps
 
@@ -138,7 +138,7 @@ def carry_config(hidden: int) -> tuple[int, int]:
 def workspace_shape(n_rows: int, hidden: int, rows_per_program: int = ROWS_PER_PROGRAM) -> tuple[int, int, int]:
     """The fp32 scratch `table_gradient` takes for `n_rows` rows of `hidden` (and an extra row): HEAD and TAIL, a row
     each per program. One workspace serves a backward's calls one after another (kernels on one stream)."""
-    return 2, triton.cdiv(n_rows + 1, rows_per_program), hidden
+    return 2, cdiv(n_rows + 1, rows_per_program), hidden
 
 
 def table_gradient(rows: torch.Tensor, ids: torch.Tensor, num_table_rows: int, dtype: torch.dtype,
@@ -173,7 +173,7 @@ def table_gradient(rows: torch.Tensor, ids: torch.Tensor, num_table_rows: int, d
     if n_ids == 0 or hidden == 0:
         return grad
     sorted_ids, order = torch.sort(keys, stable=True)
-    programs = triton.cdiv(n_ids, rows_per_program)
+    programs = cdiv(n_ids, rows_per_program)
     if workspace is None:
         workspace = torch.empty(workspace_shape(rows.shape[0], hidden, rows_per_program), device=rows.device,
                                 dtype=torch.float32)
