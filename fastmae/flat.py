@@ -89,8 +89,8 @@ class FlatParameters:
             else:
                 views = _pieces(flat, shapes)
             for (holders, _, _), view in zip(slots, views):
-                for module, attribute in holders:  # a plain attribute since __init__: nn.Module.__setattr__'s checks
-                    module.__dict__[attribute] = view  # for a parameter, buffer or submodule (six Python calls) skipped
+                for module, attribute in holders:  # a plain attribute since __init__: nn.Module.__setattr__'s
+                    module.__dict__[attribute] = view  # checks for a parameter, buffer or submodule (3 calls) skipped
 
     def parameter(self, group: str) -> nn.Parameter:
         """The flat parameter of `group`."""
