@@ -249,6 +249,7 @@ class MaskedLM(nn.Module):
         output and every layer's (the last one after the pre-LN final norm).
         """
         k, n_enc = self.config.insert_layer, self.config.encoder_layers
+        layers = list(self.encoder)  # sliced as a list: a ModuleList's slice builds a new ModuleList
         sel = masked.selection
         fill = None
         if k == 0:  # the insertion at the input is "replace by <mask>": the selection already wrote those ids
@@ -264,11 +265,11 @@ class MaskedLM(nn.Module):
                                                          self.config.relative_attention_max_distance)
         delta = None
         if k > 0:
-            x, delta = self._run(list(self.encoder)[:k], x, masked.visible, states, bias_by_distance)
+            x, delta = self._run(layers[:k], x, masked.visible, states, bias_by_distance)
             if k < n_enc:
                 x, delta = self.insertion(finish_stack(x, delta), masked, fill), None
         if k < n_enc:
-            x, delta = self._run(list(self.encoder)[k:], x, masked.full, states, bias_by_distance)
+            x, delta = self._run(layers[k:], x, masked.full, states, bias_by_distance)
         x = finish_stack(x, delta, self.encoder_norm)
         if states is not None and self.encoder_norm is not None:
             states[-1] = x
