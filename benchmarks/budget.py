@@ -24,7 +24,7 @@ from fastmae import MaskedLM, ModelConfig, PackedBatch
 from fastmae.flops import head_flops, training_flops
 from fastmae.masking import MaskCounts
 
-SEQ_LEN, MASKABLE = 512, 510  # <s> and </s> are never predicted
+SEQ_LEN = 512  # <s> and </s> of each are never predicted (MaskCounts over seq_len - 2)
 ROBERTA_STEPS, ROBERTA_SEQUENCES = 500_000, 8192
 SIZES = {  # RoBERTa's shapes and BPE vocabulary
     "base": dict(hidden_size=768, num_heads=12, encoder_layers=12, vocab_size=50265),

@@ -28,9 +28,6 @@ from .checkpoint import saved_step
 from .config import ModelConfig, RunConfig, TrainConfig
 from .errors import FastmaeError
 
-SCHEDULES = ("linear", "polynomial", "wsd")
-DECAY_SHAPES = ("linear", "1-sqrt", "cosine")
-
 
 def lr_multiplier(step: int, warmup: int, total: int, power: float = 1.0, min_ratio: float = 0.0) -> float:
     """Learning rate at optimizer step `step` as a fraction of the peak.
@@ -46,7 +43,7 @@ def lr_multiplier(step: int, warmup: int, total: int, power: float = 1.0, min_ra
 
 @dataclass(frozen=True)
 class Schedule:
-    """One run's learning rate, step by step: `kind` (SCHEDULES), the peak `lr`, `warmup` and total `steps`;
+    """One run's learning rate, step by step: `kind` (config.run.SCHEDULES), the peak `lr`, `warmup` and total `steps`;
     `power` for polynomial decay; for wsd the decay's resolved length `decay_steps` and `decay_shape`; every decay
     ends at `min_ratio` x lr."""
 

@@ -478,6 +478,8 @@ def test_two_nodes_on_loopback_stop_when_one_nodes_deepspeed_command_gets_sigter
     ("train.steps=-5", "train.steps=-5: must be positive"),
     ("train.warmup_steps=-1", "train.warmup_steps=-1"),
     ("train.precision=fp8", "train.precision='fp8'"),
+    ("train.schedule=cosine", r"train.schedule='cosine': must be one of \('linear', 'polynomial', 'wsd'\)"),
+    ("train.decay_shape=sqrt", "train.decay_shape='sqrt': must be one of"),
     ("eval.sequences=0", "eval.sequences=0: must be positive"),
     ("eval.every=-1", "eval.every=-1"),
     ("eval.mask_rate=1.5", "eval.mask_rate=1.5"),

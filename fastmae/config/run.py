@@ -15,6 +15,7 @@ from .tokens import SpecialTokens
 
 # --------------------------------------------------------------------------------------------- training configs
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+SCHEDULES, DECAY_SHAPES = ("linear", "polynomial", "wsd"), ("linear", "1-sqrt", "cosine")  # the latter: wsd's decay
 
 BUILTIN_ROOT = "runs/data"
 """Where `data.path: builtin` prepares the embedded corpus (relative to the working directory)."""
@@ -151,10 +152,10 @@ class TrainConfig:
             bad("tokens_per_step", "must be >= 0 (0: use grad_accum)")
         if self.optimizer not in ("adamw", "lamb"):
             bad("optimizer", "must be 'adamw' or 'lamb'")
-        if self.schedule not in ("linear", "polynomial", "wsd"):
-            bad("schedule", "must be 'linear', 'polynomial' or 'wsd'")
-        if self.decay_shape not in ("linear", "1-sqrt", "cosine"):
-            bad("decay_shape", "must be 'linear', '1-sqrt' or 'cosine'")
+        if self.schedule not in SCHEDULES:
+            bad("schedule", f"must be one of {SCHEDULES}")
+        if self.decay_shape not in DECAY_SHAPES:
+            bad("decay_shape", f"must be one of {DECAY_SHAPES}")
         if self.decay_steps < 0:
             bad("decay_steps", "must be >= 0 (0: decay_fraction of the run)")
         if not 0 <= self.decay_fraction <= 1:
