@@ -93,6 +93,9 @@ class Schedule:
     def describe(self) -> str:
         """One line for the log and the model card."""
         end = f"{self.min_ratio:g} x lr" if self.min_ratio else "0"
+        if self.kind != "wsd" and self.warmup >= self.steps:  # a run shorter than its warm-up never decays
+            return (f"lr {self.lr:g}: {self.warmup} warm-up steps, cut by the run's end at step {self.steps}: the "
+                    f"last step at {self.multiplier(self.steps - 1):.2g} x lr, no decay")
         if self.kind != "wsd":
             shape = "linear" if self.kind == "linear" else f"polynomial (power {self.power:g})"
             return (f"lr {self.lr:g}: {self.warmup} warm-up steps, then {shape} decay to {end} at step {self.steps}")

@@ -40,6 +40,10 @@ def test_wsd_warms_up_holds_then_decays_in_its_shape_to_its_end(shape, at_quarte
     held = wsd(decay_fraction=0.0)  # no decay: the peak to the last step (ModernBERT's phase 1)
     assert held.multiplier(99) == 1.0 and "then stable to step 100 (wsd, no decay)" in held.describe()
     polynomial = Schedule.of(TrainConfig(steps=100, warmup_steps=10, schedule="polynomial", power=2.0))
+    assert polynomial.describe() == "lr 0.0002: 10 warm-up steps, then polynomial (power 2) decay to 0 at step 100"
+    cut = Schedule.of(TrainConfig(steps=40, warmup_steps=100, lr=3e-3))  # a run shorter than its warm-up
+    assert cut.multiplier(39) == 0.4 and cut.describe() == ("lr 0.003: 100 warm-up steps, cut by the run's end at "
+                                                            "step 40: the last step at 0.4 x lr, no decay")
     assert [polynomial.multiplier(s) for s in range(0, 120, 7)] == [lr_multiplier(s, 10, 100, 2.0)
                                                                     for s in range(0, 120, 7)]
     with pytest.raises(FastmaeError, match=r"train.decay_steps=95 and train.warmup_steps=10 exceed train.steps=100"):
