@@ -362,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
             if seed["did_not_train"]:
                 print(f"fastmae finetune: seed {seed['seed']} did not train: {seed['did_not_train']} (its score "
                       "says nothing about the encoder; try another --lr)", file=sys.stderr)
-        print(f"fastmae finetune: {task.name}, median of {config.seeds} seeds: {median}, "
+        untrained = len(results["did_not_train"])  # their scores stay in the median: it says so
+        whose = "its score" if untrained == 1 else "theirs"
+        counted = f" ({untrained} of them did not train; the median counts {whose})" if untrained else ""
+        print(f"fastmae finetune: {task.name}, median of {config.seeds} seeds{counted}: {median}, "
               f"{results['tokens_per_s']:.0f} training tokens/s "
               f"(wrote {Path(args.out) / 'results.json'}); next: fastmae analyze --model {args.model} --data "
               f"TEXT_OR_DATASET --out analysis/{Path(args.model).name}", file=sys.stderr)

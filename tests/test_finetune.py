@@ -157,6 +157,24 @@ def test_regression_and_custom_jsonl(run_dir, tmp_path):
     assert set(results["median"]) == {"pearson", "spearman"} and results["labels"] is None
 
 
+def test_the_summary_says_when_its_median_counts_a_seed_that_did_not_train(tmp_path, monkeypatch, capsys):
+    import fastmae.finetune
+
+    keyword_split(tmp_path / "sst2" / "train.tsv", WORDS, 8, seed=0)
+    keyword_split(tmp_path / "sst2" / "dev.tsv", WORDS, 8, seed=1)
+    args = ["--model", "unused", "--task", "sst2", "--data", str(tmp_path / "sst2"), "--out", str(tmp_path / "out"),
+            "--seeds", "3"]
+    for failed, said in (([], "median of 3 seeds: accuracy 0.8000"),
+                         ([0], "median of 3 seeds (1 of them did not train; the median counts its score): accuracy"),
+                         ([0, 2], "median of 3 seeds (2 of them did not train; the median counts theirs): accuracy")):
+        per_seed = [{"seed": s, "did_not_train": "predicts one class" if s in failed else None} for s in range(3)]
+        monkeypatch.setattr(fastmae.finetune, "finetune", lambda *a, per_seed=per_seed, failed=failed: {
+            "median": {"accuracy": 0.8}, "per_seed": per_seed, "did_not_train": failed, "tokens_per_s": 1.0})
+        assert finetune_main(args) == 0
+        err = capsys.readouterr().err
+        assert said in err and err.count("did not train: predicts one class") == len(failed), err
+
+
 def test_bad_input_writes_nothing(run_dir, tmp_path, capsys):
     keyword_split(tmp_path / "sst2" / "train.tsv", WORDS, 8, seed=0)
     (tmp_path / "sst2" / "dev.tsv").write_text("sentence\tlabel\nthe cat\tpositive\n")
