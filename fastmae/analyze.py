@@ -308,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
               f"with <mask>) vs {last['epsilon_rank']['real_unmasked_input']} (without), "
               f"{len(last['mask_dominated_dims'])} mask-dominated dims of {record['hidden_size']}; "
               f"wrote {Path(args.out) / 'analysis.json'}", file=sys.stderr)
+        rows, hidden = last["rows"], record["hidden_size"]
+        if min(rows["real_masked_input"], rows["mask"]) < hidden:  # the rank's bound binds: the ranks say little
+            print(f"fastmae analyze: only {rows['real_masked_input']:,} real-token rows and {rows['mask']:,} <mask> "
+                  f"rows for {hidden} dimensions: no rank exceeds its row count, and the <mask> shares rest on those "
+                  "rows; give --data more text, or raise --sequences", file=sys.stderr)
 
     return run_command("fastmae analyze", go)
 

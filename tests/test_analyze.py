@@ -94,6 +94,14 @@ def test_command_on_a_dataset_and_a_text_file(tokenizer_bytes, tmp_path, capsys)
     assert analyze_main(["--model", str(run), "--data", str(tmp_path / "text.txt"), "--out",
                          str(tmp_path / "b")]) == 0
     assert json.loads((tmp_path / "b" / "analysis.json").read_text())["sequences"] == 10
+    # 10 short lines: fewer rows than dimensions, which bounds every rank: said
+    rows = json.loads((tmp_path / "b" / "analysis.json").read_text())["layers"][-1]["rows"]
+    assert rows["mask"] < 48 and (f"only {rows['real_masked_input']} real-token rows and {rows['mask']} <mask> rows "
+                                  "for 48 dimensions") in capsys.readouterr().err
+    assert analyze_main(["--model", str(run), "--data", str(dataset), "--out", str(tmp_path / "d"),
+                         "--sequences", "64", "--mask-rate", "0.5"]) == 0
+    rows = json.loads((tmp_path / "d" / "analysis.json").read_text())["layers"][-1]["rows"]
+    assert min(rows["mask"], rows["real_masked_input"]) >= 48 and "only" not in capsys.readouterr().err, rows
 
     other = write_run_dir(tmp_path / "other", tiny_model("mlm", vocab_size=vocab_of(tokenizer_bytes),
                                                          max_seq_len=64), tokenizer_bytes)
