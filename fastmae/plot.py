@@ -46,7 +46,8 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     if not train:
         raise FastmaeError(f"{run_dir / 'metrics.jsonl'}: no training records yet")
     fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (masked tokens)")
+    point = {"marker": "o"} if len(train) == 1 else {}  # a line through one record draws nothing
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (masked tokens)", **point)
     if evals:
         ax_loss.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-",
                      label=f"held-out at {evals[0].get('mask_rate', 0.15):.0%} mask")
@@ -56,13 +57,13 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     ax_loss.set(xlabel="optimizer step", ylabel="cross-entropy (nats)", title=f"loss: {run_dir.name}")
     ax_lr = ax_loss.twinx()  # the schedule behind the loss: where a decay starts shows in both
     ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train], color="gray", linewidth=1, alpha=0.6,
-               label="learning rate (right axis)")
+               label="learning rate (right axis)", **point)
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_ylim(bottom=0)
     handles = [h for ax in (ax_loss, ax_lr) for h in ax.get_legend_handles_labels()[0]]
     ax_loss.legend(handles=handles)
     ax_loss.grid(alpha=0.3)
-    ax_speed.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train], color="tab:green")
+    ax_speed.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train], color="tab:green", **point)
     ax_speed.set(xlabel="optimizer step", ylabel="tokens / s (all ranks)", title="throughput")
     ax_speed.grid(alpha=0.3)
     return save_figure(fig, Path(output) if output else run_dir / "curves.png")
