@@ -471,6 +471,11 @@ def test_two_nodes_on_loopback_stop_when_one_nodes_deepspeed_command_gets_sigter
     ("train.zero_stage=5", "train.zero_stage=5"),
     ("data.packing=zigzag", "data.packing='zigzag'"),
     ("optimizer.lr=3", "unknown section"),
+    # a typo's nearest key is named (difflib), none where nothing is near
+    ("train.stepz=4", r"unknown key train.stepz \(did you mean train.steps\?\); known: \["),
+    ("traim.steps=3", r"unknown section\(s\) \['traim'\] \(did you mean train\?\)"),
+    ("model.presett=3ml", r"unknown model field\(s\) presett \(did you mean model.preset\?\); known"),
+    ("model.zzz=1", r"unknown model field\(s\) zzz; known"),
     ("log.every=0", "log.every=0: must be positive"),
     ("checkpoint.every=0", "checkpoint.every=0: must be positive"),
     ("checkpoint.keep=-1", "checkpoint.keep=-1"),

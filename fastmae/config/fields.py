@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 
 from ..errors import ConfigError
 
@@ -22,6 +23,13 @@ def _as_float(value):
     return value
 
 
+def did_you_mean(key: str, known, prefix: str = "") -> str:
+    """" (did you mean PREFIX.NEAREST?)" for a mistyped `key` with the nearest of the `known` keys, or "" where none
+    is near (difflib's ratio of at least 0.6)."""
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
 def apply_overrides(config, overrides: dict, name: str | None = None):
     """Return a copy of dataclass `config` with `overrides` applied; unknown keys and wrong types name the key.
 
@@ -35,7 +43,8 @@ def apply_overrides(config, overrides: dict, name: str | None = None):
     values = {key: getattr(config, key) for key in fields}
     for key, value in overrides.items():
         if key not in fields:
-            raise ConfigError(f"unknown key {name}.{key}; known: {sorted(fields)}")
+            hint = did_you_mean(key, fields, f"{name}.")
+            raise ConfigError(f"unknown key {name}.{key}{hint}; known: {sorted(fields)}")
         values[key] = typed_value(f"{name}.{key}", values[key], value)
     return type(config)(**values)
 

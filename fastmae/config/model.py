@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .fields import apply_overrides
+from .fields import apply_overrides, did_you_mean
 from .tokens import ROLES, SpecialTokens
 
 
@@ -192,8 +192,9 @@ class ModelConfig:
             base["decoder_layers"] = 3 if layers >= 24 else 2
         base.update(overrides)
         known = {f.name for f in dataclasses.fields(cls) if f.init}
-        if set(base) - known:
-            raise ConfigError(f"unknown model field(s) {sorted(set(base) - known)}; known: {sorted(known)}")
+        if unknown := sorted(set(base) - known):  # the nearest of each, a model section's `preset` among them
+            named = ", ".join(key + did_you_mean(key, known | {"preset"}, "model.") for key in unknown)
+            raise ConfigError(f"unknown model field(s) {named}; known: {sorted(known)}")
         return cls(**base)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
-from .fields import apply_overrides, typed_value
+from .fields import apply_overrides, did_you_mean, typed_value
 from .model import ModelConfig
 from .tokens import SpecialTokens
 
@@ -388,9 +388,9 @@ def load_run_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
             if not isinstance(node, dict):
                 raise ConfigError(f"override {text!r}: {key} is not a section")
         node[keys[-1]] = value
-    unknown = sorted(set(raw) - {"model", "deepspeed", *SECTIONS})
+    unknown = sorted(set(raw) - (known := {"model", "deepspeed", *SECTIONS}))
     if unknown:
-        raise ConfigError(f"{path or 'config'}: unknown section(s) {unknown}")
+        raise ConfigError(f"{path or 'config'}: unknown section(s) {unknown}{did_you_mean(unknown[0], known)}")
     sections = {name: apply_overrides(cls(), raw.get(name) or {}, name) for name, cls in SECTIONS.items()}
     model_values = raw.get("model") or {"preset": "mae-lm"}
     model = resolved_model(model_values, sections["data"])
