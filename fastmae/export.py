@@ -90,12 +90,8 @@ def model_card(pretrained: Pretrained, tensors: dict) -> str:
     schedule = "" if config.mask_rate_end == -1.0 else f" -> {config.mask_rate_end:g}, {config.mask_rate_shape}"
     lines = ["---", "library_name: transformers", "tags: [fastmae, masked-language-modeling, "
              f"{config.objective}]", "---", "", f"# fastmae {config.objective} encoder", "",
-             f"Pretrained with fastmae {__version__} (objective `{config.objective}`: insertion at layer "
-             f"{config.insert_layer} of {config.encoder_layers}, {config.decoder_layers} decoder layer(s), mask rate "
-             f"{config.mask_rate:g}{schedule}) and exported as Hugging Face {arch.NAME} "
-             f"({config.norm_position}-LN layers, {config.position_embedding} positions): {config.encoder_layers} "
-             f"layers, width {config.hidden_size}, {config.num_heads} heads, vocabulary {config.vocab_size}, "
-             f"{encoder:,} parameters, sequences up to {config.max_seq_len} tokens. Weights of step {step}.", ""]
+             f"Pretrained with fastmae {__version__} ({config.describe()}; mask rate {config.mask_rate:g}{schedule}) "
+             f"and exported as Hugging Face {arch.NAME}: {encoder:,} encoder parameters. Weights of step {step}.", ""]
     run_dir = _run_dir(pretrained.weights_file)
     if run_dir is None:
         lines += [f"Exported from `{pretrained.weights_file}`, which is not in a fastmae run directory: its training "

@@ -98,6 +98,8 @@ def model_engine(config: RunConfig, precision: str, device: torch.device, non_fi
     train, rank, world = config.train, dist.get_rank(), dist.get_world_size()
     torch.manual_seed(train.seed)  # identical initial weights on every rank
     model = MaskedLM(config.model)
+    log_line(f"model: {config.model.describe()}; {sum(p.numel() for p in model.parameters()):,} parameters; a step: "
+             f"{world} rank(s) x {train.grad_accum} micro-batch(es) of {config.data.tokens_per_micro_batch:,} tokens")
     # cuBLAS's workspace is set before the process's first GEMM: the model moves to the device below
     for line in (local_attention_note(config.model, device, DTYPES[precision]),
                  use_cublas_workspace(train.cublas_workspace, device)):

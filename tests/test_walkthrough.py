@@ -38,13 +38,18 @@ def test_run_export_transformers_finetune_analyze(tmp_path, capsys):
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert f"next: fastmae export {run} exports/tiny-cpu" in trained.stderr
     assert "cuda graphs: eager: the device is cpu, not CUDA" in trained.stderr  # why the step is not replayed
+    # what trains, and on how many tokens a step, before the first step
+    assert ("model: objective `mlm`: insertion at layer 0 of 2, 0 decoder layer(s); pre-LN layers, rotary positions; "
+            "width 32, 2 heads, vocabulary 40, sequences up to 64 tokens; ") in trained.stderr
+    assert " parameters; a step: 1 rank(s) x 1 micro-batch(es) of 256 tokens" in trained.stderr
 
     exported = tmp_path / "exports" / "tiny-cpu"
     assert export_main([str(run), str(exported)]) == 0
     said = capsys.readouterr().err
     assert f"wrote {exported}" in said and "next: load it with transformers.AutoModel.from_pretrained" in said
     card = (exported / "README.md").read_text()
-    for fact in ("library_name: transformers", "objective `mlm`", "ESM-2 (pre-LN layers, rotary positions)",
+    for fact in ("library_name: transformers", "objective `mlm`: insertion at layer 0 of 2", "pre-LN layers, rotary "
+                 "positions; width 32", "mask rate 0.15) and exported as Hugging Face ESM-2: ",
                  "Weights of step 6", "training tokens", "training FLOPs", "held-out masked-token loss at step 6",
                  "unigram entropy", "fastmae/train.py model.preset=mlm", "## Limitations",
                  "- learning rate: lr 0.0002: 2 warm-up steps, then polynomial (power 1) decay to 0 at step 6"):

@@ -161,6 +161,13 @@ class ModelConfig:
         """Learned position ids start at pad_token_id + 1, as in Hugging Face RoBERTa, so exported tables match."""
         return self.pad_token_id + 1
 
+    def describe(self) -> str:
+        """The objective and the network's shape, for the run's log and an export's model card."""
+        return (f"objective `{self.objective}`: insertion at layer {self.insert_layer} of {self.encoder_layers}, "
+                f"{self.decoder_layers} decoder layer(s); {self.norm_position}-LN layers, {self.position_embedding} "
+                f"positions; width {self.hidden_size}, {self.num_heads} heads, vocabulary {self.vocab_size}, "
+                f"sequences up to {self.max_seq_len} tokens")
+
     def replace(self, **overrides) -> ModelConfig:
         """A copy with `overrides` applied and validated (a default feed-forward width follows `hidden_size`)."""
         if "hidden_size" in overrides and "intermediate_size" not in overrides and (
