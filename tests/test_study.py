@@ -129,6 +129,25 @@ def test_no_rank_claim_about_an_encoder_that_learned_no_context():
     assert any("at the end of the budget: 7.5 vs mlm's 38.5 dimensions: lower by 31" in line for line in said)
 
 
+def test_no_compute_claim_from_reaching_an_mlm_loss_on_the_unigram_plateau():
+    from fastmae.study.schema import ObjectiveResult, SeedResult
+    from fastmae.study.summary import findings
+
+    def result(loss, percents):
+        seeds = [SeedResult(seed, 100, 1e12, loss, 0.1, percent, [], 5.5, 0.05, None)
+                 for seed, percent in enumerate(percents)]
+        ranks = {"real_unmasked_input": [30.0, 31.0]}
+        return ObjectiveResult(1e12, loss, 0.1, None, 0, 0.01, [100, 100], {}, seeds, {}, {}, ranks,
+                               neighbour_probe=[{"learned_context": True}] * len(percents))
+
+    learned = findings({"mlm": result(4.5, [100.0, 100.0]), "3ml": result(4.4, [50.0, 52.0])})
+    assert any("`3ml` reached mlm's final held-out loss with 50.0%, 52.0% of mlm's compute: less compute than mlm, "
+               "beyond the spread" in line for line in learned)
+    plateau = findings({"mlm": result(5.6, [100.0, 100.0]), "3ml": result(5.5, [50.0, 52.0])})  # entropy 5.5
+    line = next(line for line in plateau if line.startswith("`3ml` reached mlm's final held-out loss"))
+    assert "less compute" not in line and "at or above the unigram entropy" in line and line.endswith("no claim.")
+
+
 def test_a_committed_study_is_rejudged_from_its_json_alone(tmp_path, capsys):
     """--rewrite-report on study_cpu_1h as an older version wrote it (every probe's verdict set by another test):
     today's test, which holds these records (they predate the token-only control) against the best a token alone is

@@ -184,7 +184,10 @@ def findings(summary: dict[str, ObjectiveResult], chosen_on_plateau: dict[str, b
             text = ", ".join(f"{p:.1f}%" for p in percents)
             width = spread(percents)
             claim = ""
-            if width is not None and max(percents) < 100.0 and 100.0 - np.mean(percents) > width:
+            if mlm.final_eval_loss >= mlm.per_seed[0].unigram_entropy:  # mlm's loss is a plateau's: nothing to reach
+                claim = ("; mlm's final loss is at or above the unigram entropy, so reaching it says nothing about "
+                         "learning from context: no claim")
+            elif width is not None and max(percents) < 100.0 and 100.0 - np.mean(percents) > width:
                 claim = f": less compute than mlm, beyond the spread between seeds ({width:.1f} points)"
             elif width is not None:
                 claim = f"; the seed spread ({width:.1f} points) does not separate it from 100%"
