@@ -24,8 +24,8 @@ def _as_float(value):
 
 
 def did_you_mean(key: str, known, prefix: str = "") -> str:
-    """" (did you mean PREFIX.NEAREST?)" for a mistyped `key` with the nearest of the `known` keys, or "" where none
-    is near (difflib's ratio of at least 0.6)."""
+    """" (did you mean train.steps?)" for a mistyped `key` ("stepz"): `prefix` ("train.") and the nearest of the
+    `known` keys, or "" where none is near (difflib's ratio of at least 0.6)."""
     close = difflib.get_close_matches(key, sorted(known), n=1)
     return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
