@@ -308,6 +308,15 @@ def main(argv: list[str] | None = None) -> int:
               f"with <mask>) vs {last['epsilon_rank']['real_unmasked_input']} (without), "
               f"{len(last['mask_dominated_dims'])} mask-dominated dims of {record['hidden_size']}; "
               f"wrote {Path(args.out) / 'analysis.json'}", file=sys.stderr)
+        probe = record["neighbour_probe"]
+        verdict = "context learned" if probe["learned_context"] else "no evidence of context (not evidence of none)"
+        if probe["z_threshold"] is None:  # no test pairs (or no layer) to judge by
+            verdict += f": nothing to judge by ({probe['test_pairs']} test pairs)"
+        else:
+            verdict += (f": best layer {probe['best_layer']}, {probe['context_gain']:+.3f} over its {probe['control']} "
+                        f"control, z {probe['context_z']} against {probe['z_threshold']}, {probe['test_pairs']:,} "
+                        "test pairs")
+        print(f"fastmae analyze: neighbour probe: {verdict}", file=sys.stderr)
         rows, hidden = last["rows"], record["hidden_size"]
         if min(rows["real_masked_input"], rows["mask"]) < hidden:  # the rank's bound binds: the ranks say little
             print(f"fastmae analyze: only {rows['real_masked_input']:,} real-token rows and {rows['mask']:,} <mask> "

@@ -78,6 +78,20 @@ def test_a_dimension_only_mask_rows_use_is_found(tokenizer_bytes, tmp_path):
     assert 0.1 < record["share_by_count"] < 0.2
 
 
+def test_the_command_says_when_the_probe_had_nothing_to_judge_by(tmp_path, monkeypatch, capsys):
+    import fastmae.analyze
+
+    rows = {"real_masked_input": 900, "mask": 160, "real_unmasked_input": 900, "all_unmasked_input": 1060}
+    record = {"hidden_size": 64, "layers": [{"epsilon_rank": {"real_masked_input": 30, "real_unmasked_input": 31},
+                                             "mask_dominated_dims": [], "rows": rows}],
+              "neighbour_probe": {"test_pairs": 0, "best_layer": 0, "context_gain": 0.0, "context_z": 0.0,
+                                  "z_threshold": None, "learned_context": False, "control": "none"}}
+    monkeypatch.setattr(fastmae.analyze, "run", lambda *args: record)
+    assert analyze_main(["--model", "m", "--data", "d", "--out", str(tmp_path)]) == 0
+    assert ("neighbour probe: no evidence of context (not evidence of none): nothing to judge by (0 test pairs)"
+            in capsys.readouterr().err)
+
+
 def test_command_on_a_dataset_and_a_text_file(tokenizer_bytes, tmp_path, capsys):
     dataset = prepare_word_dataset(tmp_path, WORDS, 60, 30, vocab_size=40, valid_fraction=0.2)
     model = tiny_model("3ml", vocab_size=load_tokenizer(dataset / "tokenizer.model").vocab_size, max_seq_len=64)
@@ -94,14 +108,19 @@ def test_command_on_a_dataset_and_a_text_file(tokenizer_bytes, tmp_path, capsys)
     assert analyze_main(["--model", str(run), "--data", str(tmp_path / "text.txt"), "--out",
                          str(tmp_path / "b")]) == 0
     assert json.loads((tmp_path / "b" / "analysis.json").read_text())["sequences"] == 10
-    # 10 short lines: fewer rows than dimensions, which bounds every rank: said
-    rows = json.loads((tmp_path / "b" / "analysis.json").read_text())["layers"][-1]["rows"]
+    # 10 short lines: fewer rows than dimensions, which bounds every rank: said; the probe's verdict is said too
+    record = json.loads((tmp_path / "b" / "analysis.json").read_text())
+    rows, probe, said = record["layers"][-1]["rows"], record["neighbour_probe"], capsys.readouterr().err
     assert rows["mask"] < 48 and (f"only {rows['real_masked_input']} real-token rows and {rows['mask']} <mask> rows "
-                                  "for 48 dimensions") in capsys.readouterr().err
+                                  "for 48 dimensions") in said
+    assert (f"neighbour probe: {'context learned' if probe['learned_context'] else 'no evidence of context'}"
+            f"{'' if probe['learned_context'] else ' (not evidence of none)'}: best layer {probe['best_layer']}, "
+            f"{probe['context_gain']:+.3f} over its token-only control, z {probe['context_z']} against "
+            f"{probe['z_threshold']}, {probe['test_pairs']} test pairs") in said, said
     assert analyze_main(["--model", str(run), "--data", str(dataset), "--out", str(tmp_path / "d"),
                          "--sequences", "64", "--mask-rate", "0.5"]) == 0
     rows = json.loads((tmp_path / "d" / "analysis.json").read_text())["layers"][-1]["rows"]
-    assert min(rows["mask"], rows["real_masked_input"]) >= 48 and "only" not in capsys.readouterr().err, rows
+    assert min(rows["mask"], rows["real_masked_input"]) >= 48 and "real-token rows" not in capsys.readouterr().err, rows
 
     other = write_run_dir(tmp_path / "other", tiny_model("mlm", vocab_size=vocab_of(tokenizer_bytes),
                                                          max_seq_len=64), tokenizer_bytes)
