@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         probe = record["neighbour_probe"]
         verdict = "context learned" if probe["learned_context"] else "no evidence of context (not evidence of none)"
         if probe["z_threshold"] is None:  # no test pairs (or no layer) to judge by
-            verdict += f": nothing to judge by ({probe['test_pairs']} test pairs)"
+            verdict += f": nothing to judge by ({probe['test_pairs']:,} test pairs)"
         else:
             verdict += (f": best layer {probe['best_layer']}, {probe['context_gain']:+.3f} over its {probe['control']} "
                         f"control, z {probe['context_z']} against {probe['z_threshold']}, {probe['test_pairs']:,} "

@@ -111,12 +111,12 @@ def test_command_on_a_dataset_and_a_text_file(tokenizer_bytes, tmp_path, capsys)
     # 10 short lines: fewer rows than dimensions, which bounds every rank: said; the probe's verdict is said too
     record = json.loads((tmp_path / "b" / "analysis.json").read_text())
     rows, probe, said = record["layers"][-1]["rows"], record["neighbour_probe"], capsys.readouterr().err
-    assert rows["mask"] < 48 and (f"only {rows['real_masked_input']} real-token rows and {rows['mask']} <mask> rows "
-                                  "for 48 dimensions") in said
+    assert rows["mask"] < 48 and (f"only {rows['real_masked_input']:,} real-token rows and {rows['mask']:,} <mask> "
+                                  "rows for 48 dimensions") in said
     assert (f"neighbour probe: {'context learned' if probe['learned_context'] else 'no evidence of context'}"
             f"{'' if probe['learned_context'] else ' (not evidence of none)'}: best layer {probe['best_layer']}, "
             f"{probe['context_gain']:+.3f} over its token-only control, z {probe['context_z']} against "
-            f"{probe['z_threshold']}, {probe['test_pairs']} test pairs") in said, said
+            f"{probe['z_threshold']}, {probe['test_pairs']:,} test pairs") in said, said
     assert analyze_main(["--model", str(run), "--data", str(dataset), "--out", str(tmp_path / "d"),
                          "--sequences", "64", "--mask-rate", "0.5"]) == 0
     rows = json.loads((tmp_path / "d" / "analysis.json").read_text())["layers"][-1]["rows"]
