@@ -52,6 +52,7 @@ from .errors import FastmaeError, run_command
 from .finetune import FinetuneConfig, framed_split, train_one_seed
 from .glue_plan import (
     FROM_MNLI,
+    QUICK,
     Cell,
     CellContext,
     TaskData,
@@ -257,7 +258,8 @@ def glue(models: list[str], data: Path, out: Path, protocol: str = "papers", see
                 "model's best now; fine-tuned again")
         records[cell] = run_cell(cell, encoders, out, precision, device, list(records.values()), from_mnli, seeds)
     finished = [records[c] for c in kept]
-    result = {"protocol": protocol, "from_mnli": from_mnli, "seeds": seeds, "quick": quick, "precision": precision,
+    result = {"protocol": protocol, "from_mnli": from_mnli, "seeds": seeds, "quick": quick, "sizes": sizes,
+              "precision": precision,
               "max_seq_len": max_seq_len, "device": str(device), "tasks": list(tasks), "left_out": left_out,
               "models": {m: model_scores(finished, m, list(tasks), seeds) for m in models}, "cells": finished}
     for path in write_report(out, result):
@@ -301,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             average = "-" if entry["average"] is None else f"{100 * entry['average']:.1f}"
             untrained = (f"; {len(entry['untrained'])} of them with a seed that did not train (†), so the average "
                          "says nothing about the encoder" if entry["untrained"] else "")
-            log(f"{model}: GLUE average {average} over {len(entry['average_over'])} task(s){untrained}")
+            quick = f" (--quick: {QUICK})" if args.quick else ""
+            log(f"{model}: GLUE average {average} over {len(entry['average_over'])} task(s){untrained}{quick}")
 
     return run_command("fastmae glue", go)
 

@@ -38,6 +38,9 @@ MODERNBERT = {  # task: (epochs, batch, lr, decoupled weight decay) from ModernB
     "qnli": (10, 16, 1e-5, 1e-6), "cola": (10, 32, 5e-5, 5e-6), "mrpc": (10, 32, 8e-5, 8e-6),
     "stsb": (10, 32, 3e-5, 3e-6)}
 
+QUICK = ("one setting of each task for one epoch: a check that the pipeline runs, not the protocol's grid and epochs, "
+         "so these are not scores to report")
+
 
 def grid(task: str, width: int, protocol: str, quick: bool = False, epochs: int = 0,
          batch_sizes: tuple[int, ...] = ()) -> list[Setting]:

@@ -10,6 +10,7 @@ import numpy as np
 
 from .atomic import atomic_write_text
 from .claims import compare
+from .glue_plan import QUICK
 from .plot import pyplot, save_figure
 from .tasks import GLUE_DIRS
 
@@ -69,7 +70,12 @@ def write_report(out: Path, result: dict) -> list[Path]:
     """glue.json, glue.md and glue.png under `out` from `result` (glue.glue's return value)."""
     models, tasks = result["models"], result["tasks"]
     atomic_write_text(out / "glue.json", json.dumps(result, indent=1) + "\n")
-    lines = [f"# GLUE dev scores ({result['protocol']} protocol)", "",
+    given_sizes = result["sizes"]
+    sizes = {"epochs": given_sizes.get("epochs"), "batch": "/".join(map(str, given_sizes.get("batch_sizes", ())))}
+    given = ", ".join(f"{k} {v}" for k, v in sizes.items() if v)
+    grid = f"{result['protocol']} protocol" + (f"'s rates, {given} in place of its own" if given else "")
+    lines = [f"# GLUE dev scores ({grid})", "",
+             *([f"**--quick**: {QUICK}.", ""] if result["quick"] else []),
              glue_table(models, tasks), "",
              "Each score is the median over seeds of the best grid cell on dev (x 100); MNLI shows matched/"
              "mismatched accuracy. The average is over the tasks shown, WNLI left out, as the papers average dev "
@@ -80,7 +86,8 @@ def write_report(out: Path, result: dict) -> list[Path]:
     for model, entry in models.items():
         average_over = ", ".join(NAMES[t] for t in entry["average_over"])
         lines.append(f"- `{model}`: average over {len(entry['average_over'])} task(s) ({average_over}); "
-                     + "; ".join(f"{NAMES[t]} lr {s['lr']:.3g}, batch {s['batch_size']}, {s['seeds']} seed(s)"
+                     + "; ".join(f"{NAMES[t]} lr {s['lr']:.3g}, batch {s['batch_size']}, {s['epochs']} epoch(s), "
+                                 f"{s['seeds']} seed(s)"
                                  for t, s in entry["tasks"].items()))
     if result["left_out"]:
         lines += ["", "Left out by the budget: " + "; ".join(result["left_out"]) + "."]

@@ -102,6 +102,8 @@ def test_glue_runs_every_task_resumes_without_redoing_a_cell_and_reports_two_mod
                    f"{len(scores['untrained'])} of them with a seed that did not train" in said
     table = (out / "glue.md").read_text()
     assert "MNLI-m/mm (acc)" in table and "CoLA (MCC)" in table and "STS-B (Spearman)" in table
+    assert table.startswith("# GLUE dev scores (papers protocol)\n\n**--quick**: one setting of each task for one")
+    assert "not scores to report" in said and "CoLA lr 0.00512, batch 16, 1 epoch(s), 2 seed(s)" in table
     assert f"| `{models[0]}` |" in table and f"| `{models[1]}` |" in table
     assert "## Differences, held to the seed spread" in table and (out / "glue.png").stat().st_size > 0
 

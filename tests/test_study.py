@@ -292,6 +292,9 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
     # fine-tuning went through `fastmae glue`: each encoder at 3 rates x 2 seeds, scored at its best cell
     glue = json.loads((out / "glue" / "glue.json").read_text())
     assert len(study["setup"]["finetune"]["lrs"]) == 3 and len(glue["cells"]) == 2 * 3 * 1
+    setup = study["setup"]["finetune"]  # glue.md names the study's epochs and batch, not the papers' grid
+    assert (out / "glue" / "glue.md").read_text().startswith(
+        f"# GLUE dev scores (papers protocol's rates, epochs {setup['epochs']}, batch {setup['batch_size']} in place")
     for label in ("mlm", "3ml"):
         cells = [c for c in glue["cells"] if c["model"] == str(out / "runs" / f"{label}-seed0")]
         best = max({c["lr"] for c in cells}, key=lambda lr: np.median([c["scores"]["accuracy"] for c in cells
