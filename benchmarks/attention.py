@@ -42,7 +42,7 @@ def nested_reaches_flash(device: str) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -30,7 +30,7 @@ from fastmae.prepare import prepare
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("--tokens-per-batch", type=int, default=4096)

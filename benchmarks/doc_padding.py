@@ -58,7 +58,7 @@ def measure(directory: Path, objective: str, tokens_per_batch: int, max_seq_len:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, help="a prepared dataset (default: the embedded corpus, prepared here)")
     parser.add_argument("--vocab-size", type=int, default=1000)
     parser.add_argument("--settings", nargs="+", default=["512:16384", "512:65536", "64:512"],

@@ -304,7 +304,7 @@ def _run_isolated(*args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {SYSTEMS + MODERN_SYSTEMS}")
     parser.add_argument("--sequences", type=int, default=2, help="sequences of 512 tokens in the micro-batch")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (fewer: a quicker count of "

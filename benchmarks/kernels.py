@@ -274,7 +274,7 @@ def layer_cases(tokens: int, hidden: int, vocab: int, device, dtype, dropout: fl
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=None, help="tokens per batch (default 16384 CUDA, 2048 CPU)")
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=50265)

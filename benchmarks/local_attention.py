@@ -206,7 +206,7 @@ def cuda_forms(table: torch.Tensor, repeats: int) -> list[dict]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -49,7 +49,7 @@ def measure(directory: Path, objective: str, start: float, end: float, packing: 
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, help="a prepared dataset (default: the embedded corpus, prepared here)")
     parser.add_argument("--vocab-size", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=3000, help="one-micro-batch steps of the run")

@@ -72,7 +72,7 @@ def measured_points(gpu_dir: Path) -> dict[tuple[str, str], list[tuple[int, floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget", type=float, default=0.4, help="fraction of the device's memory a step may peak at")
     parser.add_argument("--eager", action="store_true",
                         help="size for eager steps (one activation set) instead of replayed CUDA graphs (two)")

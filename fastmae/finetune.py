@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         whose = "its score" if untrained == 1 else "theirs"
         counted = f" ({untrained} of them did not train; the median counts {whose})" if untrained else ""
         print(f"fastmae finetune: {task.name}, median of {config.seeds} seeds{counted}: {median}, "
-              f"{results['tokens_per_s']:.0f} training tokens/s "
+              f"{results['tokens_per_s']:,.0f} training tokens/s "
               f"(wrote {Path(args.out) / 'results.json'}); next: fastmae analyze --model {args.model} --data "
               f"TEXT_OR_DATASET --out analysis/{Path(args.model).name}", file=sys.stderr)
 

@@ -53,7 +53,7 @@ def hook_graph(loss: torch.Tensor) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="3ml")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     args = parser.parse_args()

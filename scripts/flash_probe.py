@@ -264,7 +264,7 @@ def split_probe(length):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="results file (default flash_probe.json; none with --lengths)")
     parser.add_argument("--lengths", help="comma-separated sequence lengths: only the speeds of 128 sequences of each")
     args = parser.parse_args()

@@ -83,7 +83,7 @@ def profile(variant: str, rows: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=65536)
     parser.add_argument("--variant", choices=VARIANTS, help="profile this variant only, in this process")
     args = parser.parse_args(argv)

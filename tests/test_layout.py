@@ -126,3 +126,15 @@ def test_grouped_tests_stay_grouped_under_loadgroup(request):
     if not getattr(request.config.option, "loadgroup", False):  # set on the workers of --dist loadgroup
         pytest.skip("the suite's own command runs under --dist loadgroup")
     assert request.node.nodeid.endswith("@layout"), request.node.nodeid
+
+
+def test_every_commands_help_opens_with_its_docstrings_whole_first_paragraph():
+    """A `--help` description taken from the module docstring's first line is its whole first paragraph (a dozen
+    benchmarks and scripts cut their sentence there mid-way)."""
+    files = [*modules().values(), *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "scripts").glob("*.py")]
+    cut = []
+    for path in files:
+        if "__doc__.splitlines()[0]" in (text := path.read_text()):
+            doc = ast.get_docstring(ast.parse(text), clean=False)
+            cut += [] if doc.splitlines()[0] == doc.split("\n\n")[0] else [str(path.relative_to(ROOT))]
+    assert not cut, cut
