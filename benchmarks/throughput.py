@@ -168,7 +168,9 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="small", help=f"one of {sorted(SIZES)}, or several, comma-separated")
-    parser.add_argument("--quick", action="store_true", help="4 sequences, 1 warm-up + 3 timed steps (< 2 minutes)")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 sequences, 1 warm-up + 3 timed steps a system (each in a fresh process; every "
+                             "system at small size: about 6 minutes on 2 CPU cores)")
     parser.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
                         help="training dtype; auto: bf16 where the device multiplies it natively "
                              "(ARCHITECTURE.md section 5)")
