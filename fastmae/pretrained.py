@@ -245,8 +245,9 @@ source."""
 
 def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
     """`config` with the encoder's shape of its train.init_from source, and that source (None without one). Refused,
-    naming both values: a model field the config sets itself to another value than the source's, and a dataset
-    tokenised with another tokenizer than the source's."""
+    naming both values: a model field the config sets itself to another value than the source's (but max_seq_len,
+    which only a table of learned positions fixes), and a dataset tokenised with another tokenizer than the
+    source's."""
     if not config.train.init_from:
         return config, None
     source = load_pretrained(config.train.init_from)
@@ -256,16 +257,19 @@ def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
         raise FastmaeError(f"data.path={config.data.path} was tokenised with {load_tokenizer(data).source}, not the "
                            f"tokenizer of {where} ({source.tokenizer.source}): prepare the data with `fastmae prepare "
                            f"--tokenizer {config.train.init_from}`")
+    shape = {name: getattr(source.config, name) for name in SHAPE_FIELDS}
+    if "max_seq_len" in config.model_given and source.config.position_embedding != "learned":
+        shape["max_seq_len"] = config.model.max_seq_len  # no weight depends on it: any length trains
     for name in SHAPE_FIELDS:
-        mine, theirs = getattr(config.model, name), getattr(source.config, name)
+        mine, theirs = getattr(config.model, name), shape[name]
         if name in config.model_given and mine != theirs:
-            raise FastmaeError(f"model.{name}={mine!r} but {where} is a model with {name}={theirs!r}: a continued run "
-                               f"keeps its source's shape (drop model.{name})")
+            why = ("a continued run keeps its source's table of learned positions (rotary positions take any "
+                   "length)" if name == "max_seq_len" else "a continued run keeps its source's shape")
+            raise FastmaeError(f"model.{name}={mine!r} but {where} is a model with {name}={theirs!r}: {why} (drop "
+                               f"model.{name})")
     # the preset again on the source's shape, so that what it derives from the shape (insert_layer = L) follows
     given = {name: getattr(config.model, name) for name in config.model_given if name not in SHAPE_FIELDS}
-    model = ModelConfig.preset(config.model.objective, **given,
-                               **{name: getattr(source.config, name) for name in SHAPE_FIELDS})
-    return dataclasses.replace(config, model=model), source
+    return dataclasses.replace(config, model=ModelConfig.preset(config.model.objective, **given, **shape)), source
 
 
 def initialise(model: MaskedLM, source: Pretrained, decoder: str = "new") -> list[str]:

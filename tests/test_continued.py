@@ -99,6 +99,30 @@ def test_what_cannot_be_mapped_is_refused_naming_both(dataset, mlm_source, tmp_p
         continued(config_for(dataset, tmp_path, tmp_path, "model.preset=3ml"))
 
 
+def test_rotary_positions_continue_at_another_length_and_a_learned_table_keeps_its_own(dataset, mlm_source, tmp_path):
+    """A rotary source (no weight depends on the length) continues at shorter or longer sequences, every weight taken
+    and the same hidden states; a source with a table of learned positions is refused another length, naming both."""
+    for length in (32, 128):
+        config, source = continued(config_for(dataset, mlm_source, tmp_path, "model.preset=mlm",
+                                                f"model.max_seq_len={length}"))
+        assert config.model.max_seq_len == length and source.config.max_seq_len == 64
+        model = MaskedLM(config.model).eval()
+        assert initialise(model, source) == []
+        batch = next(iter(PackedLoader(dataset, max_seq_len=32, tokens_per_batch=256)))
+        with torch.no_grad():
+            torch.testing.assert_close(model.encode(batch), source.encoder().eval().encode(batch), rtol=1e-5,
+                                       atol=1e-5)
+    vocab = load_tokenizer(dataset / SENTENCEPIECE_FILE).vocab_size
+    learned = write_run_dir(tmp_path / "learned", tiny_model("mlm", seed=4, vocab_size=vocab, max_seq_len=64,
+                                                             decoder_layers=0),
+                            (dataset / SENTENCEPIECE_FILE).read_bytes())
+    assert load_pretrained(learned).config.position_embedding == "learned"
+    with pytest.raises(FastmaeError, match=rf"model.max_seq_len=32 but train.init_from={learned} is a model with "
+                                           r"max_seq_len=64: a continued run keeps its source's table of learned "
+                                           r"positions \(rotary positions take any length\) \(drop model.max_seq"):
+        continued(config_for(dataset, learned, tmp_path, "model.preset=mlm", "model.max_seq_len=32"))
+
+
 def test_a_two_rank_run_switches_a_modernbert_to_3ml_and_its_export_fine_tunes(tmp_path):
     """From a Hugging Face ModernBERT (random, small: local and global layers, a window shorter than the sequences)
     and data prepared with its byte-level BPE tokenizer, through DeepSpeed on 2 CPU ranks (ZeRO-2): 8 steps of 3ml
@@ -127,25 +151,28 @@ def test_a_two_rank_run_switches_a_modernbert_to_3ml_and_its_export_fine_tunes(t
     args = [a for a in args if a.split("=")[0] not in ("model.hidden_size", "model.num_heads",
                                                          "model.encoder_layers", "model.intermediate_size",
                                                          "model.max_seq_len")]
-    run = launch(args)
+    run = launch([*args, "model.max_seq_len=64"])  # its 128 rotary positions trained at 64: no weight depends on it
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "initialised from " in run.stderr and "new: decoder" in run.stderr
+    said = next(line for line in run.stderr.splitlines() if "initialised from " in line)
+    assert "new: decoder" in said and said.endswith("; sequences up to 64 tokens, the source's 128"), said
     assert "local attention: 2 of 4 encoder layers" in run.stderr
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["init_from"]["foreign"] == "ModernBERT" and info["init_from"]["weights"].startswith(str(source_dir))
     trained, source = load_pretrained(run_dir), load_pretrained(source_dir)
     assert trained.config.objective == "3ml" and trained.tokenizer.sha256 == source.tokenizer.sha256
-    assert all(getattr(trained.config, f) == getattr(source.config, f) for f in SHAPE_FIELDS)
+    assert all(getattr(trained.config, f) == getattr(source.config, f) for f in SHAPE_FIELDS if f != "max_seq_len")
+    assert (trained.config.max_seq_len, source.config.max_seq_len) == (64, 128)
     assert trained.config.special_tokens == source.config.special_tokens
     assert max(len(row) for row in trained.tokenizer.encode(corpus(60))) > 8  # documents longer than the window
     moved = trained.weights["embeddings.tokens.weight"] - source.weights["embeddings.tokens.weight"]
     assert 0 < moved.abs().max() < 0.1  # trained on from the ModernBERT's embedding, not from a new one
-    again = launch(args)  # a rerun resumes from its own checkpoint, not from the source
+    again = launch([*args, "model.max_seq_len=64"])  # a rerun resumes from its own checkpoint, not from the source
     assert again.returncode == 0 and "initialised from" not in again.stderr
 
     assert read_origin(run_dir).name == "ModernBERT"  # what its exports write back of the source (issue 57)
     export(run_dir, tmp_path / "hf")
     card = (tmp_path / "hf" / "README.md").read_text()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 64
     assert f"started from the Hugging Face ModernBERT encoder `{source.weights_file}`" in card
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     ids = [hf_tokenizer(text).input_ids for text in TEXTS]
