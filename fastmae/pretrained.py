@@ -246,7 +246,7 @@ source."""
 def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
     """`config` with the encoder's shape of its train.init_from source, and that source (None without one). Refused,
     naming both values: a model field the config sets itself to another value than the source's (but max_seq_len,
-    which only a table of learned positions fixes), and a dataset tokenised with another tokenizer than the
+    which a table of learned positions only lets grow), and a dataset tokenised with another tokenizer than the
     source's."""
     if not config.train.init_from:
         return config, None
@@ -258,13 +258,16 @@ def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
                            f"tokenizer of {where} ({source.tokenizer.source}): prepare the data with `fastmae prepare "
                            f"--tokenizer {config.train.init_from}`")
     shape = {name: getattr(source.config, name) for name in SHAPE_FIELDS}
-    if "max_seq_len" in config.model_given and source.config.position_embedding != "learned":
-        shape["max_seq_len"] = config.model.max_seq_len  # no weight depends on it: any length trains
+    length = config.model.max_seq_len
+    if "max_seq_len" in config.model_given and (source.config.position_embedding != "learned"
+                                                or length > source.config.max_seq_len):
+        shape["max_seq_len"] = length  # rotary: no weight depends on it; learned: the source's rows, then new ones
     for name in SHAPE_FIELDS:
         mine, theirs = getattr(config.model, name), shape[name]
         if name in config.model_given and mine != theirs:
-            why = ("a continued run keeps its source's table of learned positions (rotary positions take any "
-                   "length)" if name == "max_seq_len" else "a continued run keeps its source's shape")
+            why = ("a continued run keeps every row of its source's learned positions (a longer length adds new "
+                   "ones; rotary positions take any length)" if name == "max_seq_len" else
+                   "a continued run keeps its source's shape")
             raise FastmaeError(f"model.{name}={mine!r} but {where} is a model with {name}={theirs!r}: {why} (drop "
                                f"model.{name})")
     # the preset again on the source's shape, so that what it derives from the shape (insert_layer = L) follows
@@ -272,11 +275,20 @@ def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
     return dataclasses.replace(config, model=ModelConfig.preset(config.model.objective, **given, **shape)), source
 
 
+def length_note(config: ModelConfig, source: ModelConfig) -> str:
+    """What a continued run's log adds where its sequence length is not its source's ('' where it is)."""
+    if config.max_seq_len == source.max_seq_len:
+        return ""
+    grown = f" (learned positions from {source.max_seq_len:,} on new)" if config.position_embedding == "learned" else ""
+    return f"; sequences up to {config.max_seq_len:,} tokens, the source's {source.max_seq_len:,}{grown}"
+
+
 def initialise(model: MaskedLM, source: Pretrained, decoder: str = "new") -> list[str]:
     """Copy into `model` every weight of `source` it has under the same name and shape (the encoder, the LM head,
     and a decoder of the same depth and kind); with `decoder="top"`, a decoder the source lacks gets copies of the
     source encoder's top layers (decoder layer i <- encoder layer L - d + i) and the insertion's positions and
-    LayerNorm those of the embeddings. Returns the names of the tensors it left as initialised."""
+    LayerNorm those of the embeddings. A table of learned positions longer than the source's takes its rows first,
+    its further rows left as initialised. Returns the names of the tensors it left wholly as initialised."""
     own = model.state_dict()
     weights = dict(source.weights)
     if decoder == "top":
@@ -292,4 +304,9 @@ def initialise(model: MaskedLM, source: Pretrained, decoder: str = "new") -> lis
                 weights[name] = source.weights[origin]
     loaded = {k: v for k, v in weights.items() if k in own and own[k].shape == v.shape}
     model.load_state_dict(loaded, strict=False)
-    return sorted(k for k in own if k not in loaded)
+    grown = {k: v for k, v in weights.items() if k.endswith("positions.weight") and k in own
+             and own[k].shape[1:] == v.shape[1:] and own[k].shape[0] > v.shape[0]}
+    with torch.no_grad():
+        for name, rows in grown.items():
+            own[name][:rows.shape[0]].copy_(rows)
+    return sorted(k for k in own if k not in loaded and k not in grown)

@@ -52,7 +52,7 @@ from .metrics import LogWindow, MetricsWriter, eval_table, peak_memory_mib, read
 from .model import MaskedLM
 from .pipeline import masked_ahead
 from .plot import plot_run
-from .pretrained import Pretrained, continued, initialise, write_origin
+from .pretrained import Pretrained, continued, initialise, length_note, write_origin
 from .schedule import MaskRates, Schedule, branch_plan
 from .step import RunCounters, train_step
 
@@ -107,11 +107,9 @@ def model_engine(config: RunConfig, precision: str, device: torch.device, non_fi
             log_line(line)
     if source is not None and checkpoint_dir is None:
         new = initialise(model, source, train.init_decoder)
-        length = config.model.max_seq_len
-        other = (f"; sequences up to {length:,} tokens, the source's {source.config.max_seq_len:,}"
-                 if length != source.config.max_seq_len else "")
         log_line(f"initialised from {source.describe()}; "
-                 f"new: {', '.join(sorted({name.split('.')[0] for name in new})) or 'nothing'}{other}")
+                 f"new: {', '.join(sorted({name.split('.')[0] for name in new})) or 'nothing'}"
+                 f"{length_note(config.model, source.config)}")
     model.activation_checkpointing = train.activation_checkpointing
     if train.zero_stage == 3:
         for param in model.functional_parameters():

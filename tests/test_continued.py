@@ -15,7 +15,7 @@ from fastmae.config import load_run_config
 from fastmae.data import PackedLoader
 from fastmae.data.tokenizer import SENTENCEPIECE_FILE, load_tokenizer
 from fastmae.errors import FastmaeError
-from fastmae.pretrained import SHAPE_FIELDS, continued, initialise, load_pretrained, source_kind
+from fastmae.pretrained import SHAPE_FIELDS, continued, initialise, length_note, load_pretrained, source_kind
 
 WORDS = "the cat dog bird sat ran flew on under over a big small red green blue mat tree sky".split()
 
@@ -99,27 +99,33 @@ def test_what_cannot_be_mapped_is_refused_naming_both(dataset, mlm_source, tmp_p
         continued(config_for(dataset, tmp_path, tmp_path, "model.preset=3ml"))
 
 
-def test_rotary_positions_continue_at_another_length_and_a_learned_table_keeps_its_own(dataset, mlm_source, tmp_path):
+def test_rotary_positions_continue_at_any_length_and_a_learned_table_grows(dataset, mlm_source, tmp_path):
     """A rotary source (no weight depends on the length) continues at shorter or longer sequences, every weight taken
-    and the same hidden states; a source with a table of learned positions is refused another length, naming both."""
-    for length in (32, 128):
-        config, source = continued(config_for(dataset, mlm_source, tmp_path, "model.preset=mlm",
-                                                f"model.max_seq_len={length}"))
-        assert config.model.max_seq_len == length and source.config.max_seq_len == 64
-        model = MaskedLM(config.model).eval()
-        assert initialise(model, source) == []
-        batch = next(iter(PackedLoader(dataset, max_seq_len=32, tokens_per_batch=256)))
-        with torch.no_grad():
-            torch.testing.assert_close(model.encode(batch), source.encoder().eval().encode(batch), rtol=1e-5,
-                                       atol=1e-5)
+    and the same hidden states; a table of learned positions grows (BERT's 128 then 512 tokens): the source's rows
+    first, the same hidden states on sequences it could read; shorter is refused, naming both."""
     vocab = load_tokenizer(dataset / SENTENCEPIECE_FILE).vocab_size
     learned = write_run_dir(tmp_path / "learned", tiny_model("mlm", seed=4, vocab_size=vocab, max_seq_len=64,
                                                              decoder_layers=0),
                             (dataset / SENTENCEPIECE_FILE).read_bytes())
-    assert load_pretrained(learned).config.position_embedding == "learned"
+    batch = next(iter(PackedLoader(dataset, max_seq_len=32, tokens_per_batch=256)))
+    for origin, length in ((mlm_source, 32), (mlm_source, 128), (learned, 128)):
+        config, source = continued(config_for(dataset, origin, tmp_path, "model.preset=mlm",
+                                              f"model.max_seq_len={length}"))
+        assert config.model.max_seq_len == length and source.config.max_seq_len == 64
+        model = MaskedLM(config.model).eval()
+        assert initialise(model, source) == []
+        with torch.no_grad():
+            torch.testing.assert_close(model.encode(batch), source.encoder().eval().encode(batch), rtol=1e-5,
+                                       atol=1e-5)
+        assert length_note(config.model, source.config) == f"; sequences up to {length} tokens, the source's 64" + (
+            " (learned positions from 64 on new)" if origin == learned else "")
+    table, theirs = model.embeddings.positions.weight, source.weights["embeddings.positions.weight"]
+    assert table.shape[0] == theirs.shape[0] + 64 and torch.equal(table[:theirs.shape[0]], theirs)
+    assert not torch.equal(table[theirs.shape[0]:], torch.zeros_like(table[theirs.shape[0]:]))  # initialised
     with pytest.raises(FastmaeError, match=rf"model.max_seq_len=32 but train.init_from={learned} is a model with "
-                                           r"max_seq_len=64: a continued run keeps its source's table of learned "
-                                           r"positions \(rotary positions take any length\) \(drop model.max_seq"):
+                                           r"max_seq_len=64: a continued run keeps every row of its source's learned "
+                                           r"positions \(a longer length adds new ones; rotary positions take any "
+                                           r"length\) \(drop model.max_seq_len\)"):
         continued(config_for(dataset, learned, tmp_path, "model.preset=mlm", "model.max_seq_len=32"))
 
 
