@@ -241,13 +241,14 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "
                 *SpecialTokens().as_fields())
 """The encoder's shape and its tokenizer's special ids: what a continued run (train.init_from) takes from its
 source."""
+ROTARY_BASES = ("rotary_base", "local_rotary_base")
 
 
 def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
     """`config` with the encoder's shape of its train.init_from source, and that source (None without one). Refused,
     naming both values: a model field the config sets itself to another value than the source's (but max_seq_len,
-    which a table of learned positions only lets grow), and a dataset tokenised with another tokenizer than the
-    source's."""
+    which a table of learned positions only lets grow, and rotary positions' bases), and a dataset tokenised with
+    another tokenizer than the source's."""
     if not config.train.init_from:
         return config, None
     source = load_pretrained(config.train.init_from)
@@ -258,10 +259,12 @@ def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
                            f"tokenizer of {where} ({source.tokenizer.source}): prepare the data with `fastmae prepare "
                            f"--tokenizer {config.train.init_from}`")
     shape = {name: getattr(source.config, name) for name in SHAPE_FIELDS}
+    rotary = source.config.position_embedding == "rotary"
     length = config.model.max_seq_len
-    if "max_seq_len" in config.model_given and (source.config.position_embedding != "learned"
-                                                or length > source.config.max_seq_len):
+    if "max_seq_len" in config.model_given and (rotary or length > source.config.max_seq_len):
         shape["max_seq_len"] = length  # rotary: no weight depends on it; learned: the source's rows, then new ones
+    if rotary:  # no weight either: a context extension raises them (ModernBERT's global base 10,000 -> 160,000)
+        shape.update({name: getattr(config.model, name) for name in ROTARY_BASES if name in config.model_given})
     for name in SHAPE_FIELDS:
         mine, theirs = getattr(config.model, name), shape[name]
         if name in config.model_given and mine != theirs:
@@ -275,12 +278,17 @@ def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
     return dataclasses.replace(config, model=ModelConfig.preset(config.model.objective, **given, **shape)), source
 
 
-def length_note(config: ModelConfig, source: ModelConfig) -> str:
-    """What a continued run's log adds where its sequence length is not its source's ('' where it is)."""
-    if config.max_seq_len == source.max_seq_len:
-        return ""
-    grown = f" (learned positions from {source.max_seq_len:,} on new)" if config.position_embedding == "learned" else ""
-    return f"; sequences up to {config.max_seq_len:,} tokens, the source's {source.max_seq_len:,}{grown}"
+def positions_note(config: ModelConfig, source: ModelConfig) -> str:
+    """What a continued run's log adds where its sequence length or rotary bases are not its source's ('' where
+    none differs)."""
+    notes = []
+    if config.max_seq_len != source.max_seq_len:
+        grown = f" (learned positions from {source.max_seq_len:,} on new)" if config.position_embedding == "learned" \
+            else ""
+        notes.append(f"sequences up to {config.max_seq_len:,} tokens, the source's {source.max_seq_len:,}{grown}")
+    notes += [f"{name} {getattr(config, name):,g}, the source's {getattr(source, name):,g}" for name in ROTARY_BASES
+              if getattr(config, name) != getattr(source, name)]
+    return "".join(f"; {note}" for note in notes)
 
 
 def initialise(model: MaskedLM, source: Pretrained, decoder: str = "new") -> list[str]:

@@ -52,7 +52,7 @@ from .metrics import LogWindow, MetricsWriter, eval_table, peak_memory_mib, read
 from .model import MaskedLM
 from .pipeline import masked_ahead
 from .plot import plot_run
-from .pretrained import Pretrained, continued, initialise, length_note, write_origin
+from .pretrained import Pretrained, continued, initialise, positions_note, write_origin
 from .schedule import MaskRates, Schedule, branch_plan
 from .step import RunCounters, train_step
 
@@ -109,7 +109,7 @@ def model_engine(config: RunConfig, precision: str, device: torch.device, non_fi
         new = initialise(model, source, train.init_decoder)
         log_line(f"initialised from {source.describe()}; "
                  f"new: {', '.join(sorted({name.split('.')[0] for name in new})) or 'nothing'}"
-                 f"{length_note(config.model, source.config)}")
+                 f"{positions_note(config.model, source.config)}")
     model.activation_checkpointing = train.activation_checkpointing
     if train.zero_stage == 3:
         for param in model.functional_parameters():

@@ -15,7 +15,7 @@ from fastmae.config import load_run_config
 from fastmae.data import PackedLoader
 from fastmae.data.tokenizer import SENTENCEPIECE_FILE, load_tokenizer
 from fastmae.errors import FastmaeError
-from fastmae.pretrained import SHAPE_FIELDS, continued, initialise, length_note, load_pretrained, source_kind
+from fastmae.pretrained import SHAPE_FIELDS, continued, initialise, load_pretrained, positions_note, source_kind
 
 WORDS = "the cat dog bird sat ran flew on under over a big small red green blue mat tree sky".split()
 
@@ -117,7 +117,7 @@ def test_rotary_positions_continue_at_any_length_and_a_learned_table_grows(datas
         with torch.no_grad():
             torch.testing.assert_close(model.encode(batch), source.encoder().eval().encode(batch), rtol=1e-5,
                                        atol=1e-5)
-        assert length_note(config.model, source.config) == f"; sequences up to {length} tokens, the source's 64" + (
+        assert positions_note(config.model, source.config) == f"; sequences up to {length} tokens, the source's 64" + (
             " (learned positions from 64 on new)" if origin == learned else "")
     table, theirs = model.embeddings.positions.weight, source.weights["embeddings.positions.weight"]
     assert table.shape[0] == theirs.shape[0] + 64 and torch.equal(table[:theirs.shape[0]], theirs)
@@ -127,6 +127,12 @@ def test_rotary_positions_continue_at_any_length_and_a_learned_table_grows(datas
                                            r"positions \(a longer length adds new ones; rotary positions take any "
                                            r"length\) \(drop model.max_seq_len\)"):
         continued(config_for(dataset, learned, tmp_path, "model.preset=mlm", "model.max_seq_len=32"))
+    with pytest.raises(FastmaeError, match="model.rotary_base=20000.0 but .* keeps its source's shape"):
+        continued(config_for(dataset, learned, tmp_path, "model.preset=mlm", "model.rotary_base=20000"))
+    config, source = continued(config_for(dataset, mlm_source, tmp_path, "model.preset=mlm",
+                                          "model.rotary_base=20000"))
+    assert config.model.rotary_base == 20000 and positions_note(config.model, source.config) == (
+        "; rotary_base 20,000, the source's 10,000")
 
 
 def test_a_two_rank_run_switches_a_modernbert_to_3ml_and_its_export_fine_tunes(tmp_path):
@@ -157,28 +163,33 @@ def test_a_two_rank_run_switches_a_modernbert_to_3ml_and_its_export_fine_tunes(t
     args = [a for a in args if a.split("=")[0] not in ("model.hidden_size", "model.num_heads",
                                                          "model.encoder_layers", "model.intermediate_size",
                                                          "model.max_seq_len")]
-    run = launch([*args, "model.max_seq_len=64"])  # its 128 rotary positions trained at 64: no weight depends on it
+    # its 128 rotary positions trained at 64, its global layers' rotary base doubled: no weight depends on either
+    args += ["model.max_seq_len=64", "model.rotary_base=2000"]
+    run = launch(args)
     assert run.returncode == 0, run.stderr[-3000:]
     said = next(line for line in run.stderr.splitlines() if "initialised from " in line)
-    assert "new: decoder" in said and said.endswith("; sequences up to 64 tokens, the source's 128"), said
+    assert "new: decoder" in said and said.endswith("; sequences up to 64 tokens, the source's 128; rotary_base "
+                                                    "2,000, the source's 1,000"), said
     assert "local attention: 2 of 4 encoder layers" in run.stderr
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["init_from"]["foreign"] == "ModernBERT" and info["init_from"]["weights"].startswith(str(source_dir))
     trained, source = load_pretrained(run_dir), load_pretrained(source_dir)
     assert trained.config.objective == "3ml" and trained.tokenizer.sha256 == source.tokenizer.sha256
-    assert all(getattr(trained.config, f) == getattr(source.config, f) for f in SHAPE_FIELDS if f != "max_seq_len")
-    assert (trained.config.max_seq_len, source.config.max_seq_len) == (64, 128)
+    changed = ("max_seq_len", "rotary_base")
+    assert all(getattr(trained.config, f) == getattr(source.config, f) for f in SHAPE_FIELDS if f not in changed)
+    assert [(getattr(trained.config, f), getattr(source.config, f)) for f in changed] == [(64, 128), (2000, 1000)]
     assert trained.config.special_tokens == source.config.special_tokens
     assert max(len(row) for row in trained.tokenizer.encode(corpus(60))) > 8  # documents longer than the window
     moved = trained.weights["embeddings.tokens.weight"] - source.weights["embeddings.tokens.weight"]
     assert 0 < moved.abs().max() < 0.1  # trained on from the ModernBERT's embedding, not from a new one
-    again = launch([*args, "model.max_seq_len=64"])  # a rerun resumes from its own checkpoint, not from the source
+    again = launch(args)  # a rerun resumes from its own checkpoint, not from the source
     assert again.returncode == 0 and "initialised from" not in again.stderr
 
     assert read_origin(run_dir).name == "ModernBERT"  # what its exports write back of the source (issue 57)
     export(run_dir, tmp_path / "hf")
     card = (tmp_path / "hf" / "README.md").read_text()
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 64
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["max_position_embeddings"] == 64 and load_pretrained(tmp_path / "hf").config.rotary_base == 2000
     assert f"started from the Hugging Face ModernBERT encoder `{source.weights_file}`" in card
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     ids = [hf_tokenizer(text).input_ids for text in TEXTS]
