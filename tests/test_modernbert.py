@@ -1,7 +1,8 @@
 """ModernBERT's architecture in fastmae (issue 48, in part; its local layers' window against an oracle:
 test_local_window.py): a small random ModernBERT saved by transformers (both kinds of layer, a window shorter than the
 sequences, the nested and the flat config keys) is read computing transformers' hidden states (eager and sdpa) and MLM
-logits at step 0; what fastmae does not compute is refused by name."""
+logits at step 0; what fastmae does not compute is refused by name; the docs' recipe continues one keeping its
+rotary bases."""
 
 import json
 
@@ -178,3 +179,20 @@ def test_a_modernbert_continues_with_any_objective_from_its_own_encoder(source_a
     assert torch.isfinite(out.loss)
     assert all(layer.qkv.weight.grad is not None and layer.qkv.weight.grad.abs().sum() > 0
                for layer in [*model.encoder, *model.decoder])
+
+
+def test_the_walk_throughs_recipe_continues_a_modernbert_keeping_its_rotary_bases(bpe_dir, tmp_path):
+    """docs/after-pretraining.md's command: configs/modernbert-3ml-base.yaml with train.init_from a ModernBERT (here a
+    small one, its width and depth given to match): the recipe's 1,024 tokens where the source read 128, the source's
+    own rotary bases (the recipe writes none, so a released ModernBERT's 160000 stays)."""
+    from pathlib import Path
+
+    from fastmae.config import load_run_config
+    from fastmae.pretrained import continued
+
+    source = modernbert(bpe_dir, tmp_path / "modernbert")
+    recipe = Path(__file__).resolve().parent.parent / "configs" / "modernbert-3ml-base.yaml"
+    small = ["model.hidden_size=32", "model.num_heads=4", "model.encoder_layers=4", "model.intermediate_size=48",
+             "model.local_window=8", f"model.vocab_size={load_tokenizer(bpe_dir).vocab_size}"]
+    config, _ = continued(load_run_config(recipe, [f"train.init_from={source}", f"data.path={tmp_path}", *small]))
+    assert (config.model.rotary_base, config.model.local_rotary_base, config.model.max_seq_len) == (1000.0, 50.0, 1024)
