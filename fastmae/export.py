@@ -117,7 +117,8 @@ def model_card(pretrained: Pretrained, tensors: dict) -> str:
             source = info["init_from"]
             start = (f"the Hugging Face {source['foreign']} encoder `{source['weights']}`" if source.get("foreign")
                      else f"`{source['weights']}` (step {source['step']} of a `{source['objective']}` run)")
-            lines.append(f"- continued pretraining: started from {start}, then trained as `{config.objective}`")
+            lines.append(f"- continued pretraining: started from {start}, then trained as `{config.objective}`"
+                         f"{source.get('positions', '')}")
         if info.get("schedule"):
             lines.append(f"- learning rate: {info['schedule']}")
         lines.append(f"- trained on {info.get('ranks', '?')} x {info.get('device', '?')}, "

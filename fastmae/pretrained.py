@@ -57,10 +57,11 @@ class Pretrained:
             return f"the Hugging Face {self.foreign} encoder {self.weights_file}"
         return f"{self.weights_file} (step {self.step}, {self.config.objective})"
 
-    def provenance(self) -> dict:
-        """Where these weights came from, as run_info.json and the model card name it."""
+    def provenance(self, continued_as: ModelConfig) -> dict:
+        """Where these weights came from, as run_info.json and the model card name it, and the positions a run
+        continued from them as `continued_as` changed (`positions_note`)."""
         return {"weights": str(self.weights_file), "step": self.step, "objective": self.config.objective,
-                "foreign": self.foreign}
+                "foreign": self.foreign, "positions": positions_note(continued_as, self.config)}
 
     def refuse_pairs(self, task: str, pair: bool) -> None:
         """A FastmaeError where fine-tuning this model on a pair task would drop the segment embedding it was trained

@@ -231,9 +231,9 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, config.log.tensorboard) if self.rank == 0 else None
         if self.rank == 0:
             write_run_files(config, ds_config, {
-                "device": device_name(device), "ranks": self.world, "precision": self.precision,
-                "peak_flops": self.peak.flops, "spec_peak_flops": self.spec_peak_flops,
-                "init_from": self.source and self.source.provenance(), "schedule": self.schedule.describe()},
+                "device": device_name(device), "ranks": self.world, "precision": self.precision, "peak_flops":
+                self.peak.flops, "spec_peak_flops": self.spec_peak_flops, "schedule": self.schedule.describe(),
+                "init_from": self.source and self.source.provenance(config.model)},
                 self.source)
 
     # ------------------------------------------------------------------------------------------------ state

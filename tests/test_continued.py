@@ -190,7 +190,8 @@ def test_a_two_rank_run_switches_a_modernbert_to_3ml_and_its_export_fine_tunes(t
     card = (tmp_path / "hf" / "README.md").read_text()
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert exported["max_position_embeddings"] == 64 and load_pretrained(tmp_path / "hf").config.rotary_base == 2000
-    assert f"started from the Hugging Face ModernBERT encoder `{source.weights_file}`" in card
+    assert f"started from the Hugging Face ModernBERT encoder `{source.weights_file}`, then trained as `3ml`; " \
+           "sequences up to 64 tokens, the source's 128; rotary_base 2,000, the source's 1,000\n" in card
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     ids = [hf_tokenizer(text).input_ids for text in TEXTS]
     assert ids == [trained.tokenizer.frame(row) for row in trained.tokenizer.encode(TEXTS)]
