@@ -32,6 +32,7 @@ def test_overrides_follow_the_encoder_depth():
         (dict(vocab_size=4), "vocab_size"),
         (dict(mask_token_prob=0.9, random_token_prob=0.2), "random_token_prob"),
         (dict(position_embedding="rotary", hidden_size=36, num_heads=4), "num_heads"),
+        (dict(max_seq_len=2), "model.max_seq_len=2: must leave room for <s>, a token and </s>"),
     ],
 )
 def test_bad_values_name_the_field(overrides, key):

@@ -58,6 +58,15 @@ def test_prepare_writes_shards_tokenizer_and_metadata(dataset):
     assert decoded <= set(docs) and len(decoded) > 10
 
 
+def test_a_micro_batch_shorter_than_a_sequence_is_refused_naming_both_settings(dataset, tmp_path):
+    from fastmae.config import load_run_config
+
+    config = load_run_config(None, [f"data.path={dataset[0]}", f"log.dir={tmp_path}", "model.preset=mlm",
+                                    "model.max_seq_len=128", "data.tokens_per_micro_batch=64"])
+    with pytest.raises(FastmaeError, match="data.tokens_per_micro_batch=64 is smaller than model.max_seq_len=128"):
+        PackedLoader.for_run(config)
+
+
 def test_prepare_is_idempotent(dataset, tmp_path):
     directory, _ = dataset
     tokens_file = shard_files(directory, "train", "shard_00002")[0]

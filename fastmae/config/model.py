@@ -242,6 +242,8 @@ def check_model_config(config: ModelConfig) -> None:
             f"reaches the LM head as the same <mask> embedding and can learn only token frequencies; use "
             f"decoder_layers >= 1 or insert_layer < encoder_layers (or mask_rate=0 for an encoder that "
             f"predicts nothing)")
+    if config.max_seq_len < 3:
+        bad("max_seq_len", "must leave room for <s>, a token and </s>")
     if config.relative_attention_buckets < 4 or config.relative_attention_buckets % 2:
         bad("relative_attention_buckets", "must be an even number >= 4")
     if config.relative_attention_max_distance <= config.relative_attention_buckets // 4 + 1:

@@ -63,6 +63,9 @@ class PackedLoader:
         """The training stream of `config` (data path, packing, micro-batch budget, grad_accum, the model's length,
         train.seed) as data-parallel rank `rank` of `world_size` draws it."""
         data = config.data
+        if data.tokens_per_micro_batch < config.model.max_seq_len:
+            raise FastmaeError(f"data.tokens_per_micro_batch={data.tokens_per_micro_batch} is smaller than "
+                               f"model.max_seq_len={config.model.max_seq_len}: a micro-batch holds whole sequences")
         return cls(data.directory, "train", max_seq_len=config.model.max_seq_len, packing=data.packing,
                    tokens_per_batch=data.tokens_per_micro_batch, rank=rank, world_size=world_size,
                    seed=config.train.seed, verify_checksum=verify_checksum, grad_accum=config.train.grad_accum)
