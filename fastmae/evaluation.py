@@ -58,6 +58,17 @@ def unigram_baselines(predicted_tokens: np.ndarray) -> dict:
     return {"unigram_entropy": float(-(p * np.log(p)).sum()), "unigram_accuracy": float(p.max())}
 
 
+PLATEAU_MARGIN = 0.1
+"""nats: an encoder has left the unigram plateau once its held-out loss fell this far below the unigram entropy (an
+encoder still on it predicts token frequencies, not from context, and has a low rank whatever its objective)."""
+
+
+def left_plateau(curve: list[dict]) -> bool:
+    """Whether a run's held-out loss (its eval records, `curve`) ever fell PLATEAU_MARGIN below the held-out unigram
+    entropy."""
+    return min(r["loss"] for r in curve) < curve[-1]["unigram_entropy"] - PLATEAU_MARGIN
+
+
 class EvalBatch(NamedTuple):
     """One held-out micro-batch (host): the packed batch, its predicted rows [T] bool, the split indices of its
     sequences, and its weight in the totals (0 for a filler that only keeps ranks in step)."""

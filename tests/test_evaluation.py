@@ -102,3 +102,6 @@ def test_the_closing_summary_says_which_side_of_the_entropy_the_loss_is(loss, sa
     record = {"kind": "eval", "step": 8, "loss": loss, "accuracy": 0.1, "predicted_tokens": 144,
               "unigram_entropy": 4.0, "unigram_accuracy": 0.05}
     assert says in held_out_summary([record])[-1] and "-" not in held_out_summary([record])[-1].split("(")[1]
+    plateau = "; it never fell 0.1 nats below the entropy: still on the unigram plateau"  # within 0.1 nats, or above
+    assert (plateau in held_out_summary([record])[-1]) == (loss > 3.9)
+    assert plateau in held_out_summary([{**record, "loss": 3.95}])[-1]

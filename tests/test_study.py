@@ -214,8 +214,8 @@ def test_generated_word_order_task(dataset, tmp_path):
 
 
 def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypatch):
-    from fastmae import probe
-    from fastmae.study import runs, summary
+    from fastmae import evaluation, probe
+    from fastmae.study import runs
     from fastmae.study.runs import launch_command
 
     data = dataset
@@ -226,7 +226,7 @@ def test_quick_study_runs_reports_and_reuses(dataset, tmp_path, capsys, monkeypa
             "--lr-grid", "2e-3", "--lr-grid-fraction", "0.5", "--parallel", "2"]
     monkeypatch.setattr(runs, "launch_command", lambda run, ranks: warm_python.warm(launch_command(run, ranks)))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the training processes' environment, as the server's
-    monkeypatch.setattr(summary, "PLATEAU_MARGIN", -10.0)  # 40 steps leave no plateau: count every run as learned
+    monkeypatch.setattr(evaluation, "PLATEAU_MARGIN", -10.0)  # 40 steps leave no plateau: count every run as learned
     verdict = probe.context_verdict  # ... and every encoder as having learned context (its real figures kept)
     monkeypatch.setattr(probe, "context_verdict", lambda *a: {**verdict(*a), "learned_context": True})
     assert study_main(args) == 0

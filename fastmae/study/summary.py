@@ -8,6 +8,7 @@ import json
 import numpy as np
 
 from ..claims import compare, spread
+from ..evaluation import PLATEAU_MARGIN, left_plateau
 from ..probe import judged
 from ..tasks import GLUE_TASKS
 from .objectives import Objective
@@ -28,16 +29,6 @@ def flops_to_reach(curve: list[dict], target: float) -> float | None:
             return previous["flops"] + share * (record["flops"] - previous["flops"])
         previous = record
     return None
-
-
-PLATEAU_MARGIN = 0.1
-"""nats: an encoder has left the unigram plateau once its held-out loss fell this far below the unigram entropy (an
-encoder still on it predicts token frequencies, not from context, and has a low rank whatever its objective)."""
-
-
-def left_plateau(curve: list[dict]) -> bool:
-    """Whether a run's held-out loss ever fell PLATEAU_MARGIN below the held-out unigram entropy."""
-    return min(r["loss"] for r in curve) < curve[-1]["unigram_entropy"] - PLATEAU_MARGIN
 
 
 NO_CONTEXT = ("a seed's encoder showed no context (no layer's neighbour probe beat what the token alone tells beyond "
