@@ -69,6 +69,15 @@ def left_plateau(curve: list[dict]) -> bool:
     return min(r["loss"] for r in curve) < curve[-1]["unigram_entropy"] - PLATEAU_MARGIN
 
 
+def plateau_note(curve: list[dict]) -> str:
+    """What a run's summary and model card add where its held-out loss never left the unigram plateau ('' where it
+    did, or without evaluations)."""
+    if not curve or left_plateau(curve):
+        return ""
+    return (f"; it never fell {PLATEAU_MARGIN} nats below the entropy: still on the unigram plateau, predicting token "
+            "frequencies, not yet from context")
+
+
 class EvalBatch(NamedTuple):
     """One held-out micro-batch (host): the packed batch, its predicted rows [T] bool, the split indices of its
     sequences, and its weight in the totals (0 for a filler that only keeps ranks in step)."""

@@ -32,6 +32,7 @@ from . import __version__
 from .checkpoint import WEIGHTS
 from .data.tokenizer import SentencePieceTokenizer
 from .errors import FastmaeError, run_command
+from .evaluation import plateau_note
 from .hf import export_architecture, hugging_face_config, to_hugging_face
 from .hf.classic import writes_head
 from .hf.tokenizer import hugging_face_tokenizer
@@ -99,7 +100,8 @@ def model_card(pretrained: Pretrained, tensors: dict) -> str:
     else:
         records = [r for r in read_metrics(run_dir) if r["step"] <= step]
         train = next((r for r in reversed(records) if r.get("kind") == "train"), None)
-        held_out = next((r for r in reversed(records) if r.get("kind") == "eval"), None)
+        evals = [r for r in records if r.get("kind") == "eval"]
+        held_out = evals[-1] if evals else None
         resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
         info_file = run_dir / "run_info.json"
         info = json.loads(info_file.read_text()) if info_file.is_file() else {}
@@ -112,7 +114,7 @@ def model_card(pretrained: Pretrained, tensors: dict) -> str:
         if held_out is not None:
             lines.append(f"- held-out masked-token loss at step {held_out['step']}: {held_out['loss']:.3f} nats "
                          f"(unigram entropy of the same tokens {held_out['unigram_entropy']:.3f}; "
-                         f"accuracy {held_out['accuracy']:.3f})")
+                         f"accuracy {held_out['accuracy']:.3f}){plateau_note(evals)}")
         if info.get("init_from"):
             source = info["init_from"]
             start = (f"the Hugging Face {source['foreign']} encoder `{source['weights']}`" if source.get("foreign")

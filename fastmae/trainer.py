@@ -42,7 +42,7 @@ from .distributed import (
 )
 from .engine import build_engine, gradient_norm, master_weights
 from .errors import FastmaeError
-from .evaluation import PLATEAU_MARGIN, Evaluator, HeldOutSet, left_plateau
+from .evaluation import Evaluator, HeldOutSet, plateau_note
 from .faults import FaultHooks
 from .flops import plan_budget
 from .graphs import plan_graphs
@@ -167,9 +167,7 @@ def held_out_summary(records: list[dict]) -> list[str]:
             f"unigram baselines of these {last['predicted_tokens']:,} tokens: entropy {last['unigram_entropy']:.2f} "
             f"nats, most frequent token {last['unigram_accuracy']:.3f} (the last evaluation: "
             f"{abs(gap):.2f} nats {'below' if gap >= 0 else 'above'} the entropy, "
-            f"{last['accuracy'] / max(last['unigram_accuracy'], 1e-9):.1f}x that accuracy)"
-            + ("" if left_plateau(evals) else f"; it never fell {PLATEAU_MARGIN} nats below the entropy: still on the "
-               "unigram plateau, predicting token frequencies, not yet from context")]
+            f"{last['accuracy'] / max(last['unigram_accuracy'], 1e-9):.1f}x that accuracy){plateau_note(evals)}"]
 
 
 def closing_lines(run_dir: Path, graphs, finished: bool, records: list[dict]) -> list[str]:

@@ -42,6 +42,8 @@ def test_run_export_transformers_finetune_analyze(tmp_path, capsys):
     assert ("model: objective `mlm`: insertion at layer 0 of 2, 0 decoder layer(s); pre-LN layers, rotary positions; "
             "width 32, 2 heads, vocabulary 40, sequences up to 64 tokens; ") in trained.stderr
     assert " parameters; a step: 1 rank(s) x 1 micro-batch(es) of 256 tokens" in trained.stderr
+    plateau = "; it never fell 0.1 nats below the entropy: still on the unigram plateau"  # 6 steps learn no context
+    assert plateau in trained.stderr
 
     exported = tmp_path / "exports" / "tiny-cpu"
     assert export_main([str(run), str(exported)]) == 0
@@ -52,7 +54,8 @@ def test_run_export_transformers_finetune_analyze(tmp_path, capsys):
                  "positions; width 32", "mask rate 0.15) and exported as Hugging Face ESM-2: ",
                  "Weights of step 6", "training tokens", "training FLOPs", "held-out masked-token loss at step 6",
                  "unigram entropy", "fastmae/train.py model.preset=mlm", "## Limitations",
-                 "- learning rate: lr 0.0002: 2 warm-up steps, then polynomial (power 1) decay to 0 at step 6"):
+                 "- learning rate: lr 0.0002: 2 warm-up steps, then polynomial (power 1) decay to 0 at step 6",
+                 plateau):
         assert fact in card, fact
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
