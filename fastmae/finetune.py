@@ -303,9 +303,9 @@ def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Pat
     if config.max_train_examples:
         train_split = Examples(train_split.source, train_split.texts[:config.max_train_examples],
                                train_split.labels[:config.max_train_examples])
-    max_len = config.max_seq_len or pretrained.config.max_seq_len
-    if not 4 < max_len <= pretrained.config.max_seq_len:
-        raise FastmaeError(f"--max-seq-len {max_len}: must be in (4, {pretrained.config.max_seq_len}] (the model's)")
+    max_len, most = config.max_seq_len or pretrained.config.max_seq_len, pretrained.config.table_positions
+    if not 4 < max_len <= most:
+        raise FastmaeError(f"--max-seq-len {max_len}: must be in (4, {most}] (the model's positions)")
     tokenizer = pretrained.tokenizer
     train, dev = framed_split(train_split, tokenizer, max_len), framed_split(dev_split, tokenizer, max_len)
     others = {name: framed_split(load_split(file, task), tokenizer, max_len)

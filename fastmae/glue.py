@@ -88,11 +88,11 @@ class Encoders:
 
     def length(self, config: ModelConfig) -> int:
         """The longest input for a model of `config`: --max-seq-len, at most the model's (a cap said once)."""
-        if self.max_seq_len > config.max_seq_len and config.max_seq_len not in self._capped:
-            self._capped.add(config.max_seq_len)
-            log(f"--max-seq-len {self.max_seq_len}: capped at {config.max_seq_len}, the most positions a model here "
-                "has")
-        return min(self.max_seq_len or config.max_seq_len, config.max_seq_len)
+        most = config.table_positions
+        if self.max_seq_len > most and most not in self._capped:
+            self._capped.add(most)
+            log(f"--max-seq-len {self.max_seq_len}: capped at {most}, the most positions a model here has")
+        return min(self.max_seq_len or config.max_seq_len, most)
 
     def data(self, model: str, task: str) -> tuple[tuple, tuple, dict[str, tuple]]:
         """(train, dev, other devs) of `task` in `model`'s tokens, each (sequences, labels)."""

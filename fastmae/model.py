@@ -32,7 +32,7 @@ class PositionEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.offset = config.position_offset
-        self.weight = nn.Parameter(torch.empty(config.max_seq_len + self.offset, config.hidden_size))
+        self.weight = nn.Parameter(torch.empty(config.table_positions + self.offset, config.hidden_size))
 
     def row_args(self, positions: torch.Tensor) -> dict:
         """The fused row ops' position arguments: the table, each row's position and the offset of position 0."""
@@ -214,9 +214,9 @@ class MaskedLM(nn.Module):
             self.flat.bind()
 
     def _check(self, batch: PackedBatch) -> None:
-        if batch.max_seqlen > self.config.max_seq_len:
-            raise ValueError(f"batch has a sequence of {batch.max_seqlen} tokens; model max_seq_len is "
-                             f"{self.config.max_seq_len}")
+        if batch.max_seqlen > self.config.table_positions:
+            raise ValueError(f"batch has a sequence of {batch.max_seqlen} tokens; the model has "
+                             f"{self.config.table_positions} positions (max_seq_len)")
 
     def _run(self, layers: list[nn.Module] | nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
              states: list[torch.Tensor] | None = None, bias_by_distance: torch.Tensor | None = None,

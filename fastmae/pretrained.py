@@ -236,10 +236,10 @@ def _tokenizer(directory: Path, what: str) -> Tokenizer:
 
 # ------------------------------------------------------------------------------------------ continued pretraining
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "encoder_layers", "max_seq_len",
-                "position_embedding", "rotary_base", "relative_attention_bias", "relative_attention_buckets",
-                "relative_attention_max_distance", "norm_position", "layer_norm_eps", "ffn_gated", "linear_bias",
-                "norm_bias", "first_attention_norm", "global_attention_every", "local_window", "local_rotary_base",
-                *SpecialTokens().as_fields())
+                "learned_positions", "position_embedding", "rotary_base", "relative_attention_bias",
+                "relative_attention_buckets", "relative_attention_max_distance", "norm_position", "layer_norm_eps",
+                "ffn_gated", "linear_bias", "norm_bias", "first_attention_norm", "global_attention_every",
+                "local_window", "local_rotary_base", *SpecialTokens().as_fields())
 """The encoder's shape and its tokenizer's special ids: what a continued run (train.init_from) takes from its
 source."""
 ROTARY_BASES = ("rotary_base", "local_rotary_base")
@@ -248,8 +248,8 @@ ROTARY_BASES = ("rotary_base", "local_rotary_base")
 def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
     """`config` with the encoder's shape of its train.init_from source, and that source (None without one). Refused,
     naming both values: a model field the config sets itself to another value than the source's (but max_seq_len,
-    which a table of learned positions only lets grow, and rotary positions' bases), and a dataset tokenised with
-    another tokenizer than the source's."""
+    whatever the positions: a table of learned positions is kept whole or grown; and rotary positions' bases), and a
+    dataset tokenised with another tokenizer than the source's."""
     if not config.train.init_from:
         return config, None
     source = load_pretrained(config.train.init_from)
@@ -260,20 +260,17 @@ def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
                            f"tokenizer of {where} ({source.tokenizer.source}): prepare the data with `fastmae prepare "
                            f"--tokenizer {config.train.init_from}`")
     shape = {name: getattr(source.config, name) for name in SHAPE_FIELDS}
-    rotary = source.config.position_embedding == "rotary"
-    length = config.model.max_seq_len
-    if "max_seq_len" in config.model_given and (rotary or length > source.config.max_seq_len):
-        shape["max_seq_len"] = length  # rotary: no weight depends on it; learned: the source's rows, then new ones
-    if rotary:  # no weight either: a context extension raises them (ModernBERT's global base 10,000 -> 160,000)
+    if "max_seq_len" in config.model_given:  # any length: no weight depends on it but a learned table, kept whole
+        table = source.config.table_positions if source.config.position_embedding == "learned" else 0
+        length = shape["max_seq_len"] = config.model.max_seq_len
+        shape["learned_positions"] = table if length < table else 0  # longer: the table grows (`initialise`)
+    if source.config.position_embedding == "rotary":  # nor on the bases: a context extension raises them
         shape.update({name: getattr(config.model, name) for name in ROTARY_BASES if name in config.model_given})
     for name in SHAPE_FIELDS:
         mine, theirs = getattr(config.model, name), shape[name]
         if name in config.model_given and mine != theirs:
-            why = ("a continued run keeps every row of its source's learned positions (a longer length adds new "
-                   "ones; rotary positions take any length)" if name == "max_seq_len" else
-                   "a continued run keeps its source's shape")
-            raise FastmaeError(f"model.{name}={mine!r} but {where} is a model with {name}={theirs!r}: {why} (drop "
-                               f"model.{name})")
+            raise FastmaeError(f"model.{name}={mine!r} but {where} is a model with {name}={theirs!r}: a continued "
+                               f"run keeps its source's shape (drop model.{name})")
     # the preset again on the source's shape, so that what it derives from the shape (insert_layer = L) follows
     given = {name: getattr(config.model, name) for name in config.model_given if name not in SHAPE_FIELDS}
     return dataclasses.replace(config, model=ModelConfig.preset(config.model.objective, **given, **shape)), source
@@ -284,9 +281,12 @@ def positions_note(config: ModelConfig, source: ModelConfig) -> str:
     none differs)."""
     notes = []
     if config.max_seq_len != source.max_seq_len:
-        grown = f" (learned positions from {source.max_seq_len:,} on new)" if config.position_embedding == "learned" \
-            else ""
-        notes.append(f"sequences up to {config.max_seq_len:,} tokens, the source's {source.max_seq_len:,}{grown}")
+        table, learned = "", config.position_embedding == "learned"
+        if learned and config.table_positions > source.table_positions:
+            table = f" (learned positions from {source.table_positions:,} on new)"
+        elif learned and config.table_positions > config.max_seq_len:
+            table = f" (its {config.table_positions:,} learned positions kept)"
+        notes.append(f"sequences up to {config.max_seq_len:,} tokens, the source's {source.max_seq_len:,}{table}")
     notes += [f"{name} {getattr(config, name):,g}, the source's {getattr(source, name):,g}" for name in ROTARY_BASES
               if getattr(config, name) != getattr(source, name)]
     return "".join(f"; {note}" for note in notes)

@@ -99,17 +99,21 @@ def test_what_cannot_be_mapped_is_refused_naming_both(dataset, mlm_source, tmp_p
         continued(config_for(dataset, tmp_path, tmp_path, "model.preset=3ml"))
 
 
-def test_rotary_positions_continue_at_any_length_and_a_learned_table_grows(dataset, mlm_source, tmp_path):
-    """A rotary source (no weight depends on the length) continues at shorter or longer sequences, every weight taken
-    and the same hidden states; a table of learned positions grows (BERT's 128 then 512 tokens): the source's rows
-    first, the same hidden states on sequences it could read; shorter is refused, naming both."""
+def test_a_continued_run_trains_at_any_length_keeping_or_growing_a_learned_table(dataset, mlm_source, tmp_path):
+    """Every weight taken and the same hidden states at shorter or longer sequences: rotary positions (no weight
+    depends on the length), a table of learned positions kept whole for shorter ones (its export declares them all)
+    and grown for longer ones (BERT's 128 then 512 tokens: the source's rows first); rotary bases may change too."""
+    from fastmae.export import export
+
     vocab = load_tokenizer(dataset / SENTENCEPIECE_FILE).vocab_size
     learned = write_run_dir(tmp_path / "learned", tiny_model("mlm", seed=4, vocab_size=vocab, max_seq_len=64,
                                                              decoder_layers=0),
                             (dataset / SENTENCEPIECE_FILE).read_bytes())
     batch = next(iter(PackedLoader(dataset, max_seq_len=32, tokens_per_batch=256)))
-    for origin, length in ((mlm_source, 32), (mlm_source, 128), (learned, 128)):
-        config, source = continued(config_for(dataset, origin, tmp_path, "model.preset=mlm",
+    notes = {(mlm_source, 32): "", (mlm_source, 128): "", (learned, 32): " (its 64 learned positions kept)",
+             (learned, 128): " (learned positions from 64 on new)"}
+    for (origin, length), table in notes.items():
+        config, source = continued(config_for(dataset, origin, tmp_path / f"{length}", "model.preset=mlm",
                                               f"model.max_seq_len={length}"))
         assert config.model.max_seq_len == length and source.config.max_seq_len == 64
         model = MaskedLM(config.model).eval()
@@ -117,16 +121,25 @@ def test_rotary_positions_continue_at_any_length_and_a_learned_table_grows(datas
         with torch.no_grad():
             torch.testing.assert_close(model.encode(batch), source.encoder().eval().encode(batch), rtol=1e-5,
                                        atol=1e-5)
-        assert positions_note(config.model, source.config) == f"; sequences up to {length} tokens, the source's 64" + (
-            " (learned positions from 64 on new)" if origin == learned else "")
-    table, theirs = model.embeddings.positions.weight, source.weights["embeddings.positions.weight"]
-    assert table.shape[0] == theirs.shape[0] + 64 and torch.equal(table[:theirs.shape[0]], theirs)
-    assert not torch.equal(table[theirs.shape[0]:], torch.zeros_like(table[theirs.shape[0]:]))  # initialised
-    with pytest.raises(FastmaeError, match=rf"model.max_seq_len=32 but train.init_from={learned} is a model with "
-                                           r"max_seq_len=64: a continued run keeps every row of its source's learned "
-                                           r"positions \(a longer length adds new ones; rotary positions take any "
-                                           r"length\) \(drop model.max_seq_len\)"):
-        continued(config_for(dataset, learned, tmp_path, "model.preset=mlm", "model.max_seq_len=32"))
+        assert positions_note(config.model, source.config) == (f"; sequences up to {length} tokens, the source's 64"
+                                                               f"{table}")
+        if origin == learned:
+            rows, theirs = model.embeddings.positions.weight, source.weights["embeddings.positions.weight"]
+            assert rows.shape[0] == theirs.shape[0] + max(0, length - 64) and torch.equal(rows[:len(theirs)], theirs)
+    assert not torch.equal(rows[len(theirs):], torch.zeros_like(rows[len(theirs):]))  # the new rows initialised
+    config, source = continued(config_for(dataset, learned, tmp_path, "model.preset=mlm", "model.max_seq_len=32"))
+    assert config.model.describe().endswith("sequences up to 32 tokens (a table of 64 learned positions)")
+    model = MaskedLM(config.model).eval()
+    initialise(model, source)
+    longest = next(iter(PackedLoader(dataset, max_seq_len=64, tokens_per_batch=256)))
+    with torch.no_grad():  # sequences as long as its table (fine-tuning may read them): the source's states
+        torch.testing.assert_close(model.encode(longest), source.encoder().eval().encode(longest), rtol=1e-5,
+                                   atol=1e-5)
+    run = write_run_dir(tmp_path / "at32", model, (dataset / SENTENCEPIECE_FILE).read_bytes())
+    export(run, tmp_path / "hf")  # the table whole: 64 positions and RoBERTa's pad offset
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["max_position_embeddings"] == 64 + config.model.position_offset
+    assert load_pretrained(tmp_path / "hf").config.table_positions == 64
     with pytest.raises(FastmaeError, match="model.rotary_base=20000.0 but .* keeps its source's shape"):
         continued(config_for(dataset, learned, tmp_path, "model.preset=mlm", "model.rotary_base=20000"))
     config, source = continued(config_for(dataset, mlm_source, tmp_path, "model.preset=mlm",
