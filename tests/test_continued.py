@@ -136,6 +136,9 @@ def test_a_continued_run_trains_at_any_length_keeping_or_growing_a_learned_table
         torch.testing.assert_close(model.encode(longest), source.encoder().eval().encode(longest), rtol=1e-5,
                                    atol=1e-5)
     run = write_run_dir(tmp_path / "at32", model, (dataset / SENTENCEPIECE_FILE).read_bytes())
+    second, trained = continued(config_for(dataset, run, tmp_path, "model.preset=mlm", "model.max_seq_len=64"))
+    assert (second.model.max_seq_len, second.model.learned_positions) == (64, 0)  # BERT's second phase: all its table
+    assert initialise(MaskedLM(second.model), trained) == []
     export(run, tmp_path / "hf")  # the table whole: 64 positions and RoBERTa's pad offset
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf["max_position_embeddings"] == 64 + config.model.position_offset
