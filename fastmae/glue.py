@@ -259,9 +259,9 @@ def glue(models: list[str], data: Path, out: Path, protocol: str = "papers", see
         records[cell] = run_cell(cell, encoders, out, precision, device, list(records.values()), from_mnli, seeds)
     finished = [records[c] for c in kept]
     result = {"protocol": protocol, "from_mnli": from_mnli, "seeds": seeds, "quick": quick, "sizes": sizes,
-              "precision": precision,
-              "max_seq_len": max_seq_len, "device": str(device), "tasks": list(tasks), "left_out": left_out,
-              "models": {m: model_scores(finished, m, list(tasks), seeds) for m in models}, "cells": finished}
+              "precision": precision, "max_seq_len": max_seq_len, "device": str(device), "tasks": list(tasks),
+              "left_out": left_out, "models": {m: model_scores(finished, m, list(tasks), seeds) for m in models},
+              "cells": finished}
     for path in write_report(out, result):
         log(f"wrote {path}")
     return result

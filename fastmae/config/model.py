@@ -252,7 +252,9 @@ def check_model_config(config: ModelConfig) -> None:
             f"predicts nothing)")
     if config.max_seq_len < 3:
         bad("max_seq_len", "must leave room for <s>, a token and </s>")
-    if config.learned_positions and (config.position_embedding != "learned" or config.learned_positions < 0):
+    if config.learned_positions < 0:
+        bad("learned_positions", "must be >= 0 (0: the table holds max_seq_len positions)")
+    if config.learned_positions and config.position_embedding != "learned":
         bad("learned_positions", "only a table of learned positions (position_embedding=learned) holds positions")
     if config.relative_attention_buckets < 4 or config.relative_attention_buckets % 2:
         bad("relative_attention_buckets", "must be an even number >= 4")
