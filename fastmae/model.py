@@ -216,7 +216,7 @@ class MaskedLM(nn.Module):
     def _check(self, batch: PackedBatch) -> None:
         if batch.max_seqlen > self.config.table_positions:
             raise ValueError(f"batch has a sequence of {batch.max_seqlen} tokens; the model holds "
-                             f"{self.config.table_positions} positions")
+                             f"{self.config.table_positions} positions (max_seq_len, or learned_positions)")
 
     def _run(self, layers: list[nn.Module] | nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
              states: list[torch.Tensor] | None = None, bias_by_distance: torch.Tensor | None = None,
