@@ -1,4 +1,4 @@
-"""Pretraining entry point.
+"""Pretrain a masked LM (mlm, mae-lm or 3ml) from a YAML config and dotted key=value overrides.
 
     deepspeed fastmae/train.py --config configs/tiny-cpu.yaml [dotted.key=value ...]      # one or many nodes
     python -m fastmae.train --config configs/tiny-cpu.yaml [dotted.key=value ...]          # one process
@@ -17,15 +17,29 @@ if __name__ == "__main__" and not __package__:
 
 import argparse  # noqa: E402
 import atexit  # noqa: E402
+import dataclasses  # noqa: E402
 import faulthandler  # noqa: E402
 import signal  # noqa: E402
+import textwrap  # noqa: E402
 
-from fastmae.config import load_run_config  # noqa: E402
+from fastmae.config import SECTIONS, ModelConfig, load_run_config  # noqa: E402
 from fastmae.errors import run_command  # noqa: E402
 
 
+def config_keys() -> str:
+    """The keys a config file or an override sets, by section, for --help (each one's meaning: its docstring)."""
+    model = ["preset", *(f.name for f in dataclasses.fields(ModelConfig) if f.init and f.name != "objective")]
+    sections = {"model": model, **{name: [f.name for f in dataclasses.fields(section) if f.init]
+                                   for name, section in SECTIONS.items()}, "deepspeed": ["any DeepSpeed config entry"]}
+    lines = [textwrap.fill(f"{name}: {', '.join(keys)}", 100, initial_indent="  ", subsequent_indent="    ")
+             for name, keys in sections.items()]
+    return "\n".join(["config keys, as section.key=value (what each means: fastmae/config/model.py and run.py, "
+                      "docs/training.md):", *lines])
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastmae train", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="fastmae train", description=__doc__.split("\n\n")[0],
+                                     epilog=config_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML run config (configs/*.yaml)")
     parser.add_argument("--resume", default="auto",
                         help="auto (newest complete checkpoint of the run, if any), none, or a checkpoint directory")

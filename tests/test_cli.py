@@ -57,3 +57,18 @@ def test_export_help_says_what_it_needs_writes_and_refuses(capsys):
                  "pip install 'fastmae[hf]'", "model card", "relative position bias",
                  "0 < insert_layer < encoder_layers", "rotary_base other than 10000"):
         assert fact in said, fact
+
+
+def test_train_help_lists_every_config_key_by_section(capsys):
+    import dataclasses
+
+    from fastmae.config import SECTIONS, ModelConfig
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "Pretrain a masked LM (mlm, mae-lm or 3ml)" in said
+    for name, section in {"model": ModelConfig, **SECTIONS}.items():
+        listed = said.split(f" {name}: ", 1)[1].split(": ", 1)[0]
+        expected = {f.name for f in dataclasses.fields(section) if f.init} - {"objective"}
+        assert expected <= {key.strip(", ") for key in listed.split()}, name
