@@ -69,11 +69,15 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     return save_figure(fig, Path(output) if output else run_dir / "curves.png")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastmae plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--output", type=Path, help="PNG path (default RUN_DIR/curves.png)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return run_command("fastmae plot", lambda: print(plot_run(args.run_dir, args.output)))
 
 

@@ -1,5 +1,6 @@
 """`fastmae`'s own help says what each subcommand does today, with no internal names; `--version`; no arguments
-prints the help and succeeds."""
+prints the help and succeeds; `train --help` lists every config key, and the docs' commands use only flags and keys
+that exist."""
 
 import re
 import subprocess
@@ -72,3 +73,30 @@ def test_train_help_lists_every_config_key_by_section(capsys):
         listed = said.split(f" {name}: ", 1)[1].split(": ", 1)[0]
         expected = {f.name for f in dataclasses.fields(section) if f.init} - {"objective"}
         assert expected <= {key.strip(", ") for key in listed.split()}, name
+
+
+def test_the_docs_commands_use_flags_and_keys_that_exist():
+    """Every `fastmae SUBCOMMAND ... --flag` and every `section.key=value` README.md and docs/ write names an option or
+    a config key the code has: a doc that drifts from the code fails here."""
+    import dataclasses
+    import importlib
+    from pathlib import Path
+
+    from fastmae.config import SECTIONS, ModelConfig
+
+    root = Path(__file__).resolve().parent.parent
+    flags = {name: {option for action in importlib.import_module(module).build_parser()._actions
+                    for option in action.option_strings} for name, (module, _) in SUBCOMMANDS.items()}
+    keys = {"model.preset"} | {f"{name}.{f.name}" for name, section in {"model": ModelConfig, **SECTIONS}.items()
+                               for f in dataclasses.fields(section) if f.init}
+    stale = []
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = doc.read_text().replace("\\\n", " ")
+        for command in re.finditer(r"fastmae (\w+) ([^\n`]*)", text):
+            if command.group(1) in flags:
+                stale += [(doc.name, command.group(1), flag) for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*",
+                                                                                      command.group(2))
+                          if flag not in flags[command.group(1)]]
+        stale += [(doc.name, key) for key in re.findall(r"\b(?:model|data|train|eval|checkpoint|log)\.\w+(?==)", text)
+                  if key not in keys]
+    assert not stale, stale
