@@ -65,7 +65,7 @@ def export(source: str | Path, outdir: str | Path, overwrite: bool = False) -> P
                             "fastmae_step": str(pretrained.step)})
         pretrained.tokenizer.save(partial)
         if isinstance(pretrained.tokenizer, SentencePieceTokenizer):
-            hugging_face_tokenizer(pretrained.tokenizer, config.table_positions).save_pretrained(partial)
+            hugging_face_tokenizer(pretrained.tokenizer, config.position_capacity).save_pretrained(partial)
         (partial / "README.md").write_text(model_card(pretrained, tensors))
         if outdir.exists():
             shutil.rmtree(outdir)

@@ -303,7 +303,7 @@ def finetune(model_path: str | Path, task: Task, train_file: Path, dev_file: Pat
     if config.max_train_examples:
         train_split = Examples(train_split.source, train_split.texts[:config.max_train_examples],
                                train_split.labels[:config.max_train_examples])
-    max_len, most = config.max_seq_len or pretrained.config.max_seq_len, pretrained.config.table_positions
+    max_len, most = config.max_seq_len or pretrained.config.max_seq_len, pretrained.config.position_capacity
     if not 4 < max_len <= most:
         raise FastmaeError(f"--max-seq-len {max_len}: must be in (4, {most}] (the model's positions)")
     tokenizer = pretrained.tokenizer

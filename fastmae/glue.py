@@ -88,7 +88,7 @@ class Encoders:
 
     def length(self, config: ModelConfig) -> int:
         """The longest input for a model of `config`: --max-seq-len, at most the model's (a cap said once)."""
-        most = config.table_positions
+        most = config.position_capacity
         if self.max_seq_len > most and most not in self._capped:
             self._capped.add(most)
             log(f"--max-seq-len {self.max_seq_len}: capped at {most}, the most positions a model here has")

@@ -32,7 +32,7 @@ class PositionEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.offset = config.position_offset
-        self.weight = nn.Parameter(torch.empty(config.table_positions + self.offset, config.hidden_size))
+        self.weight = nn.Parameter(torch.empty(config.position_capacity + self.offset, config.hidden_size))
 
     def row_args(self, positions: torch.Tensor) -> dict:
         """The fused row ops' position arguments: the table, each row's position and the offset of position 0."""
@@ -214,9 +214,9 @@ class MaskedLM(nn.Module):
             self.flat.bind()
 
     def _check(self, batch: PackedBatch) -> None:
-        if batch.max_seqlen > self.config.table_positions:
+        if batch.max_seqlen > self.config.position_capacity:
             raise ValueError(f"batch has a sequence of {batch.max_seqlen} tokens; the model holds "
-                             f"{self.config.table_positions} positions (max_seq_len, or learned_positions)")
+                             f"{self.config.position_capacity} positions (max_seq_len, or max_positions)")
 
     def _run(self, layers: list[nn.Module] | nn.ModuleList, x: torch.Tensor, meta: VarlenMeta,
              states: list[torch.Tensor] | None = None, bias_by_distance: torch.Tensor | None = None,

@@ -236,7 +236,7 @@ def _tokenizer(directory: Path, what: str) -> Tokenizer:
 
 # ------------------------------------------------------------------------------------------ continued pretraining
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_heads", "intermediate_size", "encoder_layers", "max_seq_len",
-                "learned_positions", "position_embedding", "rotary_base", "relative_attention_bias",
+                "max_positions", "position_embedding", "rotary_base", "relative_attention_bias",
                 "relative_attention_buckets", "relative_attention_max_distance", "norm_position", "layer_norm_eps",
                 "ffn_gated", "linear_bias", "norm_bias", "first_attention_norm", "global_attention_every",
                 "local_window", "local_rotary_base", *SpecialTokens().as_fields())
@@ -247,9 +247,9 @@ ROTARY_BASES = ("rotary_base", "local_rotary_base")
 
 def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
     """`config` with the encoder's shape of its train.init_from source, and that source (None without one). Refused,
-    naming both values: a model field the config sets itself to another value than the source's (but max_seq_len,
-    whatever the positions: a table of learned positions is kept whole or grown; and rotary positions' bases), and a
-    dataset tokenised with another tokenizer than the source's."""
+    naming both values: a model field the config sets itself to another value than the source's (but max_seq_len:
+    the positions the source holds are kept, a table of learned positions grown past them; and rotary positions'
+    bases), and a dataset tokenised with another tokenizer than the source's."""
     if not config.train.init_from:
         return config, None
     source = load_pretrained(config.train.init_from)
@@ -260,10 +260,9 @@ def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
                            f"tokenizer of {where} ({source.tokenizer.source}): prepare the data with `fastmae prepare "
                            f"--tokenizer {config.train.init_from}`")
     shape = {name: getattr(source.config, name) for name in SHAPE_FIELDS}
-    if "max_seq_len" in config.model_given:  # any length: no weight depends on it but a learned table, kept whole
-        table = source.config.table_positions if source.config.position_embedding == "learned" else 0
-        length = shape["max_seq_len"] = config.model.max_seq_len
-        shape["learned_positions"] = table if length < table else 0  # longer: the table grows (`initialise`)
+    if "max_seq_len" in config.model_given:  # any length, the positions the source holds kept
+        held, length = source.config.position_capacity, config.model.max_seq_len
+        shape["max_seq_len"], shape["max_positions"] = length, held if length < held else 0  # longer: a table grows
     if source.config.position_embedding == "rotary":  # nor on the bases: a context extension raises them
         shape.update({name: getattr(config.model, name) for name in ROTARY_BASES if name in config.model_given})
     for name in SHAPE_FIELDS:
@@ -281,12 +280,12 @@ def positions_note(config: ModelConfig, source: ModelConfig) -> str:
     none differs)."""
     notes = []
     if config.max_seq_len != source.max_seq_len:
-        table, learned = "", config.position_embedding == "learned"
-        if learned and config.table_positions > source.table_positions:
-            table = f" (learned positions from {source.table_positions:,} on new)"
-        elif learned and config.table_positions > config.max_seq_len:
-            table = f" (its {config.table_positions:,} learned positions kept)"
-        notes.append(f"sequences up to {config.max_seq_len:,} tokens, the source's {source.max_seq_len:,}{table}")
+        held = ""
+        if config.position_embedding == "learned" and config.position_capacity > source.position_capacity:
+            held = f" (learned positions from {source.position_capacity:,} on new)"
+        elif config.position_capacity > config.max_seq_len:
+            held = f" (its {config.position_capacity:,} positions kept)"
+        notes.append(f"sequences up to {config.max_seq_len:,} tokens, the source's {source.max_seq_len:,}{held}")
     notes += [f"{name} {getattr(config, name):,g}, the source's {getattr(source, name):,g}" for name in ROTARY_BASES
               if getattr(config, name) != getattr(source, name)]
     return "".join(f"; {note}" for note in notes)

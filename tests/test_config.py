@@ -33,8 +33,7 @@ def test_overrides_follow_the_encoder_depth():
         (dict(mask_token_prob=0.9, random_token_prob=0.2), "random_token_prob"),
         (dict(position_embedding="rotary", hidden_size=36, num_heads=4), "num_heads"),
         (dict(max_seq_len=2), "model.max_seq_len=2: must leave room for <s>, a token and </s>"),
-        (dict(learned_positions=-1), "model.learned_positions=-1: must be >= 0"),
-        (dict(position_embedding="rotary", learned_positions=1024), "model.learned_positions=1024: only a table"),
+        (dict(max_positions=-1), "model.max_positions=-1: must be >= 0"),
     ],
 )
 def test_bad_values_name_the_field(overrides, key):

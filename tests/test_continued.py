@@ -100,9 +100,9 @@ def test_what_cannot_be_mapped_is_refused_naming_both(dataset, mlm_source, tmp_p
 
 
 def test_a_continued_run_trains_at_any_length_keeping_or_growing_a_learned_table(dataset, mlm_source, tmp_path):
-    """Every weight taken and the same hidden states at shorter or longer sequences: rotary positions (no weight
-    depends on the length), a table of learned positions kept whole for shorter ones (its export declares them all)
-    and grown for longer ones (BERT's 128 then 512 tokens: the source's rows first); rotary bases may change too."""
+    """Every weight taken and the same hidden states at shorter or longer sequences, the positions the source holds
+    kept for shorter ones (a learned table whole; the export declares them all) and more for longer ones (a learned
+    table grown, BERT's 128 then 512 tokens: the source's rows first); rotary bases may change too."""
     from fastmae.export import export
 
     vocab = load_tokenizer(dataset / SENTENCEPIECE_FILE).vocab_size
@@ -110,7 +110,8 @@ def test_a_continued_run_trains_at_any_length_keeping_or_growing_a_learned_table
                                                              decoder_layers=0),
                             (dataset / SENTENCEPIECE_FILE).read_bytes())
     batch = next(iter(PackedLoader(dataset, max_seq_len=32, tokens_per_batch=256)))
-    notes = {(mlm_source, 32): "", (mlm_source, 128): "", (learned, 32): " (its 64 learned positions kept)",
+    kept = " (its 64 positions kept)"
+    notes = {(mlm_source, 32): kept, (mlm_source, 128): "", (learned, 32): kept,
              (learned, 128): " (learned positions from 64 on new)"}
     for (origin, length), table in notes.items():
         config, source = continued(config_for(dataset, origin, tmp_path / f"{length}", "model.preset=mlm",
@@ -128,7 +129,7 @@ def test_a_continued_run_trains_at_any_length_keeping_or_growing_a_learned_table
             assert rows.shape[0] == theirs.shape[0] + max(0, length - 64) and torch.equal(rows[:len(theirs)], theirs)
     assert not torch.equal(rows[len(theirs):], torch.zeros_like(rows[len(theirs):]))  # the new rows initialised
     config, source = continued(config_for(dataset, learned, tmp_path, "model.preset=mlm", "model.max_seq_len=32"))
-    assert config.model.describe().endswith("sequences up to 32 tokens (a table of 64 learned positions)")
+    assert config.model.describe().endswith("sequences up to 32 tokens of the 64 positions it holds")
     model = MaskedLM(config.model).eval()
     initialise(model, source)
     longest = next(iter(PackedLoader(dataset, max_seq_len=64, tokens_per_batch=256)))
@@ -137,12 +138,12 @@ def test_a_continued_run_trains_at_any_length_keeping_or_growing_a_learned_table
                                    atol=1e-5)
     run = write_run_dir(tmp_path / "at32", model, (dataset / SENTENCEPIECE_FILE).read_bytes())
     second, trained = continued(config_for(dataset, run, tmp_path, "model.preset=mlm", "model.max_seq_len=64"))
-    assert (second.model.max_seq_len, second.model.learned_positions) == (64, 0)  # BERT's second phase: all its table
+    assert (second.model.max_seq_len, second.model.max_positions) == (64, 0)  # BERT's second phase: all its table
     assert initialise(MaskedLM(second.model), trained) == []
     export(run, tmp_path / "hf")  # the table whole: 64 positions and RoBERTa's pad offset
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf["max_position_embeddings"] == 64 + config.model.position_offset
-    assert load_pretrained(tmp_path / "hf").config.table_positions == 64
+    assert load_pretrained(tmp_path / "hf").config.position_capacity == 64
     with pytest.raises(FastmaeError, match="model.rotary_base=20000.0 but .* keeps its source's shape"):
         continued(config_for(dataset, learned, tmp_path, "model.preset=mlm", "model.rotary_base=20000"))
     config, source = continued(config_for(dataset, mlm_source, tmp_path, "model.preset=mlm",
@@ -184,16 +185,18 @@ def test_a_two_rank_run_switches_a_modernbert_to_3ml_and_its_export_fine_tunes(t
     run = launch(args)
     assert run.returncode == 0, run.stderr[-3000:]
     said = next(line for line in run.stderr.splitlines() if "initialised from " in line)
-    assert "new: decoder" in said and said.endswith("; sequences up to 64 tokens, the source's 128; rotary_base "
+    assert "new: decoder" in said and said.endswith("; sequences up to 64 tokens, the source's 128 (its 128 "
+                                                    "positions kept); rotary_base "
                                                     "2,000, the source's 1,000"), said
     assert "local attention: 2 of 4 encoder layers" in run.stderr
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["init_from"]["foreign"] == "ModernBERT" and info["init_from"]["weights"].startswith(str(source_dir))
     trained, source = load_pretrained(run_dir), load_pretrained(source_dir)
     assert trained.config.objective == "3ml" and trained.tokenizer.sha256 == source.tokenizer.sha256
-    changed = ("max_seq_len", "rotary_base")
+    changed = ("max_seq_len", "max_positions", "rotary_base")
     assert all(getattr(trained.config, f) == getattr(source.config, f) for f in SHAPE_FIELDS if f not in changed)
-    assert [(getattr(trained.config, f), getattr(source.config, f)) for f in changed] == [(64, 128), (2000, 1000)]
+    assert [(getattr(trained.config, f), getattr(source.config, f)) for f in changed] == [(64, 128), (128, 0),
+                                                                                            (2000, 1000)]
     assert trained.config.special_tokens == source.config.special_tokens
     assert max(len(row) for row in trained.tokenizer.encode(corpus(60))) > 8  # documents longer than the window
     moved = trained.weights["embeddings.tokens.weight"] - source.weights["embeddings.tokens.weight"]
@@ -205,9 +208,11 @@ def test_a_two_rank_run_switches_a_modernbert_to_3ml_and_its_export_fine_tunes(t
     export(run_dir, tmp_path / "hf")
     card = (tmp_path / "hf" / "README.md").read_text()
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert exported["max_position_embeddings"] == 64 and load_pretrained(tmp_path / "hf").config.rotary_base == 2000
+    assert exported["max_position_embeddings"] == 128  # trained at 64, still the source's 128 positions
+    assert load_pretrained(tmp_path / "hf").config.rotary_base == 2000
     assert f"started from the Hugging Face ModernBERT encoder `{source.weights_file}`, then trained as `3ml`; " \
-           "sequences up to 64 tokens, the source's 128; rotary_base 2,000, the source's 1,000\n" in card
+           "sequences up to 64 tokens, the source's 128 (its 128 positions kept); rotary_base 2,000, the source's " \
+           "1,000\n" in card
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     ids = [hf_tokenizer(text).input_ids for text in TEXTS]
     assert ids == [trained.tokenizer.frame(row) for row in trained.tokenizer.encode(TEXTS)]

@@ -39,8 +39,8 @@ class ModelConfig:
     attend to the whole sequence (encoder outputs at visible rows). Needs insert_layer == encoder_layers."""
     max_seq_len: int = 512
     """Longest sequence, in tokens (specials included)."""
-    learned_positions: int = 0
-    """Positions of the learned table where it holds more than max_seq_len: a continued run's on shorter sequences."""
+    max_positions: int = 0
+    """Positions the model holds where more than max_seq_len (0: none more): a continued run's on shorter sequences."""
     position_embedding: str = "learned"
     """`learned` (RoBERTa absolute, exportable to Hugging Face) or `rotary` (applied by original position id)."""
     rotary_base: float = 10000.0
@@ -159,9 +159,9 @@ class ModelConfig:
         return removes and self.insert_layer > 0 and self.insert_layer == self.num_layers
 
     @property
-    def table_positions(self) -> int:
-        """Positions a table of learned positions holds, and an export declares (max_seq_len or more)."""
-        return max(self.max_seq_len, self.learned_positions)
+    def position_capacity(self) -> int:
+        """Positions the model reads (a learned table's rows) and an export declares: max_seq_len or more."""
+        return max(self.max_seq_len, self.max_positions)
 
     @property
     def position_offset(self) -> int:
@@ -173,8 +173,8 @@ class ModelConfig:
         return (f"objective `{self.objective}`: insertion at layer {self.insert_layer} of {self.encoder_layers}, "
                 f"{self.decoder_layers} decoder layer(s); {self.norm_position}-LN layers, {self.position_embedding} "
                 f"positions; width {self.hidden_size}, {self.num_heads} heads, vocabulary {self.vocab_size}, "
-                f"sequences up to {self.max_seq_len} tokens" + (f" (a table of {self.table_positions} learned "
-                                                                 "positions)" if self.learned_positions else ""))
+                f"sequences up to {self.max_seq_len} tokens" + (f" of the {self.position_capacity} positions it "
+                                                                 "holds" if self.max_positions else ""))
 
     def replace(self, **overrides) -> ModelConfig:
         """A copy with `overrides` applied and validated (a default feed-forward width follows `hidden_size`)."""
@@ -252,10 +252,8 @@ def check_model_config(config: ModelConfig) -> None:
             f"predicts nothing)")
     if config.max_seq_len < 3:
         bad("max_seq_len", "must leave room for <s>, a token and </s>")
-    if config.learned_positions < 0:
-        bad("learned_positions", "must be >= 0 (0: the table holds max_seq_len positions)")
-    if config.learned_positions and config.position_embedding != "learned":
-        bad("learned_positions", "only a table of learned positions (position_embedding=learned) holds positions")
+    if config.max_positions < 0:
+        bad("max_positions", "must be >= 0 (0: the model holds max_seq_len positions)")
     if config.relative_attention_buckets < 4 or config.relative_attention_buckets % 2:
         bad("relative_attention_buckets", "must be an even number >= 4")
     if config.relative_attention_max_distance <= config.relative_attention_buckets // 4 + 1:

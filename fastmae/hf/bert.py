@@ -49,6 +49,6 @@ def hugging_face_config(config: ModelConfig, carried: dict):
     """The BertConfig of the export, carrying `carried` (fastmae's own config)."""
     from transformers import BertConfig
 
-    fields = {**classic.config_fields(config), "max_position_embeddings": config.table_positions}
+    fields = {**classic.config_fields(config), "max_position_embeddings": config.position_capacity}
     return BertConfig(**fields, hidden_act="gelu", type_vocab_size=2,
                       architectures=classic.masked_lm(config, "BertForMaskedLM", "BertModel"), **carried)

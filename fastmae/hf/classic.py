@@ -151,7 +151,7 @@ def read(layout: Layout, config: ModelConfig, tensors: dict[str, torch.Tensor], 
     folded = torch.zeros(config.hidden_size) if types is None else types[0].float()
     if config.position_embedding == "learned":
         rows = weights["embeddings.positions.weight"]
-        shift = config.table_positions + config.position_offset - rows.shape[0]
+        shift = config.position_capacity + config.position_offset - rows.shape[0]
         weights["embeddings.positions.weight"] = torch.cat([rows.new_zeros(shift, rows.shape[1]), rows]) + folded
     else:
         weights["embeddings.tokens.weight"] = weights["embeddings.tokens.weight"] + folded
@@ -212,7 +212,7 @@ def config_fields(config: ModelConfig) -> dict:
     return dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.encoder_layers,
                 num_attention_heads=config.num_heads, intermediate_size=config.intermediate_size,
                 hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.attention_dropout,
-                max_position_embeddings=config.table_positions + config.position_offset,
+                max_position_embeddings=config.position_capacity + config.position_offset,
                 initializer_range=config.initializer_range, layer_norm_eps=config.layer_norm_eps,
                 pad_token_id=config.pad_token_id)
 

@@ -182,7 +182,7 @@ def hugging_face_config(config: ModelConfig, carried: dict):
     return ModernBertConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.encoder_layers, num_attention_heads=config.num_heads, hidden_activation="gelu",
-        max_position_embeddings=config.max_seq_len, initializer_range=config.initializer_range,
+        max_position_embeddings=config.position_capacity, initializer_range=config.initializer_range,
         norm_eps=config.layer_norm_eps, norm_bias=config.norm_bias, attention_bias=bias, mlp_bias=bias,
         classifier_bias=bias, global_attn_every_n_layers=config.global_attention_every,
         local_attention=config.local_window or 128, global_rope_theta=config.rotary_base,

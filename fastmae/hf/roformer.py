@@ -62,7 +62,7 @@ def write(config: ModelConfig, weights: dict[str, torch.Tensor], segment_row: to
     from transformers.models.roformer.modeling_roformer import RoFormerSinusoidalPositionalEmbedding
 
     out = classic.write(LAYOUT, config, weights, segment_row)
-    table = RoFormerSinusoidalPositionalEmbedding(config.max_seq_len + config.position_offset, config.head_dim)
+    table = RoFormerSinusoidalPositionalEmbedding(config.position_capacity + config.position_offset, config.head_dim)
     out["roformer.encoder.embed_positions.weight"] = table.create_weight()
     return out
 
