@@ -222,5 +222,7 @@ def local_attention_note(config: ModelConfig, device: torch.device, dtype: torch
         else:
             how += " on the shortened stream (its rows skip positions: the window is a position bias)"
         hows.append(how)
+    whole = (f" (sequences of at most {config.max_seq_len} tokens: each sees its whole sequence, as a global layer "
+             "does, at a local layer's cost)" if config.local_half_window >= config.max_seq_len - 1 else "")
     return (f"local attention: {config.layer_kinds.count('local')} of {config.encoder_layers} encoder layers see the "
-            f"tokens within {config.local_half_window} original positions of each token, on {'; '.join(hows)}")
+            f"tokens within {config.local_half_window} original positions of each token{whole}, on {'; '.join(hows)}")

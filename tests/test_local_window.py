@@ -174,3 +174,20 @@ def test_a_models_local_layers_on_the_shortened_stream_see_the_window_of_origina
         expected = windowed_oracle(q, k, v, positions, cu, half)
         assert (out.double() - expected).abs().max() <= 1e-5
         assert (windowed_oracle(q, k, v, indices, cu, half) - expected).abs().max() > 1e-3  # the test can tell
+
+
+def test_the_log_says_when_a_window_spans_every_sequence():
+    """A window wider than the sequences (ModernBERT's 128 continued at 64 tokens) leaves its layers global in effect:
+    the log's line says so, and says nothing of it where the window is narrower."""
+    from fastmae.config import ModelConfig
+    from fastmae.layers import local_attention_note
+
+    def note(max_seq_len: int) -> str:
+        config = ModelConfig.preset("mlm", hidden_size=32, num_heads=2, encoder_layers=3, max_seq_len=max_seq_len,
+                                    position_embedding="rotary", global_attention_every=3, local_window=128)
+        return local_attention_note(config, torch.device("cpu"), torch.float32)
+
+    assert "(sequences of at most 64 tokens: each sees its whole sequence, as a global layer does" in note(64)
+    assert note(65).startswith("local attention: 2 of 3 encoder layers see the tokens within 64 original positions of"
+                               " each token (sequences of at most 65")
+    assert "whole sequence" not in note(66) and note(66).startswith("local attention: 2 of 3 encoder layers")
