@@ -269,7 +269,7 @@ def continued(config: RunConfig) -> tuple[RunConfig, Pretrained | None]:
         mine, theirs = getattr(config.model, name), shape[name]
         if name in config.model_given and mine != theirs:
             raise FastmaeError(f"model.{name}={mine!r} but {where} is a model with {name}={theirs!r}: a continued "
-                               f"run keeps its source's shape (drop model.{name})")
+                               f"run keeps its source's shape (drop model.{name} from the config file and overrides)")
     # the preset again on the source's shape, so that what it derives from the shape (insert_layer = L) follows
     given = {name: getattr(config.model, name) for name in config.model_given if name not in SHAPE_FIELDS}
     return dataclasses.replace(config, model=ModelConfig.preset(config.model.objective, **given, **shape)), source
