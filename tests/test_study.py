@@ -143,9 +143,11 @@ def test_no_compute_claim_from_reaching_an_mlm_loss_on_the_unigram_plateau():
     learned = findings({"mlm": result(4.5, [100.0, 100.0]), "3ml": result(4.4, [50.0, 52.0])})
     assert any("`3ml` reached mlm's final held-out loss with 50.0%, 52.0% of mlm's compute: less compute than mlm, "
                "beyond the spread" in line for line in learned)
-    plateau = findings({"mlm": result(5.6, [100.0, 100.0]), "3ml": result(5.5, [50.0, 52.0])})  # entropy 5.5
-    line = next(line for line in plateau if line.startswith("`3ml` reached mlm's final held-out loss"))
-    assert "less compute" not in line and "at or above the unigram entropy" in line and line.endswith("no claim.")
+    for mlm_loss in (5.6, 5.45):  # above the entropy (5.5), and below it by less than the plateau's margin
+        plateau = findings({"mlm": result(mlm_loss, [100.0, 100.0]), "3ml": result(5.4, [50.0, 52.0])})
+        line = next(line for line in plateau if line.startswith("`3ml` reached mlm's final held-out loss"))
+        assert "less compute" not in line and "not 0.1 nats below the unigram entropy" in line, line
+        assert line.endswith("no claim.")
 
 
 def test_a_committed_study_is_rejudged_from_its_json_alone(tmp_path, capsys):

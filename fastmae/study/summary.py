@@ -175,9 +175,10 @@ def findings(summary: dict[str, ObjectiveResult], chosen_on_plateau: dict[str, b
             text = ", ".join(f"{p:.1f}%" for p in percents)
             width = spread(percents)
             claim = ""
-            if mlm.final_eval_loss >= mlm.per_seed[0].unigram_entropy:  # mlm's loss is a plateau's: nothing to reach
-                claim = ("; mlm's final loss is at or above the unigram entropy, so reaching it says nothing about "
-                         "learning from context: no claim")
+            target = {"loss": mlm.final_eval_loss, "unigram_entropy": mlm.per_seed[0].unigram_entropy}
+            if not left_plateau([target]):  # mlm's loss is a plateau's: nothing to reach
+                claim = (f"; mlm's final loss is not {PLATEAU_MARGIN} nats below the unigram entropy (the plateau), "
+                         "so reaching it says nothing about learning from context: no claim")
             elif width is not None and max(percents) < 100.0 and 100.0 - np.mean(percents) > width:
                 claim = f": less compute than mlm, beyond the spread between seeds ({width:.1f} points)"
             elif width is not None:
