@@ -50,5 +50,9 @@ def continue_from(engine, directory: Path, config: RunConfig, schedule: Schedule
 
 
 def global_batch(loader: PackedLoader) -> dict:
-    """A step's global batch, as checkpoints keep it (a run continues exactly only with the same)."""
-    return {"micro_batches_per_step": loader.micro_batches_per_step, "tokens_per_micro_batch": loader.tokens_per_batch}
+    """A step's global batch, as checkpoints keep it (a run continues exactly only with the same), with its warm-up's
+    settings where it has one (`data.order.StepSizes`)."""
+    tokens, start = loader.step_sizes.warmup
+    warmup = {"warmup": {"tokens": tokens, "from": start}} if tokens else {}
+    return {"micro_batches_per_step": loader.micro_batches_per_step, "tokens_per_micro_batch": loader.tokens_per_batch,
+            **warmup}

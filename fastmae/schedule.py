@@ -146,9 +146,10 @@ class MaskRates:
             return self.start if progress < self.switch else self.end
         return round(100 * (self.start + (self.end - self.start) * progress)) / 100
 
-    def by_index(self, micro_batches_per_step: int) -> Callable[[int], float] | None:
-        """The rate of a micro-batch by its index in the run (None for a constant rate: the model's own)."""
-        return None if self.constant else lambda index: self.rate(index // micro_batches_per_step)
+    def by_index(self, step_of: Callable[[int], int]) -> Callable[[int], float] | None:
+        """The rate of a micro-batch by its index in the run, `step_of(index)` its step (None for a constant rate: the
+        model's own)."""
+        return None if self.constant else lambda index: self.rate(step_of(index))
 
     def describe(self) -> str:
         """One line for the log."""
@@ -176,7 +177,9 @@ def check_continuation(source: Path, saved: dict, schedule: Schedule, batch: dic
         raise FastmaeError(f"{source}: trained with global batches of {_batch(saved['batch'])}, this run's are "
                            f"{_batch(batch)}: resume or branch it with the batch it was trained with "
                            f"(data.tokens_per_micro_batch={micro} and train.tokens_per_step={micro * count}, or "
-                           "train.tokens_per_step and train.grad_accum left unset: a resume keeps its batch)")
+                           "train.tokens_per_step and train.grad_accum left unset: a resume keeps its batch"
+                           + ("; and its train.batch_warmup_tokens and train.batch_warmup_from"
+                              if "warmup" in saved["batch"] or "warmup" in batch else "") + ")")
     if "mask_rates" in saved and mask_rates is not None:
         before = MaskRates(**saved["mask_rates"])
         differs = next((s for s in range(step) if before.rate(s) != mask_rates.rate(s)), None)
@@ -199,7 +202,9 @@ def check_continuation(source: Path, saved: dict, schedule: Schedule, batch: dic
 
 
 def _batch(batch: dict) -> str:
-    return f"{batch['micro_batches_per_step']} micro-batches of {batch['tokens_per_micro_batch']} tokens"
+    warmup = batch.get("warmup")
+    grows = f", growing from {warmup['from']} tokens over the first {warmup['tokens']}" if warmup else ""
+    return f"{batch['micro_batches_per_step']} micro-batches of {batch['tokens_per_micro_batch']} tokens{grows}"
 
 
 def branch_plan(config: RunConfig) -> RunConfig:

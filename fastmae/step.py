@@ -66,9 +66,8 @@ def train_step(engine, micro_batches: list[PackedBatch | MaskedBatch], *, seed: 
     loss is not finite, and the optimizer then leaves the weights as they were.
     """
     model_config = engine.module.config
-    if len(micro_batches) != engine.gradient_accumulation_steps():
-        raise ValueError(f"train_step: {len(micro_batches)} micro-batches for an engine that accumulates "
-                         f"{engine.gradient_accumulation_steps()}")
+    if len(micro_batches) != engine.gradient_accumulation_steps():  # a batch warm-up's step (data.order.StepSizes)
+        engine.set_train_batch_size(len(micro_batches) * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
     batches = [b.batch if isinstance(b, MaskedBatch) else b for b in micro_batches]
     if any(batch.index is None for batch in batches):
         raise ValueError("train_step: every micro-batch needs its index in the run (PackedBatch.index), which "
@@ -81,6 +80,7 @@ def train_step(engine, micro_batches: list[PackedBatch | MaskedBatch], *, seed: 
     tokens = flops = digest = 0
     for i, (batch, masked) in enumerate(zip(batches, masks)):
         last = i + 1 == len(masks)
+        engine.set_gradient_accumulation_boundary(last)  # the step's own count, not DeepSpeed's count of all so far
         out = engine(masked, compute_accuracy=compute_accuracy)
         loss = out.loss.detach()
         torch.maximum(non_finite, (loss * 0).ne(0), out=non_finite)  # inf or NaN times 0 is NaN: 3 ops, no isfinite

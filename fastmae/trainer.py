@@ -206,7 +206,8 @@ class Trainer:
         self.config = config
         train = config.train
         self.schedule, self.mask_rates = Schedule.of(train), MaskRates.of(config.model, train.steps)
-        log_line(f"learning rate: {self.schedule.describe()}; {self.mask_rates.describe()}")
+        log_line(f"learning rate: {self.schedule.describe()}; {self.mask_rates.describe()}"
+                 f"{self.loader.step_sizes.describe(data.tokens_per_micro_batch)}")
         self.evaluator = held_out_evaluator(config, eval_steps, self.rank, self.world, device)
         self.precision = agreed_precision(train.precision, device)
         # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)
@@ -293,7 +294,7 @@ class Trainer:
         step's statistics stay on the device (`train_step`), read on logged steps only."""
         masked = masked_ahead(iter(self.loader), self.engine.module.config, self.config.train.seed,
                               pin_memory=self.device.type == "cuda", shapes=self.graph_plan.shapes,
-                              rate_of=self.mask_rates.by_index(self.loader.micro_batches_per_step))
+                              rate_of=self.mask_rates.by_index(self.loader.step_sizes.step_of))
         try:
             self._steps(bar, to_device_ahead(masked, self.device))
         finally:
@@ -307,7 +308,7 @@ class Trainer:
         while counters.step < cfg.train.steps:
             logged = window.due(counters.step + 1)  # accuracy costs an argmax over the vocabulary: logged steps only
             self.faults.forbid_syncs(counters.step >= 2 and not logged)  # steady state: past warm-up, not logged
-            micro_batches = [next(batches) for _ in range(cfg.train.grad_accum)]
+            micro_batches = [next(batches) for _ in range(self.loader.step_sizes.per_rank(counters.step))]
             stats = train_step(self.engine, micro_batches, seed=cfg.train.seed, non_finite=self.non_finite,
                                compute_accuracy=logged)
             self.faults.forbid_syncs(False)  # the whole step, DeepSpeed's optimizer step included

@@ -81,7 +81,7 @@ def test_a_new_decoder_can_start_from_the_source_encoders_top_layers(dataset, ml
             assert torch.equal(tensor, source.weights[f"encoder.{top}.{name.split('.', 2)[2]}"]), name
     assert torch.equal(model.insertion.norm.weight, source.weights["embeddings.norm.weight"])
     assert not any(name.startswith(("decoder.", "insertion.")) for name in new), new  # (rotary: no position table)
-    with pytest.raises(FastmaeError, match="train.init_decoder='bottom': must be 'new' or 'top'"):
+    with pytest.raises(FastmaeError, match=r"train.init_decoder='bottom': must be one of \('new', 'top'\)"):
         config_for(dataset, mlm_source, tmp_path, "train.init_decoder=bottom")
 
 

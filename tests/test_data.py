@@ -11,7 +11,7 @@ import warm_python
 from fastmae.config import SpecialTokens
 from fastmae.data import PackedLoader, ShardSet
 from fastmae.data.loader import CURSORS_KEPT
-from fastmae.data.order import EpochOrder, cut_by_budget
+from fastmae.data.order import EpochOrder, StepSizes, cut_by_budget
 from fastmae.data.sequences import SequenceIndex
 from fastmae.data.shards import shard_files
 from fastmae.data.tokenizer import load_tokenizer
@@ -662,3 +662,44 @@ print("ok")
     done = subprocess.run([*warm_python.COMMAND, "-c", code], capture_output=True, text=True, timeout=600,
                           env=warm_python.environment())
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_batch_warm_up_grows_each_step_one_micro_batch_a_rank_at_a_time_and_resumes_mid_way(dataset):
+    """train.batch_warmup_tokens (ModernBERT's batch-size warm-up): each step's micro-batches on every rank are
+    `StepSizes.per_rank(step)`, growing by one from the start's to the full step's, each size held for the same
+    number of steps (to a step) and the warm-up's steps holding its tokens (to one step's worth); the run indices that
+    key the masks stay consecutive, and a loader resumed mid-way draws what the uninterrupted one drew."""
+    directory, _ = dataset
+    sizes = StepSizes.warming_up(world=2, grad_accum=4, micro_tokens=128, warmup_tokens=6_000, warmup_from=300)
+    counts = [sizes.per_rank(step) for step in range(sizes.ends[-1] + 3)]
+    assert counts[0] == 1 and counts[-1] == 4 and sorted(counts) == counts
+    held = [counts.count(size) for size in (1, 2, 3)]
+    assert max(held) - min(held) <= 1
+    warmup = sum(2 * 128 * count for count in counts[:sizes.ends[-1]])
+    assert 6_000 <= warmup < 6_000 + 2 * 128 * 3
+    assert [sizes.step_of(index) for index in range(sizes.before(12))] == [
+        step for step in range(12) for _ in range(sizes.count(step))]
+    with pytest.raises(FastmaeError, match=r"train.batch_warmup_from=1024 is not below the full step's 4"):
+        StepSizes.warming_up(world=2, grad_accum=4, micro_tokens=128, warmup_tokens=6_000, warmup_from=1024)
+
+    def loader(rank, state=None):
+        made = PackedLoader(directory, max_seq_len=32, tokens_per_batch=128, rank=rank, world_size=2, grad_accum=4,
+                            seed=1, step_sizes=sizes)
+        if state is not None:
+            made.load_state_dict(state)
+        return made
+
+    def steps(rank, count, state=None):
+        it = iter(loader(rank, state))
+        start = 0 if state is None else state["step"]
+        return [[next(it) for _ in range(sizes.per_rank(step))] for step in range(start, start + count)]
+
+    drawn = {rank: steps(rank, 12) for rank in range(2)}
+    indices = sorted(batch.index for rank in drawn for step in drawn[rank] for batch in step)
+    assert indices == list(range(sizes.before(12)))
+    halfway = loader(0)
+    drain(halfway, sum(counts[:5]))
+    for rank in range(2):
+        resumed = steps(rank, 7, halfway.state_dict(5))
+        assert [[b.dataset_ids.tolist() for b in step] for step in resumed] == [
+            [b.dataset_ids.tolist() for b in step] for step in drawn[rank][5:]]

@@ -3,6 +3,7 @@
 Each launch costs ~20 s (process start, DeepSpeed init), so the runs are few and share one prepared dataset.
 """
 
+import bisect
 import json
 import os
 import random
@@ -547,6 +548,23 @@ def test_recipes_fix_tokens_per_step_whatever_the_gpu_count(name, micro, accum_b
         assert derived.grad_accum == accum and world * accum * micro == config.train.tokens_per_step
 
 
+@pytest.mark.parametrize("name", ["modernbert-base", "modernbert-3ml-base", "modernbert-mae-lm-base"])
+def test_the_modernbert_recipes_steps_hold_its_tokens_through_the_batch_warm_up(name):
+    """ModernBERT-base's 50B-token batch warm-up from 768 sequences: on the 8 GPUs the recipes' comment names, the
+    learning-rate warm-up's steps are the first to hold 3B tokens and the run's the first to hold 1.719T."""
+    from fastmae.data.order import StepSizes
+
+    config = load_run_config(str(ROOT / "configs" / f"{name}.yaml"), ["model.vocab_size=32000"])
+    train, micro = config.for_world(8).train, config.data.tokens_per_micro_batch
+    sizes = StepSizes.warming_up(8, train.grad_accum, micro, train.batch_warmup_tokens, train.batch_warmup_from)
+    assert (sizes.start * micro, sizes.full * micro, len(sizes.ends)) == (768 * 1024, 4608 * 1024, 15)
+
+    def first_step_holding(tokens):  # the steps before it hold fewer
+        return bisect.bisect_left(range(10**6), tokens, key=lambda step: sizes.before(step) * micro)
+
+    assert (first_step_holding(3e9), first_step_holding(1.719e12)) == (train.warmup_steps, train.steps)
+
+
 def test_tokens_per_step_that_does_not_divide_names_the_values():
     config = load_run_config(str(ROOT / "configs" / "roberta-base.yaml"), ["model.vocab_size=32000"])
     with pytest.raises(ValueError, match=r"train.tokens_per_step=4194304 is not a multiple of 3 rank\(s\) x "
@@ -645,6 +663,30 @@ def test_a_run_resumes_on_another_number_of_ranks(dataset, tmp_path, two_ranks, 
     assert resumed.returncode == 0, stderr[-3000:]
     assert f"saved by {before} rank(s): converting it to DeepSpeed's universal checkpoint for {after}" in stderr
     assert_same_run(two_ranks, run_dir)
+
+
+@pytest.mark.xdist_group("elastic")
+def test_a_batch_warm_up_takes_the_smaller_steps_first_and_resumes_into_the_full_ones(dataset, tmp_path, two_ranks):
+    """train.batch_warmup_tokens on 2 ranks (ZeRO-2): full steps of 2 micro-batches a rank, the first 3 of 1 (1,536
+    tokens from 512): those are the steps of `two_ranks` (1 a rank), drawn and computed alike, DeepSpeed's accumulation
+    set to each step's count; then the full steps; a resume at the change takes the same steps as the run did."""
+    warm = {**ELASTIC, "train.tokens_per_step": 1024, "train.batch_warmup_tokens": 1536, "train.batch_warmup_from": 512}
+    run_dir = tmp_path / "warm"
+    run = launch(overrides(dataset, run_dir, **warm))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "batch warm-up: 1 -> 2 micro-batch(es) of 256 tokens a rank a step" in run.stderr
+    got, small = records_of(run_dir), records_of(two_ranks)
+    for step in (1, 2, 3):
+        assert (got[step]["data_digest"], got[step]["loss"]) == (small[step]["data_digest"], small[step]["loss"])
+    per_step = [got[step]["tokens_seen"] - got.get(step - 1, {"tokens_seen": 0})["tokens_seen"] for step in got]
+    assert sum(per_step[:3]) == small[3]["tokens_seen"] and min(per_step[3:]) > max(per_step[:3]) > 0
+    resumed_dir = as_if_killed_after(run_dir, 3, tmp_path / "resumed")
+    resumed = launch(overrides(dataset, resumed_dir, **warm))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    again = records_of(resumed_dir)
+    assert [again[s]["data_digest"] for s in again] == [got[s]["data_digest"] for s in got]
+    for step in got:
+        assert again[step]["loss"] == pytest.approx(got[step]["loss"], rel=1e-6), step
 
 
 def single_process(args, timeout=300, env_extra=None, **popen):

@@ -74,6 +74,12 @@ class TrainConfig:
     """If > 0, the global batch in tokens per optimizer step (all ranks and micro-batches; nominal, since a
     micro-batch holds at most data.tokens_per_micro_batch tokens): grad_accum = tokens_per_step / (ranks x
     data.tokens_per_micro_batch), which must be a whole number, so one recipe runs on any rank count that divides."""
+    batch_warmup_tokens: int = 0
+    """If > 0, a batch-size warm-up (ModernBERT's): over the first this many (nominal) tokens the global batch grows
+    linearly in steps, one micro-batch a rank at a time, from batch_warmup_from tokens to the full step."""
+    batch_warmup_from: int = 0
+    """The batch warm-up's first global batch in tokens (rounded down to whole micro-batches on every rank, at least
+    one)."""
     optimizer: str = "adamw"
     """`adamw` (torch) or `lamb` (DeepSpeed's fused LAMB; CUDA only)."""
     lr: float = 2e-4
@@ -150,33 +156,25 @@ class TrainConfig:
                 bad(key, "must be positive")
         if self.tokens_per_step < 0:
             bad("tokens_per_step", "must be >= 0 (0: use grad_accum)")
-        if self.optimizer not in ("adamw", "lamb"):
-            bad("optimizer", "must be 'adamw' or 'lamb'")
-        if self.schedule not in SCHEDULES:
-            bad("schedule", f"must be one of {SCHEDULES}")
-        if self.decay_shape not in DECAY_SHAPES:
-            bad("decay_shape", f"must be one of {DECAY_SHAPES}")
+        if self.batch_warmup_tokens and self.flops_budget:
+            bad("batch_warmup_tokens", "a FLOP budget's plan counts full steps: set train.steps with a batch warm-up")
+        choices = {"optimizer": ("adamw", "lamb"), "schedule": SCHEDULES, "decay_shape": DECAY_SHAPES,
+                   "precision": PRECISIONS, "init_decoder": ("new", "top"), "cuda_graphs": ("auto", "always", "never"),
+                   "cublas_workspace": ("default", "none"), "zero_stage": (0, 1, 2, 3)}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                bad(key, f"must be one of {allowed}")
         if self.decay_steps < 0:
             bad("decay_steps", "must be >= 0 (0: decay_fraction of the run)")
         if not 0 <= self.decay_fraction <= 1:
             bad("decay_fraction", "must be in [0, 1]")
-        if self.precision not in PRECISIONS:
-            bad("precision", f"must be one of {PRECISIONS}")
-        if self.init_decoder not in ("new", "top"):
-            bad("init_decoder", "must be 'new' or 'top'")
-        if self.cuda_graphs not in ("auto", "always", "never"):
-            bad("cuda_graphs", "must be 'auto', 'always' or 'never'")
-        if self.cublas_workspace not in ("default", "none"):
-            bad("cublas_workspace", "must be 'default' or 'none'")
-        if self.zero_stage not in (0, 1, 2, 3):
-            bad("zero_stage", "must be 0, 1, 2 or 3")
         if self.lr <= 0:
             bad("lr", "must be positive")
         if self.warmup_steps < 0:
             bad("warmup_steps", "must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
             bad("min_lr_ratio", "must be in [0, 1]")
-        for key in ("weight_decay", "eps", "clip", "power", "flops_budget"):
+        for key in ("weight_decay", "eps", "clip", "power", "flops_budget", "batch_warmup_tokens", "batch_warmup_from"):
             if getattr(self, key) < 0:
                 bad(key, "must be >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

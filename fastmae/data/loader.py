@@ -22,7 +22,7 @@ import numpy as np
 
 from ..batch import PackedBatch
 from ..errors import FastmaeError
-from .order import ORDER_VERSION, StepPlanner
+from .order import ORDER_VERSION, StepPlanner, StepSizes
 from .sequences import SequenceIndex
 from .shards import ShardSet
 
@@ -39,7 +39,7 @@ class PackedLoader:
 
     def __init__(self, data_dir: str | Path, split: str = "train", max_seq_len: int = 512, packing: str = "full",
                  tokens_per_batch: int = 8192, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 verify_checksum: bool = False, grad_accum: int = 1):
+                 verify_checksum: bool = False, grad_accum: int = 1, step_sizes: StepSizes | None = None):
         if tokens_per_batch < max_seq_len:
             raise FastmaeError(f"tokens_per_batch {tokens_per_batch} is smaller than max_seq_len {max_seq_len}")
         if not 0 <= rank < world_size:
@@ -52,7 +52,8 @@ class PackedLoader:
             raise FastmaeError(f"{self.data.directory}: split {split!r} holds no tokens")
         self.split, self.max_seq_len, self.packing = split, max_seq_len, packing
         self.tokens_per_batch, self.rank, self.world_size, self.seed = tokens_per_batch, rank, world_size, seed
-        self.micro_batches_per_step = world_size * grad_accum
+        self.micro_batches_per_step = world_size * grad_accum  # a full step's (`step_sizes`: a warm-up's smaller)
+        self.step_sizes = step_sizes or StepSizes(self.micro_batches_per_step, world_size)
         self.planner = StepPlanner(self.index.lengths, seed, tokens_per_batch, self.micro_batches_per_step)
         self._step = 0  # optimizer steps planned so far
         self._cursors: dict[int, tuple[int, int]] = {0: (0, 0)}  # step -> (epoch, position) where it starts
@@ -66,9 +67,12 @@ class PackedLoader:
         if data.tokens_per_micro_batch < config.model.max_seq_len:
             raise FastmaeError(f"data.tokens_per_micro_batch={data.tokens_per_micro_batch} is smaller than "
                                f"model.max_seq_len={config.model.max_seq_len}: a micro-batch holds whole sequences")
+        train = config.train
+        sizes = StepSizes.warming_up(world_size, train.grad_accum, data.tokens_per_micro_batch,
+                                     train.batch_warmup_tokens, train.batch_warmup_from)
         return cls(data.directory, "train", max_seq_len=config.model.max_seq_len, packing=data.packing,
-                   tokens_per_batch=data.tokens_per_micro_batch, rank=rank, world_size=world_size,
-                   seed=config.train.seed, verify_checksum=verify_checksum, grad_accum=config.train.grad_accum)
+                   tokens_per_batch=data.tokens_per_micro_batch, rank=rank, world_size=world_size, seed=train.seed,
+                   verify_checksum=verify_checksum, grad_accum=train.grad_accum, step_sizes=sizes)
 
     def every_rank(self) -> PackedLoader:
         """The same stream as all ranks together draw it, from its start: every micro-batch of every step, in order."""
@@ -106,17 +110,18 @@ class PackedLoader:
         ids). Rank r runs places r, r + world_size, ...: the one place where the interleave is written down."""
         order = self.planner.order(epoch)
         return [(j, order[np.arange(bounds[j], bounds[j + 1])])
-                for j in range(self.rank, self.micro_batches_per_step, self.world_size)]
+                for j in range(self.rank, len(bounds) - 1, self.world_size)]
 
     def __iter__(self) -> Iterator[PackedBatch]:
         while True:
             epoch, position = self._cursors[self._step]
-            bounds = self.planner.plan_step(epoch, position)
+            bounds = self.planner.plan_step(epoch, position, self.step_sizes.count(self._step))
             if bounds is None:
                 if position == 0:
                     raise FastmaeError(
                         f"{self.data.directory} split {self.split!r}: one epoch does not fill one optimizer step of "
-                        f"{self.micro_batches_per_step} micro-batches ({self.world_size} rank(s) x grad_accum) of "
+                        f"{self.step_sizes.count(self._step)} micro-batches ({self.world_size} rank(s) x "
+                        f"{self.step_sizes.per_rank(self._step)}) of "
                         f"{self.tokens_per_batch} tokens; lower the tokens per step or add data")
                 self._cursors[self._step] = (epoch + 1, 0)
                 continue
@@ -124,7 +129,7 @@ class PackedLoader:
             self._cursors[self._step] = (epoch, int(bounds[-1]))
             for old in [s for s in self._cursors if s <= self._step - CURSORS_KEPT]:
                 del self._cursors[old]
-            first_index = (self._step - 1) * self.micro_batches_per_step
+            first_index = self.step_sizes.before(self._step - 1)
             for place, sequences in self.step_sequences(epoch, bounds):
                 tokens, lengths = self.tokens_of(sequences)
                 if tokens.max() >= self.vocab_size:  # a damaged shard: stop here, not in an embedding lookup

@@ -11,9 +11,14 @@ Following those ends from a start is a loop over micro-batches, never over seque
 
 from __future__ import annotations
 
+import bisect
 import math
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
+
+from ..errors import FastmaeError
 
 ROUNDS = 4
 ORDER_VERSION = "feistel4-v1"
@@ -91,6 +96,80 @@ def cut_by_budget(lengths: np.ndarray, budget: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])] or [slice(0, 0)]
 
 
+@dataclass(frozen=True)
+class StepSizes:
+    """How many micro-batches (all ranks together) each optimizer step takes: `full` from the start, or with a batch
+    warm-up (ModernBERT's batch-size warm-up) `start` at step 0, growing by `world` (one more on every rank) at each of
+    `ends` (the first step of each larger size; each size held for the same number of steps), `full` from the last.
+    `warmup` keeps the settings it came from (train.batch_warmup_tokens, train.batch_warmup_from), which do not depend
+    on the rank count."""
+
+    full: int
+    world: int = 1
+    start: int = 0
+    ends: tuple[int, ...] = ()
+    warmup: tuple[int, int] = (0, 0)
+
+    @classmethod
+    def warming_up(cls, world: int, grad_accum: int, micro_tokens: int, warmup_tokens: int,
+                   warmup_from: int) -> StepSizes:
+        """`world` ranks of `grad_accum` micro-batches of `micro_tokens` tokens a full step; over the first
+        `warmup_tokens` (nominal) tokens the step grows linearly, one micro-batch a rank at a time, from
+        `warmup_from` tokens (rounded down to whole micro-batches on every rank, at least one)."""
+        full = world * grad_accum
+        if not warmup_tokens:
+            return cls(full, world)
+        first = max(1, warmup_from // (world * micro_tokens))  # micro-batches a rank takes at step 0
+        if first >= grad_accum:
+            raise FastmaeError(f"train.batch_warmup_from={warmup_from} is not below the full step's {grad_accum} "
+                               f"micro-batch(es) a rank ({world} rank(s) x {micro_tokens} tokens each): the warm-up "
+                               "needs a smaller start, or more micro-batches a step (train.tokens_per_step)")
+        sizes = range(first, grad_accum)
+        per_size = warmup_tokens / (world * micro_tokens * sum(sizes))  # steps each size holds
+        ends = tuple(math.ceil(per_size * (i + 1)) for i in range(len(sizes)))
+        return cls(full, world, first * world, ends, (warmup_tokens, warmup_from))
+
+    def count(self, step: int) -> int:
+        """Micro-batches of step `step` (0-based), all ranks together."""
+        return self.start + self.world * bisect.bisect_right(self.ends, step) if self.ends else self.full
+
+    def per_rank(self, step: int) -> int:
+        """Micro-batches of step `step` on each rank."""
+        return self.count(step) // self.world
+
+    @cached_property
+    def _cumulative(self) -> list[int]:
+        """Micro-batches of the steps before each of `ends`."""
+        totals, before, last = [], 0, 0
+        for i, end in enumerate(self.ends):
+            before += (end - last) * (self.start + self.world * i)
+            totals.append(before)
+            last = end
+        return totals
+
+    def before(self, step: int) -> int:
+        """Micro-batches of the steps before step `step`: the run index of its first micro-batch."""
+        done = bisect.bisect_right(self.ends, step)
+        base, first = (self._cumulative[done - 1], self.ends[done - 1]) if done else (0, 0)
+        return base + (step - first) * self.count(step)
+
+    def step_of(self, index: int) -> int:
+        """The step whose micro-batches hold run index `index`."""
+        totals = self._cumulative
+        done = bisect.bisect_right(totals, index)
+        base, first = (totals[done - 1], self.ends[done - 1]) if done else (0, 0)
+        return first + (index - base) // self.count(first)
+
+    def describe(self, micro_tokens: int) -> str:
+        """A clause for the log's line of schedules ('' without a warm-up)."""
+        if not self.ends:
+            return ""
+        sizes = len(self.ends)
+        return (f"; batch warm-up: {self.start // self.world} -> {self.full // self.world} micro-batch(es) of "
+                f"{micro_tokens:,} tokens a rank a step, one more every {self.ends[-1] / sizes:.3g} steps on "
+                f"average ({sizes} sizes below the full one), the full step from step {self.ends[-1]:,}")
+
+
 class StepPlanner:
     """Cuts each epoch's order of the sequences of `lengths` into optimizer steps of `micro_batches_per_step` greedy
     micro-batches of at most `tokens_per_batch` tokens, one step at a time, reading only that step's lengths."""
@@ -121,11 +200,13 @@ class StepPlanner:
                 return bounds
             self._margin *= 2  # the window may have cut the last micro-batch short: look further
 
-    def plan_step(self, epoch: int, position: int) -> np.ndarray | None:
-        """Positions in epoch `epoch`'s order bounding the micro-batches of the step that starts at `position`
-        (micro_batches_per_step + 1 of them), or None when the rest of the epoch cannot fill a step."""
-        bounds = self._cut(epoch, position, self.micro_batches_per_step)
-        return position + np.array(bounds, dtype=np.int64) if len(bounds) > self.micro_batches_per_step else None
+    def plan_step(self, epoch: int, position: int, count: int | None = None) -> np.ndarray | None:
+        """Positions in epoch `epoch`'s order bounding the `count` (default micro_batches_per_step) micro-batches of
+        the step that starts at `position` (count + 1 of them), or None when the rest of the epoch cannot fill a
+        step."""
+        count = count or self.micro_batches_per_step
+        bounds = self._cut(epoch, position, count)
+        return position + np.array(bounds, dtype=np.int64) if len(bounds) > count else None
 
     def steps_per_epoch(self, epoch: int = 0) -> int:
         """Optimizer steps epoch `epoch` makes: its micro-batches (a pass over its lengths, in chunks of ~16K
