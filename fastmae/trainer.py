@@ -207,7 +207,7 @@ class Trainer:
         train = config.train
         self.schedule, self.mask_rates = Schedule.of(train), MaskRates.of(config.model, train.steps)
         log_line(f"learning rate: {self.schedule.describe()}; {self.mask_rates.describe()}"
-                 f"{self.loader.step_sizes.describe(data.tokens_per_micro_batch)}")
+                 f"{self.loader.step_sizes.describe(data.tokens_per_micro_batch, train.steps)}")
         self.evaluator = held_out_evaluator(config, eval_steps, self.rank, self.world, device)
         self.precision = agreed_precision(train.precision, device)
         # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)

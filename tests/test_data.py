@@ -679,6 +679,10 @@ def test_a_batch_warm_up_grows_each_step_one_micro_batch_a_rank_at_a_time_and_re
     assert 6_000 <= warmup < 6_000 + 2 * 128 * 3
     assert [sizes.step_of(index) for index in range(sizes.before(12))] == [
         step for step in range(12) for _ in range(sizes.count(step))]
+    assert sizes.describe(128, 100).endswith("(3 sizes below the full one), the full step from step 12")
+    assert sizes.describe(128, 5).endswith("from step 12, cut by the run's end at step 5: the last step at 2 a rank, "
+                                           "never the full batch")  # a continued run given the recipe's warm-up
+    assert StepSizes(8, 2).describe(128, 100) == ""
     with pytest.raises(FastmaeError, match=r"train.batch_warmup_from=1024 is not below the full step's 4"):
         StepSizes.warming_up(world=2, grad_accum=4, micro_tokens=128, warmup_tokens=6_000, warmup_from=1024)
 

@@ -160,14 +160,17 @@ class StepSizes:
         base, first = (totals[done - 1], self.ends[done - 1]) if done else (0, 0)
         return first + (index - base) // self.count(first)
 
-    def describe(self, micro_tokens: int) -> str:
-        """A clause for the log's line of schedules ('' without a warm-up)."""
+    def describe(self, micro_tokens: int, steps: int) -> str:
+        """A clause for the log's line of schedules ('' without a warm-up), saying where a run of `steps` steps ends
+        inside the warm-up."""
         if not self.ends:
             return ""
-        sizes = len(self.ends)
+        sizes, last = len(self.ends), self.ends[-1]
+        cut = (f", cut by the run's end at step {steps:,}: the last step at {self.per_rank(steps - 1)} a rank, never "
+               "the full batch" if steps < last else "")
         return (f"; batch warm-up: {self.start // self.world} -> {self.full // self.world} micro-batch(es) of "
-                f"{micro_tokens:,} tokens a rank a step, one more every {self.ends[-1] / sizes:.3g} steps on "
-                f"average ({sizes} sizes below the full one), the full step from step {self.ends[-1]:,}")
+                f"{micro_tokens:,} tokens a rank a step, one more every {last / sizes:.3g} steps on average ({sizes} "
+                f"sizes below the full one), the full step from step {last:,}{cut}")
 
 
 class StepPlanner:
