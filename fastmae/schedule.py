@@ -146,10 +146,9 @@ class MaskRates:
             return self.start if progress < self.switch else self.end
         return round(100 * (self.start + (self.end - self.start) * progress)) / 100
 
-    def by_index(self, step_of: Callable[[int], int]) -> Callable[[int], float] | None:
-        """The rate of a micro-batch by its index in the run, `step_of(index)` its step (None for a constant rate: the
-        model's own)."""
-        return None if self.constant else lambda index: self.rate(step_of(index))
+    def by_index(self, micro_batches_per_step: int) -> Callable[[int], float] | None:
+        """The rate of a micro-batch by its index in the run (None for a constant rate: the model's own)."""
+        return None if self.constant else lambda index: self.rate(index // micro_batches_per_step)
 
     def describe(self) -> str:
         """One line for the log."""

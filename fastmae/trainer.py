@@ -294,7 +294,7 @@ class Trainer:
         step's statistics stay on the device (`train_step`), read on logged steps only."""
         masked = masked_ahead(iter(self.loader), self.engine.module.config, self.config.train.seed,
                               pin_memory=self.device.type == "cuda", shapes=self.graph_plan.shapes,
-                              rate_of=self.mask_rates.by_index(self.loader.step_sizes.step_of))
+                              rate_of=self.mask_rates.by_index(self.loader.micro_batches_per_step))
         try:
             self._steps(bar, to_device_ahead(masked, self.device))
         finally:

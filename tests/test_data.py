@@ -668,7 +668,8 @@ def test_a_batch_warm_up_grows_each_step_one_micro_batch_a_rank_at_a_time_and_re
     """train.batch_warmup_tokens (ModernBERT's batch-size warm-up): each step's micro-batches on every rank are
     `StepSizes.per_rank(step)`, growing by one from the start's to the full step's, each size held for the same
     number of steps (to a step) and the warm-up's steps holding its tokens (to one step's worth); the run indices that
-    key the masks stay consecutive, and a loader resumed mid-way draws what the uninterrupted one drew."""
+    key the masks are each step's place in a full step's run (step x full + place: the same on any rank count, the
+    warm-up's smaller steps leaving gaps), and a loader resumed mid-way draws what the uninterrupted one drew."""
     directory, _ = dataset
     sizes = StepSizes.warming_up(world=2, grad_accum=4, micro_tokens=128, warmup_tokens=6_000, warmup_from=300)
     counts = [sizes.per_rank(step) for step in range(sizes.ends[-1] + 3)]
@@ -677,8 +678,6 @@ def test_a_batch_warm_up_grows_each_step_one_micro_batch_a_rank_at_a_time_and_re
     assert max(held) - min(held) <= 1
     warmup = sum(2 * 128 * count for count in counts[:sizes.ends[-1]])
     assert 6_000 <= warmup < 6_000 + 2 * 128 * 3
-    assert [sizes.step_of(index) for index in range(sizes.before(12))] == [
-        step for step in range(12) for _ in range(sizes.count(step))]
     assert sizes.describe(128, 100).endswith("(3 sizes below the full one), the full step from step 12")
     assert sizes.describe(128, 5).endswith("from step 12, cut by the run's end at step 5: the last step at 2 a rank, "
                                            "never the full batch")  # a continued run given the recipe's warm-up
@@ -700,7 +699,7 @@ def test_a_batch_warm_up_grows_each_step_one_micro_batch_a_rank_at_a_time_and_re
 
     drawn = {rank: steps(rank, 12) for rank in range(2)}
     indices = sorted(batch.index for rank in drawn for step in drawn[rank] for batch in step)
-    assert indices == list(range(sizes.before(12)))
+    assert indices == [8 * step + place for step in range(12) for place in range(sizes.count(step))]
     halfway = loader(0)
     drain(halfway, sum(counts[:5]))
     for rank in range(2):

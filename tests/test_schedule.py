@@ -14,7 +14,6 @@ from test_train import SCRIPT_END, WORDS, overrides
 
 from fastmae.config import TrainConfig, load_run_config
 from fastmae.data import PackedLoader
-from fastmae.data.order import StepSizes
 from fastmae.errors import FastmaeError
 from fastmae.flops import plan_budget
 from fastmae.schedule import Schedule, check_continuation, lr_multiplier
@@ -97,9 +96,8 @@ def test_a_masking_rate_schedule_moves_in_whole_percents_or_one_step():
                         steps=100)
     assert [step.rate(s) for s in (0, 73, 74, 75, 99)] == [0.5, 0.5, 0.5, 0.3, 0.3]
     constant = MaskRates.of(ModelConfig.preset("mlm"), steps=100)
-    assert constant.constant and constant.by_index(StepSizes(4).step_of) is None
-    assert constant.describe() == "masking rate 0.15"
-    assert linear.by_index(StepSizes(2).step_of)(2 * 500 + 1) == 0.22  # micro-batch 1001 of 2 a step: step 500
+    assert constant.constant and constant.by_index(4) is None and constant.describe() == "masking rate 0.15"
+    assert linear.by_index(2)(2 * 500 + 1) == 0.22  # micro-batch 1001 of 2 a step: step 500
     from fastmae.study.objectives import parse_objectives  # the study's grammar takes a schedule as two fields
 
     assert parse_objectives("mlm,mlm:mask_rate=0.3:mask_rate_end=0.15")[1].overrides == {"mask_rate": 0.3,

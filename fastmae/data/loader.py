@@ -129,7 +129,7 @@ class PackedLoader:
             self._cursors[self._step] = (epoch, int(bounds[-1]))
             for old in [s for s in self._cursors if s <= self._step - CURSORS_KEPT]:
                 del self._cursors[old]
-            first_index = self.step_sizes.before(self._step - 1)
+            first_index = (self._step - 1) * self.micro_batches_per_step  # a warm-up's smaller steps leave gaps
             for place, sequences in self.step_sequences(epoch, bounds):
                 tokens, lengths = self.tokens_of(sequences)
                 if tokens.max() >= self.vocab_size:  # a damaged shard: stop here, not in an embedding lookup

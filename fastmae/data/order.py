@@ -14,7 +14,6 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
@@ -136,29 +135,6 @@ class StepSizes:
     def per_rank(self, step: int) -> int:
         """Micro-batches of step `step` on each rank."""
         return self.count(step) // self.world
-
-    @cached_property
-    def _cumulative(self) -> list[int]:
-        """Micro-batches of the steps before each of `ends`."""
-        totals, before, last = [], 0, 0
-        for i, end in enumerate(self.ends):
-            before += (end - last) * (self.start + self.world * i)
-            totals.append(before)
-            last = end
-        return totals
-
-    def before(self, step: int) -> int:
-        """Micro-batches of the steps before step `step`: the run index of its first micro-batch."""
-        done = bisect.bisect_right(self.ends, step)
-        base, first = (self._cumulative[done - 1], self.ends[done - 1]) if done else (0, 0)
-        return base + (step - first) * self.count(step)
-
-    def step_of(self, index: int) -> int:
-        """The step whose micro-batches hold run index `index`."""
-        totals = self._cumulative
-        done = bisect.bisect_right(totals, index)
-        base, first = (totals[done - 1], self.ends[done - 1]) if done else (0, 0)
-        return first + (index - base) // self.count(first)
 
     def describe(self, micro_tokens: int, steps: int) -> str:
         """A clause for the log's line of schedules ('' without a warm-up), saying where a run of `steps` steps ends
