@@ -123,6 +123,8 @@ def model_card(pretrained: Pretrained, tensors: dict) -> str:
                          f"{source.get('positions', '')}")
         if info.get("schedule"):
             lines.append(f"- learning rate: {info['schedule']}")
+        if info.get("ranks"):
+            lines.append(f"- global batch: {batch_line(resolved, info['ranks'])}")
         lines.append(f"- trained on {info.get('ranks', '?')} x {info.get('device', '?')}, "
                      f"{info.get('precision', '?')}; each rank ran `{info.get('command', 'not recorded')}` "
                      f"(fastmae {info.get('fastmae_version', '?')})")
@@ -141,6 +143,16 @@ def model_card(pretrained: Pretrained, tensors: dict) -> str:
                   "same ids, `<s> A </s></s> B </s>` for pairs." if sentencepiece
                   else "the tokenizer the model was trained with, its own files unchanged."), ""]
     return "\n".join(lines)
+
+
+def batch_line(resolved: dict, ranks: int) -> str:
+    """A run's global batch, from its resolved config.yaml and rank count, for the model card."""
+    train, micro = resolved["train"], resolved["data"]["tokens_per_micro_batch"]
+    accum = train["grad_accum"]
+    warmup = (f"; warmed up from {train['batch_warmup_from']:,} tokens a step over the first "
+              f"{train['batch_warmup_tokens']:,} tokens" if train.get("batch_warmup_tokens") else "")
+    return (f"{ranks} rank(s) x {accum} micro-batch(es) of at most {micro:,} tokens ({ranks * accum * micro:,} tokens "
+            f"a step){warmup}")
 
 
 def _require_transformers() -> None:

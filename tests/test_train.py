@@ -686,6 +686,11 @@ def test_a_batch_warm_up_takes_the_smaller_steps_first_and_resumes_into_the_full
     got = records_of(run_dir)
     per_step = [got[step]["tokens_seen"] - got.get(step - 1, {"tokens_seen": 0})["tokens_seen"] for step in got]
     assert min(per_step[3:]) > max(per_step[:3]) > 0
+    from fastmae.export import batch_line  # the model card's line, from the run's resolved config
+
+    assert batch_line(yaml.safe_load((run_dir / "config.yaml").read_text()), 2) == (
+        "2 rank(s) x 2 micro-batch(es) of at most 256 tokens (1,024 tokens a step); warmed up from 512 tokens a step "
+        "over the first 1,536 tokens")
     resumed_dir = as_if_killed_after(run_dir, 3, tmp_path / "resumed")
     resumed = launch(overrides(dataset, resumed_dir, **warm))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

@@ -55,7 +55,7 @@ def test_run_export_transformers_finetune_analyze(tmp_path, capsys):
                  "Weights of step 6", "training tokens", "training FLOPs", "held-out masked-token loss at step 6",
                  "unigram entropy", "fastmae/train.py model.preset=mlm", "## Limitations",
                  "- learning rate: lr 0.0002: 2 warm-up steps, then polynomial (power 1) decay to 0 at step 6",
-                 plateau):
+                 "- global batch: 1 rank(s) x 1 micro-batch(es) of at most 256 tokens (256 tokens a step)\n", plateau):
         assert fact in card, fact
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
