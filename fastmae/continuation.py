@@ -9,6 +9,7 @@ from pathlib import Path
 from . import checkpoint
 from .config import RunConfig
 from .data import PackedLoader
+from .data.order import StepSizes
 from .distributed import checkpoint_to_resume
 from .errors import ConfigError
 from .schedule import MaskRates, Schedule, check_continuation
@@ -56,3 +57,12 @@ def global_batch(loader: PackedLoader) -> dict:
     warmup = {"warmup": {"tokens": tokens, "from": start}} if tokens else {}
     return {"micro_batches_per_step": loader.micro_batches_per_step, "tokens_per_micro_batch": loader.tokens_per_batch,
             **warmup}
+
+
+def elastic_batches(sizes: StepSizes, step: int) -> str:
+    """What a resume on another number of ranks at step `step` keeps of the run's batches, for the log."""
+    kept = f"the same micro-batches follow, {sizes.full} per step"
+    if step >= (sizes.ends or (0,))[-1]:
+        return kept
+    return (f"{kept} from step {sizes.ends[-1]:,}; the batch warm-up's steps until then take this rank count's sizes "
+            f"({sizes.count(step)} micro-batches at step {step + 1:,})")

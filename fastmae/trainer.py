@@ -27,7 +27,7 @@ from . import __version__, checkpoint
 from .atomic import atomic_write_text
 from .batch import to_device_ahead
 from .config import RunConfig
-from .continuation import checkpoint_to_continue, continue_from, global_batch, kept_batch
+from .continuation import checkpoint_to_continue, continue_from, elastic_batches, global_batch, kept_batch
 from .data import PackedLoader
 from .data.order import DIGEST_MODULUS
 from .data.tokenizer import load_tokenizer
@@ -259,8 +259,8 @@ class Trainer:
         counters.tokens_seen, counters.flops_done = (sum(state[key] for state in states) if self.rank == 0 else 0
                                                      for key in ("tokens_seen", "flops_done"))
         torch.manual_seed(hash((self.config.train.seed, self.rank, counters.step)) % 2**63)
-        log_line(f"resuming {len(states)} rank(s)' run on {self.world}: the same micro-batches follow, "
-                 f"{self.loader.micro_batches_per_step} per step; dropout draws anew")
+        log_line(f"resuming {len(states)} rank(s)' run on {self.world}: "
+                 f"{elastic_batches(self.loader.step_sizes, counters.step)}; dropout draws anew")
 
     def save_checkpoint(self) -> None:
         """Collective: a complete checkpoint of this step (DeepSpeed's state, every rank's own, the fp32 weights)."""

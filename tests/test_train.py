@@ -703,6 +703,13 @@ def test_a_batch_warm_up_takes_the_smaller_steps_first_and_resumes_into_the_full
     one = single_process(overrides(dataset, one_dir, **{k: v for k, v in warm.items() if k != "train.tokens_per_step"}))
     _, stderr = one.communicate(timeout=300)
     assert one.returncode == 0 and "the full step from step 3" in stderr, stderr[-3000:]
+    assert "resuming 2 rank(s)' run on 1: the same micro-batches follow, 4 per step;" in stderr
+    from fastmae.continuation import elastic_batches
+    from fastmae.data.order import StepSizes
+
+    assert elastic_batches(StepSizes.warming_up(1, 4, 256, 1536, 512), 1) == (  # a resume inside the warm-up
+        "the same micro-batches follow, 4 per step from step 3; the batch warm-up's steps until then take this rank "
+        "count's sizes (2 micro-batches at step 2)")
     alone = records_of(one_dir)
     assert [alone[s]["data_digest"] for s in alone] == [got[s]["data_digest"] for s in got]
     for step in got:
