@@ -8,6 +8,7 @@ host waiting for the GPU: stop requests over the CPU (gloo), the flag on the dev
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from . import checkpoint
 from .config import PRECISIONS
+from .data.order import StepSizes
 from .errors import FastmaeError
 from .hardware import DTYPES, PeakFlops, all_cpu_cores, choose_precision, format_flops, matmul_flops, spec_peak_flops
 
@@ -150,11 +152,13 @@ def log_line(text: str) -> None:
 class PlainProgress:
     """The training progress where stderr is not a terminal (a log file, a batch job): a plain line each time the run
     has gone another tenth of the way, from the train records, instead of a bar redrawn with carriage returns (which a
-    log file keeps as one long line). The same calls as tqdm's bar."""
+    log file keeps as one long line). The same calls as tqdm's bar. The time left is the time per micro-batch so far
+    times the micro-batches left (`sizes`), so a batch warm-up's small first steps do not shorten it."""
 
-    def __init__(self, total: int, initial: int):
+    def __init__(self, total: int, initial: int, sizes: StepSizes | None = None):
         self.total, self.n, self.start, self.initial = total, initial, time.perf_counter(), initial
         self.next_line = initial + max(1, total // 10)
+        self.work = (sizes or StepSizes(1)).before
 
     def update(self, steps: int) -> None:
         self.n += steps
@@ -164,7 +168,8 @@ class PlainProgress:
         if self.n < self.next_line and self.n < self.total:
             return
         elapsed = time.perf_counter() - self.start
-        left = elapsed / max(self.n - self.initial, 1) * (self.total - self.n)
+        done = self.work(self.n) - self.work(self.initial)
+        left = elapsed / max(done, 1) * (self.work(self.total) - self.work(self.n))
         log_line(f"step {self.n:,}/{self.total:,} ({100 * self.n // self.total}%): train loss {loss}, {tok_s} "
                  f"tokens/s, {tqdm.format_interval(elapsed)} elapsed, ~{tqdm.format_interval(left)} left")
         self.next_line = self.n + max(1, self.total // 10)
@@ -173,14 +178,14 @@ class PlainProgress:
         pass
 
 
-def progress_bar(total: int, initial: int):
-    """Rank 0's progress through `total` optimizer steps: tqdm's bar on a terminal, `PlainProgress` elsewhere; other
-    ranks show none."""
+def progress_bar(total: int, initial: int, sizes: StepSizes | None = None) -> contextlib.closing:
+    """Rank 0's progress through `total` optimizer steps of `sizes`, closed on leaving a `with`: tqdm's bar on a
+    terminal, `PlainProgress` elsewhere; other ranks show none."""
     if dist.get_rank() != 0:
-        return tqdm(total=total, disable=True)
+        return contextlib.closing(tqdm(total=total, disable=True))
     if sys.stderr.isatty():
-        return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, mininterval=1.0)
-    return PlainProgress(total, initial)
+        return contextlib.closing(tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, mininterval=1.0))
+    return contextlib.closing(PlainProgress(total, initial, sizes))
 
 
 def checkpoint_to_resume(root: Path, resume: str | None) -> Path | None:

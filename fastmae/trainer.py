@@ -11,7 +11,6 @@ and each of the last four decides for itself whether it acts at this step.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -273,7 +272,7 @@ class Trainer:
     def run(self) -> None:
         """Train until config.train.steps optimizer steps; checkpoint at the end (or on SIGTERM/SIGINT)."""
         self.stop.install_signal_handlers()
-        with contextlib.closing(progress_bar(self.config.train.steps, self.counters.step)) as bar:
+        with progress_bar(self.config.train.steps, self.counters.step, self.loader.step_sizes) as bar:
             self._loop(bar)
         finished = self.counters.step == self.config.train.steps
         if finished:

@@ -573,6 +573,31 @@ def test_the_modernbert_recipes_steps_hold_its_tokens_through_the_batch_warm_up(
     assert (first_step_holding(3e9), first_step_holding(1.719e12)) == (train.warmup_steps, train.steps)
 
 
+def test_the_time_left_counts_the_micro_batches_left_not_the_steps(monkeypatch):
+    """A log file's progress line under a batch warm-up (steps of 1, 1, 1, 2, 2, 3, 3, 3, then 4 micro-batches): 10 s
+    for the first 5 steps, 7 micro-batches, leaves 25 micro-batches at 10 / 7 s each (StepSizes.before counts them),
+    not 7 steps at 2 s."""
+    from fastmae import distributed
+    from fastmae.data.order import StepSizes
+
+    sizes = StepSizes.warming_up(1, 4, 100, 1500, 100)
+    assert sizes.ends == (3, 5, 8) and [sizes.before(step) for step in range(13)] == [
+        sum(sizes.count(s) for s in range(step)) for step in range(13)]
+    said = []
+    monkeypatch.setattr(distributed, "log_line", said.append)
+    progress = distributed.PlainProgress(12, 0, sizes)
+    progress.start -= 10.0
+    progress.update(5)
+    progress.set_postfix("1.0", "100")
+    assert said[-1].startswith("step 5/12 (41%)") and said[-1].endswith(", 00:10 elapsed, ~00:35 left")
+    # without a warm-up, steps are the measure
+    plain = distributed.PlainProgress(12, 0)
+    plain.start -= 10.0
+    plain.update(5)
+    plain.set_postfix("1.0", "100")
+    assert said[-1].endswith(", 00:10 elapsed, ~00:14 left")
+
+
 def test_tokens_per_step_that_does_not_divide_names_the_values():
     config = load_run_config(str(ROOT / "configs" / "roberta-base.yaml"), ["model.vocab_size=32000"])
     with pytest.raises(ValueError, match=r"train.tokens_per_step=4194304 is not a multiple of 3 rank\(s\) x "

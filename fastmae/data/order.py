@@ -136,6 +136,14 @@ class StepSizes:
         """Micro-batches of step `step` on each rank."""
         return self.count(step) // self.world
 
+    def before(self, step: int) -> int:
+        """Micro-batches of the steps before step `step` (the progress line's measure of work done)."""
+        done = bisect.bisect_right(self.ends, step)
+        counted, first = 0, 0
+        for i, end in enumerate(self.ends[:done]):
+            counted, first = counted + (end - first) * (self.start + self.world * i), end
+        return counted + (step - first) * self.count(step)
+
     def describe(self, micro_tokens: int, steps: int) -> str:
         """A clause for the log's line of schedules ('' without a warm-up), saying where a run of `steps` steps ends
         inside the warm-up."""
