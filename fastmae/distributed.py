@@ -152,13 +152,12 @@ def log_line(text: str) -> None:
 class PlainProgress:
     """The training progress where stderr is not a terminal (a log file, a batch job): a plain line each time the run
     has gone another tenth of the way, from the train records, instead of a bar redrawn with carriage returns (which a
-    log file keeps as one long line). The same calls as tqdm's bar. The time left is the time per micro-batch so far
-    times the micro-batches left (`sizes`), so a batch warm-up's small first steps do not shorten it."""
+    log file keeps as one long line). The same calls as tqdm's bar; the time left is `time_left`'s."""
 
-    def __init__(self, total: int, initial: int, sizes: StepSizes | None = None):
+    def __init__(self, total: int, initial: int, work: Callable[[int], int] = int):
         self.total, self.n, self.start, self.initial = total, initial, time.perf_counter(), initial
         self.next_line = initial + max(1, total // 10)
-        self.work = (sizes or StepSizes(1)).before
+        self.work = work
 
     def update(self, steps: int) -> None:
         self.n += steps
@@ -168,8 +167,7 @@ class PlainProgress:
         if self.n < self.next_line and self.n < self.total:
             return
         elapsed = time.perf_counter() - self.start
-        done = self.work(self.n) - self.work(self.initial)
-        left = elapsed / max(done, 1) * (self.work(self.total) - self.work(self.n))
+        left = time_left(self.work, self.initial, self.n, self.total, elapsed)
         log_line(f"step {self.n:,}/{self.total:,} ({100 * self.n // self.total}%): train loss {loss}, {tok_s} "
                  f"tokens/s, {tqdm.format_interval(elapsed)} elapsed, ~{tqdm.format_interval(left)} left")
         self.next_line = self.n + max(1, self.total // 10)
@@ -178,14 +176,39 @@ class PlainProgress:
         pass
 
 
+def time_left(work: Callable[[int], int], initial: int, n: int, total: int, elapsed: float) -> float:
+    """Seconds left of a run at step `n` of `total`, having run from step `initial` for `elapsed`: the time per
+    micro-batch so far times the micro-batches left (`work(step)`: those before a step)."""
+    return elapsed / max(work(n) - work(initial), 1) * (work(total) - work(n))
+
+
+class WorkBar(tqdm):
+    """tqdm's bar over optimizer steps whose rate (and so its time left) is the one `time_left` reckons in
+    micro-batches, so a batch warm-up's small first steps do not shorten it."""
+
+    def __init__(self, *args, work: Callable[[int], int], **kwargs):
+        self.work = work  # before tqdm's own __init__, which draws the bar
+        super().__init__(*args, **kwargs)
+
+    @property
+    def format_dict(self):
+        values = super().format_dict
+        n, total, elapsed = values["n"], values["total"], values["elapsed"]
+        if total and self.initial < n < total and elapsed:
+            values["rate"] = (total - n) / time_left(self.work, self.initial, n, total, elapsed)
+        return values
+
+
 def progress_bar(total: int, initial: int, sizes: StepSizes | None = None) -> contextlib.closing:
     """Rank 0's progress through `total` optimizer steps of `sizes`, closed on leaving a `with`: tqdm's bar on a
     terminal, `PlainProgress` elsewhere; other ranks show none."""
+    work = (sizes or StepSizes(1)).before  # micro-batches before a step
     if dist.get_rank() != 0:
         return contextlib.closing(tqdm(total=total, disable=True))
     if sys.stderr.isatty():
-        return contextlib.closing(tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, mininterval=1.0))
-    return contextlib.closing(PlainProgress(total, initial, sizes))
+        return contextlib.closing(WorkBar(total=total, initial=initial, desc="train", dynamic_ncols=True,
+                                          mininterval=1.0, work=work))
+    return contextlib.closing(PlainProgress(total, initial, work))
 
 
 def checkpoint_to_resume(root: Path, resume: str | None) -> Path | None:

@@ -3,6 +3,8 @@
 Each launch costs ~20 s (process start, DeepSpeed init), so the runs are few and share one prepared dataset.
 """
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -576,7 +578,7 @@ def test_the_modernbert_recipes_steps_hold_its_tokens_through_the_batch_warm_up(
 def test_the_time_left_counts_the_micro_batches_left_not_the_steps(monkeypatch):
     """A log file's progress line under a batch warm-up (steps of 1, 1, 1, 2, 2, 3, 3, 3, then 4 micro-batches): 10 s
     for the first 5 steps, 7 micro-batches, leaves 25 micro-batches at 10 / 7 s each (StepSizes.before counts them),
-    not 7 steps at 2 s."""
+    not 7 steps at 2 s; the same on a terminal's bar (tqdm's, its rate the one that gives that time left)."""
     from fastmae import distributed
     from fastmae.data.order import StepSizes
 
@@ -585,11 +587,16 @@ def test_the_time_left_counts_the_micro_batches_left_not_the_steps(monkeypatch):
         sum(sizes.count(s) for s in range(step)) for step in range(13)]
     said = []
     monkeypatch.setattr(distributed, "log_line", said.append)
-    progress = distributed.PlainProgress(12, 0, sizes)
+    progress = distributed.PlainProgress(12, 0, sizes.before)
     progress.start -= 10.0
     progress.update(5)
     progress.set_postfix("1.0", "100")
     assert said[-1].startswith("step 5/12 (41%)") and said[-1].endswith(", 00:10 elapsed, ~00:35 left")
+    terminal = io.StringIO()  # a terminal's bar, whose time left is the same
+    with contextlib.closing(distributed.WorkBar(total=12, work=sizes.before, file=terminal, mininterval=0)) as bar:
+        bar.start_t -= 10.0
+        bar.update(5)
+    assert "5/12 [00:10<00:35," in terminal.getvalue()
     # without a warm-up, steps are the measure
     plain = distributed.PlainProgress(12, 0)
     plain.start -= 10.0
