@@ -30,6 +30,7 @@ import yaml
 
 from . import __version__
 from .checkpoint import WEIGHTS
+from .data.order import StepSizes
 from .data.tokenizer import SentencePieceTokenizer
 from .errors import FastmaeError, run_command
 from .evaluation import plateau_note
@@ -148,11 +149,9 @@ def model_card(pretrained: Pretrained, tensors: dict) -> str:
 def batch_line(resolved: dict, ranks: int) -> str:
     """A run's global batch, from its resolved config.yaml and rank count, for the model card."""
     train, micro = resolved["train"], resolved["data"]["tokens_per_micro_batch"]
-    accum = train["grad_accum"]
-    warmup = (f"; warmed up from {train['batch_warmup_from']:,} tokens a step over the first "
-              f"{train['batch_warmup_tokens']:,} tokens" if train.get("batch_warmup_tokens") else "")
-    return (f"{ranks} rank(s) x {accum} micro-batch(es) of at most {micro:,} tokens ({ranks * accum * micro:,} tokens "
-            f"a step){warmup}")
+    sizes = StepSizes.warming_up(ranks, train["grad_accum"], micro, train.get("batch_warmup_tokens", 0),
+                                 train.get("batch_warmup_from", 0))
+    return sizes.batch(micro)
 
 
 def _require_transformers() -> None:

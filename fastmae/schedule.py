@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .checkpoint import saved_step
 from .config import ModelConfig, RunConfig, TrainConfig
+from .data.order import StepSizes
 from .errors import FastmaeError
 
 
@@ -161,6 +162,12 @@ class MaskRates:
     def record(self) -> dict:
         """The schedule as checkpoints keep it (`MaskRates(**record)` rebuilds it)."""
         return dataclasses.asdict(self)
+
+
+def schedules_line(schedule: Schedule, mask_rates: MaskRates, sizes: StepSizes, micro_tokens: int) -> str:
+    """The log's line of a run's schedules (and `fastmae train --plan`'s): learning and masking rates, batch warm-up."""
+    return (f"learning rate: {schedule.describe()}; {mask_rates.describe()}"
+            f"{sizes.describe(micro_tokens, schedule.steps)}")
 
 
 def check_continuation(source: Path, saved: dict, schedule: Schedule, batch: dict,

@@ -22,7 +22,7 @@ import faulthandler  # noqa: E402
 import signal  # noqa: E402
 import textwrap  # noqa: E402
 
-from fastmae.config import SECTIONS, ModelConfig, load_run_config  # noqa: E402
+from fastmae.config import SECTIONS, ModelConfig, RunConfig, load_run_config  # noqa: E402
 from fastmae.errors import run_command  # noqa: E402
 
 
@@ -43,9 +43,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML run config (configs/*.yaml)")
     parser.add_argument("--resume", default="auto",
                         help="auto (newest complete checkpoint of the run, if any), none, or a checkpoint directory")
+    parser.add_argument("--plan", type=int, metavar="RANKS",
+                        help="print what the run would do on RANKS ranks (its model, global batch and warm-up, "
+                             "schedules, steps and tokens) and exit: nothing is trained or written")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     parser.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. model.preset=mlm train.steps=100")
     return parser
+
+
+def plan_lines(config: RunConfig, world: int) -> list[str]:
+    """What `config` would train on `world` ranks, as the run's first log lines say it, and its steps' nominal tokens
+    (micro-batches x their token budget), without its data beyond meta.json. Raises ConfigError or FastmaeError as the
+    run would."""
+    from fastmae.data.order import StepSizes
+    from fastmae.schedule import MaskRates, Schedule, branch_plan, schedules_line
+
+    config = branch_plan(config.for_world(world))
+    train, micro = config.train, config.data.tokens_per_micro_batch
+    sizes = StepSizes.warming_up(world, train.grad_accum, micro, train.batch_warmup_tokens, train.batch_warmup_from)
+    steps = (f"{train.steps:,} steps, at most {sizes.before(train.steps) * micro:,} tokens" if not train.flops_budget
+             else f"the steps of train.flops_budget={train.flops_budget:.4g}, planned from the data as the run starts")
+    shape = " (train.init_from gives the shape of its source)" if train.init_from else ""
+    return [f"model: {config.model.describe()}{shape}",
+            f"global batch: {sizes.batch(micro)}",
+            schedules_line(Schedule.of(train), MaskRates.of(config.model, train.steps), sizes, micro),
+            f"{steps}; run directory {config.log.dir}"]
 
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
@@ -54,12 +76,14 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a rank is, on its stderr
     try:
         config = load_run_config(args.config, args.overrides)
     except ValueError as err:
         print(f"fastmae train: error: {err}", file=sys.stderr)
         return 2
+    if args.plan is not None:
+        return run_command("fastmae train --plan", lambda: print("\n".join(plan_lines(config, args.plan))))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a rank is, on its stderr
     from fastmae.noise import quiet_known_noise
 
     quiet_known_noise()

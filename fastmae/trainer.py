@@ -52,7 +52,7 @@ from .model import MaskedLM
 from .pipeline import masked_ahead
 from .plot import plot_run
 from .pretrained import Pretrained, continued, initialise, positions_note, write_origin
-from .schedule import MaskRates, Schedule, branch_plan
+from .schedule import MaskRates, Schedule, branch_plan, schedules_line
 from .step import RunCounters, train_step
 
 
@@ -205,8 +205,7 @@ class Trainer:
         self.config = config
         train = config.train
         self.schedule, self.mask_rates = Schedule.of(train), MaskRates.of(config.model, train.steps)
-        log_line(f"learning rate: {self.schedule.describe()}; {self.mask_rates.describe()}"
-                 f"{self.loader.step_sizes.describe(data.tokens_per_micro_batch, train.steps)}")
+        log_line(schedules_line(self.schedule, self.mask_rates, self.loader.step_sizes, data.tokens_per_micro_batch))
         self.evaluator = held_out_evaluator(config, eval_steps, self.rank, self.world, device)
         self.precision = agreed_precision(train.precision, device)
         # 1.0 when some rank saw a non-finite loss in the current step: the fused AdamW then skips it (on the device)

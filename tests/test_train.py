@@ -605,6 +605,28 @@ def test_the_time_left_counts_the_micro_batches_left_not_the_steps(monkeypatch):
     assert said[-1].endswith(", 00:10 elapsed, ~00:14 left")
 
 
+def test_plan_says_what_a_recipe_does_on_a_rank_count_without_training(capsys):
+    """`fastmae train --plan RANKS`: the run's first lines for that many ranks (the batch warm-up's sizes follow the
+    rank count) and its steps' nominal tokens, then exit; a count the batch does not divide is the run's error."""
+    from fastmae.train import main
+
+    recipe = ["--config", str(ROOT / "configs" / "modernbert-base.yaml"), "model.vocab_size=50368"]
+    assert main([*recipe, "--plan", "8"]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[1] == ("global batch: 8 rank(s) x 18 micro-batch(es) of at most 32,768 tokens (4,718,592 tokens a "
+                       "step); warmed up from 786,432 tokens a step over the first 50,000,000,000 tokens")
+    assert "batch warm-up: 3 -> 18 micro-batch(es) of 32,768 tokens a rank a step" in said[2]
+    assert said[3] == "372,782 steps, at most 1,719,004,299,264 tokens; run directory runs/modernbert-base"
+    assert main([*recipe, "--plan", "16"]) == 0
+    assert "batch warm-up: 1 -> 9 micro-batch(es)" in capsys.readouterr().out  # 512 sequences: 1 a rank
+    assert main([*recipe, "--plan", "5"]) == 1
+    assert capsys.readouterr().err.startswith("fastmae train --plan: error: train.tokens_per_step=4718592 is not a "
+                                              "multiple of 5 rank(s)")
+    assert main([*recipe, "train.batch_warmup_from=10000000", "--plan", "8"]) == 1  # the warm-up's own refusal
+    assert "train.batch_warmup_from=10000000 is not below the full step's 18" in capsys.readouterr().err
+    assert not (ROOT / "runs" / "modernbert-base").exists()
+
+
 def test_tokens_per_step_that_does_not_divide_names_the_values():
     config = load_run_config(str(ROOT / "configs" / "roberta-base.yaml"), ["model.vocab_size=32000"])
     with pytest.raises(ValueError, match=r"train.tokens_per_step=4194304 is not a multiple of 3 rank\(s\) x "

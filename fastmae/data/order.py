@@ -144,6 +144,13 @@ class StepSizes:
             counted, first = counted + (end - first) * (self.start + self.world * i), end
         return counted + (step - first) * self.count(step)
 
+    def batch(self, micro_tokens: int) -> str:
+        """The global batch in words (the model card's and `fastmae train --plan`'s), its warm-up's settings too."""
+        tokens, start = self.warmup
+        warmup = f"; warmed up from {start:,} tokens a step over the first {tokens:,} tokens" if tokens else ""
+        return (f"{self.world} rank(s) x {self.full // self.world} micro-batch(es) of at most {micro_tokens:,} tokens "
+                f"({self.full * micro_tokens:,} tokens a step){warmup}")
+
     def describe(self, micro_tokens: int, steps: int) -> str:
         """A clause for the log's line of schedules ('' without a warm-up), saying where a run of `steps` steps ends
         inside the warm-up."""
@@ -153,7 +160,7 @@ class StepSizes:
         cut = (f", cut by the run's end at step {steps:,}: the last step at {self.per_rank(steps - 1)} a rank, never "
                "the full batch" if steps < last else "")
         return (f"; batch warm-up: {self.start // self.world} -> {self.full // self.world} micro-batch(es) of "
-                f"{micro_tokens:,} tokens a rank a step, one more every {last / sizes:.3g} steps on average ({sizes} "
+                f"{micro_tokens:,} tokens a rank a step, one more every {last / sizes:,.1f} steps on average ({sizes} "
                 f"sizes below the full one), the full step from step {last:,}{cut}")
 
 
