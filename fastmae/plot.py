@@ -66,6 +66,13 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     ax_speed.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train], color="tab:green", **point)
     ax_speed.set(xlabel="optimizer step", ylabel="tokens / s (all ranks)", title="throughput")
     ax_speed.grid(alpha=0.3)
+    if all("tokens_seen" in r for r in train):  # the global batch behind the rate: a batch warm-up shows here
+        ax_batch = ax_speed.twinx()
+        steps, seen = [0] + [r["step"] for r in train], [0] + [r["tokens_seen"] for r in train]
+        per_step = [(seen[i] - seen[i - 1]) / max(steps[i] - steps[i - 1], 1) for i in range(1, len(steps))]
+        ax_batch.plot(steps[1:], per_step, color="gray", linewidth=1, alpha=0.6, **point)
+        ax_batch.set_ylabel("tokens a step (all ranks; right axis)")
+        ax_batch.set_ylim(bottom=0)
     return save_figure(fig, Path(output) if output else run_dir / "curves.png")
 
 
