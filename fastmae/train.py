@@ -75,7 +75,10 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.plan is not None and args.plan < 1:
+        parser.error(f"--plan {args.plan}: the number of ranks must be at least 1")
     try:
         config = load_run_config(args.config, args.overrides)
     except ValueError as err:

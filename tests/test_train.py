@@ -624,6 +624,9 @@ def test_plan_says_what_a_recipe_does_on_a_rank_count_without_training(capsys):
                                               "multiple of 5 rank(s)")
     assert main([*recipe, "train.batch_warmup_from=10000000", "--plan", "8"]) == 1  # the warm-up's own refusal
     assert "train.batch_warmup_from=10000000 is not below the full step's 18" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*recipe, "--plan", "0"])
+    assert "--plan 0: the number of ranks must be at least 1" in capsys.readouterr().err
     assert not (ROOT / "runs" / "modernbert-base").exists()
 
 
