@@ -154,7 +154,7 @@ class PlainProgress:
     has gone another tenth of the way, from the train records, instead of a bar redrawn with carriage returns (which a
     log file keeps as one long line). The same calls as tqdm's bar; the time left is `time_left`'s."""
 
-    def __init__(self, total: int, initial: int, work: Callable[[int], int] = int):
+    def __init__(self, total: int, initial: int, work: Callable[[int], int]):
         self.total, self.n, self.start, self.initial = total, initial, time.perf_counter(), initial
         self.next_line = initial + max(1, total // 10)
         self.work = work

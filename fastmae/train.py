@@ -60,7 +60,7 @@ def plan_lines(config: RunConfig, world: int) -> list[str]:
 
     config = branch_plan(config.for_world(world))
     train, micro = config.train, config.data.tokens_per_micro_batch
-    sizes = StepSizes.warming_up(world, train.grad_accum, micro, train.batch_warmup_tokens, train.batch_warmup_from)
+    sizes = StepSizes.of_train(train, world, micro)
     steps = (f"{train.steps:,} steps, at most {sizes.before(train.steps) * micro:,} tokens" if not train.flops_budget
              else f"the steps of train.flops_budget={train.flops_budget:.4g}, planned from the data as the run starts")
     shape = " (train.init_from gives the shape of its source)" if train.init_from else ""

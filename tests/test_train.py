@@ -562,7 +562,7 @@ def test_the_modernbert_recipes_steps_hold_its_tokens_through_the_batch_warm_up(
 
     config = load_run_config(str(ROOT / "configs" / f"{name}.yaml"), ["model.vocab_size=32000"])
     train, micro = config.for_world(8).train, config.data.tokens_per_micro_batch
-    sizes = StepSizes.warming_up(8, train.grad_accum, micro, train.batch_warmup_tokens, train.batch_warmup_from)
+    sizes = StepSizes.of_train(train, 8, micro)
     assert (sizes.start * micro, sizes.full * micro, len(sizes.ends)) == (768 * 1024, 4608 * 1024, 15)
 
     warming = np.cumsum([sizes.count(step) * micro for step in range(sizes.ends[-1])])
@@ -598,7 +598,7 @@ def test_the_time_left_counts_the_micro_batches_left_not_the_steps(monkeypatch):
         bar.update(5)
     assert "5/12 [00:10<00:35," in terminal.getvalue()
     # without a warm-up, steps are the measure
-    plain = distributed.PlainProgress(12, 0)
+    plain = distributed.PlainProgress(12, 0, StepSizes(1).before)
     plain.start -= 10.0
     plain.update(5)
     plain.set_postfix("1.0", "100")

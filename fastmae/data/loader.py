@@ -68,8 +68,7 @@ class PackedLoader:
             raise FastmaeError(f"data.tokens_per_micro_batch={data.tokens_per_micro_batch} is smaller than "
                                f"model.max_seq_len={config.model.max_seq_len}: a micro-batch holds whole sequences")
         train = config.train
-        sizes = StepSizes.warming_up(world_size, train.grad_accum, data.tokens_per_micro_batch,
-                                     train.batch_warmup_tokens, train.batch_warmup_from)
+        sizes = StepSizes.of_train(train, world_size, data.tokens_per_micro_batch)
         return cls(data.directory, "train", max_seq_len=config.model.max_seq_len, packing=data.packing,
                    tokens_per_batch=data.tokens_per_micro_batch, rank=rank, world_size=world_size, seed=train.seed,
                    verify_checksum=verify_checksum, grad_accum=train.grad_accum, step_sizes=sizes)

@@ -14,10 +14,14 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import FastmaeError
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
 
 ROUNDS = 4
 ORDER_VERSION = "feistel4-v1"
@@ -127,6 +131,11 @@ class StepSizes:
         per_size = warmup_tokens / (world * micro_tokens * sum(sizes))  # steps each size holds
         ends = tuple(math.ceil(per_size * (i + 1)) for i in range(len(sizes)))
         return cls(full, world, first * world, ends, (warmup_tokens, warmup_from))
+
+    @classmethod
+    def of_train(cls, train: TrainConfig, world: int, micro_tokens: int) -> StepSizes:
+        """The step sizes a run's train config (its grad_accum resolved for `world` ranks) gives."""
+        return cls.warming_up(world, train.grad_accum, micro_tokens, train.batch_warmup_tokens, train.batch_warmup_from)
 
     def count(self, step: int) -> int:
         """Micro-batches of step `step` (0-based), all ranks together."""
